@@ -1,0 +1,94 @@
+"""hibernate: put a live GPU process to sleep and wake it in place.
+
+Inside the process to be hibernated::
+
+    import hibernate
+    hibernate.track(model)                              # weights: kept
+    hibernate.track(kv_cache, tag="kv_cache", keep=False)  # dropped, back zero-filled
+    with hibernate.guard():
+        out = model(x)                                  # a sleep waits for this to finish
+
+From outside: ``hibernate sleep <pid> --to DIR`` and ``hibernate wake <pid>``.
+The process itself may call :func:`sleep` and :func:`wake`.
+
+Importing this package does not import torch; ``track`` does, on first use.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["__version__", "guard", "sleep", "state", "track", "untrack", "wake"]
+
+
+def track(obj: Any, tag: str = "weights", keep: bool = True, *, name: str | None = None) -> Any:
+    """Register tensors to hibernate and start this process's agent; returns ``obj``.
+
+    ``obj`` is an ``nn.Module`` (parameters, their gradients, buffers), an
+    optimizer (its state), a tensor, or a dict/list of those. With
+    ``keep=False`` (a KV cache, scratch space) the contents are dropped on
+    sleep and come back zero-filled. Tracking the same object again updates
+    its tag and keep.
+    """
+    from hibernate.agent import hibernator
+    from hibernate.pools.tensors import TensorPool
+
+    agent = hibernator()
+    pool = agent.pool(TensorPool.name)
+    if pool is None:
+        pool = TensorPool()
+        agent.add_pool(pool)
+    assert isinstance(pool, TensorPool)
+    pool.track(obj, tag, keep, name)
+    return obj
+
+
+def untrack(obj: Any) -> bool:
+    """Stop hibernating ``obj``; True if it was tracked."""
+    from hibernate.agent import hibernator
+    from hibernate.pools.tensors import TensorPool
+
+    pool = hibernator().pool(TensorPool.name)
+    return isinstance(pool, TensorPool) and pool.untrack(obj)
+
+
+def sleep(to: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256) -> dict[str, Any]:
+    """Hibernate this process's tracked memory to ``to`` (a directory), from inside.
+
+    Waits up to ``timeout`` seconds for ``guard()`` holders. Must not be called
+    from a thread holding the guard. Only tracked memory is released: a process
+    cannot take its own CUDA context off the GPU (``hibernate sleep PID`` from
+    another process can).
+    """
+    from hibernate.agent import hibernator
+
+    directory = Path(to).expanduser().absolute()
+    return hibernator().sleep_here(directory, timeout, {"buffer_mb": buffer_mb})
+
+
+def wake(*, buffer_mb: int = 256) -> dict[str, Any]:
+    """Bring back what :func:`sleep` released, verified against its checksums."""
+    from hibernate.agent import hibernator
+
+    return hibernator().wake_here({"buffer_mb": buffer_mb})
+
+
+def state() -> str:
+    """``running``, ``asleep``, or a transitional state (``quiesced``, ``spilled``)."""
+    from hibernate.agent import hibernator
+
+    return hibernator().state.value
+
+
+@contextmanager
+def guard(*, wait: bool = True, timeout: float | None = None) -> Iterator[None]:
+    """Hold while using tracked tensors; blocks while asleep (or raises, with ``wait=False``)."""
+    from hibernate.agent import hibernator
+
+    with hibernator().guard.hold(wait=wait, timeout=timeout):
+        yield

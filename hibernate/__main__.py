@@ -1,0 +1,3 @@
+from hibernate.cli import main
+
+main()

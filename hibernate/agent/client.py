@@ -1,0 +1,92 @@
+"""Talking to an agent from outside its process (the CLI, the orchestrator, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hibernate.agent import protocol
+from hibernate.errors import (
+    HibernateError,
+    HibernateTimeoutError,
+    PermissionDeniedError,
+    error_from_wire,
+)
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+class AgentConnectionLost(HibernateError):
+    """The agent's end closed: its process exited or was killed."""
+
+    wire_name = "connection-lost"
+
+
+class AgentClient:
+    def __init__(self, path: Path, *, timeout: float = 30.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(path))
+        except PermissionError as exc:
+            self._sock.close()
+            raise PermissionDeniedError(f"not allowed to connect to the agent at {path}") from exc
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            self._sock.close()
+            raise AgentConnectionLost(f"no agent is listening at {path}") from exc
+        except TimeoutError as exc:
+            self._sock.close()
+            raise HibernateTimeoutError(f"the agent at {path} did not accept within {timeout:g}s") from exc
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        *,
+        progress: ProgressFn | None = None,
+        idle_timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and wait for its result; ``idle_timeout`` bounds silence, not length."""
+        request_id = next(self._ids)
+        self._sock.settimeout(idle_timeout if idle_timeout is not None else self.timeout)
+        try:
+            protocol.send(self._sock, protocol.request(request_id, op, args))
+            while True:
+                message = protocol.receive(self._sock)
+                if message is None:
+                    raise AgentConnectionLost(f"the agent at {self.path} closed the connection during {op!r}")
+                kind = message.get("type")
+                if kind == "progress":
+                    if progress is not None and isinstance(message.get("progress"), dict):
+                        progress(message["progress"])
+                    continue
+                if kind == "error":
+                    raise error_from_wire(message.get("error"))
+                if kind == "result" and message.get("id") == request_id:
+                    result = message.get("result")
+                    return result if isinstance(result, dict) else {}
+                raise AgentConnectionLost(f"unexpected reply from the agent at {self.path}: {message!r}")
+        except TimeoutError as exc:
+            waited = idle_timeout if idle_timeout is not None else self.timeout
+            raise HibernateTimeoutError(
+                f"the agent at {self.path} did not answer {op!r} within {waited:g}s"
+            ) from exc
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise AgentConnectionLost(f"the agent at {self.path} went away during {op!r}") from exc

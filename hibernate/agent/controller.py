@@ -1,0 +1,397 @@
+"""The agent's state machine: what this process's memory is doing, and who may change it.
+
+    running --quiesce--> quiesced --spill--> spilled --release--> asleep
+       ^                    |                   |                   |
+       +------resume--------+-------resume------+                restore
+       |                                                            |
+       +----------------------- resume <----- quiesced <------------+
+
+``quiesce`` closes the guard; ``spill`` publishes a snapshot while the memory
+is still in place; ``release`` frees it. Until ``release`` nothing is lost,
+so a failure or a vanished client rolls back to ``running``. ``asleep`` is the
+one state that outlives its client: it holds a verified snapshot and only a
+``restore`` (from any later client) leaves it.
+
+One client at a time owns the agent (a *session*); another gets a BusyError
+naming the owner. Operations run on the owner's thread; the client's liveness
+is polled through ``Session.cancelled`` so a killed client aborts a spill.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hibernate import __version__, procinfo
+from hibernate.agent.guard import Guard
+from hibernate.errors import BusyError, HibernateError, UsageError, WrongStateError
+from hibernate.pools.base import Pool, SpillableRegion, summarize
+from hibernate.procinfo import ProcessIdentity
+from hibernate.store.layout import SpillRoot
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import WriteOptions, write_snapshot
+
+
+class AgentState(str, Enum):
+    RUNNING = "running"
+    QUIESCED = "quiesced"
+    SPILLED = "spilled"
+    ASLEEP = "asleep"
+
+
+_TRANSITIONS: dict[str, tuple[frozenset[AgentState], AgentState]] = {
+    "quiesce": (frozenset({AgentState.RUNNING}), AgentState.QUIESCED),
+    "spill": (frozenset({AgentState.QUIESCED}), AgentState.SPILLED),
+    "release": (frozenset({AgentState.SPILLED}), AgentState.ASLEEP),
+    "restore": (frozenset({AgentState.ASLEEP}), AgentState.QUIESCED),
+    "resume": (
+        frozenset({AgentState.QUIESCED, AgentState.SPILLED, AgentState.RUNNING}),
+        AgentState.RUNNING,
+    ),
+}
+
+# States a vanished client leaves behind are rolled back to running; asleep stays.
+ROLLED_BACK_ON_DISCONNECT = frozenset({AgentState.QUIESCED, AgentState.SPILLED})
+
+
+def next_state(op: str, state: AgentState) -> AgentState:
+    """The state after ``op`` from ``state``; WrongStateError if ``op`` is not allowed there."""
+    allowed, target = _TRANSITIONS[op]
+    if state not in allowed:
+        if state is AgentState.ASLEEP:
+            raise WrongStateError("the process is already asleep", hint="wake it first")
+        if op == "restore":
+            raise WrongStateError(f"the process is not asleep (it is {state.value})")
+        raise WrongStateError(f"cannot {op} while the process is {state.value}")
+    return target
+
+
+@dataclass
+class Session:
+    """Whoever drives the agent now: a socket client or the process itself."""
+
+    description: str
+    cancelled: Callable[[], bool] = field(default=lambda: False)
+    progress: Callable[[dict[str, Any]], None] | None = None
+
+
+@dataclass
+class _Sleep:
+    """What a sleep left behind for the wake: the regions and where their bytes are."""
+
+    regions: list[tuple[Pool, list[SpillableRegion]]]
+    root: Path
+    snapshot: str
+
+    @property
+    def all_regions(self) -> list[SpillableRegion]:
+        return [r for _, regions in self.regions for r in regions]
+
+    @property
+    def kept(self) -> list[SpillableRegion]:
+        return [r for r in self.all_regions if r.keep]
+
+
+def _bytes_option(args: dict[str, Any], name: str, default: int) -> int:
+    value = args.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def write_options(args: dict[str, Any]) -> WriteOptions:
+    mib = 1 << 20
+    try:
+        return WriteOptions(
+            buffer_bytes=_bytes_option(args, "buffer_mb", 256) * mib,
+            chunk_bytes=_bytes_option(args, "chunk_mb", 32) * mib,
+            io_mode=str(args.get("io_mode", "auto")),
+            reuse=bool(args.get("reuse", True)),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+class Hibernator:
+    def __init__(self, identity: ProcessIdentity, name: str | None = None, kind: str = "torch") -> None:
+        self.identity = identity
+        self.name = name or f"proc-{identity.pid}"
+        self.kind = kind
+        self.guard = Guard()
+        self.token = secrets.token_hex(8)
+        self._pools: list[Pool] = []
+        self._mutex = threading.Lock()
+        self._owner: Session | None = None
+        self._state = AgentState.RUNNING
+        self._sleep: _Sleep | None = None
+        self._last_snapshot: dict[str, Any] | None = None
+        self.default_dir: Path | None = None
+
+    # -- pools ---------------------------------------------------------------
+
+    def add_pool(self, pool: Pool) -> None:
+        with self._mutex:
+            if pool not in self._pools:
+                self._pools.append(pool)
+
+    def pool(self, name: str) -> Pool | None:
+        with self._mutex:
+            return next((p for p in self._pools if p.name == name), None)
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def state(self) -> AgentState:
+        with self._mutex:
+            return self._state
+
+    def status(self) -> dict[str, Any]:
+        with self._mutex:
+            pools = list(self._pools)
+            sleeping = self._sleep
+            state = self._state
+            owner = self._owner.description if self._owner else None
+            snapshot = dict(self._last_snapshot) if self._last_snapshot else None
+        summaries: list[dict[str, Any]] = []
+        for pool, regions in sleeping.regions if sleeping else [(p, p.regions()) for p in pools]:
+            summaries.extend(s.to_wire() for s in summarize(pool.name, regions))
+        return {
+            "hibernate": __version__,
+            "pid": self.identity.pid,
+            "start_time": self.identity.start_time,
+            "uid": os.getuid(),
+            "name": self.name,
+            "kind": self.kind,
+            "state": state.value,
+            "busy": owner,
+            "guard_holders": self.guard.holders,
+            "pools": summaries,
+            "snapshot": snapshot,
+            "default_dir": str(self.default_dir) if self.default_dir else None,
+        }
+
+    # -- sessions ------------------------------------------------------------
+
+    def begin(self, session: Session) -> None:
+        with self._mutex:
+            if self._owner is not None and self._owner is not session:
+                raise BusyError(
+                    f"process {self.identity.pid} is busy: {self._owner.description} is operating on it",
+                    hint="wait for it to finish, then retry",
+                )
+            self._owner = session
+
+    def end(self, session: Session) -> None:
+        """Give up ownership; a half-done sleep or wake is rolled back to running."""
+        with self._mutex:
+            if self._owner is not session:
+                return
+            state = self._state
+        try:
+            if state in ROLLED_BACK_ON_DISCONNECT:
+                self._transition(session, "resume", self._do_resume)
+        finally:
+            with self._mutex:
+                self._owner = None
+
+    def _transition(self, session: Session, op: str, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        with self._mutex:
+            if self._owner is not session:
+                raise BusyError(f"operation {op!r} requires owning the agent; begin a session first")
+            target = next_state(op, self._state)
+        result = action()
+        with self._mutex:
+            self._state = target
+        return result
+
+    # -- operations ----------------------------------------------------------
+
+    def quiesce(self, session: Session, timeout: float) -> dict[str, Any]:
+        def action() -> dict[str, Any]:
+            started = time.perf_counter()
+            self.guard.close(timeout, session.cancelled)
+            return {"seconds": time.perf_counter() - started}
+
+        return self._transition(session, "quiesce", action)
+
+    def spill(self, session: Session, directory: Path | None, args: dict[str, Any]) -> dict[str, Any]:
+        options = write_options(args)
+
+        def action() -> dict[str, Any]:
+            base = directory or self.default_dir
+            if base is None:
+                raise UsageError("no snapshot directory given", hint="pass --to DIR")
+            with self._mutex:
+                pools = list(self._pools)
+            regions = [(pool, list(pool.regions())) for pool in pools]
+            sleeping = _Sleep(regions, Path(base) / self.name, "")
+            pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
+            with SpillRoot(sleeping.root, create=True) as root:
+                result = write_snapshot(
+                    root,
+                    sleeping.kept,
+                    producer={
+                        "pid": self.identity.pid,
+                        "start_time": self.identity.start_time,
+                        "agent_token": self.token,
+                        "agent": self.name,
+                        "hibernate": __version__,
+                    },
+                    options=options,
+                    progress=_progress_reporter(session, "spill"),
+                    cancelled=session.cancelled,
+                    pin=pin,
+                )
+            sleeping.snapshot = result.snapshot
+            with self._mutex:
+                self._sleep = sleeping
+                self._last_snapshot = {
+                    "dir": str(sleeping.root),
+                    "snapshot": result.snapshot,
+                    "path": str(result.path),
+                }
+            report = result.to_wire()
+            report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
+            report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
+            return report
+
+        return self._transition(session, "spill", action)
+
+    def release(self, session: Session) -> dict[str, Any]:
+        def action() -> dict[str, Any]:
+            sleeping = self._require_sleep()
+            rss_before = procinfo.resident_bytes(os.getpid())
+            started = time.perf_counter()
+            try:
+                for region in sleeping.all_regions:
+                    region.release()
+                for pool, _ in sleeping.regions:
+                    pool.after_release()
+            except BaseException:
+                self._refill(sleeping, session, {})
+                raise
+            return {
+                "released_bytes": sum(r.nbytes for r in sleeping.all_regions),
+                "rss_before": rss_before,
+                "rss_after": procinfo.resident_bytes(os.getpid()),
+                "seconds": time.perf_counter() - started,
+            }
+
+        return self._transition(session, "release", action)
+
+    def restore(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        def action() -> dict[str, Any]:
+            sleeping = self._require_sleep()
+            rss_before = procinfo.resident_bytes(os.getpid())
+            report = self._refill(sleeping, session, args)
+            report["rss_before"] = rss_before
+            report["rss_after"] = procinfo.resident_bytes(os.getpid())
+            return report
+
+        return self._transition(session, "restore", action)
+
+    def _refill(self, sleeping: _Sleep, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        """Memory back and bytes back, verified; on any failure release again (stay asleep)."""
+        options = write_options(args)
+        with (
+            SpillRoot(sleeping.root) as root,
+            SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode) as reader,
+        ):
+            reader.check_matches(sleeping.kept)
+            try:
+                for region in sleeping.all_regions:
+                    region.reallocate()
+                pin = next(
+                    (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
+                    None,
+                )
+                result = reader.read_into(
+                    sleeping.kept,
+                    buffer_bytes=options.buffer_bytes,
+                    progress=_progress_reporter(session, "restore"),
+                    cancelled=session.cancelled,
+                    pin=pin,
+                )
+                for region in sleeping.all_regions:
+                    if not region.keep:
+                        region.zero()
+            except BaseException:
+                for region in sleeping.all_regions:
+                    region.release()
+                for pool, _ in sleeping.regions:
+                    pool.after_release()
+                raise
+        report = result.to_wire()
+        report["zeroed_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
+        return report
+
+    def resume(self, session: Session) -> dict[str, Any]:
+        return self._transition(session, "resume", self._do_resume)
+
+    def _do_resume(self) -> dict[str, Any]:
+        with self._mutex:
+            if self._state is AgentState.ASLEEP:
+                raise WrongStateError("the process is asleep; restore before resuming")
+            self._sleep = None
+        self.guard.open()
+        return {}
+
+    def _require_sleep(self) -> _Sleep:
+        with self._mutex:
+            if self._sleep is None:
+                raise WrongStateError("no snapshot was taken in this sleep")
+            return self._sleep
+
+    # -- the in-process API (hibernate.sleep / hibernate.wake) -----------------
+
+    def sleep_here(self, directory: Path | None, timeout: float, args: dict[str, Any]) -> dict[str, Any]:
+        session = Session(f"this process (pid {self.identity.pid})")
+        self.begin(session)
+        try:
+            report = {"quiesce": self.quiesce(session, timeout)}
+            report["spill"] = self.spill(session, directory, args)
+            report["release"] = self.release(session)
+            return report
+        finally:
+            self.end(session)
+
+    def wake_here(self, args: dict[str, Any]) -> dict[str, Any]:
+        session = Session(f"this process (pid {self.identity.pid})")
+        self.begin(session)
+        try:
+            report = {"restore": self.restore(session, args)}
+            report["resume"] = self.resume(session)
+            return report
+        finally:
+            self.end(session)
+
+
+def _progress_reporter(session: Session, phase: str) -> Callable[[int, int], None] | None:
+    if session.progress is None:
+        return None
+    emit = session.progress
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last[0] >= 0.1:
+            last[0] = now
+            emit({"phase": phase, "done": done, "total": total})
+
+    return report
+
+
+def describe_error(exc: BaseException) -> HibernateError:
+    """Any exception as a HibernateError, for the wire."""
+    if isinstance(exc, HibernateError):
+        return exc
+    return HibernateError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,193 @@
+"""The ``hibernate`` command: parse, call the orchestrator, render. Nothing else lives here.
+
+Importing this module must stay light (no torch): it runs on login nodes and
+in scheduler hooks where torch may be missing or slow to import.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from hibernate import __version__
+from hibernate.errors import HibernateError
+
+app = typer.Typer(
+    name="hibernate",
+    help="Put a live GPU process to sleep (weights to files, GPU freed) and wake it in place.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress, only errors.")]
+PidsArgument = Annotated[
+    list[int], typer.Argument(help="Any process of each target's tree.", show_default=False)
+]
+BufferOption = Annotated[
+    int,
+    typer.Option("--buffer-mb", min=16, help="Staging memory for the transfer, in MiB (the whole of it)."),
+]
+IoModeOption = Annotated[
+    str,
+    typer.Option("--io-mode", help="auto (direct I/O where the filesystem allows), direct, or buffered."),
+]
+TimeoutOption = Annotated[
+    float,
+    typer.Option("--timeout", min=0.0, help="Seconds to wait for the program to leave hibernate.guard()."),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _handles_errors(func: F) -> F:
+    """Turn HibernateError into its exit code and message (JSON when --json)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from hibernate import render
+
+        try:
+            return func(*args, **kwargs)
+        except HibernateError as exc:
+            raise typer.Exit(render.error(exc, bool(kwargs.get("as_json")))) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _io_mode(value: str) -> str:
+    if value not in ("auto", "direct", "buffered"):
+        from hibernate.errors import UsageError
+
+        raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
+    return value
+
+
+@app.command()
+@_handles_errors
+def sleep(
+    pids: PidsArgument,
+    to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots (created 0700 if missing).")],
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Spill each target's tracked memory to DIR, release it, and take CUDA state off the GPU."""
+    from hibernate import orchestrator, render
+
+    options = orchestrator.Options(
+        quiesce_timeout=timeout,
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+    )
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        report = orchestrator.sleep(pids, to, options, progress)
+    if as_json:
+        render.print_json({"ok": True, **report})
+    elif not quiet:
+        render.sleep_report(report)
+
+
+@app.command()
+@_handles_errors
+def wake(
+    pids: PidsArgument,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Bring each target back where it was put to sleep, verified byte for byte."""
+    from hibernate import orchestrator, render
+
+    options = orchestrator.Options(io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)))
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        report = orchestrator.wake(pids, options, progress)
+    if as_json:
+        render.print_json({"ok": True, **report})
+    elif not quiet:
+        render.wake_report(report)
+
+
+@app.command()
+@_handles_errors
+def status(
+    pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """State, pools and snapshot of each agent of the given targets (or all of yours)."""
+    from hibernate import orchestrator, render
+
+    entries = orchestrator.status(pids or None)
+    if as_json:
+        render.print_json({"ok": True, "agents": entries})
+    else:
+        render.agents_table(entries)
+
+
+@app.command("ls")
+@_handles_errors
+def list_agents(as_json: JsonOption = False) -> None:
+    """Every hibernate agent of yours on this machine."""
+    from hibernate import orchestrator, render
+
+    entries = orchestrator.status(None)
+    if as_json:
+        render.print_json({"ok": True, "agents": entries})
+    else:
+        render.agents_table(entries)
+
+
+@app.command()
+@_handles_errors
+def gc(
+    directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
+    as_json: JsonOption = False,
+) -> None:
+    """Delete unfinished snapshots and data no published snapshot needs."""
+    from hibernate import render
+    from hibernate.store.maintenance import collect_garbage
+
+    report = collect_garbage(directory)
+    if as_json:
+        render.print_json({"ok": True, **report})
+    else:
+        for root in report["roots"]:
+            render.out.print(
+                f"{root['path']}: freed {render.human_bytes(root['freed_bytes'])}"
+                + (" (skipped: in use)" if root["skipped"] else ""),
+                markup=False,
+            )
+        render.out.print(f"total freed: {render.human_bytes(report['freed_bytes'])}", markup=False)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"hibernate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Put a live GPU process to sleep (weights to files, GPU freed) and wake it in place."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

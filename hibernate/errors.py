@@ -1,0 +1,163 @@
+"""Every failure hibernate reports, each with a stable exit code.
+
+Scripts of batch schedulers branch on the exit code, so codes are part of the
+public contract (README, "Exit codes"): never renumber one, only add. Errors
+also travel over the agent socket as ``{"code": "<name>", "message": ...}``
+and are rebuilt on the client side with :func:`error_from_wire`, so a failure
+inside the target reaches the user with its own code and words.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes of the ``hibernate`` command."""
+
+    OK = 0
+    FAILURE = 1  # unexpected: a bug or an unclassified error
+    USAGE = 2  # bad arguments (also what typer/click use)
+    NO_SUCH_PROCESS = 3
+    NOTHING_TO_HIBERNATE = 4  # no agent in the process tree
+    PERMISSION_DENIED = 5  # another user's process or socket
+    WRONG_STATE = 6  # already asleep / not asleep
+    BUSY = 7  # another operation holds the target
+    SNAPSHOT_INVALID = 8  # missing, corrupt or foreign snapshot
+    IO_ERROR = 9  # includes no space left
+    TIMEOUT = 10
+    CUDA_CHECKPOINT = 11  # cuda-checkpoint / driver API failed
+    UNSUPPORTED = 12  # this machine or target cannot do what was asked
+    NEEDS_RECOVERY = 13  # an operation stopped half-way and could not be undone
+
+
+class HibernateError(Exception):
+    """Base of all expected failures; ``code`` decides the exit status."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+    wire_name = "failure"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+    def to_wire(self) -> dict[str, str | None]:
+        return {"code": self.wire_name, "message": self.message, "hint": self.hint}
+
+
+class UsageError(HibernateError):
+    exit_code = ExitCode.USAGE
+    wire_name = "usage"
+
+
+class NoSuchProcessError(HibernateError):
+    exit_code = ExitCode.NO_SUCH_PROCESS
+    wire_name = "no-such-process"
+
+
+class NothingToHibernateError(HibernateError):
+    exit_code = ExitCode.NOTHING_TO_HIBERNATE
+    wire_name = "nothing-to-hibernate"
+
+
+class PermissionDeniedError(HibernateError):
+    exit_code = ExitCode.PERMISSION_DENIED
+    wire_name = "permission-denied"
+
+
+class WrongStateError(HibernateError):
+    exit_code = ExitCode.WRONG_STATE
+    wire_name = "wrong-state"
+
+
+class HibernatingError(WrongStateError):
+    """``guard(wait=False)`` was entered while the process is (going) asleep."""
+
+    wire_name = "hibernating"
+
+
+class BusyError(HibernateError):
+    exit_code = ExitCode.BUSY
+    wire_name = "busy"
+
+
+class SnapshotInvalidError(HibernateError):
+    exit_code = ExitCode.SNAPSHOT_INVALID
+    wire_name = "snapshot-invalid"
+
+
+class StorageError(HibernateError):
+    """An I/O failure while writing or reading a snapshot (ENOSPC included)."""
+
+    exit_code = ExitCode.IO_ERROR
+    wire_name = "io-error"
+
+
+class HibernateTimeoutError(HibernateError):
+    exit_code = ExitCode.TIMEOUT
+    wire_name = "timeout"
+
+
+class CudaCheckpointError(HibernateError):
+    exit_code = ExitCode.CUDA_CHECKPOINT
+    wire_name = "cuda-checkpoint"
+
+
+class UnsupportedError(HibernateError):
+    exit_code = ExitCode.UNSUPPORTED
+    wire_name = "unsupported"
+
+
+class NeedsRecoveryError(HibernateError):
+    exit_code = ExitCode.NEEDS_RECOVERY
+    wire_name = "needs-recovery"
+
+
+class AbortedError(HibernateError):
+    """The operation was called off (its client went away); everything was undone."""
+
+    exit_code = ExitCode.FAILURE
+    wire_name = "aborted"
+
+
+class ProtocolError(HibernateError):
+    """The peer spoke a protocol we do not understand (version, framing, size)."""
+
+    exit_code = ExitCode.FAILURE
+    wire_name = "protocol"
+
+
+_BY_WIRE_NAME: dict[str, type[HibernateError]] = {
+    cls.wire_name: cls
+    for cls in (
+        HibernateError,
+        UsageError,
+        NoSuchProcessError,
+        NothingToHibernateError,
+        PermissionDeniedError,
+        WrongStateError,
+        HibernatingError,
+        BusyError,
+        SnapshotInvalidError,
+        StorageError,
+        HibernateTimeoutError,
+        CudaCheckpointError,
+        UnsupportedError,
+        NeedsRecoveryError,
+        AbortedError,
+        ProtocolError,
+    )
+}
+
+
+def error_from_wire(payload: object) -> HibernateError:
+    """Rebuild an error sent by an agent; unknown codes become a plain failure."""
+    if not isinstance(payload, dict):
+        return ProtocolError(f"malformed error from agent: {payload!r}")
+    cls = _BY_WIRE_NAME.get(str(payload.get("code")), HibernateError)
+    hint = payload.get("hint")
+    return cls(str(payload.get("message", "unknown error")), hint=hint if isinstance(hint, str) else None)

@@ -1,0 +1,396 @@
+"""Sleep and wake as sequences of phases across every process of every target.
+
+    sleep: connect -> quiesce -> spill -> release -> cuda (lock all, checkpoint all)
+    wake:  connect -> cuda (restore all, unlock all) -> restore -> resume
+
+Each phase runs on every member before the next starts, so a target of many
+processes (a server and its tensor-parallel workers) moves as one. When a phase
+fails, what was done is undone in reverse, and the error says which process
+failed in which phase. Nothing is lost before ``release``, and after it the
+published snapshot holds every kept byte, so an undo can always restore.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hibernate import procinfo
+from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.checkpoint.base import Checkpointer
+from hibernate.errors import (
+    HibernateError,
+    NeedsRecoveryError,
+    NoSuchProcessError,
+    StorageError,
+    UnsupportedError,
+    UsageError,
+    WrongStateError,
+)
+from hibernate.fsutil import ensure_private_dir
+from hibernate.targets import AgentRef, Target, resolve
+
+SLEEP_PHASES = ("connect", "quiesce", "spill", "release", "cuda")
+WAKE_PHASES = ("connect", "cuda", "restore", "resume")
+
+
+class ProgressSink:
+    """Receives phase changes and byte counts; the CLI renders them, the default ignores them."""
+
+    def phase(self, name: str) -> None:
+        """A new phase begins."""
+
+    def transfer(self, phase: str, done: int, total: int) -> None:
+        """Bytes moved so far in a spill or restore, summed over every process."""
+
+
+@dataclass
+class IoOptions:
+    buffer_mb: int = 256
+    chunk_mb: int = 32
+    io_mode: str = "auto"
+
+    def to_args(self) -> dict[str, Any]:
+        return {"buffer_mb": self.buffer_mb, "chunk_mb": self.chunk_mb, "io_mode": self.io_mode}
+
+
+@dataclass
+class Options:
+    quiesce_timeout: float = 30.0
+    agent_timeout: float = 60.0  # longest silence from an agent before giving up
+    io: IoOptions = field(default_factory=IoOptions)
+    checkpointer: Checkpointer | None = None
+
+
+@dataclass
+class _Member:
+    """One agent taking part in an operation, and what happened to it."""
+
+    ref: AgentRef
+    client: AgentClient
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reached: str = "connected"
+
+    @property
+    def pid(self) -> int:
+        return self.ref.pid
+
+    def call(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            result = self.client.call(op, args, **kwargs)
+        except AgentConnectionLost as exc:
+            if not procinfo.is_alive(self.ref.identity):
+                raise NoSuchProcessError(f"process {self.pid} exited during {op}") from exc
+            raise
+        result.setdefault("seconds", time.perf_counter() - started)
+        self.phases[op] = result
+        self.reached = op
+        return result
+
+
+class _ByteCounter:
+    """Sums the progress of several agents transferring at once."""
+
+    def __init__(self, sink: ProgressSink, phase: str) -> None:
+        self._sink = sink
+        self._phase = phase
+        self._lock = threading.Lock()
+        self._done: dict[int, int] = {}
+        self._total: dict[int, int] = {}
+
+    def for_member(self, pid: int) -> Callable[[dict[str, Any]], None]:
+        def update(event: dict[str, Any]) -> None:
+            with self._lock:
+                self._done[pid] = int(event.get("done", 0))
+                self._total[pid] = int(event.get("total", 0))
+                done, total = sum(self._done.values()), sum(self._total.values())
+            self._sink.transfer(self._phase, done, total)
+
+        return update
+
+
+def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
+    """Resolve and create ``--to`` (0700); refuse a file or an unwritable directory."""
+    directory = Path(directory).expanduser().absolute()
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--to {directory} is a file, not a directory")
+    owners = {procinfo.owner_uid(a.pid) for t in targets for a in t.agents}
+    owner = owners.pop() if len(owners) == 1 else None
+    ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageError(f"--to {directory} is not writable by you")
+    return directory
+
+
+def _connect(targets: Sequence[Target], timeout: float) -> list[_Member]:
+    members: list[_Member] = []
+    try:
+        for target in targets:
+            for ref in target.agents:
+                member = _Member(ref, ref.connect(timeout))
+                members.append(member)
+                member.call("begin")
+    except BaseException:
+        _close(members)
+        raise
+    return members
+
+
+def _describe_state(member: _Member) -> str:
+    status = member.phases["begin"]
+    state = status.get("state")
+    if state == "asleep":
+        where = (status.get("snapshot") or {}).get("path")
+        return f"process {member.pid} is already asleep" + (f" (snapshot {where})" if where else "")
+    return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
+
+
+def _close(members: Sequence[_Member]) -> None:
+    for member in members:
+        member.client.close()
+
+
+def _parallel(members: Sequence[_Member], work: Callable[[_Member], object]) -> None:
+    """Run ``work`` on every member at once; re-raise the first failure after all finish."""
+    if len(members) == 1:
+        work(members[0])
+        return
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=len(members)) as pool:
+        for future in [pool.submit(work, m) for m in members]:
+            exc = future.exception()
+            if exc is not None:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _require_checkpointer(targets: Sequence[Target], options: Options) -> None:
+    holders = [h.pid for t in targets for h in t.cuda_holders]
+    if holders and options.checkpointer is None:
+        raise UnsupportedError(
+            f"process(es) {', '.join(map(str, holders))} hold a CUDA context and no "
+            "cuda-checkpoint is available to take it off the GPU; nothing was changed",
+            hint="install an NVIDIA driver >= 550 with cuda-checkpoint (see `hibernate doctor`)",
+        )
+
+
+def _annotate(exc: HibernateError, member: _Member, phase: str) -> HibernateError:
+    if not exc.message.startswith(f"process {member.pid}"):
+        exc.message = f"process {member.pid} ({phase}): {exc.message}"
+    return exc
+
+
+def _undo_sleep(members: Sequence[_Member], error: BaseException) -> None:
+    """Put every member back to running; NeedsRecoveryError if that fails too."""
+    failures = []
+    for member in reversed(members):
+        try:
+            if member.reached == "release":
+                member.call("restore", idle_timeout=None)
+            if member.reached in ("quiesce", "spill", "release", "restore"):
+                member.call("resume")
+        except HibernateError as undo_error:
+            failures.append(f"process {member.pid}: {undo_error.message}")
+    if failures:
+        raise NeedsRecoveryError(
+            f"{error}; undoing it failed too: {'; '.join(failures)}",
+            hint="run `hibernate wake PID` (or `hibernate status`) once the cause is fixed",
+        ) from error
+
+
+def sleep(
+    pids: Sequence[int], directory: Path, options: Options, sink: ProgressSink | None = None
+) -> dict[str, Any]:
+    sink = sink or ProgressSink()
+    started = time.perf_counter()
+    sink.phase("connect")
+    targets = resolve(pids)
+    _require_checkpointer(targets, options)
+    directory = prepare_directory(directory, targets)
+    members = _connect(targets, options.agent_timeout)
+    try:
+        not_running = [m for m in members if m.phases["begin"].get("state") != "running"]
+        if not_running:
+            raise WrongStateError(
+                "; ".join(_describe_state(m) for m in not_running) + "; nothing was changed",
+                hint=f"wake it first: hibernate wake {' '.join(str(m.pid) for m in not_running)}",
+            )
+        phase = "quiesce"
+        try:
+            sink.phase("quiesce")
+            for member in members:
+                member.call(
+                    "quiesce",
+                    {"timeout": options.quiesce_timeout},
+                    idle_timeout=options.quiesce_timeout + options.agent_timeout,
+                )
+            phase = "spill"
+            sink.phase("spill")
+            counter = _ByteCounter(sink, "spill")
+            args = {"dir": str(directory), **options.io.to_args()}
+            _parallel(
+                members,
+                lambda m: m.call(
+                    "spill",
+                    args,
+                    progress=counter.for_member(m.pid),
+                    idle_timeout=options.agent_timeout,
+                ),
+            )
+            phase = "release"
+            sink.phase("release")
+            for member in members:
+                member.call("release")
+            phase = "cuda"
+            sink.phase("cuda")
+            cuda = _cuda_sleep(targets, options)
+        except HibernateError as exc:
+            failed = next((m for m in members if m.reached != phase), members[0])
+            _undo_sleep(members, exc)
+            raise _annotate(exc, failed, phase) from None
+        except BaseException as exc:
+            _undo_sleep(members, exc)
+            raise
+    finally:
+        _close(members)
+    return _sleep_report(members, cuda, directory, time.perf_counter() - started)
+
+
+def _cuda_sleep(targets: Sequence[Target], options: Options) -> dict[str, Any]:
+    holders = [h for t in targets for h in t.cuda_holders]
+    if not holders:
+        return {"status": "none (skipped)", "processes": []}
+    raise UnsupportedError("the CUDA phase needs a checkpointer")  # guarded by _require_checkpointer
+
+
+def _sleep_report(
+    members: Sequence[_Member], cuda: dict[str, Any], directory: Path, seconds: float
+) -> dict[str, Any]:
+    processes = []
+    for member in members:
+        spill = member.phases.get("spill", {})
+        release = member.phases.get("release", {})
+        written = int(spill.get("written_bytes", 0))
+        spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
+        processes.append(
+            {
+                "pid": member.pid,
+                "name": member.ref.status.get("name"),
+                "snapshot": spill.get("path"),
+                "total_bytes": spill.get("total_bytes", 0),
+                "written_bytes": written,
+                "reused_bytes": spill.get("reused_bytes", 0),
+                "dropped_bytes": spill.get("dropped_bytes", 0),
+                "released_bytes": release.get("released_bytes", 0),
+                "io_mode": spill.get("io_mode"),
+                "gb_per_s": round(written / spill_seconds / 1e9, 3),
+                "rss_before": release.get("rss_before"),
+                "rss_after": release.get("rss_after"),
+                "pools": spill.get("pools", []),
+                "phases": {k: round(float(v.get("seconds", 0.0)), 6) for k, v in member.phases.items()},
+            }
+        )
+    return {
+        "operation": "sleep",
+        "directory": str(directory),
+        "seconds": round(seconds, 6),
+        "processes": processes,
+        "cuda": cuda,
+    }
+
+
+def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> dict[str, Any]:
+    sink = sink or ProgressSink()
+    started = time.perf_counter()
+    sink.phase("connect")
+    targets = resolve(pids)
+    members = _connect(targets, options.agent_timeout)
+    try:
+        sleeping = [m for m in members if m.phases["begin"].get("state") == "asleep"]
+        if not sleeping:
+            raise WrongStateError("nothing to wake: " + "; ".join(_describe_state(m) for m in members))
+        sink.phase("cuda")
+        cuda = _cuda_wake(targets, options)
+        sink.phase("restore")
+        counter = _ByteCounter(sink, "restore")
+        failures: list[tuple[_Member, HibernateError]] = []
+        lock = threading.Lock()
+
+        def restore(member: _Member) -> None:
+            try:
+                member.call(
+                    "restore",
+                    options.io.to_args(),
+                    progress=counter.for_member(member.pid),
+                    idle_timeout=options.agent_timeout,
+                )
+            except HibernateError as exc:
+                with lock:
+                    failures.append((member, exc))
+
+        _parallel(sleeping, restore)
+        sink.phase("resume")
+        for member in sleeping:
+            if member.reached == "restore":
+                member.call("resume")
+        if failures:
+            member, exc = failures[0]
+            exc.message = f"process {member.pid} stays asleep: {exc.message}"
+            exc.hint = exc.hint or f"fix the cause, then run `hibernate wake {member.pid}` again"
+            raise exc
+    finally:
+        _close(members)
+    return _wake_report(sleeping, cuda, time.perf_counter() - started)
+
+
+def _cuda_wake(targets: Sequence[Target], options: Options) -> dict[str, Any]:
+    holders = [h for t in targets for h in t.cuda_holders]
+    if not holders:
+        return {"status": "none (skipped)", "processes": []}
+    _require_checkpointer(targets, options)
+    raise UnsupportedError("the CUDA phase needs a checkpointer")
+
+
+def _wake_report(members: Sequence[_Member], cuda: dict[str, Any], seconds: float) -> dict[str, Any]:
+    processes = []
+    for member in members:
+        restore = member.phases.get("restore", {})
+        total = int(restore.get("total_bytes", 0))
+        restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
+        processes.append(
+            {
+                "pid": member.pid,
+                "name": member.ref.status.get("name"),
+                "snapshot": (member.ref.status.get("snapshot") or {}).get("path"),
+                "restored_bytes": total,
+                "zeroed_bytes": restore.get("zeroed_bytes", 0),
+                "io_mode": restore.get("io_mode"),
+                "gb_per_s": round(total / restore_seconds / 1e9, 3),
+                "rss_before": restore.get("rss_before"),
+                "rss_after": restore.get("rss_after"),
+                "phases": {k: round(float(v.get("seconds", 0.0)), 6) for k, v in member.phases.items()},
+            }
+        )
+    return {"operation": "wake", "seconds": round(seconds, 6), "processes": processes, "cuda": cuda}
+
+
+def status(pids: Sequence[int] | None) -> list[dict[str, Any]]:
+    """Status of the agents of ``pids`` (all of ours when None)."""
+    from hibernate.targets import all_agents
+
+    refs = [a for t in resolve(pids) for a in t.agents] if pids else all_agents()
+    out = []
+    for ref in refs:
+        entry = dict(ref.status)
+        entry["rss"] = procinfo.resident_bytes(ref.pid)
+        entry["command"] = procinfo.command_line(ref.pid)[:200]
+        out.append(entry)
+    return out

@@ -1,0 +1,199 @@
+"""How results look: rich tables and a progress bar on a terminal, plain lines when piped.
+
+Only the CLI uses this module. Scripts should use ``--json``, whose shape is
+documented in docs/json-schema/; the human layout may change between versions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from hibernate.errors import ExitCode, HibernateError
+from hibernate.orchestrator import ProgressSink
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def print_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def error(exc: HibernateError, as_json: bool) -> int:
+    code = int(exc.exit_code)
+    if as_json:
+        print_json(
+            {
+                "ok": False,
+                "error": {**exc.to_wire(), "exit_code": code, "exit_name": ExitCode(code).name},
+            }
+        )
+    else:
+        err.print(f"[bold red]hibernate: error:[/] {exc.message}", markup=True)
+        if exc.hint:
+            err.print(f"  hint: {exc.hint}", markup=False)
+    return code
+
+
+class TerminalProgress(ProgressSink):
+    """A rich bar per transfer on a terminal; one line per phase (and every few seconds) otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.interactive = enabled and err.is_terminal
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._last_line = 0.0
+
+    def __enter__(self) -> TerminalProgress:
+        if self.interactive:
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            )
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def phase(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._task = None
+            self._progress.console.print(f"[dim]· {name}[/]", markup=True)
+        else:
+            err.print(f"phase: {name}", markup=False)
+
+    def transfer(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            if self._task is None:
+                self._task = self._progress.add_task(phase, total=total)
+            self._progress.update(self._task, completed=done, total=total)
+            return
+        now = time.monotonic()
+        if done >= total or now - self._last_line >= 2.0:
+            self._last_line = now
+            err.print(f"{phase}: {human_bytes(done)} / {human_bytes(total)}", markup=False)
+
+
+def _line(label: str, text: str) -> None:
+    out.print(f"  {label:<9} {text}", markup=False)
+
+
+def _rss_change(before: int | None, after: int | None) -> str:
+    if before is None or after is None:
+        return "-"
+    change = before - after
+    verb = "gave back" if change >= 0 else "took"
+    return f"RSS {human_bytes(before)} → {human_bytes(after)} ({verb} {human_bytes(abs(change))})"
+
+
+def sleep_report(report: dict[str, Any]) -> None:
+    for p in report["processes"]:
+        out.print(
+            f"asleep: pid {p['pid']} ({p['name']}) in {p['phases'].get('spill', 0):.2f}s of spill",
+            markup=False,
+        )
+        _line("snapshot", str(p["snapshot"]))
+        wrote = (
+            f"wrote {human_bytes(p['written_bytes'])} at {p['gb_per_s']:.2f} GB/s ({p['io_mode']} I/O)"
+            if p["written_bytes"]
+            else "nothing new to write"
+        )
+        _line(
+            "kept",
+            f"{human_bytes(p['total_bytes'])}: {wrote}, reused {human_bytes(p['reused_bytes'])}",
+        )
+        dropped_tags = sorted({pool["tag"] for pool in p["pools"] if not pool["keep"]})
+        _line(
+            "dropped",
+            f"{human_bytes(p['dropped_bytes'])}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
+        )
+        _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
+    out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
+
+
+def wake_report(report: dict[str, Any]) -> None:
+    for p in report["processes"]:
+        out.print(f"awake: pid {p['pid']} ({p['name']})", markup=False)
+        _line("snapshot", str(p["snapshot"]))
+        _line(
+            "restored",
+            f"{human_bytes(p['restored_bytes'])} at {p['gb_per_s']:.2f} GB/s ({p['io_mode']} I/O), "
+            f"verified; {human_bytes(p['zeroed_bytes'])} zero-filled",
+        )
+        _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
+    out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
+
+
+def cuda_summary(cuda: dict[str, Any]) -> str:
+    if not cuda.get("processes"):
+        return str(cuda.get("status", "none (skipped)"))
+    parts = [f"{p['pid']} {p.get('state', '?')} ({p.get('seconds', 0):.2f}s)" for p in cuda["processes"]]
+    return f"{cuda.get('status', '')}: " + ", ".join(parts)
+
+
+def agents_table(entries: list[dict[str, Any]]) -> None:
+    if not entries:
+        out.print("no hibernate agents running for this user", markup=False)
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("PID", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
+        table.add_column(
+            column,
+            justify="right" if column in ("PID", "KEPT", "DROPPED", "RSS") else "left",
+            no_wrap=column != "SNAPSHOT",
+        )
+    for e in entries:
+        pools = e.get("pools", [])
+        kept = sum(p["bytes"] for p in pools if p["keep"])
+        dropped = sum(p["bytes"] for p in pools if not p["keep"])
+        state = str(e.get("state"))
+        if e.get("busy"):
+            state += " (busy)"
+        table.add_row(
+            str(e["pid"]),
+            state,
+            human_bytes(kept),
+            human_bytes(dropped),
+            human_bytes(e.get("rss")),
+            (e.get("snapshot") or {}).get("path") or "-",
+        )
+    out.print(table)

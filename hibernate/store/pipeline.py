@@ -1,0 +1,51 @@
+"""Run a transfer's worker threads together; the first failure stops them all.
+
+Copy, hash and disk I/O all release the GIL, so plain threads overlap device
+copies, checksums and disk requests. Each transfer is a few workers sharing a
+bounded set of staging buffers; this class only starts them, propagates the
+first exception, and makes sure none is left running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from hibernate.store.directio import PipelineAborted
+
+
+class Pipeline:
+    def __init__(self) -> None:
+        self.abort = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, name: str, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except PipelineAborted:
+                pass
+            except BaseException as exc:
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
+                self.abort.set()
+
+        thread = threading.Thread(target=run, name=f"hibernate-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+        self.abort.set()
+
+    def join(self) -> None:
+        """Wait for every worker; re-raise the first failure."""
+        for thread in self._threads:
+            thread.join()
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,194 @@
+"""Shared fixtures: real target processes (the demo), the real CLI, private runtime dirs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+
+
+def is_root() -> bool:
+    return os.getuid() == 0
+
+
+def as_user_prefix(uid: int | None) -> list[str]:
+    """Command prefix that runs a program as ``uid`` (root only)."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short, private HIBERNATE_RUNTIME_DIR for this test and every process it starts."""
+    path = Path(tempfile.mkdtemp(prefix="hb-run-", dir="/tmp"))
+    os.chmod(path, 0o777)  # processes of another user make their own 0700 subdirectory
+    run = path / "run"
+    monkeypatch.setenv("HIBERNATE_RUNTIME_DIR", str(run))
+    yield run
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def work_dir() -> Iterator[Path]:
+    """A scratch directory for snapshots (HIBERNATE_TEST_DISK chooses the disk)."""
+    path = Path(tempfile.mkdtemp(prefix="hb-work-", dir=os.environ.get("HIBERNATE_TEST_DISK")))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(self.stdout)
+        return document
+
+
+def run_cli(
+    *args: str,
+    uid: int | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+) -> CliResult:
+    """Run ``hibernate ARGS`` as a separate process, as the user would."""
+    command = [*as_user_prefix(uid), sys.executable, "-m", "hibernate", *args]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=cwd)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def cli() -> Any:
+    return run_cli
+
+
+@dataclass
+class Demo:
+    """A running ``python -m hibernate.demo serve`` target."""
+
+    proc: subprocess.Popen[bytes]
+    control: str
+    info: dict[str, Any]
+    log: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def request(self, command: str, timeout: float = 120) -> dict[str, Any]:
+        from hibernate.demo import request
+
+        return request(self.control, command, timeout)
+
+    def infer(self) -> dict[str, Any]:
+        return self.request("infer")
+
+    def hold(self, seconds: float) -> None:
+        assert self.request(f"hold {seconds}") == {"holding": True}
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def start_demo(runtime_dir: Path) -> Iterator[Any]:
+    started: list[Demo] = []
+    scratch = Path(tempfile.mkdtemp(prefix="hb-demo-", dir="/tmp"))
+    os.chmod(scratch, 0o777)
+
+    def start(
+        size_mb: int = 32,
+        uid: int | None = None,
+        env: dict[str, str] | None = None,
+        dtype: str = "float32",
+    ) -> Demo:
+        index = len(started)
+        control = scratch / f"demo{index}.sock"
+        ready = scratch / f"demo{index}.ready"
+        log = scratch / f"demo{index}.log"
+        command = [
+            *as_user_prefix(uid),
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "hibernate.demo",
+            "serve",
+            "--size-mb",
+            str(size_mb),
+            "--dtype",
+            dtype,
+            "--control",
+            str(control),
+            "--ready-file",
+            str(ready),
+        ]
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, **(env or {})},
+            )
+        demo = Demo(proc, str(control), {}, log)
+        started.append(demo)
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"demo exited: {log.read_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("demo did not become ready")
+            time.sleep(0.05)
+        demo.info = json.loads(ready.read_text())
+        return demo
+
+    yield start
+    for demo in started:
+        demo.stop()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_agent(monkeypatch: pytest.MonkeyPatch, runtime_dir: Path) -> Iterator[None]:
+    """Reset this process's agent singleton so in-process API tests start clean."""
+    import hibernate.agent as agent
+
+    monkeypatch.setenv("HIBERNATE_AGENT", "0")
+    agent._reset_after_fork()
+    yield
+    agent._reset_after_fork()
