@@ -163,7 +163,7 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
             )
         demo = Demo(proc, str(control), {}, log)
         started.append(demo)
