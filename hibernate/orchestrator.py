@@ -117,15 +117,22 @@ class _ByteCounter:
 
 
 def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
-    """Resolve and create ``--to`` (0700); refuse a file or an unwritable directory."""
+    """Resolve ``--to``; create it 0700 if missing; refuse a file or an unwritable directory.
+
+    An existing directory is used as it is (a shared scratch area may belong to
+    someone else): privacy comes from the 0700 per-process directories inside.
+    """
     directory = Path(directory).expanduser().absolute()
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"--to {directory} is a file, not a directory")
-    owners = {procinfo.owner_uid(a.pid) for t in targets for a in t.agents}
-    owner = owners.pop() if len(owners) == 1 else None
-    ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
+    if not directory.exists():
+        owners = {procinfo.owner_uid(a.pid) for t in targets for a in t.agents}
+        owner = owners.pop() if len(owners) == 1 else None
+        ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise StorageError(f"--to {directory} is not writable by you")
+        raise StorageError(
+            f"--to {directory} is not writable by you", hint="choose a directory you can write to"
+        )
     return directory
 
 

@@ -1,0 +1,241 @@
+"""The agent's socket: framing, versioning, sessions, and who may talk to it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hibernate import procinfo
+from hibernate.agent import protocol
+from hibernate.agent.client import AgentClient
+from hibernate.agent.controller import Hibernator
+from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name
+from hibernate.agent.server import AgentServer
+from hibernate.errors import BusyError, ProtocolError
+from hibernate.pools.tensors import TensorPool
+from tests.conftest import NOBODY, REPO, is_root
+
+
+@pytest.fixture
+def agent(runtime_dir: Path) -> Iterator[tuple[Hibernator, AgentServer]]:
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    hibernator = Hibernator(ident)
+    pool = TensorPool()
+    pool.track(torch.arange(1 << 16, dtype=torch.int32), "weights", True, "w")
+    hibernator.add_pool(pool)
+    server = AgentServer(hibernator, runtime_dir)
+    yield hibernator, server
+    server.stop()
+
+
+def raw_connect(server: AgentServer) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(server.path))
+    return sock
+
+
+def test_frames_round_trip() -> None:
+    message = protocol.request(7, "hello", {"x": [1, "two", None]})
+    frame = protocol.encode(message)
+    (length,) = struct.unpack("!I", frame[:4])
+    assert length == len(frame) - 4
+    assert protocol.decode(frame[4:]) == message
+    assert protocol.parse_request(message) == (7, "hello", {"x": [1, "two", None]})
+
+
+@pytest.mark.parametrize(
+    "message, problem",
+    [
+        ({"v": 2, "id": 1, "op": "hello"}, "protocol version 2 is not supported"),
+        ({"v": 1, "id": -1, "op": "hello"}, "request id"),
+        ({"v": 1, "id": True, "op": "hello"}, "request id"),
+        ({"v": 1, "id": 1, "op": ""}, "request op"),
+        ({"v": 1, "id": 1, "op": "x" * 65}, "request op"),
+        ({"v": 1, "id": 1, "op": "hello", "args": []}, "args must be an object"),
+    ],
+)
+def test_malformed_requests_are_refused(message: dict, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        protocol.parse_request(message)
+
+
+def test_oversized_frames_are_refused_before_reading(agent) -> None:
+    _, server = agent
+    with raw_connect(server) as sock:
+        sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE_BYTES + 1))
+        reply = protocol.receive(sock)
+        assert reply is not None and reply["type"] == "error"
+        assert "exceeds" in reply["error"]["message"]
+        assert protocol.receive(sock) is None  # and the connection is closed
+    with pytest.raises(ProtocolError):
+        protocol.encode({"blob": "x" * (protocol.MAX_MESSAGE_BYTES + 1)})
+
+
+def test_wrong_version_is_answered_then_closed(agent) -> None:
+    _, server = agent
+    with raw_connect(server) as sock:
+        protocol.send(sock, {"v": 99, "id": 1, "op": "hello"})
+        reply = protocol.receive(sock)
+        assert reply is not None and reply["error"]["code"] == "protocol"
+        assert "this agent speaks 1" in reply["error"]["message"]
+        assert protocol.receive(sock) is None
+
+
+def test_hello_reports_identity_pools_and_state(agent) -> None:
+    hibernator, server = agent
+    with AgentClient(server.path) as client:
+        status = client.call("hello")
+    assert status["pid"] == os.getpid()
+    assert status["start_time"] == hibernator.identity.start_time
+    assert status["state"] == "running"
+    assert status["pools"] == [
+        {"pool": "torch", "tag": "weights", "keep": True, "count": 1, "bytes": 1 << 18}
+    ]
+
+
+def test_operations_need_a_session_and_sessions_exclude_each_other(agent, work_dir: Path) -> None:
+    _, server = agent
+    with AgentClient(server.path) as first, AgentClient(server.path) as second:
+        with pytest.raises(BusyError, match="begin a session first"):
+            first.call("quiesce")
+        first.call("begin")
+        with pytest.raises(BusyError, match=rf"busy: hibernate \(pid {os.getpid()}"):
+            second.call("begin")
+        first.call("end")
+        second.call("begin")
+
+
+def test_a_vanished_client_rolls_back_a_half_done_sleep(agent, work_dir: Path) -> None:
+    hibernator, server = agent
+    client = AgentClient(server.path)
+    client.call("begin")
+    client.call("quiesce", {"timeout": 1})
+    client.call("spill", {"dir": str(work_dir)})
+    assert hibernator.state.value == "spilled"
+    client.close()
+    deadline = time.monotonic() + 5
+    while hibernator.state.value != "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hibernator.state.value == "running"
+    assert not hibernator.guard.closed
+    with AgentClient(server.path) as again:
+        again.call("begin")  # ownership was released too
+
+
+def test_asleep_outlives_its_client(agent, work_dir: Path) -> None:
+    hibernator, server = agent
+    with AgentClient(server.path) as client:
+        for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
+            client.call(op, args)
+    time.sleep(0.2)
+    assert hibernator.state.value == "asleep"
+    with AgentClient(server.path) as client:
+        client.call("begin")
+        client.call("restore")
+        client.call("resume")
+    assert hibernator.state.value == "running"
+
+
+def test_unknown_op_is_an_error_not_a_crash(agent) -> None:
+    _, server = agent
+    with AgentClient(server.path) as client:
+        with pytest.raises(ProtocolError, match="unknown operation 'explode'"):
+            client.call("explode")
+        assert client.call("hello")["state"] == "running"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.binary(min_size=0, max_size=512))
+def test_garbage_never_crashes_the_agent(agent, garbage: bytes) -> None:
+    _, server = agent
+    with raw_connect(server) as sock, contextlib.suppress(ConnectionResetError, BrokenPipeError):
+        sock.sendall(garbage)
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(4096):  # the agent answers or hangs up; either way it must survive
+            pass
+    with AgentClient(server.path) as client:
+        assert client.call("hello")["state"] == "running"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    document=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_well_framed_nonsense_is_answered_with_an_error(agent, document: object) -> None:
+    _, server = agent
+    body = json.dumps(document).encode()
+    with raw_connect(server) as sock:
+        sock.sendall(struct.pack("!I", len(body)) + body)
+        reply = protocol.receive(sock)
+    assert reply is not None and reply["type"] in ("error", "result")
+
+
+def test_runtime_directory_and_socket_are_private(agent, runtime_dir: Path) -> None:
+    _, server = agent
+    assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(server.path.stat().st_mode) & 0o077 == 0
+    ident = parse_socket_name(server.path.name)
+    assert ident is not None and ident.pid == os.getpid()
+
+
+def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
+    runtime_dir.mkdir(mode=0o700, exist_ok=True)
+    ghost = procinfo.ProcessIdentity(pid=os.getpid(), start_time=1)  # our pid, another start time
+    stale = runtime_dir / socket_name(ghost)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(stale))
+    assert stale.exists()
+    assert live_sockets(runtime_dir) == []
+    assert not stale.exists()
+
+
+@pytest.mark.skipif(not is_root(), reason="needs a second user")
+def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
+    _, server = agent
+    # Even if the directory were opened up by mistake, the peer check still refuses.
+    os.chmod(runtime_dir, 0o755)
+    os.chmod(server.path, 0o777)
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[2]);"
+        "from hibernate.agent.client import AgentClient;"
+        "from hibernate.errors import HibernateError\n"
+        "try:\n    AgentClient(sys.argv[1]).call('hello')\n"
+        "except HibernateError as e:\n    print(type(e).__name__, e.message)"
+    )
+    out = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            probe,
+            str(server.path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "PermissionDeniedError uid 65534 may not control process" in out.stdout, out.stderr

@@ -1,0 +1,175 @@
+"""Each bad input gets a clear message, its own exit code, and leaves the target as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hibernate.errors import ExitCode
+from tests.conftest import NOBODY, is_root, run_cli
+
+
+def assert_untouched(demo, cli, reference: str) -> None:
+    """The target still runs, awake, and computes exactly what it did before."""
+    assert demo.alive()
+    status = cli("status", str(demo.pid), "--json").json()["agents"][0]
+    assert status["state"] == "running"
+    assert demo.infer()["digest"] == reference
+
+
+def test_nonexistent_pid(cli, runtime_dir: Path) -> None:
+    result = cli("sleep", "4194303", "--to", "/tmp/never-used")
+    assert result.returncode == ExitCode.NO_SUCH_PROCESS
+    assert "no process with pid 4194303" in result.stderr
+
+
+def test_pid_without_agent_says_what_to_do(cli, runtime_dir: Path, work_dir: Path) -> None:
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        result = cli("sleep", str(plain.pid), "--to", str(work_dir))
+        assert result.returncode == ExitCode.NOTHING_TO_HIBERNATE
+        assert f"no hibernate agent in process {plain.pid}" in result.stderr
+        assert "hibernate.track" in result.stderr
+        assert plain.poll() is None
+        assert not any(work_dir.iterdir())
+    finally:
+        plain.kill()
+
+
+def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> None:
+    if is_root():
+        demo = start_demo(size_mb=16)
+        reference = demo.infer()["digest"]
+        result = cli("sleep", str(demo.pid), "--to", "/tmp/hb-nobody-never", uid=NOBODY)
+        assert result.returncode == ExitCode.PERMISSION_DENIED, result.stderr
+        assert f"process {demo.pid} belongs to root" in result.stderr
+        assert_untouched(demo, cli, reference)
+    else:
+        result = cli("sleep", "1", "--to", str(work_dir))
+        assert result.returncode == ExitCode.PERMISSION_DENIED
+        assert "process 1 belongs to" in result.stderr
+
+
+def test_sleep_of_a_sleeping_process(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
+    again = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    assert again.returncode == ExitCode.WRONG_STATE
+    assert f"process {demo.pid} is already asleep" in again.stderr
+    assert f"hibernate wake {demo.pid}" in again.stderr
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+
+
+def test_wake_of_an_awake_process(start_demo, cli) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    result = cli("wake", str(demo.pid))
+    assert result.returncode == ExitCode.WRONG_STATE
+    assert f"process {demo.pid} is not asleep, it is running" in result.stderr
+    assert_untouched(demo, cli, reference)
+
+
+def test_to_is_a_file(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    a_file = work_dir / "a-file"
+    a_file.write_text("not a directory")
+    result = cli("sleep", str(demo.pid), "--to", str(a_file), "--json")
+    assert result.returncode == ExitCode.USAGE
+    error = result.json()["error"]
+    assert error["code"] == "usage" and "is a file, not a directory" in error["message"]
+    assert_untouched(demo, cli, reference)
+
+
+def test_to_not_writable(start_demo, cli, work_dir: Path) -> None:
+    # As root every directory is writable, so both the target and the CLI run as nobody.
+    uid = NOBODY if is_root() else None
+    demo = start_demo(size_mb=16, uid=uid)
+    reference = demo.infer()["digest"]
+    locked = work_dir / "locked"
+    locked.mkdir(mode=0o755)
+    if not is_root():
+        locked.chmod(0o555)
+    os.chmod(work_dir, 0o755)
+    result = cli("sleep", str(demo.pid), "--to", str(locked), uid=uid)
+    assert result.returncode == ExitCode.IO_ERROR, result.stderr
+    assert "is not writable by you" in result.stderr
+    assert_untouched(demo, lambda *a, **k: cli(*a, uid=uid, **k), reference)
+
+
+@pytest.mark.skipif(not is_root(), reason="mounting a small filesystem needs root")
+def test_to_on_a_full_filesystem(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=32)
+    reference = demo.infer()["digest"]
+    small = work_dir / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        result = cli("sleep", str(demo.pid), "--to", str(small))
+        assert result.returncode == ExitCode.IO_ERROR, result.stderr
+        assert "not enough space" in result.stderr and "are free" in result.stderr
+        assert_untouched(demo, cli, reference)
+        assert not list(small.rglob("manifest.json"))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_two_sleeps_at_once_one_wins_the_other_is_busy(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    demo.hold(3)  # the first sleep waits in quiesce for this step to finish
+    first: list = []
+    winner = threading.Thread(target=lambda: first.append(cli("sleep", str(demo.pid), "--to", str(work_dir))))
+    winner.start()
+    time.sleep(1.0)
+    second = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    winner.join(timeout=60)
+    assert second.returncode == ExitCode.BUSY, second.stderr
+    assert f"process {demo.pid} is busy: hibernate (pid" in second.stderr
+    assert first[0].returncode == 0, first[0].stderr
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    assert demo.infer()["digest"] == reference
+
+
+def test_guard_held_past_timeout_leaves_target_untouched(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    demo.hold(4)
+    result = cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "0.5")
+    assert result.returncode == ExitCode.TIMEOUT, result.stderr
+    assert "held hibernate.guard() for more than 0.5s" in result.stderr
+    assert not list(work_dir.rglob("manifest.json"))
+    assert_untouched(demo, cli, reference)
+
+
+def test_target_dying_in_the_middle_of_a_sleep(start_demo, cli, work_dir: Path, runtime_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    demo.hold(5)
+    outcome: list = []
+    sleeper = threading.Thread(
+        target=lambda: outcome.append(cli("sleep", str(demo.pid), "--to", str(work_dir)))
+    )
+    sleeper.start()
+    time.sleep(1.0)
+    demo.proc.kill()
+    demo.proc.wait()
+    sleeper.join(timeout=60)
+    assert outcome[0].returncode == ExitCode.NO_SUCH_PROCESS, outcome[0].stderr
+    assert f"process {demo.pid} exited during quiesce" in outcome[0].stderr
+    # Its socket is recognised as stale and removed, never trusted.
+    assert cli("ls", "--json").json()["agents"] == []
+    assert not list(runtime_dir.glob("agent-*.sock"))
+
+
+def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
+    assert run_cli("sleep").returncode == ExitCode.USAGE
+    assert run_cli("sleep", "not-a-pid", "--to", "/tmp/x").returncode == ExitCode.USAGE
+    result = run_cli("sleep", "1", "--to", "/tmp/x", "--io-mode", "sideways")
+    assert result.returncode == ExitCode.USAGE
+    assert "--io-mode must be auto, direct or buffered" in result.stderr

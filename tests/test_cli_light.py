@@ -1,0 +1,62 @@
+"""The CLI starts on machines without torch: importing it and --help never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+PROBE = """
+import sys
+sys.argv = ["hibernate", *{args!r}]
+from hibernate.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "vllm", "numpy") if m in sys.modules)
+print("HEAVY:", ",".join(heavy))
+"""
+
+
+def run_probe(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=list(args))],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    return out.strip().splitlines()[-1]
+
+
+def test_import_does_not_import_torch() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, hibernate.cli; print('torch' in sys.modules, 'vllm' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    assert out.strip() == "False False"
+
+
+def test_help_of_every_command_does_not_import_torch() -> None:
+    for command in ([], ["sleep"], ["wake"], ["status"], ["ls"], ["gc"]):
+        assert run_probe(*command, "--help") == "HEAVY:", command
+
+
+def test_ls_does_not_import_torch(runtime_dir) -> None:
+    assert run_probe("ls") == "HEAVY:"
+
+
+def test_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hibernate", "--version"], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0 and out.stdout.startswith("hibernate ")

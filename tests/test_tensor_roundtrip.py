@@ -1,0 +1,184 @@
+"""Every kind of tensor a program tracks comes back exactly, through a real snapshot on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hibernate
+from hibernate.errors import UsageError
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    *[
+        getattr(torch, n)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+        if hasattr(torch, n)
+    ],
+]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bytes viewed as ``dtype``: every bit pattern, NaNs included, must survive."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    numel = 1
+    for n in shape:
+        numel *= n
+    raw = torch.randint(
+        0, 256, (numel * element,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+        )
+    )
+
+
+def cycle(work_dir: Path) -> None:
+    report = hibernate.sleep(work_dir)
+    assert hibernate.state() == "asleep"
+    assert report["release"]["released_bytes"] >= 0
+    hibernate.wake()
+    assert hibernate.state() == "running"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_comes_back_bit_exact(fresh_agent, work_dir: Path, dtype: torch.dtype) -> None:
+    tensor = random_tensor(dtype, (37, 129), seed=1)
+    expected = tensor.clone()
+    hibernate.track(tensor, name="t")
+    hibernate.sleep(work_dir)
+    assert tensor.untyped_storage().nbytes() == 0, "memory is released while asleep"
+    hibernate.wake()
+    assert same_bytes(tensor, expected)
+
+
+def test_zero_sized_non_contiguous_and_shared_storages(fresh_agent, work_dir: Path) -> None:
+    base = random_tensor(torch.float32, (64, 48), seed=2)
+    transposed = base.t()  # non-contiguous view of the same storage
+    strided = base[::3, 5:]  # another view, with an offset
+    empty = torch.empty(0, 7)
+    other = random_tensor(torch.int16, (5, 5, 5), seed=3).permute(2, 0, 1)
+    expected = [t.clone() for t in (base, transposed, strided, empty, other)]
+    hibernate.track({"base": base, "t": transposed, "s": strided, "empty": empty, "other": other})
+    cycle(work_dir)
+    for got, want in zip((base, transposed, strided, empty, other), expected, strict=True):
+        assert same_bytes(got, want)
+    assert transposed.data_ptr() == base.data_ptr(), "views still share one storage after wake"
+    assert strided.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def test_module_with_tied_weights_buffers_and_gradients(fresh_agent, work_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100), torch.nn.BatchNorm1d(100)
+    )
+    model[1].weight = model[0].weight  # tied input and output embeddings, as in most LMs
+    loss = model(torch.arange(10)).sum()
+    loss.backward()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    hibernate.track(model)
+    cycle(work_dir)
+    for name, value in model.state_dict().items():
+        assert same_bytes(value, snapshot[name]), name
+    for name, param in model.named_parameters():
+        if name in grads:
+            assert same_bytes(param.grad, grads[name]), name
+    assert model[1].weight.data_ptr() == model[0].weight.data_ptr()
+
+
+def test_optimizer_state_comes_back(fresh_agent, work_dir: Path) -> None:
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    state = [
+        {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)} for s in optimizer.state.values()
+    ]
+    hibernate.track(model)
+    hibernate.track(optimizer, tag="optimizer")
+    cycle(work_dir)
+    for live, saved in zip(optimizer.state.values(), state, strict=True):
+        for key, value in saved.items():
+            assert same_bytes(live[key], value)
+
+
+def test_dropped_tags_come_back_zero_filled(fresh_agent, work_dir: Path) -> None:
+    weights = random_tensor(torch.bfloat16, (256, 256), seed=4)
+    cache = torch.full((8, 1024), 3.0)
+    expected = weights.clone()
+    hibernate.track(weights, name="w")
+    hibernate.track(cache, tag="kv_cache", keep=False, name="cache")
+    report = hibernate.sleep(work_dir)
+    assert report["spill"]["total_bytes"] == weights.nbytes
+    assert report["spill"]["dropped_bytes"] == cache.nbytes
+    hibernate.wake()
+    assert same_bytes(weights, expected)
+    assert torch.count_nonzero(cache) == 0
+
+
+def test_a_storage_shared_with_a_kept_tensor_is_kept(fresh_agent, work_dir: Path) -> None:
+    shared = torch.arange(1000, dtype=torch.int64)
+    hibernate.track(shared[:10], tag="kv_cache", keep=False, name="scratch")
+    hibernate.track(shared, name="weights")
+    cycle(work_dir)
+    assert torch.equal(shared, torch.arange(1000, dtype=torch.int64))
+
+
+def test_replaced_parameters_are_hibernated_as_they_are_now(fresh_agent, work_dir: Path) -> None:
+    model = torch.nn.Linear(8, 8)
+    hibernate.track(model)
+    model.weight = torch.nn.Parameter(torch.full((8, 8), 5.0))
+    cycle(work_dir)
+    assert torch.equal(model.weight, torch.full((8, 8), 5.0))
+
+
+def test_untrack_stops_hibernating(fresh_agent, work_dir: Path) -> None:
+    kept, dropped_from_tracking = torch.ones(100), torch.ones(100)
+    hibernate.track(kept, name="kept")
+    hibernate.track(dropped_from_tracking, name="gone")
+    assert hibernate.untrack(dropped_from_tracking)
+    hibernate.sleep(work_dir)
+    assert dropped_from_tracking.untyped_storage().nbytes() == 400
+    hibernate.wake()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (object(), "cannot track object"),
+        (torch.zeros(3).to_sparse(), "only strided tensors"),
+        (torch.empty(3, device="meta"), "is on meta"),
+    ],
+)
+def test_untrackable_objects_are_refused_clearly(fresh_agent, bad, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        hibernate.track(bad)
+
+
+def test_bad_tag_is_refused(fresh_agent) -> None:
+    with pytest.raises(UsageError, match="tag"):
+        hibernate.track(torch.ones(1), tag="a/b")
