@@ -1,0 +1,76 @@
+"""Fault injection: make hibernate fail, hang or die at a named point, for tests.
+
+    HIBERNATE_FAULT="sleep.after-spill:kill"          # SIGKILL this process there
+    HIBERNATE_FAULT="agent.spill:fail,wake.after-cuda:hang"
+
+Actions: ``fail`` (raise InjectedFault, the default), ``hang`` (sleep for an
+hour: a step that never returns), ``kill`` (SIGKILL ourselves: a process that
+dies with no chance to clean up). Unset, a point costs one environment lookup.
+
+Every phase boundary of sleep and wake is a point (see SLEEP_POINTS and
+WAKE_POINTS); a test checks that each orchestrator phase has one, so a new
+phase cannot be added without a way to break it on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from hibernate.errors import HibernateError
+
+ENV = "HIBERNATE_FAULT"
+
+# Orchestrator (CLI side) boundaries, in the order a sleep and a wake pass them.
+SLEEP_POINTS = (
+    "sleep.after-lock",
+    "sleep.after-connect",
+    "sleep.after-quiesce",
+    "sleep.during-spill",
+    "sleep.after-spill",
+    "sleep.after-release",
+    "sleep.after-cuda-lock",
+    "sleep.after-cuda",
+)
+WAKE_POINTS = (
+    "wake.after-lock",
+    "wake.after-connect",
+    "wake.after-cuda-restore",
+    "wake.after-cuda",
+    "wake.during-restore",
+    "wake.after-restore",
+    "wake.after-resume",
+)
+# Inside the agent and the store.
+AGENT_POINTS = ("agent.spill", "agent.release", "agent.restore", "store.write", "store.publish")
+
+
+class InjectedFault(HibernateError):
+    """A failure asked for by HIBERNATE_FAULT."""
+
+    wire_name = "injected-fault"
+
+
+def _actions() -> dict[str, str]:
+    spec = os.environ.get(ENV, "")
+    actions = {}
+    for item in spec.split(","):
+        name, _, action = item.strip().partition(":")
+        if name:
+            actions[name] = action or "fail"
+    return actions
+
+
+def point(name: str) -> None:
+    """Trigger the fault configured for ``name``, if any."""
+    if ENV not in os.environ:
+        return
+    action = _actions().get(name)
+    if action is None:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        time.sleep(3600)
+    raise InjectedFault(f"fault injected at {name}")

@@ -1,0 +1,125 @@
+"""The journal survives its writer; the per-target lock dies with its holder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hibernate import procinfo
+from hibernate.errors import BusyError
+from hibernate.journal import Entry, Journal, TargetLock, parse_entry
+from tests.conftest import REPO
+
+
+def this_process() -> procinfo.ProcessIdentity:
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    return ident
+
+
+def entry_for(ident: procinfo.ProcessIdentity, op: str = "sleep") -> Entry:
+    return Entry(
+        op=op,
+        pid=ident.pid,
+        start_time=ident.start_time,
+        cli_pid=12345,
+        directory="/snap",
+        members=[[ident.pid, ident.start_time]],
+        cuda_holders=[],
+    )
+
+
+def test_entries_record_every_completed_phase_durably(runtime_dir: Path) -> None:
+    journal = Journal(runtime_dir)
+    entry = entry_for(this_process())
+    journal.record(entry)
+    for phase in ("connect", "quiesce", "spill"):
+        journal.mark(entry, phase)
+    loaded = journal.load(this_process())
+    assert loaded is not None
+    assert loaded.phases == ["connect", "quiesce", "spill"] and loaded.last_phase == "spill"
+    assert (runtime_dir / "journal").stat().st_mode & 0o777 == 0o700
+    files = list((runtime_dir / "journal").iterdir())
+    assert [f.name for f in files] == [f"{os.getpid()}-{this_process().start_time}.json"]
+    assert files[0].stat().st_mode & 0o777 == 0o600
+    journal.remove(this_process())
+    assert journal.load(this_process()) is None
+
+
+def test_entries_of_dead_processes_are_dropped(runtime_dir: Path) -> None:
+    journal = Journal(runtime_dir)
+    dead = procinfo.ProcessIdentity(os.getpid(), 1)  # our pid with another start time: not us
+    journal.record(entry_for(dead))
+    journal.record(entry_for(this_process()))
+    assert [e.pid for e in journal.entries()] == [os.getpid()]
+    assert len(list((runtime_dir / "journal").iterdir())) == 1
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"version": 2}',
+        b'{"version": 1, "op": "explode", "pid": 1, "start_time": 1, "cli_pid": 1}',
+        b'{"version": 1, "op": "sleep", "pid": "1", "start_time": 1, "cli_pid": 1}',
+    ],
+)
+def test_damaged_entries_are_refused(damage: bytes) -> None:
+    with pytest.raises((ValueError, UnicodeDecodeError)):
+        parse_entry(damage)
+
+
+def test_a_damaged_entry_is_ignored_not_trusted(runtime_dir: Path) -> None:
+    journal = Journal(runtime_dir)
+    journal.record(entry_for(this_process()))
+    path = next((runtime_dir / "journal").iterdir())
+    path.write_bytes(b'{"version": 1, "op": "sleep", "pid": 1')
+    assert journal.load(this_process()) is None
+
+
+def test_the_lock_names_its_holder(runtime_dir: Path) -> None:
+    first = TargetLock(runtime_dir, this_process())
+    first.acquire("hibernate sleep (pid 111)")
+    second = TargetLock(runtime_dir, this_process())
+    with pytest.raises(BusyError, match=r"busy: hibernate sleep \(pid 111\) is operating on it"):
+        second.acquire("hibernate wake (pid 222)")
+    first.release()
+    second.acquire("hibernate wake (pid 222)")
+    second.release()
+
+
+def test_the_lock_is_released_when_its_holder_is_killed(runtime_dir: Path) -> None:
+    ident = this_process()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]);"
+            "from pathlib import Path; from hibernate.journal import TargetLock; from hibernate.procinfo import ProcessIdentity;"
+            "TargetLock(Path(sys.argv[2]), ProcessIdentity(int(sys.argv[3]), int(sys.argv[4]))).acquire('holder');"
+            "print('locked', flush=True); time.sleep(60)",
+            str(REPO),
+            str(runtime_dir),
+            str(ident.pid),
+            str(ident.start_time),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with pytest.raises(BusyError):
+        TargetLock(runtime_dir, ident).acquire("me")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    time.sleep(0.05)
+    lock = TargetLock(runtime_dir, ident)
+    lock.acquire("me")
+    lock.release()
