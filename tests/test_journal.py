@@ -96,16 +96,26 @@ def test_the_lock_names_its_holder(runtime_dir: Path) -> None:
     second.release()
 
 
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from hibernate.journal import TargetLock
+from hibernate.procinfo import ProcessIdentity
+ident = ProcessIdentity(int(sys.argv[3]), int(sys.argv[4]))
+TargetLock(Path(sys.argv[2]), ident).acquire("holder")
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
 def test_the_lock_is_released_when_its_holder_is_killed(runtime_dir: Path) -> None:
     ident = this_process()
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; sys.path.insert(0, sys.argv[1]);"
-            "from pathlib import Path; from hibernate.journal import TargetLock; from hibernate.procinfo import ProcessIdentity;"
-            "TargetLock(Path(sys.argv[2]), ProcessIdentity(int(sys.argv[3]), int(sys.argv[4]))).acquire('holder');"
-            "print('locked', flush=True); time.sleep(60)",
+            HOLD_LOCK,
             str(REPO),
             str(runtime_dir),
             str(ident.pid),
