@@ -1,0 +1,51 @@
+"""Soak: many sleep/wake cycles of the demo target, bit-exact every cycle, resources flat.
+
+Not in the default suite (marked ``soak``); ``scripts/soak`` runs it:
+    ./scripts/soak               # 200 cycles
+    SOAK_CYCLES=50 ./scripts/soak
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+CYCLES = int(os.environ.get("SOAK_CYCLES", "200"))
+WARMUP = 5
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.mark.soak
+def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=64)
+    reference = demo.infer()["digest"]
+    samples: dict[str, list[int]] = {"rss": [], "fds": [], "threads": [], "disk": []}
+    root = work_dir / f"proc-{demo.pid}"
+    mismatches = 0
+    for cycle in range(CYCLES):
+        asleep = cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet")
+        assert asleep.returncode == 0, f"cycle {cycle}: {asleep.stderr}"
+        woken = cli("wake", str(demo.pid), "--quiet")
+        assert woken.returncode == 0, f"cycle {cycle}: {woken.stderr}"
+        mismatches += demo.infer()["digest"] != reference
+        samples["rss"].append(demo.rss())
+        samples["fds"].append(demo.open_fds())
+        samples["threads"].append(thread_count(demo.pid))
+        samples["disk"].append(sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
+    summary = {
+        name: (min(values[WARMUP:]), statistics.median(values[WARMUP:]), max(values[WARMUP:]))
+        for name, values in samples.items()
+    }
+    print(f"\nsoak: {CYCLES} cycles, {mismatches} mismatches; (min, median, max) after warm-up: {summary}")
+    assert mismatches == 0
+    early, late = samples["rss"][WARMUP : WARMUP + 10], samples["rss"][-10:]
+    assert statistics.median(late) - statistics.median(early) < 16 << 20, "RSS grew"
+    assert max(samples["fds"][WARMUP:]) - min(samples["fds"][WARMUP:]) <= 1, "file descriptors grew"
+    assert max(samples["threads"][WARMUP:]) - min(samples["threads"][WARMUP:]) <= 1, "threads grew"
+    assert max(samples["disk"][WARMUP:]) - min(samples["disk"][WARMUP:]) <= 1 << 16, "disk use grew"
