@@ -44,8 +44,17 @@ def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> Non
     }
     print(f"\nsoak: {CYCLES} cycles, {mismatches} mismatches; (min, median, max) after warm-up: {summary}")
     assert mismatches == 0
-    early, late = samples["rss"][WARMUP : WARMUP + 10], samples["rss"][-10:]
-    assert statistics.median(late) - statistics.median(early) < 16 << 20, "RSS grew"
-    assert max(samples["fds"][WARMUP:]) - min(samples["fds"][WARMUP:]) <= 1, "file descriptors grew"
-    assert max(samples["threads"][WARMUP:]) - min(samples["threads"][WARMUP:]) <= 1, "threads grew"
+    # A leak shows as a trend: the median of the last cycles above that of the first ones.
+    # Single samples may catch a request's connection thread or socket still closing.
+    window = max(5, (CYCLES - WARMUP) // 10)
+
+    def trend(name: str) -> float:
+        values = samples[name]
+        return statistics.median(values[-window:]) - statistics.median(values[WARMUP : WARMUP + window])
+
+    assert trend("rss") < 16 << 20, "RSS grew"
+    assert trend("fds") <= 0, "file descriptors grew"
+    assert trend("threads") <= 0, "threads grew"
+    for name in ("fds", "threads"):
+        assert max(samples[name]) <= statistics.median(samples[name]) + 2, f"{name} spiked"
     assert max(samples["disk"][WARMUP:]) - min(samples["disk"][WARMUP:]) <= 1 << 16, "disk use grew"
