@@ -73,7 +73,6 @@ def test_spill_and_restore_through_the_cuda_runtime_are_exact_on_a_non_zero_devi
     reservations: HostReservations, cudart: FakeCudaRT, work_dir: Path
 ) -> None:
     backend, allocator, contents = make_backend(reservations, cudart, work_dir, device=2)
-    streams_after_first_cycle = 0
     for cycle in range(3):
         backend.suspend(1)
         assert not any(reservations.is_mapped(a) for a in contents)
@@ -82,11 +81,8 @@ def test_spill_and_restore_through_the_cuda_runtime_are_exact_on_a_non_zero_devi
             tag = allocator.pointer_to_data[address].tag
             expected = bytes(len(before)) if tag in ("kv_cache", "workspace") else before
             assert reservations.read(address, len(before)) == expected, f"cycle {cycle}: {tag}"
-        if cycle == 0:
-            streams_after_first_cycle = cudart.counter("fake_streams_created")
-    # Streams are pooled: later spills (with fresh staging threads) create none.
-    assert 0 < streams_after_first_cycle <= 4
-    assert cudart.counter("fake_streams_created") == streams_after_first_cycle
+    # Streams are pooled: as many as ever ran at once (three readers), not one per thread per cycle.
+    assert 0 < cudart.counter("fake_streams_created") <= 4
     # Staging was page-locked within its budget and released after each transfer.
     assert 0 < cudart.counter("fake_registered_peak") <= 4 << 20
     assert cudart.counter("fake_registered_bytes") == 0

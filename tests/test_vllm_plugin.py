@@ -108,6 +108,22 @@ def test_register_does_not_stop_vllm_when_the_agent_cannot_start(
     assert "agent not started" in caplog.text
 
 
+def test_without_its_control_socket_the_process_still_gets_an_agent_for_the_backend(
+    fresh_agent: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import hibernate.agent.server
+
+    def unbindable(*args: object) -> None:
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setenv("HIBERNATE_AGENT", "1")
+    monkeypatch.setattr(hibernate.agent.server, "AgentServer", unbindable)
+    with caplog.at_level(logging.WARNING, logger="vllm.hibernate"):
+        agent = integration._process_agent()
+    assert agent.kind == "vllm" and isinstance(agent.pool(CuMemPool.name), CuMemPool)
+    assert "control socket not started" in caplog.text
+
+
 def test_register_leaves_a_backend_of_the_same_name_from_another_plugin_alone(
     clean_vllm: None, caplog: pytest.LogCaptureFixture
 ) -> None:

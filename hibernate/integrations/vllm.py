@@ -175,7 +175,7 @@ def _process_agent() -> Hibernator:
     """This process's agent, started (socket included) if it is not yet."""
     try:
         agent = hibernator(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
-    except HibernateError as exc:
+    except (HibernateError, OSError) as exc:  # the backend works without it; only `ls` is blind
         log.warning(
             "hibernate: control socket not started (%s); `hibernate ls` will not show pid %d",
             exc,
@@ -211,8 +211,12 @@ def register() -> None:
 
     try:
         SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, HibernateBackend.__name__)
-    except ValueError:
-        if SleepModeBackendFactory.get_backend_class(BACKEND_NAME) is not HibernateBackend:
+    except ValueError:  # registered before: by us (idempotent), or by someone else
+        try:
+            ours = SleepModeBackendFactory.get_backend_class(BACKEND_NAME) is HibernateBackend
+        except Exception:  # the other registration does not even load
+            ours = False
+        if not ours:
             log.error("hibernate: another plugin registered a sleep-mode backend named %r", BACKEND_NAME)
             return
     _start_agent_quietly()

@@ -158,6 +158,7 @@ class CuMemRegion:
         self._address = int(address)
         self._nbytes = int(nbytes)
         self._keep = keep
+        self._tag = data.tag
         self._key = f"{data.tag}/{self._address:#x}"
         self._meta = {"device": self._device, "address": self._address}
 
@@ -167,7 +168,7 @@ class CuMemRegion:
 
     @property
     def tag(self) -> str:
-        return self._data.tag
+        return self._tag
 
     @property
     def keep(self) -> bool:
