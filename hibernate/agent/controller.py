@@ -12,6 +12,17 @@ so a failure or a vanished client rolls back to ``running``. ``asleep`` is the
 one state that outlives its client: it holds a verified snapshot and only a
 ``restore`` (from any later client) leaves it.
 
+A restore may bring back only some regions (vLLM's deferred wake: weights now,
+KV cache later). That is ``restore_part``: the process stays ``asleep``, with
+fewer regions pending, until a restore that leaves nothing pending moves it to
+``quiesced``. :func:`plan_restore` is that rule.
+
+Some processes are put to sleep by a program inside them rather than by a
+hibernate client: a vLLM worker sleeps when its server's ``/sleep`` asks it to,
+so that its scheduler has stopped first. Such a process names a *sleep driver*;
+a client's ``quiesce`` is then refused (a restore, which only brings memory
+back, is still allowed, for recovery).
+
 One client at a time owns the agent (a *session*); another gets a BusyError
 naming the owner. Operations run on the owner's thread; the client's liveness
 is polled through ``Session.cancelled`` so a killed client aborts a spill.
@@ -19,11 +30,12 @@ is polled through ``Session.cancelled`` so a killed client aborts a spill.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -31,7 +43,7 @@ from typing import Any
 
 from hibernate import __version__, procinfo
 from hibernate.agent.guard import Guard
-from hibernate.errors import BusyError, HibernateError, UsageError, WrongStateError
+from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, summarize
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
@@ -51,6 +63,7 @@ _TRANSITIONS: dict[str, tuple[frozenset[AgentState], AgentState]] = {
     "spill": (frozenset({AgentState.QUIESCED}), AgentState.SPILLED),
     "release": (frozenset({AgentState.SPILLED}), AgentState.ASLEEP),
     "restore": (frozenset({AgentState.ASLEEP}), AgentState.QUIESCED),
+    "restore_part": (frozenset({AgentState.ASLEEP}), AgentState.ASLEEP),
     "resume": (
         frozenset({AgentState.QUIESCED, AgentState.SPILLED, AgentState.RUNNING}),
         AgentState.RUNNING,
@@ -67,19 +80,53 @@ def next_state(op: str, state: AgentState) -> AgentState:
     if state not in allowed:
         if state is AgentState.ASLEEP:
             raise WrongStateError("the process is already asleep", hint="wake it first")
-        if op == "restore":
+        if op in ("restore", "restore_part"):
             raise WrongStateError(f"the process is not asleep (it is {state.value})")
         raise WrongStateError(f"cannot {op} while the process is {state.value}")
     return target
 
 
+def plan_restore(pending: Sequence[bool], wanted: Sequence[bool]) -> tuple[list[int], str]:
+    """Which regions a restore brings back now, and the transition it makes.
+
+    ``pending[i]``: region i is still released; ``wanted[i]``: the caller asks
+    for it. The regions both pending and wanted come back; the op is
+    ``restore`` (asleep -> quiesced) when no pending region is left behind,
+    else ``restore_part`` (the process stays asleep).
+    """
+    if len(pending) != len(wanted):
+        raise ValueError("pending and wanted must describe the same regions")
+    now = [i for i, (p, w) in enumerate(zip(pending, wanted, strict=True)) if p and w]
+    left_behind = any(p and not w for p, w in zip(pending, wanted, strict=True))
+    return now, "restore_part" if left_behind else "restore"
+
+
+@dataclass(frozen=True)
+class SleepDriver:
+    """A program inside the process that puts its memory to sleep (see the module docstring)."""
+
+    name: str  # e.g. "vLLM"
+    hint: str  # how to put this process to sleep instead
+
+
+def refuse_client_sleep(driver: SleepDriver | None, in_process: bool, pid: int) -> None:
+    """A client may start a sleep unless the process has a driver and the caller is not it."""
+    if driver is not None and not in_process:
+        raise UnsupportedError(
+            f"process {pid} is put to sleep by {driver.name} from inside, not by a hibernate client; "
+            "nothing was changed",
+            hint=driver.hint,
+        )
+
+
 @dataclass
 class Session:
-    """Whoever drives the agent now: a socket client or the process itself."""
+    """Whoever drives the agent now: a socket client or the process itself (``in_process``)."""
 
     description: str
     cancelled: Callable[[], bool] = field(default=lambda: False)
     progress: Callable[[dict[str, Any]], None] | None = None
+    in_process: bool = False
 
 
 @dataclass
@@ -89,6 +136,7 @@ class _Sleep:
     regions: list[tuple[Pool, list[SpillableRegion]]]
     root: Path
     snapshot: str
+    restored: set[int] = field(default_factory=set)  # indices into all_regions a partial restore brought back
 
     @property
     def all_regions(self) -> list[SpillableRegion]:
@@ -97,6 +145,45 @@ class _Sleep:
     @property
     def kept(self) -> list[SpillableRegion]:
         return [r for r in self.all_regions if r.keep]
+
+    def pending(self) -> list[bool]:
+        return [i not in self.restored for i in range(len(self.all_regions))]
+
+
+class _NotNow:
+    """A kept region a partial restore leaves for later: read and verified, not copied in.
+
+    The reader wants every record of the snapshot; this stands for one whose
+    bytes must not land yet (its memory is not even mapped).
+    """
+
+    def __init__(self, region: SpillableRegion) -> None:
+        self._region = region
+
+    @property
+    def key(self) -> str:
+        return self._region.key
+
+    @property
+    def tag(self) -> str:
+        return self._region.tag
+
+    @property
+    def nbytes(self) -> int:
+        return self._region.nbytes
+
+    @property
+    def meta(self) -> Any:
+        return self._region.meta
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        raise AssertionError("a region left for later is never written")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        pass
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return None
 
 
 def _bytes_option(args: dict[str, Any], name: str, default: int) -> int:
@@ -135,6 +222,7 @@ class Hibernator:
         self._sleep: _Sleep | None = None
         self._last_snapshot: dict[str, Any] | None = None
         self.default_dir: Path | None = None
+        self.sleep_driver: SleepDriver | None = None
 
     # -- pools ---------------------------------------------------------------
 
@@ -177,7 +265,13 @@ class Hibernator:
             "pools": summaries,
             "snapshot": snapshot,
             "default_dir": str(self.default_dir) if self.default_dir else None,
+            "sleep_driver": self.sleep_driver.name if self.sleep_driver else None,
         }
+
+    def configure(self, directory: Path | None) -> dict[str, Any]:
+        """Where later sleeps spill when they are not told (a driven process's own sleeps)."""
+        self.default_dir = directory
+        return self.status()
 
     # -- sessions ------------------------------------------------------------
 
@@ -216,6 +310,8 @@ class Hibernator:
     # -- operations ----------------------------------------------------------
 
     def quiesce(self, session: Session, timeout: float) -> dict[str, Any]:
+        refuse_client_sleep(self.sleep_driver, session.in_process, self.identity.pid)
+
         def action() -> dict[str, Any]:
             started = time.perf_counter()
             self.guard.close(timeout, session.cancelled)
@@ -277,7 +373,7 @@ class Hibernator:
                 for pool, _ in sleeping.regions:
                     pool.after_release()
             except BaseException:
-                self._refill(sleeping, session, {})
+                self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))))
                 raise
             return {
                 "released_bytes": sum(r.nbytes for r in sleeping.all_regions),
@@ -288,50 +384,88 @@ class Hibernator:
 
         return self._transition(session, "release", action)
 
-    def restore(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    def restore(
+        self,
+        session: Session,
+        args: dict[str, Any],
+        wanted: Callable[[SpillableRegion], bool] | None = None,
+    ) -> dict[str, Any]:
+        """Bring back the pending regions ``wanted`` selects (all by default); see plan_restore."""
+        with self._mutex:
+            sleeping = self._sleep
+        indices: list[int] = []
+        op = "restore"
+        if sleeping is not None:
+            regions = sleeping.all_regions
+            indices, op = plan_restore(sleeping.pending(), [wanted is None or wanted(r) for r in regions])
+
         def action() -> dict[str, Any]:
             sleeping = self._require_sleep()
             rss_before = procinfo.resident_bytes(os.getpid())
-            report = self._refill(sleeping, session, args)
+            report = self._refill(sleeping, session, args, indices)
+            sleeping.restored.update(indices)
             report["rss_before"] = rss_before
             report["rss_after"] = procinfo.resident_bytes(os.getpid())
+            report["complete"] = op == "restore"
             return report
 
-        return self._transition(session, "restore", action)
+        return self._transition(session, op, action)
 
-    def _refill(self, sleeping: _Sleep, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        """Memory back and bytes back, verified; on any failure release again (stay asleep)."""
+    def _refill(
+        self, sleeping: _Sleep, session: Session, args: dict[str, Any], indices: Sequence[int]
+    ) -> dict[str, Any]:
+        """Memory and bytes back for the regions at ``indices``, verified.
+
+        On any failure those regions are released again (the process stays
+        asleep); regions an earlier partial restore brought back are left alone,
+        since the program may have changed them since.
+        """
         options = write_options(args)
-        with (
-            SpillRoot(sleeping.root) as root,
-            SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode) as reader,
-        ):
-            reader.check_matches(sleeping.kept)
+        regions = sleeping.all_regions
+        chosen = [regions[i] for i in indices]
+        fill = {i for i in indices if regions[i].keep}
+        # The reader walks every record; those not chosen now are read, verified and skipped.
+        targets: list[Any] = [r if i in fill else _NotNow(r) for i, r in enumerate(regions) if r.keep]
+        with contextlib.ExitStack() as stack:
+            reader: SnapshotReader | None = None
+            if fill:  # refuse what can be found wrong before any memory is touched
+                root = stack.enter_context(SpillRoot(sleeping.root))
+                reader = stack.enter_context(SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode))
+                reader.check_matches(targets)
             try:
-                for region in sleeping.all_regions:
+                for region in chosen:
                     region.reallocate()
-                pin = next(
-                    (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
-                    None,
-                )
-                result = reader.read_into(
-                    sleeping.kept,
-                    buffer_bytes=options.buffer_bytes,
-                    progress=_progress_reporter(session, "restore"),
-                    cancelled=session.cancelled,
-                    pin=pin,
-                )
-                for region in sleeping.all_regions:
+                if reader is not None:
+                    pin = next(
+                        (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
+                        None,
+                    )
+                    report = reader.read_into(
+                        targets,
+                        buffer_bytes=options.buffer_bytes,
+                        progress=_progress_reporter(session, "restore"),
+                        cancelled=session.cancelled,
+                        pin=pin,
+                    ).to_wire()
+                else:
+                    report = {
+                        "snapshot": sleeping.snapshot,
+                        "total_bytes": 0,
+                        "seconds": 0.0,
+                        "io_mode": None,
+                        "staging_bytes": 0,
+                    }
+                for region in chosen:
                     if not region.keep:
                         region.zero()
             except BaseException:
-                for region in sleeping.all_regions:
+                for region in chosen:
                     region.release()
                 for pool, _ in sleeping.regions:
                     pool.after_release()
                 raise
-        report = result.to_wire()
-        report["zeroed_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
+        report["zeroed_bytes"] = sum(r.nbytes for r in chosen if not r.keep)
+        report["restored_regions"] = len(chosen)
         return report
 
     def resume(self, session: Session) -> dict[str, Any]:
@@ -354,7 +488,7 @@ class Hibernator:
     # -- the in-process API (hibernate.sleep / hibernate.wake) -----------------
 
     def sleep_here(self, directory: Path | None, timeout: float, args: dict[str, Any]) -> dict[str, Any]:
-        session = Session(f"this process (pid {self.identity.pid})")
+        session = Session(f"this process (pid {self.identity.pid})", in_process=True)
         self.begin(session)
         try:
             report = {"quiesce": self.quiesce(session, timeout)}
@@ -364,12 +498,16 @@ class Hibernator:
         finally:
             self.end(session)
 
-    def wake_here(self, args: dict[str, Any]) -> dict[str, Any]:
-        session = Session(f"this process (pid {self.identity.pid})")
+    def wake_here(
+        self, args: dict[str, Any], wanted: Callable[[SpillableRegion], bool] | None = None
+    ) -> dict[str, Any]:
+        """Restore (the ``wanted`` regions, default all) and resume once nothing is pending."""
+        session = Session(f"this process (pid {self.identity.pid})", in_process=True)
         self.begin(session)
         try:
-            report = {"restore": self.restore(session, args)}
-            report["resume"] = self.resume(session)
+            report = {"restore": self.restore(session, args, wanted)}
+            if self.state is AgentState.QUIESCED:
+                report["resume"] = self.resume(session)
             return report
         finally:
             self.end(session)

@@ -110,6 +110,11 @@ class _Connection:
         if op == "end":
             h.end(s)
             return h.status()
+        if op == "configure":
+            directory = args.get("dir")
+            if directory is not None and (not isinstance(directory, str) or not os.path.isabs(directory)):
+                raise UsageError(f"dir must be an absolute path or null, got {directory!r}")
+            return h.configure(Path(directory) if directory else None)
         if op == "quiesce":
             timeout = args.get("timeout", 30.0)
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:

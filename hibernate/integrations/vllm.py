@@ -1,0 +1,384 @@
+"""hibernate as a vLLM sleep-mode backend: ``--sleep-mode-backend hibernate``.
+
+vLLM 0.33 lets a plugin add a sleep-mode backend (RFC #34303). Its own
+``cumem`` backend keeps a pinned host copy of the weights (level 1) or throws
+them away (level 2). This one streams what must survive to a snapshot
+directory through the store's bounded staging (never a whole host copy),
+releases the physical memory with vLLM's own extension while the virtual
+addresses stay reserved, and on wake maps it back at the same addresses and
+reads it back verified. Nothing is torn down, so communicators, compiled
+kernels and CUDA graphs stay valid.
+
+How it is wired:
+
+* :func:`register` is the ``vllm.general_plugins`` entry point. vLLM calls it in
+  every process it starts (API server, engine core, workers), possibly more than
+  once. It registers the backend with ``SleepModeBackendFactory`` and starts this
+  process's hibernate agent (kind ``vllm``) so ``hibernate ls`` shows the server
+  and its workers. Workers forked from a process that already loaded plugins do
+  not run plugins again, so it also starts the agent again after a fork.
+* vLLM creates :class:`HibernateBackend` in each worker, lazily, at the first
+  sleep. The backend drives this process's :class:`~hibernate.agent.Hibernator`
+  (quiesce, spill, release; restore, resume) over a
+  :class:`~hibernate.pools.vllm.CuMemPool`, rather than a state machine of its own.
+* A hibernate client cannot start a sleep of a vLLM process itself: the worker's
+  scheduler must stop first, which only the server's ``/sleep`` does. A client
+  may set where the spill goes (agent op ``configure``).
+
+Where the spill goes: the directory a hibernate client configured on the
+agent, else ``$HIBERNATE_DIR``, else ``$XDG_CACHE_HOME/hibernate`` (default
+``~/.cache/hibernate``); under it, one directory per worker,
+``vllm-rank<R>-pid<PID>``. The pid is part of the name because a snapshot is
+only good for the process that wrote it, and two servers sharing a directory
+must never retire each other's snapshots.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeState
+
+from hibernate.agent import AgentState, Hibernator, hibernator
+from hibernate.agent.controller import SleepDriver, write_options
+from hibernate.errors import HibernateError, UnsupportedError, UsageError
+from hibernate.pools.device import DeviceMemory
+from hibernate.pools.vllm import (
+    CUMEM_MODULE,
+    AllocatorLike,
+    CuMemPool,
+    check_level,
+    default_device,
+    live_allocator,
+    require_allocator,
+    wakes,
+)
+
+# vLLM's logging configuration covers the ``vllm`` logger tree; a child of it
+# puts our lines in the server's log, formatted like vLLM's own.
+log = logging.getLogger("vllm.hibernate")
+
+BACKEND_NAME = "hibernate"
+AGENT_KIND = "vllm"
+DIR_ENV = "HIBERNATE_DIR"
+SELF_CHECKPOINT_ENV = "HIBERNATE_SELF_CHECKPOINT"
+BUFFER_ENV = "HIBERNATE_BUFFER_MB"
+CHUNK_ENV = "HIBERNATE_CHUNK_MB"
+QUIESCE_TIMEOUT_S = 30.0
+DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
+
+VLLM_DRIVER = SleepDriver(
+    name="vLLM",
+    hint=(
+        "ask the vLLM server: POST /sleep?level=1 (served with VLLM_SERVER_DEV_MODE=1); "
+        f"its workers spill to ${DIR_ENV} or to the directory set with the agent's configure op"
+    ),
+)
+
+
+# -- small pure rules --------------------------------------------------------------
+
+
+def worker_name(rank: int | None, pid: int) -> str:
+    """The agent's name, and its directory under the spill base (see the module docstring)."""
+    return f"vllm-pid{pid}" if rank is None else f"vllm-rank{rank}-pid{pid}"
+
+
+def rank_from(distributed_rank: int | None, environ: Mapping[str, str]) -> int | None:
+    """This worker's rank: torch.distributed's when it is up, else ``$RANK``, else unknown."""
+    if distributed_rank is not None:
+        return distributed_rank
+    raw = environ.get("RANK", "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def spill_base(configured: Path | None, environ: Mapping[str, str]) -> Path:
+    """Where this process's sleeps spill: configured, else ``$HIBERNATE_DIR``, else per-user cache."""
+    if configured is not None:
+        return configured
+    if environ.get(DIR_ENV):
+        return Path(environ[DIR_ENV]).expanduser().absolute()
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or Path.home(), ".cache")
+    return Path(cache).expanduser().absolute() / "hibernate"
+
+
+def flag(environ: Mapping[str, str], name: str) -> bool:
+    """A yes/no environment variable; anything unclear is refused rather than guessed."""
+    raw = environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"{name}={environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
+
+
+def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Staging budget and chunk size for spill and restore, from the environment, validated."""
+    args: dict[str, Any] = {}
+    for env, key in ((BUFFER_ENV, "buffer_mb"), (CHUNK_ENV, "chunk_mb")):
+        raw = environ.get(env, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit():
+            raise UsageError(f"{env}={raw!r} is not a whole number of MiB")
+        args[key] = int(raw)
+    try:
+        write_options(args)
+    except UsageError as exc:
+        raise UsageError(f"{BUFFER_ENV}/{CHUNK_ENV}: {exc.message}") from exc
+    return args
+
+
+def refuse_self_checkpoint(environ: Mapping[str, str]) -> None:
+    """``HIBERNATE_SELF_CHECKPOINT=1`` needs a cuda-checkpoint helper this version does not have.
+
+    The full hibernation from plain ``/sleep`` would have a helper process lock
+    and checkpoint this worker after ``suspend`` (a process cannot checkpoint
+    itself). Until hibernate's cuda-checkpoint support lands, say so before
+    anything is touched instead of silently doing half of it.
+    """
+    if flag(environ, SELF_CHECKPOINT_ENV):
+        raise UnsupportedError(
+            f"{SELF_CHECKPOINT_ENV}=1 asks for this worker to be cuda-checkpointed after each sleep; "
+            "that needs hibernate's cuda-checkpoint support, which this version does not include",
+            hint=f"unset {SELF_CHECKPOINT_ENV}: /sleep then frees the model's pools and keeps the context",
+        )
+
+
+# -- this process ------------------------------------------------------------------
+
+
+def _torch_rank() -> int | None:
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return None
+
+
+def _adopt(agent: Hibernator, *, with_pool: bool = True) -> Hibernator:
+    """Mark an agent as a vLLM process's and (by default) give it this process's CuMemAllocator pool."""
+    agent.kind = AGENT_KIND
+    agent.sleep_driver = VLLM_DRIVER
+    if with_pool and agent.pool(CuMemPool.name) is None:
+        agent.add_pool(CuMemPool())
+    return agent
+
+
+def _process_agent() -> Hibernator:
+    """This process's agent, started (socket included) if it is not yet."""
+    try:
+        agent = hibernator(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
+    except (HibernateError, OSError) as exc:  # the backend works without it; only `ls` is blind
+        log.warning(
+            "hibernate: control socket not started (%s); `hibernate ls` will not show pid %d",
+            exc,
+            os.getpid(),
+        )
+        agent = hibernator(name=worker_name(None, os.getpid()), kind=AGENT_KIND, serve=False)
+    return _adopt(agent)
+
+
+def _vllm_deferrable_tags() -> tuple[str, ...]:
+    """The tags vLLM lets a wake defer, from vLLM itself when it says."""
+    try:
+        from vllm.device_allocator import DEFERRABLE_TAGS
+    except ImportError:
+        return DEFAULT_DEFERRABLE_TAGS
+    return tuple(DEFERRABLE_TAGS)
+
+
+# -- the plugin --------------------------------------------------------------------
+
+_fork_hook_installed = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: harmless to call any number of times.
+
+    Never raises: a failure here would stop vLLM from starting at all, while
+    without the agent only ``hibernate ls`` is blind (the backend starts the
+    agent again when it is created, and reports a real error then).
+    """
+    global _fork_hook_installed
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    try:
+        SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, HibernateBackend.__name__)
+    except ValueError:  # registered before: by us (idempotent), or by someone else
+        try:
+            ours = SleepModeBackendFactory.get_backend_class(BACKEND_NAME) is HibernateBackend
+        except Exception:  # the other registration does not even load
+            ours = False
+        if not ours:
+            log.error("hibernate: another plugin registered a sleep-mode backend named %r", BACKEND_NAME)
+            return
+    _start_agent_quietly()
+    if not _fork_hook_installed:
+        # Registered after hibernate.agent's own reset hook, so it runs after it.
+        os.register_at_fork(after_in_child=_start_agent_quietly)
+        _fork_hook_installed = True
+
+
+def _start_agent_quietly() -> None:
+    try:
+        _process_agent()
+    except Exception as exc:  # see register(): never stop vLLM for the agent's sake
+        log.warning("hibernate: agent not started in pid %d: %s", os.getpid(), exc)
+
+
+# -- the backend -------------------------------------------------------------------
+
+
+def _fixed(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+class HibernateBackend(SleepModeBackend):
+    """Sleep to disk: level 1 keeps weights and runtime state, level 2 only runtime state.
+
+    vLLM creates it with no arguments; the keyword arguments are for embedding
+    and tests (an allocator and device memory of one's own, an agent not the
+    process's).
+    """
+
+    def __init__(
+        self,
+        *,
+        allocator: AllocatorLike | None = None,
+        device: DeviceMemory | None = None,
+        agent: Hibernator | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self._environ: Mapping[str, str] = os.environ if environ is None else environ
+        refuse_self_checkpoint(self._environ)
+        self._args = staging_args(self._environ)
+        self._deferrable: Collection[str] = _vllm_deferrable_tags()
+        self._agent = _adopt(agent, with_pool=False) if agent is not None else _process_agent()
+        self._pool = self._attach_pool(allocator, device)
+        rank = rank_from(_torch_rank(), self._environ)
+        if rank is not None:
+            self._agent.name = worker_name(rank, self._agent.identity.pid)
+        self.last_report: dict[str, Any] = {}
+
+    def _attach_pool(self, allocator: AllocatorLike | None, device: DeviceMemory | None) -> CuMemPool:
+        existing = self._agent.pool(CuMemPool.name)
+        if allocator is None and device is None and isinstance(existing, CuMemPool):
+            return existing
+        if existing is not None and (allocator is not None or device is not None):
+            raise UsageError("this agent already has a vLLM pool; give the backend an agent of its own")
+        pool = CuMemPool(
+            allocator=_fixed(allocator) if allocator is not None else live_allocator,
+            device=_fixed(device) if device is not None else default_device,
+        )
+        self._agent.add_pool(pool)
+        return pool
+
+    @property
+    def agent(self) -> Hibernator:
+        return self._agent
+
+    @property
+    def pool(self) -> CuMemPool:
+        return self._pool
+
+    def _settled_state(self) -> SleepModeState:
+        """SUSPENDED while anything is released (sleeping, partly woken or discarded)."""
+        if self._agent.state is AgentState.ASLEEP or self._pool.asleep_tags():
+            return "SUSPENDED"
+        return "RUNNING"
+
+    # -- SleepModeBackend ------------------------------------------------------
+
+    def suspend(self, level: int = 1) -> None:
+        check_level(level)
+        require_allocator(self._pool)
+        report: dict[str, Any] = {}
+        try:
+            if self._agent.state is AgentState.ASLEEP:
+                # Partly woken (deferred wake) and asked to sleep again, as vLLM allows:
+                # bring the rest back first so the new snapshot holds everything.
+                report["finish_wake"] = self._agent.wake_here(self._args)
+            self._pool.set_level(level)
+            base = spill_base(self._agent.default_dir, self._environ)
+            self._pool.synchronize()
+            report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+        finally:
+            self._state = self._settled_state()
+        self.last_report = report
+        spill, release = report["spill"], report["release"]
+        log.info(
+            "hibernate: level %d sleep kept %.2f GiB in %s (%.2f GiB written), dropped %.2f GiB, "
+            "released %.2f GiB in %.2f s",
+            level,
+            spill["total_bytes"] / 2**30,
+            spill["path"],
+            spill["written_bytes"] / 2**30,
+            spill["dropped_bytes"] / 2**30,
+            release["released_bytes"] / 2**30,
+            spill["seconds"] + release["seconds"],
+        )
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        requested = None if tags is None else tuple(tags)
+
+        def wanted(tag: str) -> bool:
+            return wakes(tag, requested, self._deferrable)
+
+        self._state = "RESUMING"
+        report: dict[str, Any] = {}
+        try:
+            if self._agent.state is AgentState.ASLEEP:
+                report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
+            report["loose"] = self._pool.wake_loose(wanted)
+        finally:
+            self._state = self._settled_state()
+        self.last_report = report
+        restore = report.get("restore", {})
+        log.info(
+            "hibernate: woke %s: %.2f GiB read back and verified, %.2f GiB zero-filled%s",
+            "everything" if requested is None else f"tags {list(requested)}",
+            restore.get("total_bytes", 0) / 2**30,
+            (restore.get("zeroed_bytes", 0) + report["loose"]["mapped_bytes"]) / 2**30,
+            "" if self._state == "RUNNING" else "; the rest stays asleep",
+        )
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        try:
+            self.last_report = self._pool.discard(tags)
+        finally:
+            self._state = self._settled_state()
+
+    # -- capabilities ----------------------------------------------------------
+
+    @classmethod
+    def is_supported(cls) -> bool:
+        """Where vLLM's cumem allocator works (its import fails without a driver)."""
+        try:
+            module = importlib.import_module(CUMEM_MODULE)
+        except Exception:  # ImportError without libcuda; anything else means unusable too
+            return False
+        return bool(getattr(module, "cumem_available", False))
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True  # the CUDA context and its communicators are never torn down
+
+    @classmethod
+    def preserves_compiled_artifacts(cls) -> bool:
+        return True
+
+    @classmethod
+    def preserves_graphs_with_communicators(cls) -> bool:
+        return True  # pools come back at the same virtual addresses
+
+    @classmethod
+    def supports_durable_storage(cls) -> bool:
+        return False  # the snapshot only holds the pools; the rest of the process is in memory

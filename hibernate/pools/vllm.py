@@ -1,0 +1,359 @@
+"""vLLM's CuMemAllocator allocations as a hibernate pool.
+
+vLLM allocates its weights, KV cache and scratch through ``CuMemAllocator``
+pools; every allocation is an ``AllocationData(handle, tag, cpu_backup_tensor,
+is_asleep)`` in ``allocator.pointer_to_data``, keyed by its device address.
+This pool offers each *mapped* allocation to the agent as one region, whose
+``keep`` follows the sleep level, and releases and maps it back with vLLM's own
+extension so its virtual address never changes.
+
+The pool keeps vLLM's bookkeeping exactly as vLLM's own sleep would leave it
+(``is_asleep`` set on release and cleared on map, no ``cpu_backup_tensor``,
+since the contents are on disk instead), so vLLM's discard, wake and free paths
+stay valid. Allocations that are already asleep when a sleep starts (discarded
+by vLLM, say) are not part of that sleep: nothing of them is left to spill, and
+:meth:`CuMemPool.wake_loose` maps them back under the same tag rules.
+
+Nothing here imports vLLM or torch: the records are read through their fields,
+and the rules are small pure functions the integration feeds vLLM's own
+constants into.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from hibernate.errors import UnsupportedError, UsageError
+from hibernate.pools.base import SpillableRegion
+from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn
+
+log = logging.getLogger(__name__)
+
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+
+# vLLM's tags. Only these are dropped; see keeps().
+DROPPED_AT_LEVEL: Mapping[int, frozenset[str]] = {
+    1: frozenset({"kv_cache", "workspace"}),
+    2: frozenset({"kv_cache", "workspace", "weights"}),
+}
+SLEEP_LEVELS = tuple(sorted(DROPPED_AT_LEVEL))
+
+
+# -- the tag rules -----------------------------------------------------------------
+
+
+def check_level(level: int) -> int:
+    if isinstance(level, bool) or level not in DROPPED_AT_LEVEL:
+        raise UsageError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, not {level!r}")
+    return level
+
+
+def keeps(tag: str, level: int) -> bool:
+    """Whether an allocation with ``tag`` survives a sleep at ``level`` (written to disk).
+
+    Level 1 drops what vLLM rebuilds or never reads back (``kv_cache``,
+    ``workspace``); level 2 also drops ``weights``, which vLLM reloads itself.
+    Every other tag is kept, including tags a later vLLM may add: dropping
+    contents that mattered would be silent corruption, keeping them only costs
+    disk.
+    """
+    return tag not in DROPPED_AT_LEVEL[check_level(level)]
+
+
+def wakes(tag: str, requested: Collection[str] | None, deferrable: Collection[str]) -> bool:
+    """Whether a wake asked for ``requested`` tags (None: all) maps an allocation with ``tag``.
+
+    vLLM's rule: only ``deferrable`` tags (weights, kv_cache) may wait for a
+    later wake; every other tag comes back with the first one, whatever was asked.
+    """
+    return requested is None or tag in requested or tag not in deferrable
+
+
+# -- what the pool reads: vLLM's records, by their fields --------------------------
+
+
+class AllocationLike(Protocol):
+    """The fields of ``vllm.device_allocator.AllocationData`` the pool reads and keeps coherent."""
+
+    handle: Handle
+    tag: str
+    cpu_backup_tensor: Any
+    is_asleep: bool
+
+
+class AllocatorLike(Protocol):
+    """What the pool needs of ``CuMemAllocator``: its records, keyed by device address."""
+
+    @property
+    def pointer_to_data(self) -> Mapping[int, Any]: ...
+
+
+def live_allocator() -> AllocatorLike | None:
+    """This process's CuMemAllocator if vLLM created it; never imports vLLM.
+
+    In a vLLM worker with sleep mode the module is loaded and the singleton
+    made before the model loads; in the API server or engine core it is not,
+    and the pool there is simply empty.
+    """
+    module = sys.modules.get(CUMEM_MODULE)
+    allocator_class = getattr(module, "CuMemAllocator", None)
+    instance: AllocatorLike | None = getattr(allocator_class, "instance", None)
+    return instance
+
+
+def default_device() -> DeviceMemory:
+    from hibernate.pools.device import CudaDeviceMemory
+
+    return CudaDeviceMemory.from_vllm()
+
+
+def _records(allocator: AllocatorLike | None) -> list[tuple[int, AllocationLike]]:
+    """A snapshot of the allocator's records (copying a dict is atomic under the GIL)."""
+    if allocator is None:
+        return []
+    return list(dict(allocator.pointer_to_data).items())
+
+
+def _backup_view(tensor: Any, nbytes: int) -> memoryview:
+    """The bytes of a host tensor vLLM's own sleep left as a backup."""
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+# -- regions -----------------------------------------------------------------------
+
+
+def _attempt(
+    copy: Callable[[int, int, memoryview], None], device: int, address: int, view: memoryview
+) -> str | None:
+    """Run a device copy; a failure comes back as words, not as an exception.
+
+    A raised exception's traceback would keep ``view`` (a slice of a store
+    staging buffer) alive, and the store could then not unmap that buffer: its
+    BufferError would hide the real failure. So the caller raises afresh, once
+    it has dropped its own reference to the view.
+    """
+    try:
+        copy(device, address, view)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del view
+    return None
+
+
+class CuMemRegion:
+    """One CuMemAllocator allocation: its whole aligned size, at its fixed address."""
+
+    def __init__(self, pool: CuMemPool, allocator: AllocatorLike, data: AllocationLike, keep: bool) -> None:
+        device, nbytes, address, _ = data.handle
+        self._pool = pool
+        self._allocator = allocator
+        self._data = data
+        self._device = int(device)
+        self._address = int(address)
+        self._nbytes = int(nbytes)
+        self._keep = keep
+        self._tag = data.tag
+        self._key = f"{data.tag}/{self._address:#x}"
+        self._meta = {"device": self._device, "address": self._address}
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def tag(self) -> str:
+        return self._tag
+
+    @property
+    def keep(self) -> bool:
+        return self._keep
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        return self._meta
+
+    @property
+    def address(self) -> int:
+        return self._address
+
+    def live(self) -> bool:
+        """Still the allocator's record for this address (vLLM may free it while asleep)."""
+        return self._allocator.pointer_to_data.get(self._address) is self._data
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        failure = _attempt(self._pool.device.copy_to_host, self._device, self._address + offset, dst)
+        if failure is not None:
+            del dst
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        if not self.live():
+            return
+        failure = _attempt(self._pool.device.copy_from_host, self._device, self._address + offset, src)
+        if failure is not None:
+            del src
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return None  # device memory: the store stages it
+
+    def release(self) -> None:
+        """vLLM's ``unmap_and_release``; bookkeeping as vLLM's own sleep leaves it."""
+        if self.live() and not self._data.is_asleep:
+            self._pool.device.unmap(self._data.handle)
+            self._data.is_asleep = True
+        self._data.cpu_backup_tensor = None
+
+    def reallocate(self) -> None:
+        """vLLM's ``create_and_map`` at the same address (contents undefined until filled)."""
+        if self.live() and self._data.is_asleep:
+            self._pool.device.map(self._data.handle)
+            self._data.is_asleep = False
+
+    def zero(self) -> None:
+        if self.live():
+            self._pool.device.zero(self._device, self._address, self._nbytes)
+
+
+# -- the pool ----------------------------------------------------------------------
+
+
+class CuMemPool:
+    """Every allocation of this process's CuMemAllocator; ``level`` decides what is kept."""
+
+    name = "vllm-cumem"
+
+    def __init__(
+        self,
+        allocator: Callable[[], AllocatorLike | None] = live_allocator,
+        device: Callable[[], DeviceMemory] = default_device,
+    ) -> None:
+        self._allocator_source = allocator
+        self._device_source = device
+        self._device: DeviceMemory | None = None
+        self._lock = threading.Lock()
+        self.level = 1
+
+    @property
+    def allocator(self) -> AllocatorLike | None:
+        return self._allocator_source()
+
+    @property
+    def device(self) -> DeviceMemory:
+        """Created on first use: the API server's pool (always empty) never needs one."""
+        with self._lock:
+            if self._device is None:
+                self._device = self._device_source()
+            return self._device
+
+    def set_level(self, level: int) -> None:
+        self.level = check_level(level)
+
+    # -- the Pool contract -----------------------------------------------------
+
+    def regions(self) -> Sequence[SpillableRegion]:
+        allocator = self.allocator
+        if allocator is None:
+            return []
+        return [
+            CuMemRegion(self, allocator, data, keeps(data.tag, self.level))
+            for _, data in _records(allocator)
+            if not data.is_asleep
+        ]
+
+    def after_release(self) -> None:
+        if _records(self.allocator):
+            self.device.empty_cache()
+
+    def pinner(self) -> PinFn | None:
+        if not _records(self.allocator):
+            return None
+        return self.device.pinner()
+
+    # -- what vLLM's backend calls besides a sleep -------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every device that holds an allocation (before reading or unmapping it)."""
+        for device in sorted({int(data.handle[0]) for _, data in _records(self.allocator)}):
+            self.device.synchronize(device)
+
+    def asleep_tags(self) -> set[str]:
+        return {data.tag for _, data in _records(self.allocator) if data.is_asleep}
+
+    def discard(self, tags: Iterable[str]) -> dict[str, Any]:
+        """Release the mapped allocations with ``tags``, contents lost (vLLM's ``discard``).
+
+        Allocations already asleep keep what their sleep decided (as in vLLM):
+        one whose contents wait on disk or in a backup is not made to lose them.
+        """
+        wanted = set(tags)
+        records = [(ptr, data) for ptr, data in _records(self.allocator) if data.tag in wanted]
+        for device in sorted({int(data.handle[0]) for _, data in records if not data.is_asleep}):
+            self.device.synchronize(device)
+        discarded = skipped = 0
+        for _, data in records:
+            if data.is_asleep:
+                skipped += 1
+                continue
+            self.device.unmap(data.handle)
+            data.is_asleep = True
+            data.cpu_backup_tensor = None
+            discarded += int(data.handle[1])
+        if skipped:
+            log.info(
+                "hibernate: %d allocation(s) with tags %s were already asleep; left as they are",
+                skipped,
+                sorted(wanted),
+            )
+        if discarded:
+            self.device.empty_cache()
+        return {"discarded_bytes": discarded, "already_asleep": skipped}
+
+    def wake_loose(self, wanted: Callable[[str], bool]) -> dict[str, Any]:
+        """Map back asleep allocations that no hibernate sleep holds, if ``wanted`` by tag.
+
+        They were discarded (or put to sleep by vLLM's own allocator): their
+        contents come from a backup vLLM left, if any, else they are zero-filled.
+        """
+        mapped = from_backup = 0
+        for _, data in _records(self.allocator):
+            if not data.is_asleep or not wanted(data.tag):
+                continue
+            device, nbytes, address, _ = data.handle
+            self.device.map(data.handle)
+            data.is_asleep = False
+            backup = data.cpu_backup_tensor
+            if backup is not None:
+                size = min(int(nbytes), int(backup.numel() * backup.element_size()))
+                self.device.copy_from_host(int(device), int(address), _backup_view(backup, size))
+                data.cpu_backup_tensor = None
+                from_backup += size
+            else:
+                self.device.zero(int(device), int(address), int(nbytes))
+            mapped += int(nbytes)
+        return {"mapped_bytes": mapped, "from_backup_bytes": from_backup}
+
+
+def require_allocator(pool: CuMemPool) -> AllocatorLike:
+    """The allocator a suspend acts on, or a clear error saying how to get one.
+
+    A sleep with no allocator would "succeed" and free nothing: vLLM allocates
+    through CuMemAllocator only when sleep mode is on.
+    """
+    allocator = pool.allocator
+    if allocator is None:
+        raise UnsupportedError(
+            "vLLM's CuMemAllocator is not in use in this process, so there is nothing to put to sleep",
+            hint="start vLLM with --enable-sleep-mode --sleep-mode-backend hibernate",
+        )
+    return allocator

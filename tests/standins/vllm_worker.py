@@ -1,0 +1,161 @@
+"""A stand-in vLLM worker process: what a worker does that matters to hibernate, on CPU.
+
+Like a real worker it loads vLLM's general plugins with vLLM's own loader
+(which finds hibernate's entry point), holds CuMemAllocator allocations (the
+stand-in allocator over host memory, REAL ``AllocationData`` records, reached
+through a stand-in ``vllm.device_allocator.cumem`` module whose ``libcudart``
+is the fake CUDA runtime), and has vLLM's own factory create the sleep-mode
+backend, which then runs hibernate's real CUDA seam.
+
+    python -m standins.vllm_worker --cudart LIB [--mb N]
+
+It prints one JSON line when ready, then answers commands on stdin, one JSON
+line each: ``suspend LEVEL``, ``resume [TAG...]``, ``digests``, ``memory``,
+``fork`` (a forked child reports its own agent), ``exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import xxhash
+from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
+from standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
+
+
+def layout(total_mb: int) -> list[tuple[str, int]]:
+    """The standard layout, with weights and KV cache grown to about ``total_mb`` in all."""
+    if total_mb <= 0:
+        return LAYOUT
+    big = total_mb * MIB
+    weights = [("weights", big // 2 + 12345), ("weights", big // 8)]
+    kv = [("kv_cache", big // 4), ("kv_cache", big // 16 + 777)]
+    return weights + kv + LAYOUT
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Worker:
+    def __init__(self, cudart: Path, total_mb: int) -> None:
+        self.reservations = HostReservations()
+        self.allocator = StandInCuMemAllocator(self.reservations)
+        StandInCuMemAllocator.instance = self.allocator
+        # What `import vllm.device_allocator.cumem` gives a real worker.
+        sys.modules[MODULE_NAME] = make_module(self.reservations, FakeCudaRT(cudart))
+        for index, (tag, size) in enumerate(layout(total_mb)):
+            address = self.allocator.allocate(size, tag)
+            fill(self.reservations, address, self.allocator.size_of(address), index)
+
+        import vllm.plugins
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+        vllm.plugins.load_general_plugins()
+        self.backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend="hibernate"))
+
+    def digests(self) -> dict[str, Any]:
+        out = {}
+        for address, data in self.allocator.pointer_to_data.items():
+            if data.is_asleep:
+                out[f"{address:#x}"] = {"tag": data.tag, "asleep": True}
+                continue
+            content = self.reservations.read(address, self.allocator.size_of(address))
+            out[f"{address:#x}"] = {
+                "tag": data.tag,
+                "asleep": False,
+                "digest": xxhash.xxh3_64_hexdigest(content),
+                "zero": content.count(0) == len(content),
+            }
+        return out
+
+    def answer(self, words: list[str]) -> dict[str, Any]:
+        command = words[0]
+        if command == "suspend":
+            before = peak_rss_bytes()
+            self.backend.suspend(int(words[1]))
+            return {"state": self.backend.state(), "peak_before": before, "peak_after": peak_rss_bytes()}
+        if command == "resume":
+            before = peak_rss_bytes()
+            self.backend.resume(words[1:] or None)
+            return {"state": self.backend.state(), "peak_before": before, "peak_after": peak_rss_bytes()}
+        if command == "digests":
+            return self.digests()
+        if command == "memory":
+            return {"rss": rss_bytes(), "peak": peak_rss_bytes()}
+        if command == "fork":
+            return self.fork()
+        raise ValueError(f"unknown command {command!r}")
+
+    def fork(self) -> dict[str, Any]:
+        """A child forked after the plugins loaded (vLLM's default start method) gets its own agent."""
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                from hibernate.agent import hibernator, server_path
+
+                agent = hibernator()
+                report = {
+                    "pid": os.getpid(),
+                    "agent_pid": agent.identity.pid,
+                    "kind": agent.kind,
+                    "socket": server_path(),
+                    "pools": [p["pool"] for p in agent.status()["pools"]],
+                }
+                os.write(write_end, json.dumps(report).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            report = json.loads(pipe.read())
+        os.waitpid(child, 0)
+        return dict(report)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cudart", type=Path, required=True)
+    parser.add_argument("--mb", type=int, default=0)
+    args = parser.parse_args()
+    worker = Worker(args.cudart, args.mb)
+    from hibernate.agent import hibernator
+
+    agent = hibernator()
+    ready = {
+        "pid": os.getpid(),
+        "backend": type(worker.backend).__name__,
+        "backend_module": type(worker.backend).__module__,
+        "agent": agent.name,
+        "memory": {"rss": rss_bytes(), "peak": peak_rss_bytes()},
+        "pool_bytes": sum(worker.allocator.size_of(a) for a in worker.allocator.pointer_to_data),
+    }
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "exit":
+            break
+        try:
+            reply = {"ok": True, "result": worker.answer(words)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""HibernateBackend over real vLLM AllocationData records, with host memory standing in for the GPU.
+
+Every allocation sits at a fixed host reservation (tests/standins/vllm_memory.py):
+released memory is really given back and made inaccessible, mapped memory
+comes back filled with poison, so a byte that is right after a wake was put
+there by the backend, at the address vLLM holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from standins.vllm_memory import (
+    LAYOUT,
+    HostDeviceMemory,
+    HostReservations,
+    StandInCuMemAllocator,
+    populate,
+    reference_discard,
+    reference_sleep,
+    reference_wake_up,
+)
+
+from hibernate import procinfo
+from hibernate.agent import AgentState, Hibernator
+from hibernate.errors import SnapshotInvalidError, UnsupportedError, UsageError
+from hibernate.integrations.vllm import HibernateBackend
+from hibernate.pools.device import DeviceMemoryError
+from hibernate.pools.vllm import keeps
+from hibernate.store.layout import SpillRoot
+
+STAGING = {"HIBERNATE_BUFFER_MB": "2", "HIBERNATE_CHUNK_MB": "1"}
+AGENT_NAME = "vllm-test"
+
+
+@dataclass
+class World:
+    """One stand-in worker: its allocator, memory, agent and backend, and what the memory held."""
+
+    reservations: HostReservations
+    allocator: StandInCuMemAllocator
+    memory: HostDeviceMemory
+    agent: Hibernator
+    backend: HibernateBackend
+    contents: dict[int, bytes]
+    spill_dir: Path
+
+    def tag(self, address: int) -> str:
+        return self.allocator.pointer_to_data[address].tag
+
+    def mapped(self, address: int) -> bool:
+        return self.reservations.is_mapped(address)
+
+    def read(self, address: int) -> bytes:
+        return self.reservations.read(address, self.allocator.size_of(address))
+
+    def asleep(self) -> list[bool]:
+        return [d.is_asleep for d in self.allocator.pointer_to_data.values()]
+
+    def snapshot_tags(self) -> list[str]:
+        with SpillRoot(self.spill_dir / AGENT_NAME) as root:
+            manifest = root.latest_manifest()
+        assert manifest is not None
+        return [r.tag for r in manifest.records]
+
+
+def make_world(spill_dir: Path, environ: dict[str, str] | None = None) -> World:
+    reservations = HostReservations()
+    allocator = StandInCuMemAllocator(reservations)
+    contents = populate(allocator, LAYOUT)
+    memory = HostDeviceMemory(reservations)
+    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME, kind="test")  # type: ignore[arg-type]
+    env = {"HIBERNATE_DIR": str(spill_dir), **STAGING, **(environ or {})}
+    backend = HibernateBackend(allocator=allocator, device=memory, agent=agent, environ=env)
+    return World(reservations, allocator, memory, agent, backend, contents, spill_dir)
+
+
+def free_world(world: World) -> None:
+    for address in list(world.allocator.pointer_to_data):
+        world.allocator.free(address)
+
+
+@pytest.fixture
+def world(work_dir: Path) -> Iterator[World]:
+    made = make_world(work_dir)
+    yield made
+    free_world(made)
+
+
+@pytest.fixture
+def twin(tmp_path: Path) -> Iterator[World]:
+    """The same allocations and bytes, put to sleep by vLLM's own rules instead (the oracle)."""
+    made = make_world(tmp_path)
+    yield made
+    free_world(made)
+
+
+def assert_awake_as_before(world: World, level: int = 1) -> None:
+    """Everything mapped at its old address; kept bytes identical, dropped ones zero."""
+    assert list(world.allocator.pointer_to_data) == list(world.contents)
+    for address, before in world.contents.items():
+        data = world.allocator.pointer_to_data[address]
+        assert not data.is_asleep and data.cpu_backup_tensor is None
+        assert world.mapped(address)
+        if keeps(data.tag, level):
+            assert world.read(address) == before, f"{data.tag} at {address:#x} differs"
+        else:
+            assert world.read(address) == bytes(len(before)), f"{data.tag} at {address:#x} is not zero"
+
+
+# -- suspend and resume ---------------------------------------------------------
+
+
+def test_level_1_writes_the_kept_tags_to_disk_and_releases_every_allocation(world: World) -> None:
+    world.backend.suspend(1)
+
+    assert world.backend.state() == "SUSPENDED"
+    assert world.agent.state is AgentState.ASLEEP
+    for address, data in world.allocator.pointer_to_data.items():
+        assert data.is_asleep and data.cpu_backup_tensor is None
+        assert not world.mapped(address)
+    assert sorted(world.snapshot_tags()) == sorted(tag for tag, _ in LAYOUT if keeps(tag, 1))
+    spill = world.backend.last_report["spill"]
+    assert spill["total_bytes"] == sum(len(b) for a, b in world.contents.items() if keeps(world.tag(a), 1))
+    assert spill["dropped_bytes"] == sum(
+        len(b) for a, b in world.contents.items() if not keeps(world.tag(a), 1)
+    )
+    # Staging went through the pool's pinner, within its budget, and was unpinned.
+    assert 0 < world.memory.pinned_peak <= 2 << 20
+    assert world.memory.pinned_now == 0
+
+
+def test_resume_brings_every_byte_back_at_the_same_address_and_zeroes_what_was_dropped(world: World) -> None:
+    world.backend.suspend(1)
+    world.backend.resume()
+
+    assert world.backend.state() == "RUNNING"
+    assert world.agent.state is AgentState.RUNNING
+    assert_awake_as_before(world)
+
+
+def test_level_2_drops_the_weights_too(world: World) -> None:
+    world.backend.suspend(2)
+    assert "weights" not in world.snapshot_tags()
+    world.backend.resume()
+    assert_awake_as_before(world, level=2)
+
+
+def test_many_cycles_reuse_the_unchanged_chunks_and_stay_exact(world: World) -> None:
+    for _ in range(3):
+        world.backend.suspend(1)
+        world.backend.resume()
+    spill = world.backend.last_report
+    assert_awake_as_before(world)
+    assert world.agent.status()["snapshot"] is not None
+    assert spill["loose"] == {"mapped_bytes": 0, "from_backup_bytes": 0}
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [[["weights"], ["kv_cache"]], [["kv_cache"], ["weights"]], [["runtime"], None]],
+    ids=["weights-then-kv", "kv-then-weights", "runtime-then-all"],
+)
+def test_a_deferred_wake_maps_what_vllms_own_wake_maps_step_by_step(
+    world: World, twin: World, steps: list[list[str] | None]
+) -> None:
+    kept_tags = tuple(tag for tag, _ in LAYOUT if keeps(tag, 1))
+    world.backend.suspend(1)
+    reference_sleep(twin.allocator, twin.memory, kept_tags)
+    assert world.asleep() == twin.asleep()
+
+    for step, tags in enumerate(steps):
+        world.backend.resume(tags)
+        reference_wake_up(twin.allocator, twin.memory, tags)
+        assert world.asleep() == twin.asleep(), f"after wake {step} ({tags})"
+        for ours, theirs in zip(world.contents, twin.contents, strict=True):
+            if world.mapped(ours) and keeps(world.tag(ours), 1):
+                assert world.read(ours) == world.contents[ours] == twin.read(theirs)
+        last = step == len(steps) - 1
+        assert world.backend.state() == ("RUNNING" if last else "SUSPENDED")
+        assert world.agent.state is (AgentState.RUNNING if last else AgentState.ASLEEP)
+    assert_awake_as_before(world)
+
+
+def test_discarding_the_kv_cache_while_running_then_waking_it_matches_vllm(world: World, twin: World) -> None:
+    """vLLM's release_kv_cache_memory(): discard while paused, wake_up(["kv_cache"]) later."""
+    world.backend.discard(("kv_cache",))
+    reference_discard(twin.allocator, twin.memory, ("kv_cache",))
+    assert world.asleep() == twin.asleep()
+    assert world.backend.state() == "SUSPENDED"
+    assert world.agent.state is AgentState.RUNNING  # the process is not asleep, only its KV cache
+
+    world.backend.resume(["kv_cache"])
+    reference_wake_up(twin.allocator, twin.memory, ["kv_cache"])
+    assert world.asleep() == twin.asleep() == [False] * len(LAYOUT)
+    assert world.backend.state() == "RUNNING"
+    for address, before in world.contents.items():
+        expected = bytes(len(before)) if world.tag(address) == "kv_cache" else before
+        assert world.read(address) == expected
+
+
+def test_an_allocation_discarded_before_a_sleep_is_not_part_of_it_and_comes_back_zero(world: World) -> None:
+    world.backend.discard(("kv_cache",))
+    world.backend.suspend(1)
+    assert "kv_cache" not in world.snapshot_tags()
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
+def test_sleeping_again_while_partly_awake_first_finishes_the_wake(world: World) -> None:
+    world.backend.suspend(1)
+    world.backend.resume(["kv_cache"])  # the weights stay asleep
+    world.backend.suspend(1)
+    assert all(world.asleep())
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
+def test_a_backup_left_by_vllms_own_allocator_sleep_is_honoured(world: World) -> None:
+    reference_sleep(world.allocator, world.memory, ("weights",))
+    world.backend.resume()
+    for address, before in world.contents.items():
+        expected = before if world.tag(address) == "weights" else bytes(len(before))
+        assert world.read(address) == expected
+    assert world.backend.last_report["loose"]["from_backup_bytes"] == sum(
+        len(b) for a, b in world.contents.items() if world.tag(a) == "weights"
+    )
+
+
+def test_an_allocation_vllm_frees_while_asleep_is_simply_not_brought_back(world: World) -> None:
+    world.backend.suspend(1)
+    gone = world.allocator.by_tag("weights")[0]
+    world.allocator.free(gone)
+    del world.contents[gone]
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
+# -- where the spill goes ---------------------------------------------------------
+
+
+def test_a_directory_configured_on_the_agent_wins_over_the_environment(world: World, tmp_path: Path) -> None:
+    configured = tmp_path / "configured"
+    world.agent.configure(configured)
+    world.backend.suspend(1)
+    assert Path(world.backend.last_report["spill"]["path"]).parent == configured / AGENT_NAME
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
+# -- failures leave the worker whole ---------------------------------------------------
+
+
+def test_a_failing_device_copy_during_the_spill_leaves_everything_mapped_and_intact(world: World) -> None:
+    world.memory.fail_copy_after = 3 << 20
+    with pytest.raises(
+        DeviceMemoryError, match=r"copying weights/0x[0-9a-f]+ \(\+\d+\) to the host failed.*injected"
+    ):
+        world.backend.suspend(1)
+    assert world.backend.state() == "RUNNING"
+    assert world.agent.state is AgentState.RUNNING
+    for address, before in world.contents.items():
+        assert world.mapped(address) and world.read(address) == before
+    with SpillRoot(world.spill_dir / AGENT_NAME) as root:
+        assert root.published() == []
+
+
+def test_a_corrupted_snapshot_is_refused_and_the_worker_stays_asleep_not_half_awake(world: World) -> None:
+    world.backend.suspend(1)
+    snapshot = Path(world.backend.last_report["spill"]["path"])
+    data_file = next(snapshot.glob("data-*.bin"))
+    with open(data_file, "r+b") as f:
+        f.seek(4096 + 17)
+        byte = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    with pytest.raises(SnapshotInvalidError, match="checksum mismatch"):
+        world.backend.resume()
+    assert world.backend.state() == "SUSPENDED"
+    assert world.agent.state is AgentState.ASLEEP
+    assert all(world.asleep())
+    assert not any(world.mapped(a) for a in world.contents)
+
+
+def test_an_unknown_level_is_refused_before_anything_is_touched(world: World) -> None:
+    with pytest.raises(UsageError, match="sleep level"):
+        world.backend.suspend(3)
+    assert world.backend.state() == "RUNNING"
+    assert not any(world.asleep())
+
+
+def test_without_a_cumem_allocator_a_sleep_says_how_to_get_one(work_dir: Path) -> None:
+    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+    reservations = HostReservations()
+    backend = HibernateBackend(device=HostDeviceMemory(reservations), agent=agent, environ={})
+    with pytest.raises(UnsupportedError, match="CuMemAllocator is not in use") as caught:
+        backend.suspend(1)
+    assert "--enable-sleep-mode" in str(caught.value.hint)
+
+
+def test_self_checkpoint_is_refused_when_the_backend_is_created(work_dir: Path) -> None:
+    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedError, match="HIBERNATE_SELF_CHECKPOINT=1"):
+        HibernateBackend(agent=agent, environ={"HIBERNATE_SELF_CHECKPOINT": "1"})
+
+
+# -- what the agent shows ---------------------------------------------------------------
+
+
+def test_the_agent_shows_the_pool_by_tag_with_what_the_level_keeps(world: World) -> None:
+    status = world.agent.status()
+    assert status["kind"] == "vllm" and status["sleep_driver"] == "vLLM"
+    pools = {(p["pool"], p["tag"]): p for p in status["pools"]}
+    weights = pools[("vllm-cumem", "weights")]
+    assert weights["keep"] is True and weights["count"] == 4
+    assert pools[("vllm-cumem", "kv_cache")]["keep"] is False
+
+    world.backend.suspend(2)
+    asleep = {p["tag"]: p["keep"] for p in world.agent.status()["pools"]}
+    assert asleep["weights"] is False and asleep["runtime"] is True
+    world.backend.resume()
