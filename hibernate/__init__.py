@@ -26,7 +26,16 @@ from typing import Any
 __all__ = ["__version__", "guard", "sleep", "state", "track", "untrack", "wake"]
 
 
-def track(obj: Any, tag: str = "weights", keep: bool = True, *, name: str | None = None) -> Any:
+def track(
+    obj: Any,
+    tag: str = "weights",
+    keep: bool = True,
+    *,
+    name: str | None = None,
+    on_signal: str | None = None,
+    wake_signal: str | None = None,
+    to: str | Path | None = None,
+) -> Any:
     """Register tensors to hibernate and start this process's agent; returns ``obj``.
 
     ``obj`` is an ``nn.Module`` (parameters, their gradients, buffers), an
@@ -34,11 +43,26 @@ def track(obj: Any, tag: str = "weights", keep: bool = True, *, name: str | None
     ``keep=False`` (a KV cache, scratch space) the contents are dropped on
     sleep and come back zero-filled. Tracking the same object again updates
     its tag and keep.
+
+    ``on_signal="USR1"`` makes that signal put the process to sleep into ``to``
+    (and ``wake_signal`` wake it), for a scheduler's warning signal; the
+    environment variables HIBERNATE_ON_SIGNAL, HIBERNATE_WAKE_SIGNAL and
+    HIBERNATE_DIR do the same without changing the program.
     """
+    import os
+
     from hibernate.agent import hibernator
+    from hibernate.agent import signals as agent_signals
     from hibernate.pools.tensors import TensorPool
 
     agent = hibernator()
+    if to is not None:
+        agent.default_dir = Path(to).expanduser().absolute()
+    if on_signal is not None:
+        agent_signals.install(agent, on_signal, wake_signal, agent.default_dir)
+    elif not agent.signals_configured:
+        agent_signals.install_from_environment(agent, dict(os.environ))
+    agent.signals_configured = True
     pool = agent.pool(TensorPool.name)
     if pool is None:
         pool = TensorPool()

@@ -169,6 +169,27 @@ def gc(
         render.out.print(f"total freed: {render.human_bytes(report['freed_bytes'])}", markup=False)
 
 
+@app.command(context_settings={"allow_interspersed_args": False})
+@_handles_errors
+def run(
+    command: Annotated[list[str], typer.Argument(help="The job to run, after --.", show_default=False)],
+    to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots.")],
+    on_signal: Annotated[
+        str, typer.Option("--on-signal", help="Signal that puts the job to sleep.")
+    ] = "USR1",
+    wake_signal: Annotated[
+        str, typer.Option("--wake-signal", help="Signal that wakes it ('' for none: use hibernate wake).")
+    ] = "USR2",
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+) -> None:
+    """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
+    from hibernate import orchestrator, runner
+
+    options = orchestrator.Options(quiesce_timeout=timeout, io=orchestrator.IoOptions(buffer_mb=buffer_mb))
+    raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
+
+
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"hibernate {__version__}")

@@ -223,6 +223,7 @@ class Hibernator:
         self._last_snapshot: dict[str, Any] | None = None
         self.default_dir: Path | None = None
         self.sleep_driver: SleepDriver | None = None
+        self.signals_configured = False  # hibernate-on-signal handlers, once per process
 
     # -- pools ---------------------------------------------------------------
 

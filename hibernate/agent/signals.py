@@ -1,0 +1,102 @@
+"""Hibernate on a signal: a batch scheduler's warning signal puts the process to sleep.
+
+Slurm can warn a job before preempting it (``--signal=USR1@120``). A process
+that sets ``HIBERNATE_ON_SIGNAL=USR1`` (or passes ``on_signal`` to
+``hibernate.track``) sleeps into ``HIBERNATE_DIR`` when that signal arrives,
+and wakes on ``HIBERNATE_WAKE_SIGNAL`` or on ``hibernate wake PID``. The work
+runs on its own thread: a signal handler runs on the main thread, which may
+be inside ``hibernate.guard()``, and a sleep waits for the guard.
+
+Under ``hibernate run`` the wrapper does the sleep from outside (so the CUDA
+phase runs too) and sets ``HIBERNATE_SIGNALS_HANDLED_BY``: the agent then only
+ignores the signals, so that one sent to the whole job step does not kill it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from hibernate.agent.controller import Hibernator
+from hibernate.errors import HibernateError, UsageError
+
+ENV_SLEEP = "HIBERNATE_ON_SIGNAL"
+ENV_WAKE = "HIBERNATE_WAKE_SIGNAL"
+ENV_DIR = "HIBERNATE_DIR"
+ENV_HANDLED_BY = "HIBERNATE_SIGNALS_HANDLED_BY"
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``USR1``, ``SIGUSR1`` or ``10`` as a signal; a clear error otherwise."""
+    text = str(name).strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise UsageError(f"{name!r} is not a signal name (try USR1, USR2, SIGTERM)") from None
+
+
+def _log(message: str) -> None:
+    print(f"hibernate: {message}", file=sys.stderr, flush=True)
+
+
+def _in_background(work: Any, what: str) -> None:
+    def run() -> None:
+        try:
+            work()
+            _log(f"{what}: done")
+        except HibernateError as exc:
+            _log(f"{what} failed: {exc}")
+
+    threading.Thread(target=run, name=f"hibernate-{what}", daemon=True).start()
+
+
+def install(
+    agent: Hibernator,
+    sleep_signal: str | int,
+    wake_signal: str | int | None,
+    directory: Path | None,
+    *,
+    only_ignore: bool = False,
+    timeout: float = 30.0,
+) -> None:
+    """Make ``sleep_signal`` hibernate this process (and ``wake_signal`` wake it)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise UsageError("signal handlers can only be installed from the main thread")
+    signals = [parse_signal(sleep_signal)] + ([parse_signal(wake_signal)] if wake_signal else [])
+    if only_ignore:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        return
+    target = directory or agent.default_dir
+    if target is None:
+        raise UsageError(f"{ENV_SLEEP} needs a snapshot directory", hint=f"set {ENV_DIR} or pass to=...")
+
+    def on_sleep(signum: int, frame: object) -> None:
+        _in_background(lambda: agent.sleep_here(target, timeout, {}), "sleep on signal")
+
+    def on_wake(signum: int, frame: object) -> None:
+        _in_background(lambda: agent.wake_here({}), "wake on signal")
+
+    signal.signal(signals[0], on_sleep)
+    if len(signals) > 1:
+        signal.signal(signals[1], on_wake)
+
+
+def install_from_environment(agent: Hibernator, environ: dict[str, str]) -> None:
+    """Apply HIBERNATE_ON_SIGNAL / HIBERNATE_WAKE_SIGNAL / HIBERNATE_DIR, if set."""
+    sleep_signal = environ.get(ENV_SLEEP)
+    if not sleep_signal:
+        return
+    directory = Path(environ[ENV_DIR]).expanduser().absolute() if environ.get(ENV_DIR) else None
+    install(
+        agent,
+        sleep_signal,
+        environ.get(ENV_WAKE) or None,
+        directory,
+        only_ignore=bool(environ.get(ENV_HANDLED_BY)),
+    )
