@@ -9,10 +9,13 @@ sleep, so the target stays asleep as a whole and the wake can be retried.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Callable
 
 import pytest
 
+from hibernate import procinfo
 from hibernate.checkpoint import detect, records
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.binary import BinaryCheckpointer
@@ -27,6 +30,7 @@ from hibernate.errors import (
     NeedsRecoveryError,
     UnsupportedError,
 )
+from hibernate.procinfo import ProcessIdentity
 from tests.standins.world import GIB, Tree, World, spec
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -285,3 +289,23 @@ def test_survey_sets_nvml_only_processes_aside_and_stops_on_doubt(
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("state", parent, "CUDA_ERROR_NOT_PERMITTED")))
     with pytest.raises(CheckpointStepError, match=f"process {parent} \\(state\\)"):
         survey(tree.pids, cp)
+
+
+def test_survey_never_takes_the_caller_itself(world: World, checkpointer_kind: str) -> None:
+    world.register(os.getpid())
+    assert survey([os.getpid()], make(checkpointer_kind)).holders == []
+
+
+def test_records_of_dead_processes_are_dropped(world: World, runtime_dir) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ghost = ProcessIdentity(dead.pid, 1)
+    records.save(ghost, {"GPU-x": 1}, "driver")
+    assert records.load(ghost) is not None
+    me = procinfo.identity(os.getpid())
+    assert me is not None
+    records.save(me, None, "driver")
+    mine = records.load(me)
+    assert records.load(ghost) is None and mine is not None and mine["gpus"] is None
+    records.drop(me)
+    assert records.load(me) is None

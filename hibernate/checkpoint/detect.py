@@ -91,7 +91,8 @@ def survey(pids: Sequence[int], checkpointer: Checkpointer | None) -> Survey:
     """
     from hibernate.checkpoint.threads import run_each
 
-    identities = {pid: procinfo.identity(pid) for pid in dict.fromkeys(pids)}
+    me = os.getpid()  # a process cannot lock itself: never a holder to drive
+    identities = {pid: procinfo.identity(pid) for pid in dict.fromkeys(pids) if pid != me}
     alive = [pid for pid, ident in identities.items() if ident is not None]
     devices = {pid: nvidia_device_files(pid) for pid in alive}
     result = Survey()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hibernate import procinfo
 from hibernate.agent.paths import runtime_dir
 from hibernate.errors import HibernateError
 from hibernate.fsutil import ensure_private_dir, open_dir, read_small_file, write_file_atomic
@@ -36,10 +37,22 @@ def _name(ident: ProcessIdentity) -> str:
     return f"{ident.pid}-{ident.start_time}.json"
 
 
+def _forget_the_dead(where: Path) -> None:
+    """Drop the records of processes that no longer exist (they can never be woken)."""
+    for entry in os.listdir(where):
+        pid, _, start = entry.removesuffix(".json").partition("-")
+        if not (entry.endswith(".json") and pid.isdigit() and start.isdigit()):
+            continue
+        if not procinfo.is_alive(ProcessIdentity(int(pid), int(start))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(where / entry)
+
+
 def save(ident: ProcessIdentity, usage: dict[str, int] | None, checkpointer: str) -> None:
     """Remember ``usage`` (GPU UUID -> bytes, None when unknown) for the wake of ``ident``."""
     where = directory()
     ensure_private_dir(where)
+    _forget_the_dead(where)
     record: dict[str, Any] = {
         "pid": ident.pid,
         "start_time": ident.start_time,
