@@ -176,8 +176,9 @@ _MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fai
 def doctor_report(report: dict[str, Any]) -> None:
     """One line per check (status, name, what was found), the fix under each one not ok."""
     for check in report["checks"]:
-        mark = _MARK.get(check["status"], check["status"]) if out.is_terminal else check["status"]
-        out.print(f"{mark:<4} ", end="", markup=out.is_terminal)
+        status = check["status"]
+        mark = _MARK.get(status, status) if out.is_terminal else status
+        out.print(mark + " " * max(1, 5 - len(status)), end="", markup=out.is_terminal)
         out.print(f"{check['name']:<15} {check['detail']}", markup=False)
         if check.get("fix") and check["status"] != "ok":
             out.print(f"     {'':<15} fix: {check['fix']}", markup=False)

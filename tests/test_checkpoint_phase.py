@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from hibernate import procinfo
-from hibernate.checkpoint import detect, records
+from hibernate.checkpoint import detect, nvml, records
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.binary import BinaryCheckpointer
 from hibernate.checkpoint.detect import Holder, survey
@@ -309,3 +309,25 @@ def test_records_of_dead_processes_are_dropped(world: World, runtime_dir) -> Non
     assert records.load(ghost) is None and mine is not None and mine["gpus"] is None
     records.drop(me)
     assert records.load(me) is None
+
+
+def test_an_undo_that_would_run_out_of_gpu_memory_restores_nothing(
+    world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU filled up between the checkpoint and the undo: no restore is attempted (it would wedge)."""
+    full = nvml.Snapshot(
+        "test",
+        [
+            nvml.Gpu(
+                0, "GPU-full", "x", 80 * GIB, 0, 80 * GIB, True, False, 0, {p: 2 * GIB for p in tree.pids}
+            )
+        ],
+    )
+    monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", tree.pids[2], "CUDA_ERROR_UNKNOWN")))
+    phase = CudaPhase(make(checkpointer_kind), gpus=lambda: full)
+    with pytest.raises(NeedsRecoveryError) as stuck:
+        phase.sleep(holders_of(tree, phase.checkpointer))
+    message = stuck.value.message
+    assert "not restored, GPU-full has 0 B free" in message and "(unlock)" not in message
+    assert states(world, tree) == ["checkpointed", "checkpointed", "running"]
+    assert not [c for c in world.calls() if c[1] == "restore"]

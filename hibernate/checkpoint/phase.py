@@ -361,8 +361,8 @@ class CudaPhase:
             problems.append(f"{_pids(plan.busy)} are being checkpointed or restored by another tool")
         if plan.unknown:
             problems.append(f"the state of {_pids(plan.unknown)} could not be read")
-        _, restore_errors = self._restore(tracked, plan.restore, problems)
-        stay = {e.pid for e in restore_errors}
+        restored, restore_errors = self._restore(tracked, plan.restore, problems)
+        stay = set(plan.restore) - set(restored)  # still checkpointed: nothing to unlock
         _, unlock_errors = self._run("unlock", tracked, [pid for pid in plan.unlock if pid not in stay])
         problems += [e.message for e in (*restore_errors, *unlock_errors)]
         if problems:
