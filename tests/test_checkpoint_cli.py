@@ -7,6 +7,8 @@ the agents' states and the exit codes are all checked, with both checkpointers.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -182,17 +184,20 @@ def test_missing_checkpointers_and_old_drivers_are_refused_before_anything_chang
 def test_neither_checkpointer_with_a_cuda_holder_is_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    import os
-
     monkeypatch.setenv("HIBERNATE_LIBCUDA", str(tmp_path / "libcuda.so.1"))
     monkeypatch.delenv("HIBERNATE_CUDA_CHECKPOINT", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(detect, "nvidia_device_files", lambda pid: ["/dev/nvidia0"])
-    target = Target(requested_pid=os.getpid(), processes=[os.getpid()])
-    with pytest.raises(UnsupportedError) as neither:
-        orchestrator._require_checkpointer([target], orchestrator.Options())
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        target = Target(requested_pid=holder.pid, processes=[holder.pid])
+        with pytest.raises(UnsupportedError) as neither:
+            orchestrator._require_checkpointer([target], orchestrator.Options())
+    finally:
+        holder.kill()
+        holder.wait()
     message = neither.value.message
-    assert f"process(es) {os.getpid()} hold a CUDA context and neither" in message
+    assert f"process(es) {holder.pid} hold a CUDA context and neither" in message
     assert "driver API: cannot load" in message and "no cuda-checkpoint executable" in message
     assert neither.value.exit_code == ExitCode.UNSUPPORTED
 
