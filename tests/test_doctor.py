@@ -68,10 +68,12 @@ def test_doctor_with_the_stand_in_driver(world: World, cli: Callable[..., Any]) 
 
 def test_doctor_sees_an_old_driver(world: World, cli: Callable[..., Any]) -> None:
     env = {"HIBERNATE_LIBCUDA": str(world.built.libcuda_old), "HIBERNATE_STANDIN_CUDA_VERSION": "12040"}
-    found = checks(cli("doctor", "--json", env=env))
+    plain = cli("doctor", "--json", env=env)
+    assert plain.returncode == 0  # nothing fails until a CUDA target is asked about
+    found = checks(plain)
     assert found["driver"]["status"] == "warn" and "no checkpoint driver API" in found["driver"]["detail"]
     assert (
-        found["cuda-checkpoint"]["status"] == "fail" and "only --toggle" in found["cuda-checkpoint"]["detail"]
+        found["cuda-checkpoint"]["status"] == "warn" and "only --toggle" in found["cuda-checkpoint"]["detail"]
     )
     assert found["checkpointer"]["status"] == "warn"
     explicit = cli("doctor", "--json", "--checkpointer", "driver", env=env)
