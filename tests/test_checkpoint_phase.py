@@ -331,3 +331,15 @@ def test_an_undo_that_would_run_out_of_gpu_memory_restores_nothing(
     assert "not restored, GPU-full has 0 B free" in message and "(unlock)" not in message
     assert states(world, tree) == ["checkpointed", "checkpointed", "running"]
     assert not [c for c in world.calls() if c[1] == "restore"]
+
+
+def test_a_process_nvml_cannot_see_is_unknown_not_free(
+    world: World, tree: Tree, checkpointer_kind: str
+) -> None:
+    """In another pid namespace NVML lists no usage for the pid: the wake must not take that for zero."""
+    blind = nvml.Snapshot("test", [nvml.Gpu(0, "GPU-x", "x", 80 * GIB, 80 * GIB, 0, True, False, 0, {})])
+    phase = CudaPhase(make(checkpointer_kind), gpus=lambda: blind)
+    report = phase.sleep(holders_of(tree, phase.checkpointer))
+    assert [p["gpus"] for p in report["processes"]] == [None, None, None]
+    woken = CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
+    assert woken["memory"]["checked"] and woken["memory"]["unknown"] == tree.pids

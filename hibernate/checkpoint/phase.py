@@ -307,7 +307,9 @@ class CudaPhase:
             snapshot = None
         if snapshot is None:
             return {pid: None for pid in pids}, None
-        return {pid: snapshot.usage_of(pid) for pid in pids}, snapshot
+        # A CUDA process holds at least its context: nothing listed means NVML cannot see it (another
+        # pid namespace), not that it needs nothing.
+        return {pid: snapshot.usage_of(pid) or None for pid in pids}, snapshot
 
     def _report(
         self, status: str, tracked: Mapping[int, _Tracked], started: float, **extra: Any
