@@ -343,3 +343,26 @@ def test_a_process_nvml_cannot_see_is_unknown_not_free(
     assert [p["gpus"] for p in report["processes"]] == [None, None, None]
     woken = CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
     assert woken["memory"]["checked"] and woken["memory"]["unknown"] == tree.pids
+
+
+def test_after_step_hook_sees_each_step_and_a_failure_there_is_undone(
+    world: World, tree: Tree, checkpointer_kind: str
+) -> None:
+    seen: list[str] = []
+
+    def hook(step: str) -> None:
+        seen.append(step)
+        if step == "lock" and len(seen) == 1:
+            raise InjectedError("after every lock")
+
+    phase = CudaPhase(make(checkpointer_kind), after_step=hook)
+    with pytest.raises(InjectedError):
+        phase.sleep(holders_of(tree, phase.checkpointer))
+    assert states(world, tree) == ["running"] * 3
+    phase.sleep(holders_of(tree, phase.checkpointer))
+    phase.wake(holders_of(tree, phase.checkpointer))
+    assert seen == ["lock", "lock", "checkpoint", "restore", "unlock"]
+
+
+class InjectedError(HibernateError):
+    pass

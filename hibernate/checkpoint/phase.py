@@ -256,13 +256,19 @@ class CudaPhase:
         timeouts: StepTimeouts | None = None,
         gpus: Callable[[], Any] | None = None,
         remember: bool = True,
+        after_step: Callable[[str], None] | None = None,
     ) -> None:
+        """``after_step(step)`` runs once a step has succeeded on every process (lock, checkpoint,
+        restore, unlock): where a journal marks progress or a test injects a fault. If it raises
+        during a sleep, the sleep is undone like any other failure.
+        """
         from hibernate.checkpoint import nvml
 
         self.checkpointer = checkpointer
         self.timeouts = timeouts or StepTimeouts()
         self.read_gpus = gpus or nvml.snapshot
         self.remember = remember
+        self.after_step = after_step or (lambda step: None)
 
     # -- steps ---------------------------------------------------------------
 
@@ -337,6 +343,7 @@ class CudaPhase:
                 _, errors = self._run(step, tracked, list(tracked))
                 if errors:
                     break
+                self.after_step(step)
         except BaseException as exc:  # interrupted (Ctrl-C) or broken: put the processes back first
             self._undo_sleep(tracked, [], cause=exc)
         if errors:
@@ -456,6 +463,8 @@ class CudaPhase:
         restored, errors = self._run("restore", tracked, plan.restore)
         if errors:
             self._rewind(tracked, restored, errors)
+        if plan.restore:
+            self.after_step("restore")
         _, errors = self._run("unlock", tracked, plan.unlock)
         if errors:
             running = [pid for pid in plan.unlock if pid not in {e.pid for e in errors}]
@@ -463,6 +472,7 @@ class CudaPhase:
             raise classify(
                 errors[0], f"{others}; run `hibernate wake` again once the cause is fixed"
             ) from None
+        self.after_step("unlock")
         if self.remember:
             for pid in plan.restore:
                 records.drop(tracked[pid].holder.identity)
