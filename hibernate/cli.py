@@ -39,7 +39,28 @@ IoModeOption = Annotated[
 ]
 TimeoutOption = Annotated[
     float,
-    typer.Option("--timeout", min=0.0, help="Seconds to wait for the program to leave hibernate.guard()."),
+    typer.Option(
+        "--timeout",
+        min=0.0,
+        help="Seconds to wait for the program to leave hibernate.guard() (and for its CUDA work to drain).",
+    ),
+]
+CheckpointerOption = Annotated[
+    str,
+    typer.Option(
+        "--checkpointer",
+        help="How to drive cuda-checkpoint: auto (the driver API where libcuda has it, else the "
+        "cuda-checkpoint binary), driver, or binary.",
+    ),
+]
+CudaCheckpointOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cuda-checkpoint",
+        help="The cuda-checkpoint executable (default: $HIBERNATE_CUDA_CHECKPOINT, then PATH); "
+        "implies the binary unless --checkpointer driver.",
+        show_default=False,
+    ),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -62,6 +83,24 @@ def _handles_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = None) -> dict[str, Any]:
+    """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
+    from hibernate.checkpoint.base import StepTimeouts
+    from hibernate.checkpoint.selection import KINDS
+    from hibernate.errors import UsageError
+
+    if kind not in KINDS:
+        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
+    if binary is not None and kind == "driver":
+        raise UsageError("--cuda-checkpoint names the binary; it cannot be used with --checkpointer driver")
+    timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
+    return {
+        "checkpointer_kind": kind,
+        "cuda_checkpoint": str(binary) if binary is not None else None,
+        "cuda_timeouts": timeouts,
+    }
+
+
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
         from hibernate.errors import UsageError
@@ -78,6 +117,8 @@ def sleep(
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -87,6 +128,7 @@ def sleep(
     options = orchestrator.Options(
         quiesce_timeout=timeout,
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.sleep(pids, to, options, progress)
@@ -102,13 +144,18 @@ def wake(
     pids: PidsArgument,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
     """Bring each target back where it was put to sleep, verified byte for byte."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)))
+    options = orchestrator.Options(
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        **_cuda_options(checkpointer, cuda_checkpoint),
+    )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.wake(pids, options, progress)
     if as_json:
@@ -182,12 +229,50 @@ def run(
     ] = "USR2",
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
     from hibernate import orchestrator, runner
 
-    options = orchestrator.Options(quiesce_timeout=timeout, io=orchestrator.IoOptions(buffer_mb=buffer_mb))
+    options = orchestrator.Options(
+        quiesce_timeout=timeout,
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
+    )
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
+
+
+@app.command()
+@_handles_errors
+def doctor(
+    pid: Annotated[
+        int | None,
+        typer.Argument(help="A target to examine too (any process of its tree).", show_default=False),
+    ] = None,
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to", help="Where snapshots would go (default: the agent's default directory, if any)."
+        ),
+    ] = None,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
+    from hibernate import doctor as diagnosis
+    from hibernate import render
+    from hibernate.errors import ExitCode
+
+    cuda = _cuda_options(checkpointer, cuda_checkpoint)
+    report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])
+    if as_json:
+        render.print_json(report)
+    else:
+        render.doctor_report(report)
+    if not report["ok"]:
+        raise typer.Exit(int(ExitCode.UNSUPPORTED))
 
 
 def _version_callback(value: bool) -> None:

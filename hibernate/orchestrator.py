@@ -23,7 +23,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
-from hibernate.checkpoint.base import Checkpointer
+from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import (
     HibernateError,
     NeedsRecoveryError,
@@ -34,6 +34,7 @@ from hibernate.errors import (
     WrongStateError,
 )
 from hibernate.fsutil import ensure_private_dir
+from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef, Target, resolve
 
 SLEEP_PHASES = ("connect", "quiesce", "spill", "release", "cuda")
@@ -65,7 +66,15 @@ class Options:
     quiesce_timeout: float = 30.0
     agent_timeout: float = 60.0  # longest silence from an agent before giving up
     io: IoOptions = field(default_factory=IoOptions)
+    # The CUDA phase: an explicit checkpointer, else one chosen (once, lazily) by kind:
+    # "auto" (driver API, else the cuda-checkpoint binary, else none), "driver" or "binary".
     checkpointer: Checkpointer | None = None
+    checkpointer_kind: str = "auto"
+    cuda_checkpoint: str | None = None  # path of the cuda-checkpoint binary (--cuda-checkpoint)
+    cuda_timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    _chosen: bool = field(default=False, repr=False)
+    _passed_over: list[str] = field(default_factory=list, repr=False)
+    _skipped: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -179,14 +188,54 @@ def _parallel(members: Sequence[_Member], work: Callable[[_Member], object]) -> 
         raise errors[0]
 
 
-def _require_checkpointer(targets: Sequence[Target], options: Options) -> None:
-    holders = [h.pid for t in targets for h in t.cuda_holders]
-    if holders and options.checkpointer is None:
-        raise UnsupportedError(
-            f"process(es) {', '.join(map(str, holders))} hold a CUDA context and no "
-            "cuda-checkpoint is available to take it off the GPU; nothing was changed",
-            hint="install an NVIDIA driver >= 550 with cuda-checkpoint (see `hibernate doctor`)",
+def _checkpointer(options: Options) -> Checkpointer | None:
+    """The checkpointer of ``options``, chosen on first use (an explicit kind that is missing raises)."""
+    if options.checkpointer is None and not options._chosen:
+        from hibernate.checkpoint.selection import choose
+
+        options.checkpointer, options._passed_over = choose(
+            options.checkpointer_kind, options.cuda_checkpoint, options.cuda_timeouts
         )
+        options._chosen = True
+    return options.checkpointer
+
+
+def _survey_cuda(targets: Sequence[Target], options: Options) -> Any:
+    """Find every CUDA holder of the targets (device files, or the driver answering for the pid).
+
+    Sets each target's ``cuda_holders`` (a process in several requested trees
+    counts once) and returns the survey (holders with their states).
+    """
+    from hibernate.checkpoint.detect import survey
+
+    found = survey([p for t in targets for p in t.processes], _checkpointer(options))
+    options._skipped = found.skipped
+    seen: set[ProcessIdentity] = set()
+    for target in targets:
+        target.cuda_holders = []
+        for holder in found.holders:
+            if holder.pid in target.processes and holder.identity not in seen:
+                seen.add(holder.identity)
+                target.cuda_holders.append(holder.identity)
+    return found
+
+
+def _require_checkpointer(targets: Sequence[Target], options: Options) -> None:
+    """Before anything changes: find the CUDA holders; refuse unless all can be checkpointed."""
+    from hibernate.checkpoint.phase import check_sleepable
+
+    found = _survey_cuda(targets, options)
+    holders = [h.pid for h in found.holders]
+    if holders and options.checkpointer is None:
+        why = "; ".join(options._passed_over)
+        raise UnsupportedError(
+            f"process(es) {', '.join(map(str, holders))} hold a CUDA context and neither the driver's "
+            f"checkpoint API nor the cuda-checkpoint binary is available to take it off the GPU"
+            + (f" ({why})" if why else "")
+            + "; nothing was changed",
+            hint="install an NVIDIA driver >= 570, or cuda-checkpoint (see `hibernate doctor`)",
+        )
+    check_sleepable(found.holders)
 
 
 def _annotate(exc: HibernateError, member: _Member, phase: str) -> HibernateError:
@@ -260,9 +309,13 @@ def sleep(
             sink.phase("cuda")
             cuda = _cuda_sleep(targets, options)
         except HibernateError as exc:
+            if phase == "cuda" and isinstance(exc, NeedsRecoveryError):
+                # CUDA could not be brought back: the agents stay asleep too (their memory must not be
+                # touched while CUDA is locked), and `hibernate wake` brings both back.
+                raise
             failed = next((m for m in members if m.reached != phase), members[0])
             _undo_sleep(members, exc)
-            raise _annotate(exc, failed, phase) from None
+            raise (exc if phase == "cuda" else _annotate(exc, failed, phase)) from None
         except BaseException as exc:
             _undo_sleep(members, exc)
             raise
@@ -271,11 +324,32 @@ def sleep(
     return _sleep_report(members, cuda, directory, time.perf_counter() - started)
 
 
+def _skipped_cuda(options: Options) -> dict[str, Any]:
+    report: dict[str, Any] = {"status": "none (skipped)", "processes": []}
+    if options._skipped:
+        report["skipped"] = options._skipped
+    return report
+
+
 def _cuda_sleep(targets: Sequence[Target], options: Options) -> dict[str, Any]:
-    holders = [h for t in targets for h in t.cuda_holders]
-    if not holders:
-        return {"status": "none (skipped)", "processes": []}
-    raise UnsupportedError("the CUDA phase needs a checkpointer")  # guarded by _require_checkpointer
+    """Lock, then checkpoint, every CUDA holder found before the sleep began (undone on failure)."""
+    from hibernate.checkpoint.detect import Holder, nvidia_device_files
+    from hibernate.checkpoint.phase import CudaPhase
+
+    identities = list(dict.fromkeys(h for t in targets for h in t.cuda_holders))
+    checkpointer = _checkpointer(options)
+    if not identities:
+        return _skipped_cuda(options)
+    if checkpointer is None:  # guarded by _require_checkpointer
+        raise UnsupportedError("the CUDA phase needs a checkpointer")
+    gone = [ident.pid for ident in identities if not procinfo.is_alive(ident)]
+    if gone:
+        raise NoSuchProcessError(f"process(es) {', '.join(map(str, gone))} exited during the sleep")
+    holders = [Holder(ident, nvidia_device_files(ident.pid), None) for ident in identities]
+    report = CudaPhase(checkpointer, options.cuda_timeouts).sleep(holders)
+    if options._skipped:
+        report["skipped"] = options._skipped
+    return report
 
 
 def _sleep_report(
@@ -322,10 +396,12 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
     members = _connect(targets, options.agent_timeout)
     try:
         sleeping = [m for m in members if m.phases["begin"].get("state") == "asleep"]
-        if not sleeping:
-            raise WrongStateError("nothing to wake: " + "; ".join(_describe_state(m) for m in members))
         sink.phase("cuda")
-        cuda = _cuda_wake(targets, options)
+        cuda = _cuda_wake(targets, options)  # from the real CUDA states, asleep agents or not
+        if not sleeping:
+            if not _cuda_changed(cuda):
+                raise WrongStateError("nothing to wake: " + "; ".join(_describe_state(m) for m in members))
+            return _wake_report([], cuda, time.perf_counter() - started)
         sink.phase("restore")
         counter = _ByteCounter(sink, "restore")
         failures: list[tuple[_Member, HibernateError]] = []
@@ -358,12 +434,44 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
     return _wake_report(sleeping, cuda, time.perf_counter() - started)
 
 
+def _cuda_changed(cuda: dict[str, Any]) -> bool:
+    return any(p.get("steps") for p in cuda.get("processes", []))
+
+
 def _cuda_wake(targets: Sequence[Target], options: Options) -> dict[str, Any]:
-    holders = [h for t in targets for h in t.cuda_holders]
-    if not holders:
-        return {"status": "none (skipped)", "processes": []}
-    _require_checkpointer(targets, options)
-    raise UnsupportedError("the CUDA phase needs a checkpointer")
+    """Restore every checkpointed holder, then unlock every locked one, deciding from their real states.
+
+    A checkpointed process has closed its device files, so it is found by asking
+    the driver; without a checkpointer nothing can be asked, and a process that
+    an earlier sleep checkpointed (its record says so) is refused rather than
+    left blocked in its first CUDA call.
+    """
+    from hibernate.checkpoint import records
+    from hibernate.checkpoint.phase import CudaPhase
+
+    if _checkpointer(options) is None:
+        pending = [
+            ident.pid
+            for t in targets
+            for ident in (procinfo.identity(p) for p in t.processes)
+            if ident is not None and records.load(ident) is not None
+        ]
+        if pending:
+            why = "; ".join(options._passed_over)
+            raise UnsupportedError(
+                f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
+                "`hibernate sleep`, and neither the driver's checkpoint API nor the cuda-checkpoint binary "
+                "is available to restore it" + (f" ({why})" if why else "") + "; nothing was changed",
+                hint="run the wake where the sleep ran (same driver), or pass --cuda-checkpoint PATH",
+            )
+    found = _survey_cuda(targets, options)
+    checkpointer = options.checkpointer
+    if not found.holders or checkpointer is None:
+        return _skipped_cuda(options)
+    report = CudaPhase(checkpointer, options.cuda_timeouts).wake(found.holders)
+    if options._skipped:
+        report["skipped"] = options._skipped
+    return report
 
 
 def _wake_report(members: Sequence[_Member], cuda: dict[str, Any], seconds: float) -> dict[str, Any]:

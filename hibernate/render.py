@@ -170,6 +170,22 @@ def cuda_summary(cuda: dict[str, Any]) -> str:
     return f"{cuda.get('status', '')}: " + ", ".join(parts)
 
 
+_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
+
+
+def doctor_report(report: dict[str, Any]) -> None:
+    """One line per check (status, name, what was found), the fix under each one not ok."""
+    for check in report["checks"]:
+        status = check["status"]
+        mark = _MARK.get(status, status) if out.is_terminal else status
+        out.print(mark + " " * max(1, 5 - len(status)), end="", markup=out.is_terminal)
+        out.print(f"{check['name']:<15} {check['detail']}", markup=False)
+        if check.get("fix") and check["status"] != "ok":
+            out.print(f"     {'':<15} fix: {check['fix']}", markup=False)
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
+
+
 def agents_table(entries: list[dict[str, Any]]) -> None:
     if not entries:
         out.print("no hibernate agents running for this user", markup=False)

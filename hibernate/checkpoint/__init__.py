@@ -1,6 +1,28 @@
 """Taking what the pools leave (CUDA context, communicators, kernels, graphs) off the GPU.
 
-``base`` defines the checkpointer interface and CUDA states; ``detect`` finds
-which processes hold a CUDA context. Driven from outside the target: a process
-cannot lock or checkpoint itself.
+Driven from outside the target: a process cannot lock or checkpoint itself.
+
+    base       the Checkpointer interface, CUDA states, CheckpointStepError, step timeouts
+    curesult   CUresult numbers, names and strings; identifying one from cuda-checkpoint's output
+    driver     the driver API (cuCheckpointProcess*) through ctypes on libcuda.so.1
+    binary     the cuda-checkpoint executable, one run per step
+    selection  --checkpointer auto|driver|binary
+    detect     which processes hold CUDA state (device files, or the driver answering)
+    phase      sleep (lock all, checkpoint all) and wake (check memory, restore all, unlock all)
+    records    what each process held per GPU when checkpointed, for the wake's memory check
+    nvml       GPUs, free and per-process memory, persistence and MIG mode (optional)
+
+Exit codes of the CUDA phase (the ``hibernate`` command's, see errors.ExitCode):
+
+    6  WRONG_STATE       sleep of a process whose CUDA is already locked/checkpointed (wake it first)
+    7  BUSY              another tool is checkpointing or restoring it
+    10 TIMEOUT           a lock whose CUDA work did not drain in --timeout (the process runs on),
+                         or a driver call that never answered
+    11 CUDA_CHECKPOINT   a step failed (the message names the process, the step and the CUresult);
+                         what was done was undone; also a sleep of a process in the failed state
+    12 UNSUPPORTED       no checkpointer (no driver API, no usable cuda-checkpoint), a driver too
+                         old, the driver cannot checkpoint this process (CUDA_ERROR_NOT_SUPPORTED),
+                         or not enough free GPU memory to restore (nothing changed: retry later)
+    13 NEEDS_RECOVERY    a restore ran out of GPU memory (the driver refuses later restores of
+                         that process), an undo failed, or a wake of a process in the failed state
 """

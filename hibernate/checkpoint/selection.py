@@ -1,0 +1,56 @@
+"""Which checkpointer drives cuda-checkpoint: ``--checkpointer auto|driver|binary``.
+
+``auto`` takes the driver API where libcuda has it (no process per step, exact
+error codes), else the ``cuda-checkpoint`` binary, else none. Having none is
+not an error by itself: a target without CUDA holders needs no checkpointer,
+and the orchestrator says "neither is there" only when one does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hibernate.checkpoint.base import Checkpointer, StepTimeouts
+from hibernate.errors import UnsupportedError, UsageError
+
+KINDS = ("auto", "driver", "binary")
+
+
+def choose(
+    kind: str = "auto",
+    binary_path: str | os.PathLike[str] | None = None,
+    timeouts: StepTimeouts | None = None,
+) -> tuple[Checkpointer | None, list[str]]:
+    """The checkpointer for ``kind``, and why the others were passed over.
+
+    An explicit ``driver`` or ``binary`` that is not usable raises
+    UnsupportedError at once (nothing has been touched yet); ``auto`` returns
+    None with the reasons instead.
+    """
+    from hibernate.checkpoint.binary import BinaryCheckpointer
+    from hibernate.checkpoint.driver import DriverCheckpointer
+
+    if kind not in KINDS:
+        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
+    if binary_path and kind == "driver":
+        raise UsageError("--cuda-checkpoint names the binary; it cannot be used with --checkpointer driver")
+    reasons: list[str] = []
+    if kind in ("auto", "driver") and not (kind == "auto" and binary_path):
+        try:
+            return DriverCheckpointer(timeouts=timeouts), reasons
+        except UnsupportedError as exc:
+            if kind == "driver":
+                raise
+            reasons.append(f"driver API: {exc.message}")
+    try:
+        return BinaryCheckpointer(binary_path, timeouts=timeouts), reasons
+    except UnsupportedError as exc:
+        if kind == "binary":
+            raise
+        reasons.append(f"cuda-checkpoint binary: {exc.message}")
+    return None, reasons
+
+
+def describe(checkpointer: Checkpointer | None) -> dict[str, Any] | None:
+    return None if checkpointer is None else checkpointer.describe()

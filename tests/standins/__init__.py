@@ -1,0 +1,1 @@
+"""STAND-INS for tests: a fake NVIDIA driver (libcuda, cuda-checkpoint, NVML) built from C at test time."""

@@ -1,0 +1,169 @@
+"""``hibernate doctor``: on this GPU-less machine, and against the stand-in driver with real targets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hibernate.errors import ExitCode
+from tests.conftest import NOBODY, is_root
+from tests.standins.world import GIB, Tree, World
+
+pytest_plugins = ["tests.standins.fixtures"]
+
+
+def checks(result: Any) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in result.json()["checks"]}
+
+
+def no_driver_env(tmp_path: Path) -> dict[str, str]:
+    return {
+        "HIBERNATE_LIBCUDA": str(tmp_path / "libcuda.so.1"),
+        "HIBERNATE_LIBNVML": str(tmp_path / "libnvidia-ml.so.1"),
+        "HIBERNATE_CUDA_CHECKPOINT": "",
+        "HIBERNATE_STANDIN_DIR": "",
+        "PATH": str(tmp_path),
+    }
+
+
+def test_doctor_on_a_machine_without_a_gpu(cli: Callable[..., Any], tmp_path: Path) -> None:
+    result = cli("doctor", "--json", env=no_driver_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    found = checks(result)
+    assert result.json()["ok"] is True
+    assert found["driver"]["status"] == "warn" and "no NVIDIA driver" in found["driver"]["detail"]
+    assert "570" in found["driver"]["fix"]
+    assert found["cuda-checkpoint"]["status"] == "warn" and found["checkpointer"]["status"] == "warn"
+    assert found["gpus"]["status"] == "ok" and "no NVIDIA GPU" in found["gpus"]["detail"]
+    assert found["mig"]["status"] == found["mps"]["status"] == found["user"]["status"] == "ok"
+    assert {c["status"] for c in found.values()} <= {"ok", "warn"}
+    human = cli("doctor", env=no_driver_env(tmp_path))
+    assert human.returncode == 0 and "verdict: ready" in human.stdout
+    assert "fix: install the NVIDIA driver, 570 or newer" in human.stdout
+
+
+def test_doctor_with_the_stand_in_driver(world: World, cli: Callable[..., Any]) -> None:
+    result = cli("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    found = checks(result)
+    assert found["driver"]["status"] == "ok"
+    assert found["driver"]["detail"].startswith(
+        "CUDA 13.0 (driver 580.95.05): checkpoint driver API available"
+    )
+    assert found["cuda-checkpoint"]["status"] == "ok" and "--device-map" in found["cuda-checkpoint"]["detail"]
+    assert found["checkpointer"]["detail"].startswith("driver (in-process driver API)")
+    assert (
+        world.gpus[0].uuid in found["gpus"]["detail"]
+        and "80.0 GiB free of 80.0 GiB" in found["gpus"]["detail"]
+    )
+    assert found["persistence"]["status"] == "ok" and found["mig"]["status"] == "ok"
+    binary = checks(cli("doctor", "--json", "--checkpointer", "binary"))
+    assert binary["checkpointer"]["detail"].startswith("binary (a cuda-checkpoint run per step)")
+
+
+def test_doctor_sees_an_old_driver(world: World, cli: Callable[..., Any]) -> None:
+    env = {"HIBERNATE_LIBCUDA": str(world.built.libcuda_old), "HIBERNATE_STANDIN_CUDA_VERSION": "12040"}
+    plain = cli("doctor", "--json", env=env)
+    assert plain.returncode == 0  # nothing fails until a CUDA target is asked about
+    found = checks(plain)
+    assert found["driver"]["status"] == "warn" and "no checkpoint driver API" in found["driver"]["detail"]
+    assert (
+        found["cuda-checkpoint"]["status"] == "warn" and "only --toggle" in found["cuda-checkpoint"]["detail"]
+    )
+    assert found["checkpointer"]["status"] == "warn"
+    explicit = cli("doctor", "--json", "--checkpointer", "driver", env=env)
+    assert (
+        explicit.returncode == ExitCode.UNSUPPORTED and checks(explicit)["checkpointer"]["status"] == "fail"
+    )
+
+
+def test_doctor_of_a_multi_process_target(
+    world: World, start_tree: Callable[..., Tree], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    tree = start_tree(children=2, agent=True)
+    for pid in tree.pids:
+        world.register(pid, nbytes=2 * GIB)
+    result = cli("doctor", str(tree.pid), "--to", str(work_dir / "snaps"), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = checks(result)
+    assert found["agents"]["status"] == "ok" and f"process {tree.pid} (running)" in found["agents"]["detail"]
+    holders = found["cuda holders"]
+    assert holders["status"] == "ok"
+    assert [h["pid"] for h in holders["data"]["holders"]] == tree.pids
+    assert all(
+        h["state"] == "running" and h["gpus"] == {world.gpus[0].uuid: 2 * GIB}
+        for h in holders["data"]["holders"]
+    )
+    nccl = found["nccl"]
+    assert nccl["status"] == "warn" and "NCCL_P2P_DISABLE is not 1" in nccl["detail"]
+    assert "NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1" in nccl["fix"]
+    assert found["snapshot dir"]["status"] == "ok" and found["free space"]["status"] == "ok"
+    assert found["free space"]["data"]["needed_bytes"] == 1 << 18  # the tracked tensor, kept
+    assert found["direct I/O"]["status"] in ("ok", "warn")
+
+    world.set_state(tree.children[0], "checkpointed")
+    found = checks(cli("doctor", str(tree.pid), "--json"))
+    assert (
+        found["cuda holders"]["status"] == "warn"
+        and f"hibernate wake {tree.pid}" in found["cuda holders"]["fix"]
+    )
+    world.set_state(tree.children[0], "failed")
+    failed = cli("doctor", str(tree.pid))
+    assert failed.returncode == ExitCode.UNSUPPORTED and "not ready (cuda holders)" in failed.stdout
+
+
+def test_doctor_finds_nothing_to_fear_in_a_tree_started_with_safe_nccl_settings(
+    world: World, start_tree: Callable[..., Tree], cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    tree = start_tree(children=1)  # no agent: the doctor says so, and still checks the rest
+    for pid in tree.pids:
+        world.register(pid)
+    result = cli("doctor", str(tree.pid), "--json")
+    found = checks(result)
+    assert found["nccl"]["status"] == "ok" and "2 CUDA processes" in found["nccl"]["detail"]
+    assert found["agents"]["status"] == "fail" and result.returncode == ExitCode.UNSUPPORTED
+
+
+def test_doctor_flags_mig_mps_persistence_and_a_ram_snapshot_dir(
+    world: World, cli: Callable[..., Any]
+) -> None:
+    world.gpus[0].persistence = False
+    world.add_gpu(mig=1)
+    mps = subprocess.Popen(["bash", "-c", "exec -a nvidia-cuda-mps-control sleep 600"])
+    try:
+        result = cli("doctor", "--to", "/dev/shm/hibernate-doctor-test", "--json")
+    finally:
+        mps.kill()
+        mps.wait()
+    assert result.returncode == ExitCode.UNSUPPORTED
+    found = checks(result)
+    assert found["persistence"]["status"] == "warn" and found["persistence"]["fix"] == "sudo nvidia-smi -pm 1"
+    assert found["mig"]["status"] == "fail" and "GPU 1" in found["mig"]["detail"]
+    assert found["mps"]["status"] == "fail" and str(mps.pid) in found["mps"]["detail"]
+    assert found["snapshot dir"]["status"] == "warn" and "it is RAM" in found["snapshot dir"]["detail"]
+    assert not Path("/dev/shm/hibernate-doctor-test").exists()  # the doctor changes nothing
+
+
+def test_doctor_bad_input(cli: Callable[..., Any], tmp_path: Path) -> None:
+    assert cli("doctor", "999999999").returncode == ExitCode.NO_SUCH_PROCESS
+    bad = cli("doctor", "--checkpointer", "nope")
+    assert bad.returncode == ExitCode.USAGE and "--checkpointer must be one of" in bad.stderr
+    missing = cli("doctor", "--json", "--checkpointer", "binary", env=no_driver_env(tmp_path))
+    assert missing.returncode == ExitCode.UNSUPPORTED and checks(missing)["checkpointer"]["status"] == "fail"
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root to run as another user")
+def test_doctor_as_another_user(cli: Callable[..., Any], tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    env = {k: v for k, v in no_driver_env(tmp_path).items() if k != "PATH"}  # setpriv is found on PATH
+    result = cli("doctor", str(os.getpid()), "--json", uid=NOBODY, env=env)
+    assert result.returncode == ExitCode.UNSUPPORTED
+    user = checks(result)["user"]
+    assert user["status"] == "fail" and f"you are uid {NOBODY}" in user["detail"]
