@@ -33,6 +33,37 @@ def as_user_prefix(uid: int | None) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
+_readable_copy: Path | None = None
+
+
+def source_root_for(uid: int | None) -> Path:
+    """Where a process run as ``uid`` imports hibernate from.
+
+    The checkout may sit in a directory another user cannot enter (a 0700 home
+    or temporary directory), so processes of another user get a world-readable
+    copy of the package, made once per session. If the interpreter itself is out
+    of that user's reach, the test is skipped: the machine cannot run it.
+    """
+    global _readable_copy
+    if uid is None:
+        return REPO
+    if _readable_copy is None:
+        copy = Path(tempfile.mkdtemp(prefix="hb-src-", dir="/tmp"))
+        shutil.copytree(REPO / "hibernate", copy / "hibernate", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        _readable_copy = copy
+    probe = subprocess.run(
+        [*as_user_prefix(uid), sys.executable, "-c", "import hibernate, torch"],
+        env={**os.environ, "PYTHONPATH": str(_readable_copy)},
+        cwd=_readable_copy,
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"this interpreter cannot run as uid {uid} here: {probe.stderr.decode()[-200:]}")
+    return _readable_copy
+
+
 @pytest.fixture
 def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A short, private HIBERNATE_RUNTIME_DIR for this test and every process it starts."""
@@ -72,8 +103,16 @@ def run_cli(
 ) -> CliResult:
     """Run ``hibernate ARGS`` as a separate process, as the user would."""
     command = [*as_user_prefix(uid), sys.executable, "-m", "hibernate", *args]
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=cwd)
+    source = source_root_for(uid)
+    environment = {**os.environ, "PYTHONPATH": str(source), **(env or {})}
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+        cwd=cwd if uid is None else source,
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -162,8 +201,8 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                cwd=source_root_for(uid),
+                env={**os.environ, "PYTHONPATH": str(source_root_for(uid)), **(env or {})},
             )
         demo = Demo(proc, str(control), {}, log)
         started.append(demo)

@@ -27,7 +27,7 @@ from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name
 from hibernate.agent.server import AgentServer
 from hibernate.errors import BusyError, ProtocolError
 from hibernate.pools.tensors import TensorPool
-from tests.conftest import NOBODY, REPO, is_root
+from tests.conftest import NOBODY, is_root, source_root_for
 
 
 @pytest.fixture
@@ -232,7 +232,7 @@ def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
             "-c",
             probe,
             str(server.path),
-            str(REPO),
+            str(source_root_for(NOBODY)),
         ],
         capture_output=True,
         text=True,
