@@ -166,6 +166,30 @@ def wake(
 
 @app.command()
 @_handles_errors
+def recover(
+    pids: PidsArgument,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Finish or undo a sleep or wake whose hibernate command was killed half-way."""
+    from hibernate import orchestrator, render
+
+    options = orchestrator.Options(**_cuda_options(checkpointer, cuda_checkpoint))
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        report = orchestrator.recover(pids, options, progress)
+    if as_json:
+        render.print_json({"ok": True, **report})
+    elif not quiet:
+        render.out.print(f"recover: {report.get('message') or report['action']}", markup=False)
+        inner = report.get("report")
+        if inner and inner.get("operation") == "wake":
+            render.wake_report(inner)
+
+
+@app.command()
+@_handles_errors
 def status(
     pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
     as_json: JsonOption = False,

@@ -21,6 +21,7 @@ import time
 from hibernate.errors import HibernateError
 
 ENV = "HIBERNATE_FAULT"
+TRACE_ENV = "HIBERNATE_FAULT_TRACE"  # a file: every point reached is appended to it (tests)
 
 # Orchestrator (CLI side) boundaries, in the order a sleep and a wake pass them.
 SLEEP_POINTS = (
@@ -42,8 +43,6 @@ WAKE_POINTS = (
     "wake.after-restore",
     "wake.after-resume",
 )
-# Inside the agent and the store.
-AGENT_POINTS = ("agent.spill", "agent.release", "agent.restore", "store.write", "store.publish")
 
 
 class InjectedFault(HibernateError):
@@ -64,6 +63,10 @@ def _actions() -> dict[str, str]:
 
 def point(name: str) -> None:
     """Trigger the fault configured for ``name``, if any."""
+    trace = os.environ.get(TRACE_ENV)
+    if trace:
+        with open(trace, "a") as log:
+            log.write(name + "\n")
     if ENV not in os.environ:
         return
     action = _actions().get(name)

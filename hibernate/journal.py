@@ -153,6 +153,21 @@ class Journal:
         finally:
             os.close(fd)
 
+    def sweep_locks(self) -> None:
+        """Delete lock files of processes that are gone: nobody can ever lock them again."""
+        locks = self.directory.parent / "locks"
+        try:
+            names = os.listdir(locks)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return
+        for name in names:
+            stem, _, suffix = name.partition(".")
+            pid_text, _, start_text = stem.partition("-")
+            named = suffix == "lock" and pid_text.isdigit() and start_text.isdigit()
+            if named and not procinfo.is_alive(ProcessIdentity(int(pid_text), int(start_text))):
+                with contextlib.suppress(OSError):
+                    os.unlink(locks / name)
+
     def entries(self) -> list[Entry]:
         """Every entry whose process still lives; entries of dead processes are deleted."""
         try:
@@ -208,6 +223,26 @@ class TargetLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, description.encode(), 0)
         self._fd = fd
+
+    def holder(self) -> str | None:
+        """Who holds the lock now, or None if nobody does (the lock is not taken)."""
+        try:
+            dir_fd = open_dir(self.directory)
+        except (FileNotFoundError, OSError):
+            return None
+        try:
+            fd = os.open(_name(self.ident, "lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another hibernate command"
+        finally:
+            os.close(fd)
+        return None
 
     def release(self) -> None:
         if self._fd is not None:

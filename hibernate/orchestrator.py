@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hibernate import procinfo
+from hibernate import faults, procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import (
@@ -34,11 +34,13 @@ from hibernate.errors import (
     WrongStateError,
 )
 from hibernate.fsutil import ensure_private_dir
+from hibernate.journal import Entry, Journal, TargetLock
 from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef, Target, resolve
 
-SLEEP_PHASES = ("connect", "quiesce", "spill", "release", "cuda")
-WAKE_PHASES = ("connect", "cuda", "restore", "resume")
+# Phase boundaries, in order; each is journaled and is a fault point ("sleep.after-<phase>").
+SLEEP_PHASES = ("lock", "connect", "quiesce", "spill", "release", "cuda-lock", "cuda")
+WAKE_PHASES = ("lock", "connect", "cuda-restore", "cuda", "restore", "resume")
 
 
 class ProgressSink:
@@ -107,9 +109,10 @@ class _Member:
 class _ByteCounter:
     """Sums the progress of several agents transferring at once."""
 
-    def __init__(self, sink: ProgressSink, phase: str) -> None:
+    def __init__(self, sink: ProgressSink, phase: str, on_first: Callable[[], None] = lambda: None) -> None:
         self._sink = sink
         self._phase = phase
+        self._on_first = on_first
         self._lock = threading.Lock()
         self._done: dict[int, int] = {}
         self._total: dict[int, int] = {}
@@ -121,8 +124,86 @@ class _ByteCounter:
                 self._total[pid] = int(event.get("total", 0))
                 done, total = sum(self._done.values()), sum(self._total.values())
             self._sink.transfer(self._phase, done, total)
+            self._on_first()
 
         return update
+
+
+class _Operation:
+    """One sleep or wake: a lock per process, a journal entry per process, a fault point per phase.
+
+    The locks keep a second command off the same processes (the kernel drops
+    them if this command is killed). The journal says, durably and before the
+    command moves on, which phases are complete, so that ``hibernate status``
+    can show an interrupted operation and ``hibernate recover`` can finish or
+    undo it. A completed (or cleanly undone) operation leaves no entry behind.
+    """
+
+    def __init__(self, op: str, targets: Sequence[Target]) -> None:
+        self.op = op
+        self.refs = list({a.identity: a for t in targets for a in t.agents}.values())
+        self._locks: list[TargetLock] = []
+        self._entries: list[tuple[Journal, Entry]] = []
+        self._fired: set[str] = set()
+
+    @staticmethod
+    def _owner(ref: AgentRef) -> int | None:
+        return procinfo.owner_uid(ref.pid) if os.getuid() == 0 else None
+
+    def lock(self) -> None:
+        description = f"hibernate {self.op} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})"
+        try:
+            for ref in self.refs:
+                lock = TargetLock(ref.socket.parent, ref.identity, self._owner(ref))
+                lock.acquire(description)
+                self._locks.append(lock)
+        except BaseException:
+            self.release()
+            raise
+
+    def record(
+        self, directory: Path | None, holders: Sequence[ProcessIdentity], checkpointer: str | None
+    ) -> None:
+        members = [[r.pid, r.identity.start_time] for r in self.refs]
+        cuda = [[h.pid, h.start_time] for h in holders]
+        for ref in self.refs:
+            journal = Journal(ref.socket.parent, self._owner(ref))
+            entry = Entry(
+                op=self.op,
+                pid=ref.pid,
+                start_time=ref.identity.start_time,
+                cli_pid=os.getpid(),
+                directory=str(directory) if directory else None,
+                members=members,
+                cuda_holders=cuda,
+                checkpointer=checkpointer,
+            )
+            journal.record(entry)
+            self._entries.append((journal, entry))
+
+    def passed(self, phase: str) -> None:
+        """``phase`` is complete everywhere: journal it, then give the fault point its chance."""
+        for journal, entry in self._entries:
+            journal.mark(entry, phase)
+        faults.point(f"{self.op}.after-{phase}")
+
+    def during(self, phase: str) -> None:
+        """Inside a long phase (the first progress report of a transfer)."""
+        if phase not in self._fired:
+            self._fired.add(phase)
+            faults.point(f"{self.op}.during-{phase}")
+
+    def finish(self) -> None:
+        """Done, or cleanly undone: nothing to recover; earlier entries of these processes go too."""
+        for ref in self.refs:
+            Journal(ref.socket.parent, self._owner(ref)).remove(ref.identity)
+        self._entries.clear()
+        self.release()
+
+    def release(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
 
 
 def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
@@ -269,9 +350,19 @@ def sleep(
     started = time.perf_counter()
     sink.phase("connect")
     targets = resolve(pids)
-    _require_checkpointer(targets, options)
-    directory = prepare_directory(directory, targets)
-    members = _connect(targets, options.agent_timeout)
+    operation = _Operation("sleep", targets)
+    operation.lock()
+    try:
+        _require_checkpointer(targets, options)
+        directory = prepare_directory(directory, targets)
+        holders = [h for t in targets for h in t.cuda_holders]
+        checkpointer = options.checkpointer
+        operation.record(directory, holders, getattr(checkpointer, "name", None))
+        operation.passed("lock")
+        members = _connect(targets, options.agent_timeout)
+    except BaseException:
+        operation.finish()
+        raise
     try:
         not_running = [m for m in members if m.phases["begin"].get("state") != "running"]
         if not_running:
@@ -279,49 +370,72 @@ def sleep(
                 "; ".join(_describe_state(m) for m in not_running) + "; nothing was changed",
                 hint=f"wake it first: hibernate wake {' '.join(str(m.pid) for m in not_running)}",
             )
-        phase = "quiesce"
-        try:
-            sink.phase("quiesce")
-            for member in members:
-                member.call(
-                    "quiesce",
-                    {"timeout": options.quiesce_timeout},
-                    idle_timeout=options.quiesce_timeout + options.agent_timeout,
-                )
-            phase = "spill"
-            sink.phase("spill")
-            counter = _ByteCounter(sink, "spill")
-            args = {"dir": str(directory), **options.io.to_args()}
-            _parallel(
-                members,
-                lambda m: m.call(
-                    "spill",
-                    args,
-                    progress=counter.for_member(m.pid),
-                    idle_timeout=options.agent_timeout,
-                ),
-            )
-            phase = "release"
-            sink.phase("release")
-            for member in members:
-                member.call("release")
-            phase = "cuda"
-            sink.phase("cuda")
-            cuda = _cuda_sleep(targets, options)
-        except HibernateError as exc:
-            if phase == "cuda" and isinstance(exc, NeedsRecoveryError):
-                # CUDA could not be brought back: the agents stay asleep too (their memory must not be
-                # touched while CUDA is locked), and `hibernate wake` brings both back.
-                raise
-            failed = next((m for m in members if m.reached != phase), members[0])
-            _undo_sleep(members, exc)
-            raise (exc if phase == "cuda" else _annotate(exc, failed, phase)) from None
-        except BaseException as exc:
-            _undo_sleep(members, exc)
-            raise
-    finally:
+        operation.passed("connect")
+        cuda = _sleep_phases(targets, members, directory, options, sink, operation)
+    except NeedsRecoveryError:
         _close(members)
+        operation.release()  # the journal stays: `hibernate recover` / `wake` reads it
+        raise
+    except BaseException:
+        _close(members)
+        operation.finish()
+        raise
+    _close(members)
+    operation.finish()
     return _sleep_report(members, cuda, directory, time.perf_counter() - started)
+
+
+def _sleep_phases(
+    targets: Sequence[Target],
+    members: Sequence[_Member],
+    directory: Path,
+    options: Options,
+    sink: ProgressSink,
+    operation: _Operation,
+) -> dict[str, Any]:
+    """quiesce -> spill -> release -> cuda on every member; undone on any failure."""
+    phase = "quiesce"
+    try:
+        sink.phase("quiesce")
+        for member in members:
+            member.call(
+                "quiesce",
+                {"timeout": options.quiesce_timeout},
+                idle_timeout=options.quiesce_timeout + options.agent_timeout,
+            )
+        operation.passed("quiesce")
+        phase = "spill"
+        sink.phase("spill")
+        counter = _ByteCounter(sink, "spill", lambda: operation.during("spill"))
+        args = {"dir": str(directory), **options.io.to_args()}
+        _parallel(
+            members,
+            lambda m: m.call(
+                "spill", args, progress=counter.for_member(m.pid), idle_timeout=options.agent_timeout
+            ),
+        )
+        operation.passed("spill")
+        phase = "release"
+        sink.phase("release")
+        for member in members:
+            member.call("release")
+        operation.passed("release")
+        phase = "cuda"
+        sink.phase("cuda")
+        cuda = _cuda_sleep(targets, options, operation)
+        operation.passed("cuda")
+        return cuda
+    except HibernateError as exc:
+        if phase == "cuda" and isinstance(exc, NeedsRecoveryError):
+            # CUDA could not be brought back: the agents stay asleep too (their memory must not be
+            # touched while CUDA is locked), and `hibernate wake` brings both back.
+            raise
+        failed = next((m for m in members if m.reached != phase), members[0])
+        _undo_sleep(members, exc)
+        raise (exc if phase == "cuda" else _annotate(exc, failed, phase)) from None
+    except BaseException as exc:
+        _undo_sleep(members, exc)
+        raise
 
 
 def _skipped_cuda(options: Options) -> dict[str, Any]:
@@ -331,7 +445,7 @@ def _skipped_cuda(options: Options) -> dict[str, Any]:
     return report
 
 
-def _cuda_sleep(targets: Sequence[Target], options: Options) -> dict[str, Any]:
+def _cuda_sleep(targets: Sequence[Target], options: Options, operation: _Operation) -> dict[str, Any]:
     """Lock, then checkpoint, every CUDA holder found before the sleep began (undone on failure)."""
     from hibernate.checkpoint.detect import Holder, nvidia_device_files
     from hibernate.checkpoint.phase import CudaPhase
@@ -346,7 +460,12 @@ def _cuda_sleep(targets: Sequence[Target], options: Options) -> dict[str, Any]:
     if gone:
         raise NoSuchProcessError(f"process(es) {', '.join(map(str, gone))} exited during the sleep")
     holders = [Holder(ident, nvidia_device_files(ident.pid), None) for ident in identities]
-    report = CudaPhase(checkpointer, options.cuda_timeouts).sleep(holders)
+
+    def after_step(step: str) -> None:
+        if step == "lock":
+            operation.passed("cuda-lock")
+
+    report = CudaPhase(checkpointer, options.cuda_timeouts, after_step=after_step).sleep(holders)
     if options._skipped:
         report["skipped"] = options._skipped
     return report
@@ -389,48 +508,80 @@ def _sleep_report(
 
 
 def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> dict[str, Any]:
+    """Bring every target back, deciding from the real states: this also finishes or undoes
+    whatever an interrupted sleep or wake left behind."""
     sink = sink or ProgressSink()
     started = time.perf_counter()
     sink.phase("connect")
     targets = resolve(pids)
-    members = _connect(targets, options.agent_timeout)
+    operation = _Operation("wake", targets)
+    operation.lock()
+    members: list[_Member] = []
     try:
-        sleeping = [m for m in members if m.phases["begin"].get("state") == "asleep"]
-        sink.phase("cuda")
-        cuda = _cuda_wake(targets, options)  # from the real CUDA states, asleep agents or not
-        if not sleeping:
-            if not _cuda_changed(cuda):
-                raise WrongStateError("nothing to wake: " + "; ".join(_describe_state(m) for m in members))
-            return _wake_report([], cuda, time.perf_counter() - started)
-        sink.phase("restore")
-        counter = _ByteCounter(sink, "restore")
-        failures: list[tuple[_Member, HibernateError]] = []
-        lock = threading.Lock()
-
-        def restore(member: _Member) -> None:
-            try:
-                member.call(
-                    "restore",
-                    options.io.to_args(),
-                    progress=counter.for_member(member.pid),
-                    idle_timeout=options.agent_timeout,
-                )
-            except HibernateError as exc:
-                with lock:
-                    failures.append((member, exc))
-
-        _parallel(sleeping, restore)
-        sink.phase("resume")
-        for member in sleeping:
-            if member.reached == "restore":
-                member.call("resume")
-        if failures:
-            member, exc = failures[0]
-            exc.message = f"process {member.pid} stays asleep: {exc.message}"
-            exc.hint = exc.hint or f"fix the cause, then run `hibernate wake {member.pid}` again"
-            raise exc
-    finally:
+        operation.record(None, [h for t in targets for h in t.cuda_holders], None)
+        operation.passed("lock")
+        members = _connect(targets, options.agent_timeout)
+        operation.passed("connect")
+        report = _wake_phases(targets, members, options, sink, operation, started)
+    except NeedsRecoveryError:
         _close(members)
+        operation.release()
+        raise
+    except BaseException:
+        _close(members)
+        operation.finish()
+        raise
+    _close(members)
+    operation.finish()
+    return report
+
+
+def _wake_phases(
+    targets: Sequence[Target],
+    members: Sequence[_Member],
+    options: Options,
+    sink: ProgressSink,
+    operation: _Operation,
+    started: float,
+) -> dict[str, Any]:
+    sleeping = [m for m in members if m.phases["begin"].get("state") == "asleep"]
+    sink.phase("cuda")
+    cuda = _cuda_wake(targets, options, operation)  # from the real CUDA states, asleep agents or not
+    operation.passed("cuda")
+    if not sleeping:
+        if not _cuda_changed(cuda):
+            raise WrongStateError("nothing to wake: " + "; ".join(_describe_state(m) for m in members))
+        return _wake_report([], cuda, time.perf_counter() - started)
+    sink.phase("restore")
+    counter = _ByteCounter(sink, "restore", lambda: operation.during("restore"))
+    failures: list[tuple[_Member, HibernateError]] = []
+    lock = threading.Lock()
+
+    def restore(member: _Member) -> None:
+        try:
+            member.call(
+                "restore",
+                options.io.to_args(),
+                progress=counter.for_member(member.pid),
+                idle_timeout=options.agent_timeout,
+            )
+        except HibernateError as exc:
+            with lock:
+                failures.append((member, exc))
+
+    _parallel(sleeping, restore)
+    if not failures:
+        operation.passed("restore")
+    sink.phase("resume")
+    for member in sleeping:
+        if member.reached == "restore":
+            member.call("resume")
+    if failures:
+        member, exc = failures[0]
+        exc.message = f"process {member.pid} stays asleep: {exc.message}"
+        exc.hint = exc.hint or f"fix the cause, then run `hibernate wake {member.pid}` again"
+        raise exc
+    operation.passed("resume")
     return _wake_report(sleeping, cuda, time.perf_counter() - started)
 
 
@@ -438,7 +589,7 @@ def _cuda_changed(cuda: dict[str, Any]) -> bool:
     return any(p.get("steps") for p in cuda.get("processes", []))
 
 
-def _cuda_wake(targets: Sequence[Target], options: Options) -> dict[str, Any]:
+def _cuda_wake(targets: Sequence[Target], options: Options, operation: _Operation) -> dict[str, Any]:
     """Restore every checkpointed holder, then unlock every locked one, deciding from their real states.
 
     A checkpointed process has closed its device files, so it is found by asking
@@ -468,7 +619,12 @@ def _cuda_wake(targets: Sequence[Target], options: Options) -> dict[str, Any]:
     checkpointer = options.checkpointer
     if not found.holders or checkpointer is None:
         return _skipped_cuda(options)
-    report = CudaPhase(checkpointer, options.cuda_timeouts).wake(found.holders)
+
+    def after_step(step: str) -> None:
+        if step == "restore":
+            operation.passed("cuda-restore")
+
+    report = CudaPhase(checkpointer, options.cuda_timeouts, after_step=after_step).wake(found.holders)
     if options._skipped:
         report["skipped"] = options._skipped
     return report
@@ -497,8 +653,27 @@ def _wake_report(members: Sequence[_Member], cuda: dict[str, Any], seconds: floa
     return {"operation": "wake", "seconds": round(seconds, 6), "processes": processes, "cuda": cuda}
 
 
+def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
+    """An operation on ``ref`` that stopped half-way (its command died), and how to resolve it."""
+    owner = procinfo.owner_uid(ref.pid) if os.getuid() == 0 else None
+    journal = Journal(ref.socket.parent, owner)
+    entry = journal.load(ref.identity)
+    if entry is None:
+        return None
+    holder = TargetLock(ref.socket.parent, ref.identity).holder()
+    if holder is not None:
+        return {"op": entry.op, "phases": entry.phases, "in_progress": holder}
+    return {
+        "op": entry.op,
+        "phases": entry.phases,
+        "cli_pid": entry.cli_pid,
+        "since_unix": entry.started_unix,
+        "resolve": f"hibernate recover {ref.pid}",
+    }
+
+
 def status(pids: Sequence[int] | None) -> list[dict[str, Any]]:
-    """Status of the agents of ``pids`` (all of ours when None)."""
+    """Status of the agents of ``pids`` (all of ours when None), with any interrupted operation."""
     from hibernate.targets import all_agents
 
     refs = [a for t in resolve(pids) for a in t.agents] if pids else all_agents()
@@ -507,5 +682,61 @@ def status(pids: Sequence[int] | None) -> list[dict[str, Any]]:
         entry = dict(ref.status)
         entry["rss"] = procinfo.resident_bytes(ref.pid)
         entry["command"] = procinfo.command_line(ref.pid)[:200]
+        entry["interrupted"] = interrupted_operation(ref)
         out.append(entry)
+    if refs:
+        Journal(refs[0].socket.parent).sweep_locks()
     return out
+
+
+def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> dict[str, Any]:
+    """Finish or undo what an interrupted sleep or wake left, from the journal and the real states.
+
+    An interrupted sleep whose every process had released its memory, with every
+    CUDA holder still running, is finished (only the CUDA phase was left).
+    Anything else is brought back to running, which is always possible: until
+    ``release`` nothing was lost, and after it the snapshot holds every byte.
+    """
+    sink = sink or ProgressSink()
+    targets = resolve(pids)
+    refs = list({a.identity: a for t in targets for a in t.agents}.values())
+    found = [(ref, interrupted_operation(ref)) for ref in refs]
+    busy = [(ref, i) for ref, i in found if i and "in_progress" in i]
+    if busy:
+        ref, info = busy[0]
+        from hibernate.errors import BusyError
+
+        raise BusyError(f"process {ref.pid} is busy: {info['in_progress']} is operating on it")
+    pending = [(ref, i) for ref, i in found if i]
+    if not pending:
+        states = ", ".join(f"{r.pid}: {r.status.get('state')}" for r in refs)
+        return {"operation": "recover", "action": "none", "message": f"nothing to recover ({states})"}
+    op, phases = pending[0][1]["op"], pending[0][1]["phases"]
+    all_asleep = all(r.status.get("state") == "asleep" for r in refs)
+    if op == "sleep" and "release" in phases and all_asleep:
+        try:
+            report = _finish_sleep(targets, options, sink)
+            return {"operation": "recover", "action": "finished the interrupted sleep", "report": report}
+        except HibernateError as exc:
+            sink.phase(f"cannot finish the sleep ({exc.message}); waking instead")
+    report = wake(pids, options, sink)
+    action = "finished the interrupted wake" if op == "wake" else "undid the interrupted sleep"
+    return {"operation": "recover", "action": action, "report": report}
+
+
+def _finish_sleep(targets: Sequence[Target], options: Options, sink: ProgressSink) -> dict[str, Any]:
+    """The CUDA phase of a sleep whose agents are all asleep already."""
+    operation = _Operation("sleep", targets)
+    operation.lock()
+    try:
+        _require_checkpointer(targets, options)  # refuses holders that are not all running
+        sink.phase("cuda")
+        cuda = _cuda_sleep(targets, options, operation)
+    except NeedsRecoveryError:
+        operation.release()
+        raise
+    except BaseException:
+        operation.finish()
+        raise
+    operation.finish()
+    return {"operation": "sleep", "cuda": cuda}

@@ -131,7 +131,7 @@ def test_two_sleeps_at_once_one_wins_the_other_is_busy(start_demo, cli, work_dir
     second = cli("sleep", str(demo.pid), "--to", str(work_dir))
     winner.join(timeout=60)
     assert second.returncode == ExitCode.BUSY, second.stderr
-    assert f"process {demo.pid} is busy: hibernate (pid" in second.stderr
+    assert f"process {demo.pid} is busy: hibernate sleep (pid" in second.stderr
     assert first[0].returncode == 0, first[0].stderr
     assert cli("wake", str(demo.pid), "-q").returncode == 0
     assert demo.infer()["digest"] == reference

@@ -72,6 +72,8 @@ class AgentClient:
                 message = protocol.receive(self._sock)
                 if message is None:
                     raise AgentConnectionLost(f"the agent at {self.path} closed the connection during {op!r}")
+                if message.get("id") not in (request_id, 0):
+                    continue  # a late reply to a request this client gave up on
                 kind = message.get("type")
                 if kind == "progress":
                     if progress is not None and isinstance(message.get("progress"), dict):
@@ -79,7 +81,7 @@ class AgentClient:
                     continue
                 if kind == "error":
                     raise error_from_wire(message.get("error"))
-                if kind == "result" and message.get("id") == request_id:
+                if kind == "result":
                     result = message.get("result")
                     return result if isinstance(result, dict) else {}
                 raise AgentConnectionLost(f"unexpected reply from the agent at {self.path}: {message!r}")
