@@ -43,6 +43,8 @@ WAKE_POINTS = (
     "wake.after-restore",
     "wake.after-resume",
 )
+# Inside the target's agent, at the start of each operation it runs for a client.
+AGENT_POINTS = ("agent.quiesce", "agent.spill", "agent.release", "agent.restore")
 
 
 class InjectedFault(HibernateError):

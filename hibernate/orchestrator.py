@@ -23,6 +23,7 @@ from typing import Any
 
 from hibernate import faults, procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.paths import live_sockets, runtime_dir
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import (
     HibernateError,
@@ -204,6 +205,16 @@ class _Operation:
         for lock in self._locks:
             lock.release()
         self._locks.clear()
+        for directory in {ref.socket.parent for ref in self.refs}:
+            _sweep_dead(directory)
+
+
+def _sweep_dead(directory: Path) -> None:
+    """Sockets, journal entries and lock files of processes that no longer exist go."""
+    live_sockets(directory)
+    journal = Journal(directory)
+    journal.entries()
+    journal.sweep_locks()
 
 
 def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
@@ -395,6 +406,7 @@ def _sleep_phases(
 ) -> dict[str, Any]:
     """quiesce -> spill -> release -> cuda on every member; undone on any failure."""
     phase = "quiesce"
+    cuda_done = False
     try:
         sink.phase("quiesce")
         for member in members:
@@ -423,6 +435,7 @@ def _sleep_phases(
         phase = "cuda"
         sink.phase("cuda")
         cuda = _cuda_sleep(targets, options, operation)
+        cuda_done = True
         operation.passed("cuda")
         return cuda
     except HibernateError as exc:
@@ -430,12 +443,29 @@ def _sleep_phases(
             # CUDA could not be brought back: the agents stay asleep too (their memory must not be
             # touched while CUDA is locked), and `hibernate wake` brings both back.
             raise
+        if cuda_done:
+            _undo_cuda(targets, options, operation, exc)
         failed = next((m for m in members if m.reached != phase), members[0])
         _undo_sleep(members, exc)
         raise (exc if phase == "cuda" else _annotate(exc, failed, phase)) from None
     except BaseException as exc:
+        if cuda_done:
+            _undo_cuda(targets, options, operation, exc)
         _undo_sleep(members, exc)
         raise
+
+
+def _undo_cuda(
+    targets: Sequence[Target], options: Options, operation: _Operation, error: BaseException
+) -> None:
+    """Bring a completed CUDA phase back (restore, unlock) before any agent touches memory again."""
+    try:
+        _cuda_wake(targets, options, operation)
+    except HibernateError as undo_error:
+        raise NeedsRecoveryError(
+            f"{error}; bringing the CUDA state back failed too: {undo_error.message}",
+            hint="run `hibernate wake PID` once the cause is fixed",
+        ) from error
 
 
 def _skipped_cuda(options: Options) -> dict[str, Any]:
@@ -684,8 +714,8 @@ def status(pids: Sequence[int] | None) -> list[dict[str, Any]]:
         entry["command"] = procinfo.command_line(ref.pid)[:200]
         entry["interrupted"] = interrupted_operation(ref)
         out.append(entry)
-    if refs:
-        Journal(refs[0].socket.parent).sweep_locks()
+    for directory in {runtime_dir(), *(ref.socket.parent for ref in refs)}:
+        _sweep_dead(directory)
     return out
 
 
@@ -713,13 +743,23 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
         return {"operation": "recover", "action": "none", "message": f"nothing to recover ({states})"}
     op, phases = pending[0][1]["op"], pending[0][1]["phases"]
     all_asleep = all(r.status.get("state") == "asleep" for r in refs)
+    if op == "sleep" and phases and phases[-1] == "cuda" and all_asleep:
+        operation = _Operation("sleep", targets)
+        operation.lock()
+        operation.finish()  # every phase had completed; only the journal was left
+        return {"operation": "recover", "action": "the interrupted sleep had completed", "report": None}
     if op == "sleep" and "release" in phases and all_asleep:
         try:
             report = _finish_sleep(targets, options, sink)
             return {"operation": "recover", "action": "finished the interrupted sleep", "report": report}
         except HibernateError as exc:
             sink.phase(f"cannot finish the sleep ({exc.message}); waking instead")
-    report = wake(pids, options, sink)
+    try:
+        report = wake(pids, options, sink)
+    except WrongStateError:
+        # Nothing was asleep or checkpointed: the operation died before changing anything,
+        # and the wake's bookkeeping has cleared its journal.
+        return {"operation": "recover", "action": f"the interrupted {op} had changed nothing", "report": None}
     action = "finished the interrupted wake" if op == "wake" else "undid the interrupted sleep"
     return {"operation": "recover", "action": action, "report": report}
 

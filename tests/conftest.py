@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -52,6 +53,7 @@ def source_root_for(uid: int | None) -> Path:
         shutil.copytree(REPO / "hibernate", copy / "hibernate", ignore=shutil.ignore_patterns("__pycache__"))
         for path in [copy, *copy.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
+        atexit.register(shutil.rmtree, copy, ignore_errors=True)
         _readable_copy = copy
     probe = subprocess.run(
         [*as_user_prefix(uid), sys.executable, "-c", "import hibernate, torch"],

@@ -55,6 +55,17 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _refusal(self) -> HibernateError | None:
+        """An error frame the agent sent before closing, if one is waiting."""
+        try:
+            self._sock.settimeout(1.0)
+            message = protocol.receive(self._sock)
+        except (OSError, HibernateError):
+            return None
+        if message is not None and message.get("type") == "error":
+            return error_from_wire(message.get("error"))
+        return None
+
     def call(
         self,
         op: str,
@@ -67,7 +78,14 @@ class AgentClient:
         request_id = next(self._ids)
         self._sock.settimeout(idle_timeout if idle_timeout is not None else self.timeout)
         try:
-            protocol.send(self._sock, protocol.request(request_id, op, args))
+            try:
+                protocol.send(self._sock, protocol.request(request_id, op, args))
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # The agent may have refused us (wrong user) and hung up before our request
+                # arrived: its reason is then already waiting to be read.
+                raise self._refusal() or AgentConnectionLost(
+                    f"the agent at {self.path} went away during {op!r}"
+                ) from exc
             while True:
                 message = protocol.receive(self._sock)
                 if message is None:

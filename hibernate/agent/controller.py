@@ -41,7 +41,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hibernate import __version__, procinfo
+from hibernate import __version__, faults, procinfo
 from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, summarize
@@ -303,6 +303,7 @@ class Hibernator:
             if self._owner is not session:
                 raise BusyError(f"operation {op!r} requires owning the agent; begin a session first")
             target = next_state(op, self._state)
+        faults.point(f"agent.{op.removesuffix('_part')}")
         result = action()
         with self._mutex:
             self._state = target

@@ -1,0 +1,221 @@
+"""Break hibernate on purpose at every phase boundary and check nothing is ever lost.
+
+For each enumerated point of sleep and of wake, the real CLI is SIGKILLed
+there (HIBERNATE_FAULT=<point>:kill) while acting on a real demo target that
+the stand-in driver sees as a CUDA process, so the CUDA points are reached too.
+Then `hibernate status` must show the interrupted operation with the command
+that resolves it, `hibernate recover` (and, when that leaves it asleep,
+`hibernate wake`) must end with the target running and bit-exact, every
+published snapshot must be whole, and nothing may be left that a user would
+have to clean by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hibernate import faults, orchestrator
+from hibernate.errors import ExitCode
+from hibernate.store.layout import SpillRoot
+from hibernate.store.reader import SnapshotReader
+from tests.standins.world import GIB, World
+
+pytest_plugins = ["tests.standins.fixtures"]
+
+
+def test_every_phase_has_a_fault_point() -> None:
+    """A new phase without its fault point fails here."""
+    assert [f"sleep.after-{p}" for p in orchestrator.SLEEP_PHASES] == [
+        p for p in faults.SLEEP_POINTS if ".after-" in p
+    ]
+    assert [f"wake.after-{p}" for p in orchestrator.WAKE_PHASES] == [
+        p for p in faults.WAKE_POINTS if ".after-" in p
+    ]
+    assert len(faults.SLEEP_POINTS) + len(faults.WAKE_POINTS) >= 12
+
+
+def test_a_sleep_and_a_wake_pass_every_point_in_order(
+    world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
+) -> None:
+    demo = start_demo(size_mb=8)
+    world.register(demo.pid, nbytes=GIB)
+    trace = tmp_path / "trace"
+    env = {faults.TRACE_ENV: str(trace)}
+    assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q", env=env).returncode == 0
+    assert cli("wake", str(demo.pid), "-q", env=env).returncode == 0
+    assert trace.read_text().split() == [*faults.SLEEP_POINTS, *faults.WAKE_POINTS]
+
+
+def published_snapshots_are_whole(directory: Path) -> None:
+    for manifest in directory.rglob("manifest.json"):
+        root = SpillRoot(manifest.parent.parent)
+        with root, SnapshotReader(root, manifest.parent.name) as reader:
+            assert reader.manifest.records, manifest
+    leftovers = [p for p in directory.rglob(".tmp-*")]
+    assert not leftovers, f"unfinished snapshot directories left behind: {leftovers}"
+
+
+def nothing_left_to_clean(runtime_dir: Path) -> None:
+    journal = runtime_dir / "journal"
+    assert not (journal.exists() and any(journal.iterdir())), list(journal.iterdir())
+
+
+def interrupted(cli: Callable[..., Any], pid: int) -> dict[str, Any] | None:
+    result = cli("status", str(pid), "--json")
+    assert result.returncode == 0, result.stderr
+    value: dict[str, Any] | None = result.json()["agents"][0]["interrupted"]
+    return value
+
+
+def kill_at(cli: Callable[..., Any], point: str, *args: str) -> None:
+    result = cli(*args, env={faults.ENV: f"{point}:kill"})
+    assert result.returncode == -signal.SIGKILL, f"{point}: {result.returncode} {result.stderr}"
+
+
+def resolve_and_check(
+    cli: Callable[..., Any],
+    pid: int,
+    point: str,
+    reference: str,
+    demo: Any,
+    world: World,
+    dirs: tuple[Path, Path],
+) -> None:
+    work_dir, runtime_dir = dirs
+    info = interrupted(cli, pid)
+    if point != "sleep.after-lock" or info is not None:
+        assert info is not None, f"{point}: status shows no interrupted operation"
+        assert info["resolve"] == f"hibernate recover {pid}", info
+    recovered = cli("recover", str(pid), "--json")
+    assert recovered.returncode == 0, f"{point}: {recovered.stderr}"
+    state = cli("status", str(pid), "--json").json()["agents"][0]["state"]
+    if state == "asleep":  # recover finished the sleep: now wake it for real
+        assert world.state(pid) == "checkpointed", point
+        woken = cli("wake", str(pid), "-q")
+        assert woken.returncode == 0, f"{point}: {woken.stderr}"
+    assert cli("status", str(pid), "--json").json()["agents"][0]["state"] == "running", point
+    assert world.state(pid) == "running", point
+    assert demo.infer()["digest"] == reference, f"{point}: output differs after recovery"
+    published_snapshots_are_whole(work_dir)
+    nothing_left_to_clean(runtime_dir)
+    assert interrupted(cli, pid) is None, point
+
+
+def test_the_cli_killed_at_every_point_of_sleep_and_wake(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid, nbytes=2 * GIB)
+    reference = demo.infer()["digest"]
+    pid = str(demo.pid)
+    for point in faults.SLEEP_POINTS:
+        kill_at(cli, point, "sleep", pid, "--to", str(work_dir), "-q")
+        resolve_and_check(cli, demo.pid, point, reference, demo, world, (work_dir, runtime_dir))
+    for point in faults.WAKE_POINTS:
+        assert cli("sleep", pid, "--to", str(work_dir), "-q").returncode == 0
+        kill_at(cli, point, "wake", pid, "-q")
+        resolve_and_check(cli, demo.pid, point, reference, demo, world, (work_dir, runtime_dir))
+
+
+def test_a_failure_at_every_point_is_undone_cleanly(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid, nbytes=GIB)
+    reference = demo.infer()["digest"]
+    pid = str(demo.pid)
+    for point in faults.SLEEP_POINTS:
+        result = cli("sleep", pid, "--to", str(work_dir), "-q", env={faults.ENV: point})
+        assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
+        assert f"fault injected at {point}" in result.stderr
+        assert cli("status", pid, "--json").json()["agents"][0]["state"] == "running", point
+        assert world.state(demo.pid) == "running", point
+        assert demo.infer()["digest"] == reference, point
+        nothing_left_to_clean(runtime_dir)
+    published_snapshots_are_whole(work_dir)
+
+
+def test_the_agent_killed_during_a_wake(
+    world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
+) -> None:
+    demo = start_demo(size_mb=16, env={faults.ENV: "agent.restore:kill"})
+    world.register(demo.pid, nbytes=GIB)
+    assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
+    result = cli("wake", str(demo.pid))
+    assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
+    assert f"process {demo.pid} exited during restore" in result.stderr
+    demo.proc.wait(timeout=10)
+    assert cli("ls", "--json").json()["agents"] == []
+    nothing_left_to_clean(runtime_dir)
+    assert not list((runtime_dir / "locks").glob("*.lock")), "the dead process's lock file was swept"
+    published_snapshots_are_whole(work_dir)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="choosing the next pid (ns_last_pid) needs root")
+def test_a_reused_pid_is_never_mistaken_for_the_hibernated_process(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
+) -> None:
+    first = start_demo(size_mb=8)
+    assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
+    old_pid = first.pid
+    first.stop()
+    # The next process created gets the same pid.
+    with open("/proc/sys/kernel/ns_last_pid", "w") as last:
+        last.write(str(old_pid - 1))
+    second = start_demo(size_mb=8)
+    if second.pid != old_pid:
+        pytest.skip("another process took the pid first")
+    reference = second.infer()["digest"]
+    status = cli("status", str(old_pid), "--json").json()["agents"]
+    assert [(a["pid"], a["state"]) for a in status] == [(old_pid, "running")]
+    assert status[0]["start_time"] != 0 and status[0]["snapshot"] is None
+    woken = cli("wake", str(old_pid))
+    assert woken.returncode == ExitCode.WRONG_STATE, woken.stderr
+    assert second.infer()["digest"] == reference
+    # the old process's socket was recognised as stale and removed
+    assert len(list(runtime_dir.glob(f"agent-{old_pid}-*.sock"))) == 1
+
+
+def test_fault_switch_actions() -> None:
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from hibernate import faults; faults.point('x.y');"
+        "print('passed')"
+    )
+    from tests.conftest import REPO
+
+    def run(spec: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", probe, str(REPO)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, faults.ENV: spec},
+            timeout=30,
+        )
+
+    assert run("other.point:kill").stdout.strip() == "passed"
+    assert run("x.y:kill").returncode == -signal.SIGKILL
+    failed = run("x.y")
+    assert failed.returncode == 1 and "fault injected at x.y" in failed.stderr
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(
+            [sys.executable, "-c", probe, str(REPO)],
+            env={**os.environ, faults.ENV: "x.y:hang"},
+            timeout=2,
+            capture_output=True,
+        )
