@@ -127,6 +127,7 @@ def sleep(
 
     options = orchestrator.Options(
         quiesce_timeout=timeout,
+        agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
@@ -142,6 +143,7 @@ def sleep(
 @_handles_errors
 def wake(
     pids: PidsArgument,
+    timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
@@ -153,6 +155,7 @@ def wake(
     from hibernate import orchestrator, render
 
     options = orchestrator.Options(
+        agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
@@ -261,6 +264,7 @@ def run(
 
     options = orchestrator.Options(
         quiesce_timeout=timeout,
+        agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )

@@ -27,6 +27,7 @@ from hibernate.agent.paths import live_sockets, runtime_dir
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import (
     HibernateError,
+    HibernateTimeoutError,
     NeedsRecoveryError,
     NoSuchProcessError,
     StorageError,
@@ -88,6 +89,7 @@ class _Member:
     client: AgentClient
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
     reached: str = "connected"
+    unresponsive: bool = False  # stopped answering: it is left to roll back by itself
 
     @property
     def pid(self) -> int:
@@ -100,6 +102,18 @@ class _Member:
         except AgentConnectionLost as exc:
             if not procinfo.is_alive(self.ref.identity):
                 raise NoSuchProcessError(f"process {self.pid} exited during {op}") from exc
+            raise
+        except HibernateTimeoutError as exc:
+            # Hang up: an agent whose client is gone rolls a half-done sleep back to running
+            # by itself as soon as it runs again; waiting on it for an undo would hang too.
+            self.unresponsive = True
+            self.client.close()
+            exc.message += (
+                "; the connection was closed, so the process goes back to running by itself "
+                "as soon as it answers again"
+                if self.reached in ("begin", "quiesce", "spill")
+                else ""
+            )
             raise
         result.setdefault("seconds", time.perf_counter() - started)
         self.phases[op] = result
@@ -340,6 +354,8 @@ def _undo_sleep(members: Sequence[_Member], error: BaseException) -> None:
     """Put every member back to running; NeedsRecoveryError if that fails too."""
     failures = []
     for member in reversed(members):
+        if member.unresponsive:
+            continue
         try:
             if member.reached == "release":
                 member.call("restore", idle_timeout=None)

@@ -219,3 +219,36 @@ def test_fault_switch_actions() -> None:
             timeout=2,
             capture_output=True,
         )
+
+
+def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    import threading
+    import time
+
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    demo.hold(3)  # the sleep waits in quiesce...
+    outcome: list[Any] = []
+    sleeper = threading.Thread(
+        target=lambda: outcome.append(cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "1"))
+    )
+    sleeper.start()
+    time.sleep(0.5)
+    os.kill(demo.pid, signal.SIGSTOP)  # ...and the process stops answering altogether
+    try:
+        sleeper.join(timeout=60)
+        result = outcome[0]
+        assert result.returncode == ExitCode.TIMEOUT, result.stderr
+        assert "did not answer 'quiesce' within" in result.stderr
+        assert "goes back to running by itself" in result.stderr
+    finally:
+        os.kill(demo.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while cli("status", str(demo.pid), "--json").json()["agents"][0]["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "running"
+    assert cli("recover", str(demo.pid), "-q").returncode == 0
+    assert demo.infer()["digest"] == reference
