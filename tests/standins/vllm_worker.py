@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import xxhash
+
 from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
 from standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
 
