@@ -191,7 +191,7 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
         out.print("no hibernate agents running for this user", markup=False)
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("PID", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
+    for column in ("PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
         table.add_column(
             column,
             justify="right" if column in ("PID", "KEPT", "DROPPED", "RSS") else "left",
@@ -206,6 +206,7 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             state += " (busy)"
         table.add_row(
             str(e["pid"]),
+            str(e.get("kind") or "-"),
             state,
             human_bytes(kept),
             human_bytes(dropped),
@@ -213,3 +214,14 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             (e.get("snapshot") or {}).get("path") or "-",
         )
     out.print(table)
+    for e in entries:
+        interrupted = e.get("interrupted")
+        if interrupted and "resolve" in interrupted:
+            done = ", ".join(interrupted["phases"]) or "nothing"
+            out.print(
+                f"pid {e['pid']}: a `hibernate {interrupted['op']}` was interrupted after: {done}; "
+                f"run `{interrupted['resolve']}` to finish or undo it",
+                markup=False,
+            )
+        elif interrupted:
+            out.print(f"pid {e['pid']}: {interrupted['in_progress']} is operating on it", markup=False)
