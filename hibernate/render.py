@@ -25,20 +25,10 @@ from rich.table import Table
 
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.orchestrator import ProgressSink
+from hibernate.units import human_bytes
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def print_json(document: Any) -> None:

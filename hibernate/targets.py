@@ -107,7 +107,11 @@ def find_agent(pid: int, timeout: float = 5.0) -> AgentRef | None:
         return None
     for directory in socket_dirs_for(pid):
         sock = directory / socket_name(ident)
-        if sock.exists():
+        try:
+            present = sock.exists()
+        except PermissionError:
+            continue  # another user's private runtime directory: not ours to look into
+        if present:
             ref = probe_agent(ident, sock, timeout)
             if ref is not None:
                 return ref
