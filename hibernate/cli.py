@@ -63,6 +63,37 @@ CudaCheckpointOption = Annotated[
     ),
 ]
 
+OptionalPidsArgument = Annotated[
+    list[int] | None,
+    typer.Argument(
+        help="Any process of each target's tree (or select them with --all, --job, --cgroup).",
+        show_default=False,
+    ),
+]
+AllOption = Annotated[
+    bool, typer.Option("--all", help="Every hibernate agent of yours on this node.", show_default=False)
+]
+JobOption = Annotated[
+    str | None,
+    typer.Option(
+        "--job",
+        metavar="ID",
+        help="The processes of Slurm job ID on this node (found through its cgroup, else through "
+        "SLURM_JOB_ID in their environment).",
+        show_default=False,
+    ),
+]
+CgroupOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cgroup",
+        metavar="PATH",
+        help="The processes of this cgroup and the cgroups below it (a directory, or the path "
+        "/proc/PID/cgroup shows; root: $HIBERNATE_CGROUP_ROOT, default /sys/fs/cgroup).",
+        show_default=False,
+    ),
+]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -101,6 +132,20 @@ def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = N
     }
 
 
+def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | None) -> Any:
+    """The targets of a command: its pids and the processes its selectors find (targets.select)."""
+    from hibernate.targets import select
+
+    return select(pids, every=every, job=job, cgroup=cgroup)
+
+
+def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
+    """Add how the targets were selected to a JSON document, when selectors were used."""
+    if any(source["selector"] != "pids" for source in selection.sources):
+        document["selection"] = selection.to_wire()
+    return document
+
+
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
         from hibernate.errors import UsageError
@@ -112,8 +157,11 @@ def _io_mode(value: str) -> str:
 @app.command()
 @_handles_errors
 def sleep(
-    pids: PidsArgument,
     to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots (created 0700 if missing).")],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -131,10 +179,11 @@ def sleep(
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
+    selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.sleep(pids, to, options, progress)
+        report = orchestrator.sleep(selection.pids, to, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report})
+        render.print_json(_with_selection({"ok": True, **report}, selection))
     elif not quiet:
         render.sleep_report(report)
 
@@ -142,7 +191,10 @@ def sleep(
 @app.command()
 @_handles_errors
 def wake(
-    pids: PidsArgument,
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -159,10 +211,11 @@ def wake(
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
+    selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.wake(pids, options, progress)
+        report = orchestrator.wake(selection.pids, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report})
+        render.print_json(_with_selection({"ok": True, **report}, selection))
     elif not quiet:
         render.wake_report(report)
 
@@ -195,14 +248,19 @@ def recover(
 @_handles_errors
 def status(
     pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """State, pools and snapshot of each agent of the given targets (or all of yours)."""
     from hibernate import orchestrator, render
 
-    entries = orchestrator.status(pids or None)
+    selection = _select(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
+    entries = orchestrator.status(selection.pids if selection else None)
     if as_json:
-        render.print_json({"ok": True, "agents": entries})
+        document = {"ok": True, "agents": entries}
+        render.print_json(_with_selection(document, selection) if selection else document)
     else:
         render.agents_table(entries)
 
