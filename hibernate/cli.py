@@ -329,6 +329,145 @@ def run(
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
 
 
+@app.command("node-step", hidden=True)
+@_handles_errors
+def node_step(
+    operation: Annotated[str, typer.Argument(help="sleep or wake.", show_default=False)],
+    barrier: Annotated[
+        Path,
+        typer.Option("--barrier", help="A fresh directory every node shares, the same for all of them."),
+    ],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to", help="Snapshot directory (sleep); this node's go to DIR/<node name>.", show_default=False
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes",
+            min=1,
+            help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
+            show_default=False,
+        ),
+    ] = None,
+    node_index: Annotated[
+        int | None,
+        typer.Option(
+            "--node-index", min=0, help="This node's index (default: $SLURM_NODEID).", show_default=False
+        ),
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            "--node-name",
+            help="This node's name (default: $SLURMD_NODENAME, the host name).",
+            show_default=False,
+        ),
+    ] = None,
+    barrier_timeout: Annotated[
+        float,
+        typer.Option(
+            "--barrier-timeout", min=0.0, help="Seconds from the start until silent nodes count as failed."
+        ),
+    ] = 600.0,
+    allow_empty: Annotated[
+        bool,
+        typer.Option("--allow-empty", help="A node where nothing is selected agrees instead of failing."),
+    ] = False,
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
+    import signal
+    import time
+
+    from hibernate import multinode, orchestrator, render
+    from hibernate.errors import UsageError
+
+    started = time.monotonic()
+    if operation not in multinode.OPERATIONS:
+        raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
+    if operation == "sleep" and to is None:
+        raise UsageError("node-step sleep needs --to DIR")
+    name = node or multinode.node_name()
+    if "/" in name or not name.strip("."):
+        raise UsageError(f"--node-name {name!r} cannot name a file")
+    count = (
+        nodes if nodes is not None else multinode.env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
+    )
+    index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
+    gate = multinode.Barrier(barrier, count, index, name)
+    options = orchestrator.Options(
+        quiesce_timeout=timeout,
+        agent_timeout=max(timeout, 5.0),
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        **_cuda_options(
+            checkpointer, cuda_checkpoint, lock_timeout=timeout if operation == "sleep" else None
+        ),
+    )
+    chosen: list[int] = []
+
+    def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        selection = _select(pids, every, job, cgroup)
+        chosen.extend(selection.pids)
+        wire = selection.to_wire()
+        with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+            if operation == "sleep":
+                assert to is not None
+                return orchestrator.sleep(selection.pids, to / name, options, progress), wire
+            return orchestrator.wake(selection.pids, options, progress), wire
+
+    def undo() -> dict[str, Any]:
+        return orchestrator.wake(chosen, options)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)  # srun passes a cancel on as SIGTERM
+    try:
+        outcome = multinode.run_step(
+            operation,
+            gate,
+            act,
+            undo,
+            deadline=started + barrier_timeout,
+            timeout=barrier_timeout,
+            allow_empty=allow_empty,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    document = outcome.to_wire(gate)
+    if outcome.error is not None:
+        code = int(outcome.error.exit_code)
+        if as_json:
+            document["error"] = {
+                **outcome.error.to_wire(),
+                "exit_code": code,
+                "exit_name": outcome.error.exit_code.name,
+            }
+            render.print_json(document)
+        else:
+            if not quiet:
+                render.node_step_report(document)
+            render.error(outcome.error, False)
+        raise typer.Exit(code)
+    if as_json:
+        render.print_json(document)
+    elif not quiet:
+        render.node_step_report(document)
+
+
 @app.command()
 @_handles_errors
 def doctor(

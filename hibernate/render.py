@@ -215,3 +215,20 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             )
         elif interrupted:
             out.print(f"pid {e['pid']}: {interrupted['in_progress']} is operating on it", markup=False)
+
+
+def node_step_report(document: dict[str, Any]) -> None:
+    """One node's part of a job-wide operation: its own report, every node's result, the verdict."""
+    report = document.get("report")
+    if report and report.get("processes"):
+        (sleep_report if document["operation"] == "sleep" else wake_report)(report)
+    for result in document["results"]:
+        state = "ok" if result["ok"] else f"failed (exit {result['exit_code']})"
+        note = f": {result['message']}" if result.get("message") else ""
+        out.print(f"node {result['index']} ({result['node']}): {state}{note}", markup=False)
+    decision = document["decision"]
+    out.print(
+        f"node {document['node_index']} ({document['node']}) of {document['nodes']}: "
+        f"{decision['verdict']} ({decision['reason']})",
+        markup=False,
+    )
