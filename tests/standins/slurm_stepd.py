@@ -24,9 +24,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_world import World, alive, cgroup_pids, descendants, write_json
+from slurm_world import World, alive, cgroup_pids, descendants, is_stepd, write_json
 
 PR_SET_CHILD_SUBREAPER = 36
+
+
+def step_processes() -> list[int]:
+    """This step's processes: below this daemon, but not other steps' daemons it adopted.
+
+    A step daemon started from this step (srun in a batch script) is orphaned
+    on purpose and reparented here, the nearest subreaper; on a real cluster it
+    would run on its node, in its own step's cgroup.
+    """
+    return [p for p in descendants(os.getpid(), prune=is_stepd)[1:] if alive(p)]
 
 
 def reap(keep: int | None) -> None:
@@ -68,7 +78,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     listed: list[int] = []
     while task.poll() is None:
-        tree = [p for p in descendants(os.getpid())[1:] if alive(p)]
+        tree = [p for p in step_processes() if alive(p)]
         if tree != listed:
             tmp = cgroup / ".cgroup.procs.tmp"
             tmp.write_text("".join(f"{p}\n" for p in tree))
@@ -78,7 +88,7 @@ def main(argv: list[str]) -> int:
         time.sleep(0.05)
     code = task.returncode if task.returncode >= 0 else 128 - task.returncode
     for _ in range(50):  # the step is over: nothing of it outlives it
-        left = [p for p in descendants(os.getpid())[1:] if alive(p)]
+        left = [p for p in step_processes() if alive(p)]
         if not left:
             break
         for pid in left:

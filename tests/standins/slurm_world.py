@@ -86,8 +86,20 @@ def compress_hostlist(names: Sequence[str]) -> str:
     return ",".join(parts)
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and its live descendants, from /proc (no hibernate import: the stand-ins stand alone)."""
+def is_stepd(pid: int) -> bool:
+    """True for a stand-in slurmstepd (another step's: on a real cluster, not below this one)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"slurm_stepd.py" in f.read()
+    except OSError:
+        return False
+
+
+def descendants(pid: int, prune: Callable[[int], bool] = lambda p: False) -> list[int]:
+    """``pid`` and its live descendants, from /proc, not descending into those ``prune`` picks.
+
+    (No hibernate import: the stand-ins stand alone.)
+    """
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -101,7 +113,7 @@ def descendants(pid: int) -> list[int]:
         children.setdefault(ppid, []).append(int(entry))
     ordered, frontier = [pid], [pid]
     while frontier:
-        frontier = [c for p in frontier for c in sorted(children.get(p, []))]
+        frontier = [c for p in frontier for c in sorted(children.get(p, [])) if not prune(c)]
         ordered.extend(frontier)
     return ordered
 
