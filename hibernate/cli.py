@@ -283,6 +283,7 @@ def list_agents(as_json: JsonOption = False) -> None:
 def gc(
     directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
     as_json: JsonOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
 ) -> None:
     """Delete unfinished snapshots and data no published snapshot needs."""
     from hibernate import render
@@ -291,7 +292,7 @@ def gc(
     report = collect_garbage(directory)
     if as_json:
         render.print_json({"ok": True, **report})
-    else:
+    elif not quiet:
         for root in report["roots"]:
             render.out.print(
                 f"{root['path']}: freed {render.human_bytes(root['freed_bytes'])}"
@@ -484,6 +485,9 @@ def doctor(
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     as_json: JsonOption = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only the checks that are not ok (nothing when all are).")
+    ] = False,
 ) -> None:
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
     from hibernate import doctor as diagnosis
@@ -495,7 +499,7 @@ def doctor(
     if as_json:
         render.print_json(report)
     else:
-        render.doctor_report(report)
+        render.doctor_report(report, only_problems=quiet)
     if not report["ok"]:
         raise typer.Exit(int(ExitCode.UNSUPPORTED))
 
