@@ -408,7 +408,7 @@ def node_step(
         nodes if nodes is not None else multinode.env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
     )
     index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
-    gate = multinode.Barrier(barrier, count, index, name)
+    gate = multinode.Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
     options = orchestrator.Options(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),

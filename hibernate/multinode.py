@@ -198,6 +198,7 @@ class Barrier:
         clock: Callable[[], float] = time.monotonic,
         pause: Callable[[float], None] = time.sleep,
         poll: float = 0.2,
+        appear_timeout: float = 0.0,
     ) -> None:
         self.directory = Path(directory)
         self.expected = expected
@@ -206,6 +207,7 @@ class Barrier:
         self.clock = clock
         self.pause = pause
         self.poll = poll
+        self.appear_timeout = appear_timeout
 
     def check(self) -> None:
         """Refuse what cannot work before anything is touched: a missing, used or foreign barrier."""
@@ -216,6 +218,9 @@ class Barrier:
                 f"node index {self.index} is outside 0..{self.expected - 1}",
                 hint="run one task per node (srun --ntasks-per-node=1) with --nodes equal to the node count",
             )
+        appear_by = self.clock() + self.appear_timeout
+        while not self.directory.is_dir() and self.clock() < appear_by:
+            self.pause(self.poll)  # made on another node a moment ago: a network file system may lag
         if not self.directory.is_dir():
             raise UsageError(
                 f"--barrier {self.directory} is not a directory",

@@ -273,3 +273,19 @@ def test_an_interrupted_node_aborts_the_job_and_undoes_its_sleep(tmp_path: Path)
         run_step("sleep", barrier, step.act, step.undo, deadline=10.0, timeout=10.0)
     assert step.calls == ["act", "undo"]
     assert barrier.decision() is not None and barrier.decision().verdict == ABORT
+
+
+def test_a_barrier_made_on_another_node_a_moment_ago_is_waited_for(tmp_path: Path) -> None:
+    directory = tmp_path / "barrier"
+    clock = FakeClock()
+
+    def pause(seconds: float) -> None:
+        clock.pause(seconds)
+        if clock.now >= 3:
+            directory.mkdir(exist_ok=True)  # the network file system shows it now
+
+    Barrier(directory, 1, 0, "n0", clock=clock, pause=pause, poll=1.0, appear_timeout=10).check()
+    assert clock.now == 3
+    missing = Barrier(tmp_path / "never", 1, 0, "n0", clock=clock, pause=clock.pause, appear_timeout=5)
+    with pytest.raises(UsageError, match="not a directory"):
+        missing.check()

@@ -38,7 +38,18 @@ def test_doctor_quiet_shows_only_what_is_not_ok(cli) -> None:
         (["wake", "--barrier", "/tmp", "--all", "--node-index", "0"], "--nodes is not known here"),
         (["wake", "--barrier", "/tmp", "--all", "--nodes", "2", "--node-index", "2"], "outside 0..1"),
         (
-            ["wake", "--barrier", "/nonexistent", "--all", "--nodes", "1", "--node-index", "0"],
+            [
+                "wake",
+                "--barrier",
+                "/nonexistent",
+                "--barrier-timeout",
+                "0.5",
+                "--all",
+                "--nodes",
+                "1",
+                "--node-index",
+                "0",
+            ],
             "not a directory",
         ),
         (
