@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hibernate.errors import ExitCode
+from tests.conftest import REPO
 
 
 def test_gc_quiet_prints_nothing_when_it_succeeds(cli, work_dir: Path) -> None:
@@ -75,3 +78,18 @@ def test_node_step_takes_its_place_from_srun_s_environment(cli, start_demo, tmp_
     assert "node 0 (gpu-07): ok" in result.stdout and "commit" in result.stdout
     assert (tmp_path / "gpu-07" / f"proc-{demo.pid}").is_dir()
     assert cli("wake", str(demo.pid), "-q").returncode == 0
+
+
+@pytest.mark.parametrize("args", [["node-step", "--help"], ["sleep", "--job", "12_3", "--to", "/tmp/unused"]])
+def test_scheduler_paths_do_not_import_torch(args: list[str]) -> None:
+    """Scheduler hooks run on nodes where torch may be missing or slow to import."""
+    probe = (
+        "import sys\n"
+        f"sys.argv = ['hibernate', *{args!r}]\n"
+        "from hibernate.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "import hibernate.multinode, hibernate.targets\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'vllm') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
+    assert result.stdout.strip().splitlines()[-1] == "HEAVY []", result.stderr
