@@ -163,9 +163,16 @@ def cuda_summary(cuda: dict[str, Any]) -> str:
 _MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
 
 
-def doctor_report(report: dict[str, Any]) -> None:
-    """One line per check (status, name, what was found), the fix under each one not ok."""
-    for check in report["checks"]:
+def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
+    """One line per check (status, name, what was found), the fix under each one not ok.
+
+    ``only_problems`` (--quiet, for logs) leaves out the checks that are ok, and
+    says nothing at all when every check is.
+    """
+    problems = [c for c in report["checks"] if c["status"] != "ok"]
+    if only_problems and not problems:
+        return
+    for check in problems if only_problems else report["checks"]:
         status = check["status"]
         mark = _MARK.get(status, status) if out.is_terminal else status
         out.print(mark + " " * max(1, 5 - len(status)), end="", markup=out.is_terminal)
@@ -215,3 +222,20 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             )
         elif interrupted:
             out.print(f"pid {e['pid']}: {interrupted['in_progress']} is operating on it", markup=False)
+
+
+def node_step_report(document: dict[str, Any]) -> None:
+    """One node's part of a job-wide operation: its own report, every node's result, the verdict."""
+    report = document.get("report")
+    if report and report.get("processes"):
+        (sleep_report if document["operation"] == "sleep" else wake_report)(report)
+    for result in document["results"]:
+        state = "ok" if result["ok"] else f"failed (exit {result['exit_code']})"
+        note = f": {result['message']}" if result.get("message") else ""
+        out.print(f"node {result['index']} ({result['node']}): {state}{note}", markup=False)
+    decision = document["decision"]
+    out.print(
+        f"node {document['node_index']} ({document['node']}) of {document['nodes']}: "
+        f"{decision['verdict']} ({decision['reason']})",
+        markup=False,
+    )
