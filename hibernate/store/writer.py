@@ -89,7 +89,7 @@ class WriteOptions:
     chunk_bytes: int = 32 << 20  # unit of checksum and reuse; capped at one arena
     segment_bytes: int = 1 << 30  # start a new data file past this size
     io_mode: str = "auto"  # auto | direct | buffered
-    stage_threads: int = 1  # copy + checksum workers; one keeps up with the disk, more slowed it
+    stage_threads: int = 2  # copy + checksum workers (and in-place hashing of unchanged chunks)
     io_threads: int = 1  # writers; ext4 serialises appending direct writes, so more did not help
     reuse: bool = True  # refer to unchanged chunks of the previous snapshot
 
@@ -478,7 +478,6 @@ class _Stream:
 
     def run(self, pin: PinFn | None) -> list[list[ChunkRef]]:
         pool = StagingPool(self._options.buffer_bytes, arena_bytes(self._options.buffer_bytes), pin)
-        self.staging_bytes = pool.total_bytes
         pipeline = Pipeline()
         packer = _Packer(pool, pipeline.abort)
         remaining = [self._options.stage_threads]
@@ -501,6 +500,7 @@ class _Stream:
                 pipeline.start(f"stage-{n}", stage_then_close)
             pipeline.join()
         finally:
+            self.staging_bytes = pool.total_bytes
             pool.close()
         return self._resolve()
 
