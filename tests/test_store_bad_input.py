@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from hibernate.errors import SnapshotInvalidError
+from hibernate.errors import SnapshotInvalidError, StorageError
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import _body_checksum
@@ -386,3 +386,23 @@ def test_no_odirect_falls_back_to_buffered_io_and_leaves_no_page_cache(
     assert read.io_mode == "buffered"
     assert raw_bytes(tensors["w"]) == expected
     assert cached_pages(data_file) == 0, "read pages were dropped from the cache too"
+
+
+def test_io_mode_direct_refuses_a_filesystem_without_odirect_instead_of_falling_back(
+    tmp_path: Path, no_odirect: list[tuple[str, Any]]
+) -> None:
+    pool = TensorPool()
+    pool.track({"w": torch.ones(1024)}, tag="weights", keep=True, name="m")
+    root_path = tmp_path / "proc"
+    with SpillRoot(root_path, create=True) as root, pytest.raises(StorageError) as caught:
+        write_snapshot(root, list(pool.regions()), producer={}, options=WriteOptions(io_mode="direct"))
+    assert re.match(
+        rf"the filesystem of {re.escape(str(root_path))} \(.*/data-000\.bin\) "
+        r"refuses direct I/O \(O_DIRECT\), which --io-mode direct requires; nothing was published",
+        caught.value.message,
+    ), caught.value.message
+    assert [p.name for p in root_path.iterdir()] == [".lock"]
+    with SpillRoot(root_path) as root:
+        snapshot = write_snapshot(root, list(pool.regions()), producer={}).snapshot
+        with pytest.raises(StorageError, match=r"data-000\.bin refuses direct I/O \(O_DIRECT\)"):
+            SnapshotReader(root, snapshot, io_mode="direct")

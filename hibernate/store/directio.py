@@ -127,6 +127,10 @@ class PipelineAborted(Exception):
     """Internal: another pipeline thread failed; stop quietly."""
 
 
+class DirectIORefused(OSError):
+    """``--io-mode direct`` was asked for on a filesystem that refuses O_DIRECT."""
+
+
 def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
     """Whether ``directory``'s filesystem accepts an aligned O_DIRECT write (for ``doctor``).
 
@@ -164,27 +168,34 @@ class DataFile:
         os.close(self.fd)
 
 
-def _open(dir_fd: int, name: str, flags: int, prefer_direct: bool) -> DataFile:
-    """Open with O_DIRECT when asked and the filesystem allows it (EINVAL means it does not)."""
-    if prefer_direct:
+def _open(dir_fd: int, name: str, flags: int, io_mode: str) -> DataFile:
+    """Open with O_DIRECT unless ``io_mode`` is buffered; EINVAL means the filesystem refuses it.
+
+    ``auto`` then falls back to buffered I/O; ``direct`` raises DirectIORefused.
+    """
+    if io_mode != BUFFERED:
         try:
             return DataFile(os.open(name, flags | os.O_DIRECT, PRIVATE_FILE_MODE, dir_fd=dir_fd), DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
+            if io_mode == DIRECT:
+                raise DirectIORefused(
+                    errno.EINVAL, "the filesystem refuses direct I/O (O_DIRECT)", name
+                ) from exc
     return DataFile(os.open(name, flags, PRIVATE_FILE_MODE, dir_fd=dir_fd), BUFFERED)
 
 
-def create_data_file(dir_fd: int, name: str, prefer_direct: bool) -> DataFile:
+def create_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
     """A new private data file in ``dir_fd``; refuses to follow or reuse anything already there."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return _open(dir_fd, name, flags, prefer_direct)
+    return _open(dir_fd, name, flags, io_mode)
 
 
-def open_data_file(dir_fd: int, name: str, prefer_direct: bool) -> DataFile:
+def open_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
     """An existing data file, never through a symlink, never blocking on a planted FIFO."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    return _open(dir_fd, name, flags, prefer_direct)
+    return _open(dir_fd, name, flags, io_mode)
 
 
 def _advance(views: Sequence[memoryview], done: int) -> list[memoryview]:

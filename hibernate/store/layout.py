@@ -300,19 +300,6 @@ class SpillRoot:
         fsync_dir(self.fd)
         return self.sweep(referenced_ranges([newest] if newest else [])), []
 
-    def disk_usage(self) -> int:
-        """Bytes of disk the root's snapshots occupy (allocated blocks, so punched holes do not count)."""
-        total = 0
-        for name in self._entries():
-            if self._is_dir(name):
-                sub_fd = open_dir(name, dir_fd=self.fd)
-                try:
-                    for entry in os.listdir(sub_fd):
-                        total += os.stat(entry, dir_fd=sub_fd, follow_symlinks=False).st_blocks * 512
-                finally:
-                    os.close(sub_fd)
-        return total
-
 
 def _read_manifest_file(snap_fd: int, where: str) -> bytes:
     """The manifest's bytes: a regular file, not a link, not a FIFO, not oversized."""

@@ -34,6 +34,7 @@ from hibernate.fsutil import open_dir
 from hibernate.store.directio import (
     DIRECT,
     DataFile,
+    DirectIORefused,
     StagingBuffer,
     StagingPool,
     open_data_file,
@@ -154,7 +155,7 @@ class SnapshotReader:
         self._files: dict[str, DataFile] = {}
         try:
             self.manifest: Manifest = root.read_manifest(name)
-            self._open_files(io_mode != "buffered")
+            self._open_files(io_mode)
         except BaseException:
             self.close()
             raise
@@ -171,7 +172,7 @@ class SnapshotReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open_files(self, prefer_direct: bool) -> None:
+    def _open_files(self, io_mode: str) -> None:
         needed: dict[str, tuple[int, Record]] = {}
         for record in self.manifest.records:
             for chunk in record.chunks:
@@ -191,7 +192,13 @@ class SnapshotReader:
                     "refusing to follow it"
                 ) from exc
             try:
-                data = open_data_file(dir_fd, name, prefer_direct)
+                data = open_data_file(dir_fd, name, io_mode)
+            except DirectIORefused as exc:
+                raise StorageError(
+                    f"the filesystem of {path} refuses direct I/O (O_DIRECT), "
+                    "which --io-mode direct requires",
+                    hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
+                ) from exc
             except FileNotFoundError as exc:
                 raise SnapshotInvalidError(f"{path} is missing (needed by {record.key!r})") from exc
             except OSError as exc:

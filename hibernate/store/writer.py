@@ -43,6 +43,7 @@ from hibernate.store.directio import (
     BUFFERED,
     DIRECT,
     DataFile,
+    DirectIORefused,
     PipelineAborted,
     StagingBuffer,
     StagingPool,
@@ -172,7 +173,7 @@ class _Segments:
         self._tmp_name = tmp_name
         self._snapshot = snapshot
         self._segment_bytes = options.segment_bytes
-        self._direct = options.io_mode != "buffered"
+        self._io_mode = options.io_mode
         self._lock = threading.Lock()
         self.files: list[DataFile] = []
         self._offset = 0
@@ -182,11 +183,15 @@ class _Segments:
         with self._lock:
             if not self.files or (self._offset and self._offset + nbytes > self._segment_bytes):
                 name = f"data-{len(self.files):03d}.bin"
-                self.files.append(create_data_file(self._dir_fd, name, self._direct))
+                self.files.append(create_data_file(self._dir_fd, name, self._io_mode))
                 self._offset = 0
             offset = self._offset
             self._offset += nbytes
             return self.files[-1], f"{self._snapshot}/data-{len(self.files) - 1:03d}.bin", offset
+
+    def next_path(self) -> Path:
+        """Where the data file being created lies (for messages when creating it fails)."""
+        return self._root.path / self._tmp_name / f"data-{len(self.files):03d}.bin"
 
     def path_of(self, name: str) -> Path:
         """Where a file named ``snap-N/data-M.bin`` lies while it is being written."""
@@ -195,7 +200,7 @@ class _Segments:
     @property
     def mode(self) -> str:
         if not self.files:
-            return DIRECT if self._direct else BUFFERED
+            return BUFFERED if self._io_mode == BUFFERED else DIRECT
         return DIRECT if all(f.mode == DIRECT for f in self.files) else BUFFERED
 
     def finish(self) -> None:
@@ -326,6 +331,12 @@ class _Packer:
 
 def _io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total: int) -> StorageError:
     target = f" ({where})" if where is not None else ""
+    if isinstance(exc, DirectIORefused):
+        return StorageError(
+            f"the filesystem of {root.path}{target} refuses direct I/O (O_DIRECT), which --io-mode direct "
+            "requires; nothing was published and the process keeps its memory",
+            hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
+        )
     if exc.errno == errno.ENOSPC:
         return StorageError(
             f"no space left on the device of {root.path}{target} after writing {done} of {total} bytes; "
@@ -599,7 +610,10 @@ class _Stream:
             return
         size = sum(slot.padded for slot in live)
         views = arena.live_views()
-        file, name, offset = self._segments.allocate(size)
+        try:
+            file, name, offset = self._segments.allocate(size)
+        except OSError as exc:
+            raise _io_error(exc, self._root, self._segments.next_path(), self.written, self._total) from exc
         try:
             write_views(file, views, offset)
         except OSError as exc:
