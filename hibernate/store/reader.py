@@ -40,11 +40,11 @@ from hibernate.store.directio import (
     open_data_file,
     read_views,
 )
-from hibernate.store.format import ChunkRef, Manifest, Record, align_up, checksum
+from hibernate.store.format import ALIGNMENT, ChunkRef, Manifest, Record, align_up, checksum
 from hibernate.store.layout import SpillRoot
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
-from hibernate.store.writer import CancelledFn, PinFn, ProgressFn, arena_bytes
+from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
 
 
 @dataclass
@@ -275,17 +275,18 @@ class SnapshotReader:
         """Fill every region from the snapshot, verifying each chunk before it is copied in.
 
         ``threads`` workers verify and copy while one more thread reads ahead;
-        the staging memory is about ``buffer_bytes`` (at least two of the
-        snapshot's largest chunks). On any failure the regions hold partial
+        the staging memory is at most ``buffer_bytes`` (or two of the
+        snapshot's largest chunks if that is more), and no more than the
+        snapshot needs. On any failure the regions hold partial
         data: the caller releases them again.
         """
         self.check_matches(regions)
         started = time.perf_counter()
-        largest_chunk = max((align_up(c.length) for r in self.manifest.records for c in r.chunks), default=0)
-        size = max(arena_bytes(buffer_bytes), largest_chunk)
+        padded = [align_up(c.length) for r in self.manifest.records for c in r.chunks]
+        size = arena_bytes_for(buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
         requests = self._requests(size)
         total = self.manifest.total_bytes
-        pool = StagingPool(max(buffer_bytes, 2 * size), size, pin)
+        pool = StagingPool(ARENAS * size, size, pin)
         pipeline = Pipeline()
         loaded: queue.Queue[tuple[_Loaded, _Piece] | None] = queue.Queue()
         lock = threading.Lock()

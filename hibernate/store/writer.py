@@ -82,6 +82,16 @@ def arena_bytes(buffer_bytes: int) -> int:
     return max(ALIGNMENT, min(MAX_REQUEST_BYTES, buffer_bytes // ARENAS // ALIGNMENT * ALIGNMENT))
 
 
+def arena_bytes_for(buffer_bytes: int, data_bytes: int, largest_chunk: int) -> int:
+    """An arena size for moving ``data_bytes``: no more staging than the data needs.
+
+    Staging is faulted in before the I/O starts, so a small snapshot should
+    not pay for 256 MiB of it; an arena still holds the largest chunk.
+    """
+    needed = align_up(-(-data_bytes // ARENAS))
+    return max(align_up(largest_chunk), min(arena_bytes(buffer_bytes), needed))
+
+
 @dataclass(frozen=True)
 class WriteOptions:
     """How a snapshot is written; the defaults are what the benchmark tuned on a 2-core machine."""
@@ -488,7 +498,9 @@ class _Stream:
         self._hash_in_place = bool(reusable)
 
     def run(self, pin: PinFn | None) -> list[list[ChunkRef]]:
-        pool = StagingPool(self._options.buffer_bytes, arena_bytes(self._options.buffer_bytes), pin)
+        padded = [align_up(length) for _, _, length in self._tasks]
+        arena = arena_bytes_for(self._options.buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
+        pool = StagingPool(ARENAS * arena, arena, pin)
         pipeline = Pipeline()
         packer = _Packer(pool, pipeline.abort)
         remaining = [self._options.stage_threads]
