@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
-import mmap
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,8 +127,6 @@ class StorageRegion:
     def reallocate(self) -> None:
         if self.released and self._nbytes:
             self._storage.resize_(self._nbytes)
-            if self._device.type == "cpu":
-                _populate(self._storage.data_ptr(), self._nbytes)
         self.released = False
 
     def zero(self) -> None:
@@ -268,34 +265,13 @@ class TensorPool:
 
 
 _libc: ctypes.CDLL | None = None
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-def _c_library() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _libc
-
-
-def _populate(address: int, nbytes: int) -> None:
-    """Fault a fresh allocation in now, in one call, rather than page by page later.
-
-    A wake refills every reallocated byte from disk; faulting the pages in
-    before the reads start measured faster than taking the faults while
-    requests were in flight (on the VM this was tuned on the host backs each
-    fresh guest page as it is touched, which slowed the disk). Best effort:
-    an older kernel (EINVAL) just takes the faults later.
-    """
-    start = (address + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        _c_library().madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 def _trim_host_heap() -> None:
     """Hand freed heap pages back to the OS; glibc otherwise keeps small frees around."""
-    trim = getattr(_c_library(), "malloc_trim", None)
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    trim = getattr(_libc, "malloc_trim", None)
     if trim is not None:
         trim(0)

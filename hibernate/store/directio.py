@@ -17,6 +17,7 @@ raw limit.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -121,6 +122,36 @@ class StagingPool:
             buffer.close()
         self._unpins.clear()
         self._all.clear()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_STEP = 64 << 20
+_libc: ctypes.CDLL | None = None
+
+
+def populate(view: memoryview, abort: threading.Event) -> None:
+    """Fault in the (writable, host) memory behind ``view`` ahead of copying into it; best effort.
+
+    A wake refills memory just reallocated; faulting it in with
+    MADV_POPULATE_WRITE, a step ahead of the copies while the disk works,
+    measured faster (0.93x vs 0.66x raw, paired) than taking the faults page
+    by page in the copies, and than faulting everything in before the first
+    read. Contents are not changed. Older kernels (EINVAL) take the faults later.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if view.readonly or len(view) < mmap.PAGESIZE:
+        return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
+    for step in range(start, end, _POPULATE_STEP):
+        if abort.is_set():
+            return
+        if _libc.madvise(step, min(_POPULATE_STEP, end - step), _MADV_POPULATE_WRITE) != 0:
+            return
 
 
 class PipelineAborted(Exception):

@@ -7,8 +7,9 @@ into bounded staging, and each chunk's checksum is verified *before* its bytes
 are copied into the region: a corrupted weight is never handed back.
 
 Chunks are read in file order, and chunks that lie back to back in a file are
-read with one request of up to 64 MiB (the same reasoning as the writer's
-arenas). One thread keeps the disk busy; workers verify and copy meanwhile.
+read with one request of up to 128 MiB (the same reasoning as the writer's
+arenas). One thread keeps the disk busy; workers verify and copy meanwhile;
+another faults the destination memory in a step ahead of them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hibernate.store.directio import (
     StagingBuffer,
     StagingPool,
     open_data_file,
+    populate,
     read_views,
 )
 from hibernate.store.format import ALIGNMENT, ChunkRef, Manifest, Record, align_up, checksum
@@ -330,7 +332,20 @@ class SnapshotReader:
                 if progress is not None:
                     progress(done, total)
 
+        def fault_in() -> None:
+            """Fault in the regions' host memory in the order the copies will need it."""
+            seen: set[int] = set()
+            for request in requests:
+                for piece in request.pieces:
+                    if piece.region not in seen:
+                        seen.add(piece.region)
+                        region = regions[piece.region]
+                        view = region.host_view(0, region.nbytes)
+                        if view is not None:
+                            populate(view, pipeline.abort)
+
         try:
+            pipeline.start("fault-in", fault_in)
             pipeline.start("read", read)
             for n in range(workers):
                 pipeline.start(f"verify-{n}", work)
