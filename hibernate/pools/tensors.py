@@ -92,11 +92,25 @@ class StorageRegion:
         flat = torch.empty(0, dtype=torch.uint8, device=self._device)
         return flat.set_(self._storage, 0, (self._nbytes,), (1,))
 
+    def _check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or offset + length > self._nbytes:
+            raise ValueError(f"{self._key}: bytes {offset}..{offset + length} outside its {self._nbytes}")
+
     def copy_out(self, offset: int, dst: memoryview) -> None:
+        self._check_range(offset, len(dst))
+        if self._device.type == "cpu" and not dst.readonly and len(dst):
+            # One plain memcpy that releases the GIL: torch's copy_ would fan out to its
+            # intra-op threads and compete with the store's own workers for the cores.
+            ctypes.memmove(_address(dst), self._storage.data_ptr() + offset, len(dst))
+            return
         with torch.no_grad():
             torch.frombuffer(dst, dtype=torch.uint8).copy_(self._bytes()[offset : offset + len(dst)])
 
     def copy_in(self, offset: int, src: memoryview) -> None:
+        self._check_range(offset, len(src))
+        if self._device.type == "cpu" and not src.readonly and len(src):
+            ctypes.memmove(self._storage.data_ptr() + offset, _address(src), len(src))
+            return
         with torch.no_grad():
             self._bytes()[offset : offset + len(src)].copy_(torch.frombuffer(src, dtype=torch.uint8))
 

@@ -2,20 +2,28 @@
 
 O_DIRECT moves bytes between our staging buffers and the disk without the
 page cache: it reaches the disk's own speed and does not grow host memory that
-batch schedulers charge to the job. Filesystems that refuse it (tmpfs, some
-network filesystems) get buffered I/O with periodic ``fdatasync`` and
+batch schedulers charge to the job. Filesystems that refuse it (the kernel
+answers EINVAL to ``open(O_DIRECT)``: tmpfs before Linux 6.6, some network and
+FUSE filesystems) get buffered I/O with periodic ``fdatasync`` and
 ``POSIX_FADV_DONTNEED`` so the cache stays small there too; callers report
 which mode was used.
+
+Requests are vectored (``pwritev``/``preadv``): several staged chunks that lie
+back to back in a file move in one request. On the disks we measured, the
+number of requests costs more than their size (a request has a fixed latency
+on top of its transfer time), so fewer, larger requests are what reaches the
+raw limit.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hibernate.fsutil import PRIVATE_FILE_MODE
@@ -23,24 +31,42 @@ from hibernate.fsutil import PRIVATE_FILE_MODE
 DIRECT = "direct"
 BUFFERED = "buffered"
 _EVICT_EVERY_BYTES = 64 << 20
+_MAX_IOVECS = 512  # well under IOV_MAX (1024) on Linux
 
 
 class StagingBuffer:
-    """One page-aligned anonymous mapping; freed (unmapped) by :meth:`close`."""
+    """One page-aligned anonymous mapping, faulted in at once; freed (unmapped) by :meth:`close`.
+
+    MAP_POPULATE faults every page in one go, before any I/O: on the VM this
+    was tuned on, page faults taken while requests were in flight slowed the
+    disk by a quarter (the host backs fresh guest pages as they are touched).
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        self.view.release()
-        self._map.close()
+        """Give the memory back now, even if a slice of the buffer is still referenced.
+
+        After a failure, the traceback's frames may hold slices of the buffer,
+        which keeps the mapping from being unmapped until they are collected;
+        MADV_DONTNEED frees its pages at once regardless.
+        """
+        self._map.madvise(mmap.MADV_DONTNEED)
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass  # unmapped when the last slice goes
 
 
 class StagingPool:
     """A fixed set of buffers: the whole of the staging memory a transfer may use.
 
+    The buffers are allocated when the first one is taken, so a transfer that
+    stages nothing (an unchanged model's second sleep) allocates nothing.
     ``pin`` lets a device pool page-lock the buffers (e.g. cudaHostRegister) so
     device copies into them run at full speed; it returns the matching unpin.
     """
@@ -51,22 +77,37 @@ class StagingPool:
         buffer_bytes: int,
         pin: Callable[[memoryview], Callable[[], None]] | None = None,
     ) -> None:
-        count = max(2, total_bytes // buffer_bytes)
         self.buffer_bytes = buffer_bytes
-        self._all = [StagingBuffer(buffer_bytes) for _ in range(count)]
-        self._unpins = [pin(b.view) for b in self._all] if pin else []
-        self._free: queue.Queue[StagingBuffer] = queue.Queue()
-        for buffer in self._all:
-            self._free.put(buffer)
+        self._count = max(2, total_bytes // buffer_bytes)
+        self._pin = pin
+        self._all: list[StagingBuffer] = []
+        self._unpins: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._free: queue.LifoQueue[StagingBuffer] = queue.LifoQueue()
 
     @property
     def total_bytes(self) -> int:
+        """The staging memory allocated (none until a buffer was first taken)."""
         return self.buffer_bytes * len(self._all)
 
+    def _allocate(self) -> None:
+        with self._lock:
+            if self._all:
+                return
+            for _ in range(self._count):
+                buffer = StagingBuffer(self.buffer_bytes)
+                self._all.append(buffer)
+                if self._pin is not None:
+                    self._unpins.append(self._pin(buffer.view))
+                self._free.put(buffer)
+
     def take(self, abort: threading.Event) -> StagingBuffer:
+        """The next free buffer (the most recently returned first)."""
+        if not self._all:
+            self._allocate()
         while True:
             try:
-                return self._free.get(timeout=0.1)
+                return self._free.get(timeout=0.05)
             except queue.Empty:
                 if abort.is_set():
                     raise PipelineAborted() from None
@@ -79,15 +120,54 @@ class StagingPool:
             unpin()
         for buffer in self._all:
             buffer.close()
+        self._unpins.clear()
         self._all.clear()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_STEP = 64 << 20
+_libc: ctypes.CDLL | None = None
+
+
+def populate(view: memoryview, abort: threading.Event) -> None:
+    """Fault in the (writable, host) memory behind ``view`` ahead of copying into it; best effort.
+
+    A wake refills memory just reallocated; faulting it in with
+    MADV_POPULATE_WRITE, a step ahead of the copies while the disk works,
+    measured faster (0.93x vs 0.66x raw, paired) than taking the faults page
+    by page in the copies, and than faulting everything in before the first
+    read. Contents are not changed. Older kernels (EINVAL) take the faults later.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if view.readonly or len(view) < mmap.PAGESIZE:
+        return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
+    for step in range(start, end, _POPULATE_STEP):
+        if abort.is_set():
+            return
+        if _libc.madvise(step, min(_POPULATE_STEP, end - step), _MADV_POPULATE_WRITE) != 0:
+            return
 
 
 class PipelineAborted(Exception):
     """Internal: another pipeline thread failed; stop quietly."""
 
 
+class DirectIORefused(OSError):
+    """``--io-mode direct`` was asked for on a filesystem that refuses O_DIRECT."""
+
+
 def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
-    """Probe whether ``directory``'s filesystem accepts an aligned O_DIRECT write."""
+    """Whether ``directory``'s filesystem accepts an aligned O_DIRECT write (for ``doctor``).
+
+    The store itself does not probe: it asks for O_DIRECT when it opens each
+    data file and falls back when the kernel refuses.
+    """
     name = os.path.join(os.fspath(directory), f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -119,49 +199,81 @@ class DataFile:
         os.close(self.fd)
 
 
-def create_data_file(dir_fd: int, name: str, prefer_direct: bool) -> DataFile:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    if prefer_direct:
+def _open(dir_fd: int, name: str, flags: int, io_mode: str) -> DataFile:
+    """Open with O_DIRECT unless ``io_mode`` is buffered; EINVAL means the filesystem refuses it.
+
+    ``auto`` then falls back to buffered I/O; ``direct`` raises DirectIORefused.
+    """
+    if io_mode != BUFFERED:
         try:
             return DataFile(os.open(name, flags | os.O_DIRECT, PRIVATE_FILE_MODE, dir_fd=dir_fd), DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
+            if io_mode == DIRECT:
+                raise DirectIORefused(
+                    errno.EINVAL, "the filesystem refuses direct I/O (O_DIRECT)", name
+                ) from exc
     return DataFile(os.open(name, flags, PRIVATE_FILE_MODE, dir_fd=dir_fd), BUFFERED)
 
 
-def open_data_file(dir_fd: int, name: str, prefer_direct: bool) -> DataFile:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if prefer_direct:
-        try:
-            return DataFile(os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd), DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return DataFile(os.open(name, flags, dir_fd=dir_fd), BUFFERED)
+def create_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
+    """A new private data file in ``dir_fd``; refuses to follow or reuse anything already there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return _open(dir_fd, name, flags, io_mode)
 
 
-def write_at(file: DataFile, view: memoryview, offset: int) -> None:
-    """Write all of ``view`` at ``offset``; buffered files are synced and evicted as they grow."""
+def open_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
+    """An existing data file, never through a symlink, never blocking on a planted FIFO."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    return _open(dir_fd, name, flags, io_mode)
+
+
+def _advance(views: Sequence[memoryview], done: int) -> list[memoryview]:
+    """The part of ``views`` after the first ``done`` bytes (after a short transfer)."""
+    rest: list[memoryview] = []
+    for view in views:
+        if done >= len(view):
+            done -= len(view)
+            continue
+        rest.append(view[done:])
+        done = 0
+    return rest
+
+
+def write_views(file: DataFile, views: Sequence[memoryview], offset: int) -> None:
+    """Write ``views`` back to back at ``offset``, as few requests as the kernel allows.
+
+    Buffered files are synced and dropped from the page cache as they grow, so
+    a spill to a filesystem without O_DIRECT does not fill host memory either.
+    """
+    total = sum(len(v) for v in views)
+    pending = list(views)
     done = 0
-    while done < len(view):
-        done += os.pwrite(file.fd, view[done:], offset + done)
+    while pending:
+        n = os.pwritev(file.fd, pending[:_MAX_IOVECS], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "the disk accepted no bytes")
+        done += n
+        pending = _advance(pending, n)
     if file.mode == BUFFERED:
-        file._since_evict += len(view)
+        file._since_evict += total
         if file._since_evict >= _EVICT_EVERY_BYTES:
             os.fdatasync(file.fd)
             os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             file._since_evict = 0
 
 
-def read_at(file: DataFile, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``offset``; returns the bytes read (short only at end of file)."""
+def read_views(file: DataFile, views: Sequence[memoryview], offset: int) -> int:
+    """Fill ``views`` back to back from ``offset``; returns the bytes read (short only at EOF)."""
+    pending = list(views)
     done = 0
-    while done < len(view):
-        n = os.preadv(file.fd, [view[done:]], offset + done)
+    while pending:
+        n = os.preadv(file.fd, pending[:_MAX_IOVECS], offset + done)
         if n == 0:
             break
         done += n
+        pending = _advance(pending, n)
     if file.mode == BUFFERED:
         os.posix_fadvise(file.fd, offset, done, os.POSIX_FADV_DONTNEED)
     return done

@@ -27,6 +27,8 @@ CHECKSUM_ALGORITHM = "xxh3-64"
 ALIGNMENT = 4096  # data offsets and write sizes, for O_DIRECT on every common block size
 MANIFEST_NAME = "manifest.json"
 MANIFEST_LIMIT_BYTES = 256 << 20
+MAX_CHUNK_BYTES = 1 << 30  # a reader stages one chunk at a time: this bounds its memory
+MAX_FILE_OFFSET = 1 << 60  # far beyond any real data file, far below what off_t can hold
 MAX_KEY_LENGTH = 1024
 MAX_META_DEPTH = 8
 
@@ -41,14 +43,17 @@ def checksum(data: bytes | memoryview) -> str:
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    """``n`` rounded up to a multiple of ``alignment``: where the next chunk may start."""
     return (n + alignment - 1) // alignment * alignment
 
 
 def snapshot_name(sequence: int) -> str:
+    """The directory name of snapshot number ``sequence`` (``snap-000007``)."""
     return f"snap-{sequence:06d}"
 
 
 def snapshot_sequence(name: str) -> int | None:
+    """The number of a snapshot directory name, or None for any other name."""
     match = SNAPSHOT_NAME_RE.match(name)
     return int(match.group(1)) if match else None
 
@@ -97,6 +102,8 @@ class Record:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A whole snapshot: what was written, by whom, and where every byte lies."""
+
     snapshot: str
     producer: Mapping[str, Any]
     chunk_bytes: int
@@ -138,6 +145,11 @@ def _body_checksum(body: Mapping[str, Any]) -> str:
         allow_nan=False,
     )
     return checksum(canonical.encode("utf-8"))
+
+
+def _refuse_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity; Python's parser accepts them unless told otherwise."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def validate_relative_file(path: object, where: str) -> str:
@@ -201,13 +213,15 @@ def _parse_chunk(raw: object, where: str) -> ChunkRef:
     if offset % ALIGNMENT:
         raise SnapshotInvalidError(f"{where}: offset {offset} is not {ALIGNMENT}-byte aligned")
     length = _int_field(raw, "length", where, minimum=1)
+    if offset + length > MAX_FILE_OFFSET:
+        raise SnapshotInvalidError(f"{where}: offset {offset} + length {length} lies beyond any data file")
     digest = raw.get("checksum")
     if not isinstance(digest, str) or not _CHECKSUM_RE.match(digest):
         raise SnapshotInvalidError(f"{where}: checksum {digest!r} is not 16 hex digits")
     return ChunkRef(validate_relative_file(raw.get("file"), where), offset, length, digest)
 
 
-def _parse_record(raw: object, where: str) -> Record:
+def _parse_record(raw: object, where: str, chunk_bytes: int) -> Record:
     if not isinstance(raw, dict):
         raise SnapshotInvalidError(f"{where}: record must be an object")
     key = _validate_key(raw.get("key"), where)
@@ -223,6 +237,12 @@ def _parse_record(raw: object, where: str) -> Record:
     if not isinstance(chunks_raw, list):
         raise SnapshotInvalidError(f"{where}: chunks must be a list")
     chunks = tuple(_parse_chunk(c, f"{where} chunk {i}") for i, c in enumerate(chunks_raw))
+    for i, chunk in enumerate(chunks):
+        if chunk.length > chunk_bytes:
+            raise SnapshotInvalidError(
+                f"{where} chunk {i}: length {chunk.length} is more than "
+                f"the snapshot's chunk size {chunk_bytes}"
+            )
     covered = sum(c.length for c in chunks)
     if covered != nbytes:
         raise SnapshotInvalidError(
@@ -234,8 +254,8 @@ def _parse_record(raw: object, where: str) -> Record:
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate a manifest; every refusal names ``where`` and the problem."""
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge numbers, deep nesting
         raise SnapshotInvalidError(f"{where}: not valid JSON ({exc}); truncated or corrupted") from exc
     if not isinstance(body, dict):
         raise SnapshotInvalidError(f"{where}: top level must be a JSON object")
@@ -243,7 +263,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         raise SnapshotInvalidError(f"{where}: not a hibernate snapshot (format {body.get('format')!r})")
     version = body.get("version")
     major_text, _, minor_text = str(version).partition(".")
-    if not (major_text.isdigit() and minor_text.isdigit()):
+    if not (isinstance(version, str) and major_text.isdigit() and minor_text.isdigit()):
         raise SnapshotInvalidError(f"{where}: version {version!r} is not of the form MAJOR.MINOR")
     if int(major_text) != FORMAT_MAJOR:
         raise SnapshotInvalidError(
@@ -260,10 +280,16 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     producer = body.get("producer", {})
     if not isinstance(producer, dict):
         raise SnapshotInvalidError(f"{where}: producer must be an object")
+    chunk_bytes = _int_field(body, "chunk_bytes", where, minimum=ALIGNMENT)
+    if chunk_bytes % ALIGNMENT or chunk_bytes > MAX_CHUNK_BYTES:
+        raise SnapshotInvalidError(
+            f"{where}: chunk_bytes {chunk_bytes} is not a multiple of {ALIGNMENT} "
+            f"of at most {MAX_CHUNK_BYTES}"
+        )
     records_raw = body.get("records")
     if not isinstance(records_raw, list):
         raise SnapshotInvalidError(f"{where}: records must be a list")
-    records = tuple(_parse_record(r, f"{where}: record {i}") for i, r in enumerate(records_raw))
+    records = tuple(_parse_record(r, f"{where}: record {i}", chunk_bytes) for i, r in enumerate(records_raw))
     keys = [r.key for r in records]
     if len(set(keys)) != len(keys):
         raise SnapshotInvalidError(f"{where}: two records share a key")
@@ -271,7 +297,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     manifest = Manifest(
         snapshot=name,
         producer=_validate_meta(producer, where),
-        chunk_bytes=_int_field(body, "chunk_bytes", where, minimum=ALIGNMENT),
+        chunk_bytes=chunk_bytes,
         records=records,
         created_unix=float(created) if isinstance(created, (int, float)) else 0.0,
     )

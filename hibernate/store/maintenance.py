@@ -27,18 +27,21 @@ def spill_roots(directory: Path) -> list[Path]:
 
 
 def collect_garbage(directory: Path) -> dict[str, Any]:
+    """Collect every spill root in ``directory``; one in use (a sleep or a wake running) is skipped."""
     directory = Path(directory).expanduser().absolute()
     if not directory.is_dir():
         raise UsageError(f"{directory} is not a directory")
-    roots = []
+    roots: list[dict[str, Any]] = []
     for path in spill_roots(directory):
         with SpillRoot(path) as root:
             if not root.lock(exclusive=True):
-                roots.append({"path": str(path), "freed_bytes": 0, "skipped": True})
+                roots.append({"path": str(path), "freed_bytes": 0, "skipped": True, "warnings": []})
                 continue
-            roots.append({"path": str(path), "freed_bytes": root.collect_garbage(), "skipped": False})
+            freed, warnings = root.collect_garbage()
+            roots.append({"path": str(path), "freed_bytes": freed, "skipped": False, "warnings": warnings})
     return {
         "directory": str(directory),
         "roots": roots,
         "freed_bytes": sum(r["freed_bytes"] for r in roots),
+        "warnings": [w for r in roots for w in r["warnings"]],
     }

@@ -15,6 +15,8 @@ from hibernate.store.directio import PipelineAborted
 
 
 class Pipeline:
+    """Worker threads of one transfer, stopped together by the first failure."""
+
     def __init__(self) -> None:
         self.abort = threading.Event()
         self._error: BaseException | None = None
@@ -36,12 +38,6 @@ class Pipeline:
         thread = threading.Thread(target=run, name=f"hibernate-{name}", daemon=True)
         self._threads.append(thread)
         thread.start()
-
-    def fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = exc
-        self.abort.set()
 
     def join(self) -> None:
         """Wait for every worker; re-raise the first failure."""

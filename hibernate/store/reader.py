@@ -5,17 +5,23 @@ without reading the data (manifest, missing or truncated or symlinked files, a
 record that does not match the process). Data is then read with direct I/O
 into bounded staging, and each chunk's checksum is verified *before* its bytes
 are copied into the region: a corrupted weight is never handed back.
+
+Chunks are read in file order, and chunks that lie back to back in a file are
+read with one request of up to 128 MiB (the same reasoning as the writer's
+arenas). One thread keeps the disk busy; workers verify and copy meanwhile;
+another faults the destination memory in a step ahead of them.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import queue
 import stat
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate.errors import (
@@ -26,12 +32,21 @@ from hibernate.errors import (
     StorageError,
 )
 from hibernate.fsutil import open_dir
-from hibernate.store.directio import DIRECT, DataFile, StagingPool, open_data_file, read_at
-from hibernate.store.format import ChunkRef, Manifest, Record, align_up, checksum
+from hibernate.store.directio import (
+    DIRECT,
+    DataFile,
+    DirectIORefused,
+    StagingBuffer,
+    StagingPool,
+    open_data_file,
+    populate,
+    read_views,
+)
+from hibernate.store.format import ALIGNMENT, ChunkRef, Manifest, Record, align_up, checksum
 from hibernate.store.layout import SpillRoot
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
-from hibernate.store.writer import CancelledFn, PinFn, ProgressFn
+from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
 
 
 @dataclass
@@ -52,6 +67,27 @@ class ReadResult:
         }
 
 
+def _first_difference(saved: Any, live: Any, path: str) -> str | None:
+    """Where two plain-JSON values first differ, as ``path is X in the snapshot, Y in the process``."""
+    if isinstance(saved, Mapping) and isinstance(live, Mapping):
+        for name in sorted(set(saved) | set(live), key=str):
+            found = _first_difference(
+                saved.get(name), live.get(name), f"{path}.{name}" if path else str(name)
+            )
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live):
+        for index, (a, b) in enumerate(zip(saved, live, strict=True)):
+            found = _first_difference(a, b, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    if saved != live or type(saved) is not type(live):
+        return f"{path} is {saved!r} in the snapshot, {live!r} in the process"
+    return None
+
+
 def _describe_mismatch(record: Record, region: Region) -> str | None:
     if record.key != region.key:
         return f"holds {record.key!r} where the process has {region.key!r}"
@@ -59,14 +95,56 @@ def _describe_mismatch(record: Record, region: Region) -> str | None:
         return f"{record.key!r}: tag {record.tag!r} in the snapshot, {region.tag!r} in the process"
     if record.nbytes != region.nbytes:
         return f"{record.key!r}: {record.nbytes} bytes in the snapshot, {region.nbytes} in the process"
-    live = dict(region.meta)
-    for name in sorted(set(record.meta) | set(live)):
-        if record.meta.get(name) != live.get(name):
-            return (
-                f"{record.key!r}: {name} is {record.meta.get(name)!r} in the snapshot, "
-                f"{live.get(name)!r} in the process"
-            )
-    return None
+    difference = _first_difference(dict(record.meta), _plain(region.meta), "")
+    return f"{record.key!r}: {difference}" if difference is not None else None
+
+
+def _plain(value: Any) -> Any:
+    """A region's live meta as the manifest would hold it (tuples become lists)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass
+class _Piece:
+    """One chunk to restore: which region, where in it, and where on disk."""
+
+    region: int
+    region_offset: int
+    chunk: ChunkRef
+
+
+@dataclass
+class _Request:
+    """Chunks lying back to back in one file, read with one request into one buffer."""
+
+    file: str
+    offset: int
+    pieces: list[_Piece] = field(default_factory=list)
+    size: int = 0
+
+
+def _split(request: _Request, at: int) -> list[_Request]:
+    """``request`` as two requests, the first holding its first ``at`` pieces."""
+    parts = []
+    for pieces in (request.pieces[:at], request.pieces[at:]):
+        part = _Request(request.file, pieces[0].chunk.offset, pieces)
+        part.size = sum(align_up(p.chunk.length) for p in pieces)
+        parts.append(part)
+    return parts
+
+
+@dataclass
+class _Loaded:
+    """A request's bytes in a staging buffer, shared by the workers that verify its pieces."""
+
+    request: _Request
+    buffer: StagingBuffer
+    got: int
+    remaining: int
 
 
 class SnapshotReader:
@@ -79,7 +157,7 @@ class SnapshotReader:
         self._files: dict[str, DataFile] = {}
         try:
             self.manifest: Manifest = root.read_manifest(name)
-            self._open_files(io_mode != "buffered")
+            self._open_files(io_mode)
         except BaseException:
             self.close()
             raise
@@ -96,15 +174,10 @@ class SnapshotReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open_files(self, prefer_direct: bool) -> None:
+    def _open_files(self, io_mode: str) -> None:
         needed: dict[str, tuple[int, Record]] = {}
         for record in self.manifest.records:
             for chunk in record.chunks:
-                if chunk.length > self.manifest.chunk_bytes:
-                    raise SnapshotInvalidError(
-                        f"{self.root.path / chunk.file}: record {record.key!r} has a chunk of "
-                        f"{chunk.length} bytes, more than the snapshot's chunk size"
-                    )
                 end = chunk.offset + chunk.length
                 if end > needed.get(chunk.file, (0, record))[0]:
                     needed[chunk.file] = (end, record)
@@ -116,9 +189,18 @@ class SnapshotReader:
             except FileNotFoundError as exc:
                 raise SnapshotInvalidError(f"{path} is missing (needed by {record.key!r})") from exc
             except PermissionDeniedError as exc:
-                raise SnapshotInvalidError(f"{self.root.path / directory}: {exc.message}") from exc
+                raise SnapshotInvalidError(
+                    f"{self.root.path / directory} is a symbolic link or not a directory; "
+                    "refusing to follow it"
+                ) from exc
             try:
-                data = open_data_file(dir_fd, name, prefer_direct)
+                data = open_data_file(dir_fd, name, io_mode)
+            except DirectIORefused as exc:
+                raise StorageError(
+                    f"the filesystem of {path} refuses direct I/O (O_DIRECT), "
+                    "which --io-mode direct requires",
+                    hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
+                ) from exc
             except FileNotFoundError as exc:
                 raise SnapshotInvalidError(f"{path} is missing (needed by {record.key!r})") from exc
             except OSError as exc:
@@ -141,69 +223,132 @@ class SnapshotReader:
     def check_matches(self, regions: Sequence[Region]) -> None:
         """The snapshot must describe exactly these regions, in this order."""
         records = self.manifest.records
+        where = self.root.path / self.manifest.snapshot / "manifest.json"
         if len(records) != len(regions):
             raise SnapshotInvalidError(
-                f"{self.root.path / self.manifest.snapshot}: {len(records)} records in the snapshot, "
-                f"{len(regions)} regions in the process"
+                f"{where}: {len(records)} records in the snapshot, {len(regions)} regions in the process"
             )
-        for record, region in zip(records, regions, strict=True):
+        for index, (record, region) in enumerate(zip(records, regions, strict=True)):
             problem = _describe_mismatch(record, region)
             if problem is not None:
-                raise SnapshotInvalidError(f"{self.root.path / self.manifest.snapshot}: record {problem}")
+                raise SnapshotInvalidError(f"{where}: record {index} {problem}")
+
+    def _requests(self, largest: int) -> list[_Request]:
+        """Every chunk in file order, neighbours in a file merged into requests of up to ``largest`` bytes."""
+        pieces = []
+        for index, record in enumerate(self.manifest.records):
+            offset = 0
+            for chunk in record.chunks:
+                pieces.append(_Piece(index, offset, chunk))
+                offset += chunk.length
+        pieces.sort(key=lambda p: (p.chunk.file, p.chunk.offset))
+        requests: list[_Request] = []
+        for piece in pieces:
+            chunk = piece.chunk
+            last = requests[-1] if requests else None
+            if (
+                last is None
+                or last.file != chunk.file
+                or last.offset + last.size != chunk.offset
+                or last.size + align_up(chunk.length) > largest
+            ):
+                last = _Request(chunk.file, chunk.offset)
+                requests.append(last)
+            last.pieces.append(piece)
+            last.size += align_up(chunk.length)
+        # A short first request gets the workers going sooner; a short last one leaves
+        # them less to do once the disk has finished.
+        if requests and len(requests[0].pieces) > 1:
+            requests[0:1] = _split(requests[0], 1)
+        if requests and len(requests[-1].pieces) > 1:
+            requests[-1:] = _split(requests[-1], len(requests[-1].pieces) - 1)
+        return requests
 
     def read_into(
         self,
         regions: Sequence[Region],
         *,
         buffer_bytes: int = 256 << 20,
-        threads: int = 3,
+        threads: int = 2,
         progress: ProgressFn | None = None,
         cancelled: CancelledFn | None = None,
         pin: PinFn | None = None,
     ) -> ReadResult:
-        """Fill every region from the snapshot, verifying each chunk before it is copied in."""
+        """Fill every region from the snapshot, verifying each chunk before it is copied in.
+
+        ``threads`` workers verify and copy while one more thread reads ahead;
+        the staging memory is at most ``buffer_bytes`` (or two of the
+        snapshot's largest chunks if that is more), and no more than the
+        snapshot needs. On any failure the regions hold partial
+        data: the caller releases them again.
+        """
         self.check_matches(regions)
         started = time.perf_counter()
-        tasks: list[tuple[int, int, ChunkRef]] = []
-        for index, record in enumerate(self.manifest.records):
-            offset = 0
-            for chunk in record.chunks:
-                tasks.append((index, offset, chunk))
-                offset += chunk.length
+        padded = [align_up(c.length) for r in self.manifest.records for c in r.chunks]
+        size = arena_bytes_for(buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
+        requests = self._requests(size)
         total = self.manifest.total_bytes
-        chunk_bytes = align_up(self.manifest.chunk_bytes)
-        pool = StagingPool(max(buffer_bytes, 2 * chunk_bytes), chunk_bytes, pin)
+        pool = StagingPool(ARENAS * size, size, pin)
         pipeline = Pipeline()
+        loaded: queue.Queue[tuple[_Loaded, _Piece] | None] = queue.Queue()
         lock = threading.Lock()
-        state = {"next": 0, "done": 0}
+        state = {"done": 0}
+        workers = max(1, threads)
 
-        def take_task() -> int | None:
-            with lock:
-                if state["next"] >= len(tasks) or pipeline.abort.is_set():
-                    return None
-                state["next"] += 1
-                return state["next"] - 1
+        def read() -> None:
+            try:
+                for request in requests:
+                    if cancelled is not None and cancelled():
+                        raise AbortedError("the wake was called off before it finished")
+                    buffer = pool.take(pipeline.abort)
+                    try:
+                        got = self._read_request(request, buffer)
+                    except BaseException:
+                        pool.give(buffer)
+                        raise
+                    batch = _Loaded(request, buffer, got, len(request.pieces))
+                    for piece in request.pieces:
+                        loaded.put((batch, piece))
+            finally:
+                for _ in range(workers):
+                    loaded.put(None)
 
         def work() -> None:
-            while (task := take_task()) is not None:
-                if cancelled is not None and cancelled():
-                    raise AbortedError("the wake was called off before it finished")
-                index, region_offset, chunk = tasks[task]
-                buffer = pool.take(pipeline.abort)
+            while True:
+                item = loaded.get()
+                if item is None or pipeline.abort.is_set():
+                    return
+                batch, piece = item
                 try:
-                    self._read_chunk(chunk, buffer.view, self.manifest.records[index], region_offset)
-                    regions[index].copy_in(region_offset, buffer.view[: chunk.length])
+                    self._verify_and_copy(batch, piece, regions)
                 finally:
-                    pool.give(buffer)
-                with lock:
-                    state["done"] += chunk.length
-                    done = state["done"]
+                    with lock:
+                        batch.remaining -= 1
+                        last = batch.remaining == 0
+                        state["done"] += piece.chunk.length
+                        done = state["done"]
+                    if last:
+                        pool.give(batch.buffer)
                 if progress is not None:
                     progress(done, total)
 
+        def fault_in() -> None:
+            """Fault in the regions' host memory in the order the copies will need it."""
+            seen: set[int] = set()
+            for request in requests:
+                for piece in request.pieces:
+                    if piece.region not in seen:
+                        seen.add(piece.region)
+                        region = regions[piece.region]
+                        view = region.host_view(0, region.nbytes)
+                        if view is not None:
+                            populate(view, pipeline.abort)
+
         try:
-            for n in range(max(1, threads)):
-                pipeline.start(f"read-{n}", work)
+            pipeline.start("fault-in", fault_in)
+            pipeline.start("read", read)
+            for n in range(workers):
+                pipeline.start(f"verify-{n}", work)
             pipeline.join()
         finally:
             staging = pool.total_bytes
@@ -217,14 +362,26 @@ class SnapshotReader:
             staging_bytes=staging,
         )
 
-    def _read_chunk(self, chunk: ChunkRef, view: memoryview, record: Record, region_offset: int) -> None:
-        path = self.root.path / chunk.file
+    def _read_request(self, request: _Request, buffer: StagingBuffer) -> int:
         try:
-            got = read_at(self._files[chunk.file], view[: align_up(chunk.length)], chunk.offset)
+            return read_views(self._files[request.file], [buffer.view[: request.size]], request.offset)
         except OSError as exc:
-            raise StorageError(f"cannot read {path}: {exc.strerror}") from exc
-        where = f"{path}: record {record.key!r} bytes {region_offset}..{region_offset + chunk.length}"
-        if got < chunk.length:
-            raise SnapshotInvalidError(f"{where}: file is truncated ({got} of {chunk.length} bytes read)")
-        if checksum(view[: chunk.length]) != chunk.checksum:
+            raise StorageError(f"cannot read {self.root.path / request.file}: {exc.strerror}") from exc
+
+    def _verify_and_copy(self, batch: _Loaded, piece: _Piece, regions: Sequence[Region]) -> None:
+        chunk = piece.chunk
+        start = chunk.offset - batch.request.offset
+        record = self.manifest.records[piece.region]
+        where = (
+            f"{self.root.path / chunk.file}: record {record.key!r} bytes "
+            f"{piece.region_offset}..{piece.region_offset + chunk.length} (file offset {chunk.offset})"
+        )
+        if batch.got < start + chunk.length:
+            available = max(0, batch.got - start)
+            raise SnapshotInvalidError(
+                f"{where}: file is truncated ({available} of {chunk.length} bytes read)"
+            )
+        view = batch.buffer.view[start : start + chunk.length]
+        if checksum(view) != chunk.checksum:
             raise SnapshotInvalidError(f"{where}: checksum mismatch; the data on disk is corrupted")
+        regions[piece.region].copy_in(piece.region_offset, view)

@@ -38,5 +38,10 @@ class Region(Protocol):
         ...
 
     def host_view(self, offset: int, length: int) -> memoryview | None:
-        """A read-only view of host memory for the range, or None (device memory)."""
+        """A view of the range's host memory, or None (device memory).
+
+        The writer hashes it in place (an unchanged chunk is then neither copied
+        nor written); the reader faults it in (MADV_POPULATE_WRITE) ahead of
+        copying into it. Neither changes its contents.
+        """
         ...

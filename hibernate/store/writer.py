@@ -1,15 +1,26 @@
 """Write a snapshot: copy, checksum and stream regions to disk through bounded staging.
 
-Two kinds of worker share a fixed set of staging buffers (the only host memory
-a spill adds, whatever its size):
+The staging memory (the only host memory a spill adds, whatever its size) is
+split into a few large *arenas*. Two kinds of worker share them:
 
-* stagers take the next chunk, checksum it (in place when the region is host
-  memory), and skip it entirely when the previous snapshot already holds the
-  same bytes; otherwise they copy it into a staging buffer;
-* writers append staged chunks to the current data file with direct I/O.
+* stagers take the next chunk of a region, copy it into the current arena
+  right after the previous one (4 KiB aligned), and checksum the copy. A chunk
+  whose checksum the previous snapshot already holds is not written again: the
+  new snapshot refers to the old bytes. For host memory that test runs on the
+  region in place, before any copy, so an unchanged model costs one hashing
+  pass and no I/O at all;
+* a writer takes full arenas in the order they were filled and writes each
+  one's live chunks with a single vectored request, appending to the current
+  data file.
 
-Chunks are written in the order they are staged, so each data file grows
-sequentially, which is what this kind of disk does fastest.
+Why arenas and not one write per chunk: a chunk ends where its region ends, so
+a model of many tensors makes many short chunks, and on the disks we measured
+each request costs a fixed latency on top of its transfer. Packing chunks into
+64 MiB requests reaches the raw O_DIRECT limit; one request per chunk did not.
+
+Nothing becomes visible until the manifest is written and the temporary
+directory is renamed (see layout.py): a failure anywhere leaves the previous
+snapshot as it was, the temporary directory removed, and the memory untouched.
 """
 
 from __future__ import annotations
@@ -32,16 +43,18 @@ from hibernate.store.directio import (
     BUFFERED,
     DIRECT,
     DataFile,
+    DirectIORefused,
     PipelineAborted,
     StagingBuffer,
     StagingPool,
     create_data_file,
-    direct_io_supported,
     finish_write,
-    write_at,
+    write_views,
 )
 from hibernate.store.format import (
+    ALIGNMENT,
     MANIFEST_NAME,
+    MAX_CHUNK_BYTES,
     ChunkRef,
     Manifest,
     Record,
@@ -58,25 +71,55 @@ CancelledFn = Callable[[], bool]
 PinFn = Callable[[memoryview], Callable[[], None]]
 
 IO_MODES = ("auto", "direct", "buffered")
+ARENAS = 2  # staging is split in two arenas: one is written while the other is filled
+MAX_REQUEST_BYTES = 128 << 20  # one I/O request; requests cost a fixed latency, so fewer is faster
+MIN_BUFFER_BYTES = 4 * ARENAS * ALIGNMENT
+FREE_SPACE_MARGIN = 1 << 20  # the manifest and the filesystem's own bookkeeping
+
+
+def arena_bytes(buffer_bytes: int) -> int:
+    """The size of one staging arena (and of the largest I/O request) for ``buffer_bytes`` of staging."""
+    return max(ALIGNMENT, min(MAX_REQUEST_BYTES, buffer_bytes // ARENAS // ALIGNMENT * ALIGNMENT))
+
+
+def arena_bytes_for(buffer_bytes: int, data_bytes: int, largest_chunk: int) -> int:
+    """An arena size for moving ``data_bytes``: no more staging than the data needs.
+
+    Staging is faulted in before the I/O starts, so a small snapshot should
+    not pay for 256 MiB of it; an arena still holds the largest chunk.
+    """
+    needed = align_up(-(-data_bytes // ARENAS))
+    return max(align_up(largest_chunk), min(arena_bytes(buffer_bytes), needed))
 
 
 @dataclass(frozen=True)
 class WriteOptions:
+    """How a snapshot is written; the defaults are what the benchmark tuned on a 2-core machine."""
+
     buffer_bytes: int = 256 << 20  # all staging memory together
-    chunk_bytes: int = 32 << 20  # unit of copy, checksum, reuse and I/O
+    chunk_bytes: int = 32 << 20  # unit of checksum and reuse; capped at one arena
     segment_bytes: int = 1 << 30  # start a new data file past this size
     io_mode: str = "auto"  # auto | direct | buffered
-    stage_threads: int = 2
-    io_threads: int = 2
+    stage_threads: int = 2  # copy + checksum workers (and in-place hashing of unchanged chunks)
+    io_threads: int = 1  # writers; ext4 serialises appending direct writes, so more did not help
     reuse: bool = True  # refer to unchanged chunks of the previous snapshot
 
     def __post_init__(self) -> None:
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io_mode must be one of {IO_MODES}, not {self.io_mode!r}")
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
-            raise ValueError("chunk_bytes must be a positive multiple of 4096")
-        if self.buffer_bytes < 2 * self.chunk_bytes:
-            raise ValueError("buffer_bytes must hold at least two chunks")
+        if self.chunk_bytes < ALIGNMENT or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be a multiple of {ALIGNMENT} between 4 KiB and 1 GiB")
+        if self.buffer_bytes < MIN_BUFFER_BYTES:
+            raise ValueError(f"buffer_bytes must be at least {MIN_BUFFER_BYTES} bytes")
+        if self.segment_bytes < ALIGNMENT:
+            raise ValueError("segment_bytes must be at least 4 KiB")
+        if self.stage_threads < 1 or self.io_threads < 1:
+            raise ValueError("stage_threads and io_threads must be at least 1")
+
+    @property
+    def effective_chunk_bytes(self) -> int:
+        """The chunk size used: ``chunk_bytes``, unless one staging arena is smaller."""
+        return min(self.chunk_bytes, arena_bytes(self.buffer_bytes))
 
 
 @dataclass
@@ -109,7 +152,12 @@ class WriteResult:
 
 
 def _reusable_chunks(root: SpillRoot, previous: Manifest | None) -> dict[tuple[str, int], ChunkRef]:
-    """Chunks of the previous snapshot whose data file is present and long enough."""
+    """Chunks of the previous snapshot whose data file is present and long enough.
+
+    Their bytes are trusted as the previous snapshot left them: they were
+    verified chunk by chunk by the wake that read them back, and every later
+    wake verifies them again before use.
+    """
     if previous is None:
         return {}
     sizes: dict[str, int] = {}
@@ -129,29 +177,40 @@ def _reusable_chunks(root: SpillRoot, previous: Manifest | None) -> dict[tuple[s
 class _Segments:
     """Data files of the snapshot being written, appended to in order."""
 
-    def __init__(self, dir_fd: int, snapshot: str, segment_bytes: int, direct: bool) -> None:
+    def __init__(self, root: SpillRoot, dir_fd: int, tmp_name: str, snapshot: str, options: WriteOptions):
+        self._root = root
         self._dir_fd = dir_fd
+        self._tmp_name = tmp_name
         self._snapshot = snapshot
-        self._segment_bytes = segment_bytes
-        self._direct = direct
+        self._segment_bytes = options.segment_bytes
+        self._io_mode = options.io_mode
         self._lock = threading.Lock()
         self.files: list[DataFile] = []
         self._offset = 0
 
-    def allocate(self, padded: int) -> tuple[DataFile, str, int]:
+    def allocate(self, nbytes: int) -> tuple[DataFile, str, int]:
+        """Where the next ``nbytes`` go: (file, its name in the manifest, offset)."""
         with self._lock:
-            if not self.files or (self._offset and self._offset + padded > self._segment_bytes):
+            if not self.files or (self._offset and self._offset + nbytes > self._segment_bytes):
                 name = f"data-{len(self.files):03d}.bin"
-                self.files.append(create_data_file(self._dir_fd, name, self._direct))
+                self.files.append(create_data_file(self._dir_fd, name, self._io_mode))
                 self._offset = 0
             offset = self._offset
-            self._offset += padded
+            self._offset += nbytes
             return self.files[-1], f"{self._snapshot}/data-{len(self.files) - 1:03d}.bin", offset
+
+    def next_path(self) -> Path:
+        """Where the data file being created lies (for messages when creating it fails)."""
+        return self._root.path / self._tmp_name / f"data-{len(self.files):03d}.bin"
+
+    def path_of(self, name: str) -> Path:
+        """Where a file named ``snap-N/data-M.bin`` lies while it is being written."""
+        return self._root.path / self._tmp_name / name.split("/", 1)[1]
 
     @property
     def mode(self) -> str:
         if not self.files:
-            return DIRECT if self._direct else BUFFERED
+            return BUFFERED if self._io_mode == BUFFERED else DIRECT
         return DIRECT if all(f.mode == DIRECT for f in self.files) else BUFFERED
 
     def finish(self) -> None:
@@ -164,20 +223,140 @@ class _Segments:
         self.files.clear()
 
 
-def _choose_direct(root: SpillRoot, io_mode: str) -> bool:
-    if io_mode == "auto":
-        return direct_io_supported(root.path)
-    return io_mode == "direct"
+@dataclass
+class _Slot:
+    """One chunk's place in an arena; ``live`` is False once it turned out to be reusable."""
+
+    task: int
+    position: int
+    length: int
+    digest: str = ""
+    live: bool = True
+    done: bool = False
+
+    @property
+    def padded(self) -> int:
+        return align_up(self.length)
 
 
-def _io_error(exc: OSError, root: SpillRoot, done: int, total: int) -> StorageError:
+@dataclass
+class _Arena:
+    """A staging buffer filled with chunks back to back, then written as one request."""
+
+    buffer: StagingBuffer
+    used: int = 0
+    pending: int = 0
+    sealed: bool = False
+    slots: list[_Slot] = field(default_factory=list)
+    filled: threading.Event = field(default_factory=threading.Event)
+
+    def live_views(self) -> list[memoryview]:
+        """The live slots as views, adjacent ones merged: what the writer hands the kernel."""
+        views: list[memoryview] = []
+        start = end = -1
+        for slot in self.slots:
+            if not slot.live:
+                continue
+            if slot.position != end:
+                if end > start:
+                    views.append(self.buffer.view[start:end])
+                start = slot.position
+            end = slot.position + slot.padded
+        if end > start:
+            views.append(self.buffer.view[start:end])
+        return views
+
+
+class _Packer:
+    """Hands out arena space in order and passes each full arena on to the writers, in order.
+
+    The first arena is passed on after its first chunk, so the disk starts
+    working while the rest of the staging memory is still being filled.
+    """
+
+    def __init__(self, pool: StagingPool, abort: threading.Event) -> None:
+        self._pool = pool
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._current: _Arena | None = None
+        self._started = False
+        self.sealed: queue.Queue[_Arena | None] = queue.Queue()
+
+    def _fits(self, arena: _Arena, padded: int) -> bool:
+        if not self._started:
+            return not arena.slots
+        return arena.used + padded <= arena.buffer.size
+
+    def reserve(self, task: int, length: int) -> tuple[_Arena, _Slot]:
+        padded = align_up(length)
+        while True:
+            with self._lock:
+                arena = self._current
+                if arena is not None and self._fits(arena, padded):
+                    slot = _Slot(task, arena.used, length)
+                    arena.used += padded
+                    arena.pending += 1
+                    arena.slots.append(slot)
+                    return arena, slot
+                if arena is not None:
+                    self._seal(arena)
+                    self._current = None
+            # Wait for a free buffer without the lock: the writer frees one only after
+            # stagers finish their slots, and finishing a slot takes the lock.
+            fresh = self._pool.take(self._abort)
+            with self._lock:
+                installed = self._current is None
+                if installed:
+                    self._current = _Arena(fresh)
+            if not installed:
+                self._pool.give(fresh)  # another stager installed one first
+
+    def finish(self, arena: _Arena, slot: _Slot, digest: str, live: bool) -> None:
+        with self._lock:
+            if slot.done:
+                return
+            slot.done = True
+            slot.digest = digest
+            slot.live = live
+            arena.pending -= 1
+            if arena.sealed and arena.pending == 0:
+                arena.filled.set()
+
+    def _seal(self, arena: _Arena) -> None:
+        self._started = True
+        arena.sealed = True
+        self.sealed.put(arena)
+        if arena.pending == 0:
+            arena.filled.set()
+
+    def close(self, writers: int) -> None:
+        """No more chunks: pass on the last arena and tell every writer to stop."""
+        with self._lock:
+            if self._current is not None:
+                self._seal(self._current)
+                self._current = None
+        for _ in range(writers):
+            self.sealed.put(None)
+
+
+def _io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total: int) -> StorageError:
+    target = f" ({where})" if where is not None else ""
+    if isinstance(exc, DirectIORefused):
+        return StorageError(
+            f"the filesystem of {root.path}{target} refuses direct I/O (O_DIRECT), which --io-mode direct "
+            "requires; nothing was published and the process keeps its memory",
+            hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
+        )
     if exc.errno == errno.ENOSPC:
         return StorageError(
-            f"no space left on the device of {root.path} after {done} of {total} bytes; "
+            f"no space left on the device of {root.path}{target} after writing {done} of {total} bytes; "
             "nothing was published and the process keeps its memory",
             hint="free space or choose another --to directory, then sleep again",
         )
-    return StorageError(f"I/O error writing the snapshot in {root.path}: {exc.strerror or exc}")
+    return StorageError(
+        f"I/O error writing the snapshot in {root.path}{target}: {exc.strerror or exc}; "
+        "nothing was published and the process keeps its memory"
+    )
 
 
 def write_snapshot(
@@ -197,51 +376,41 @@ def write_snapshot(
     try:
         previous = root.latest_manifest() if options.reuse else None
         reusable = _reusable_chunks(root, previous)
+        chunk_bytes = options.effective_chunk_bytes
         total = sum(r.nbytes for r in regions)
-        _check_free_space(root, regions, options.chunk_bytes, previous)
+        _check_free_space(root, regions, chunk_bytes, reusable)
         sequence = root.next_sequence()
         name = snapshot_name(sequence)
-        direct = _choose_direct(root, options.io_mode)
-        root.sweep(
-            referenced=previous.files() if previous else set(),
-            keep_dir=previous.snapshot if previous else None,
-        )
+        root.sweep_leftovers()
         with root.staging_dir(sequence, secrets.token_hex(4)) as (tmp_name, tmp_fd):
-            segments = _Segments(tmp_fd, name, options.segment_bytes, direct)
+            segments = _Segments(root, tmp_fd, tmp_name, name, options)
             try:
-                chunks, written, reused, staging = _stream(
-                    regions, segments, reusable, options, total, progress, cancelled, pin, root
-                )
+                stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
+                chunks = stream.run(pin)
                 segments.finish()
             except OSError as exc:
-                raise _io_error(exc, root, 0, total) from exc
+                raise _io_error(exc, root, None, stream.written, total) from exc
             finally:
                 io_mode = segments.mode
                 data_files = len(segments.files)
                 segments.close()
-            records = []
-            for index, region in enumerate(regions):
-                records.append(
-                    Record(
-                        region.key,
-                        region.tag,
-                        region.nbytes,
-                        dict(region.meta),
-                        tuple(chunks[index]),
-                    )
-                )
             manifest = Manifest(
                 snapshot=name,
                 producer={**producer, "hostname": socket.gethostname()},
-                chunk_bytes=options.chunk_bytes,
-                records=tuple(records),
+                chunk_bytes=chunk_bytes,
+                records=tuple(
+                    Record(region.key, region.tag, region.nbytes, dict(region.meta), tuple(chunks[index]))
+                    for index, region in enumerate(regions)
+                ),
                 created_unix=time.time(),
             )
             try:
                 write_file_atomic(tmp_fd, MANIFEST_NAME, manifest.encode())
                 root.publish(tmp_name, name)
             except OSError as exc:
-                raise _io_error(exc, root, written, total) from exc
+                raise _io_error(
+                    exc, root, root.path / tmp_name / MANIFEST_NAME, stream.written, total
+                ) from exc
         warnings = []
         try:
             root.retire_all_but(manifest)
@@ -251,11 +420,11 @@ def write_snapshot(
             snapshot=name,
             path=root.path / name,
             total_bytes=total,
-            written_bytes=written,
-            reused_bytes=reused,
+            written_bytes=stream.written,
+            reused_bytes=stream.reused,
             seconds=time.perf_counter() - started,
             io_mode=io_mode,
-            staging_bytes=staging,
+            staging_bytes=stream.staging_bytes,
             data_files=data_files,
             manifest=manifest,
             warnings=warnings,
@@ -265,141 +434,204 @@ def write_snapshot(
 
 
 def _check_free_space(
-    root: SpillRoot, regions: Sequence[Region], chunk_bytes: int, previous: Manifest | None
+    root: SpillRoot,
+    regions: Sequence[Region],
+    chunk_bytes: int,
+    reusable: Mapping[tuple[str, int], ChunkRef],
 ) -> None:
-    """Refuse early when even full reuse of the previous snapshot could not make it fit."""
+    """Refuse before writing anything when even the best reuse could not make the snapshot fit."""
     needed = sum(
         align_up(min(r.nbytes - o, chunk_bytes)) for r in regions for o in range(0, r.nbytes, chunk_bytes)
     )
-    if previous is not None:
-        needed = max(0, needed - previous.total_bytes)
+    needed = max(0, needed - sum(align_up(c.length) for c in reusable.values()))
     free = free_bytes(root.path)
-    if needed + (1 << 20) > free:
+    if needed + FREE_SPACE_MARGIN > free:
         raise StorageError(
-            f"not enough space in {root.path}: the snapshot needs {needed} bytes, {free} are free",
+            f"not enough space in {root.path}: the snapshot needs {needed + FREE_SPACE_MARGIN} bytes "
+            f"({_mib(needed + FREE_SPACE_MARGIN)}), {free} are free ({_mib(free)})",
             hint="free space or choose another --to directory",
         )
 
 
-def _stream(
-    regions: Sequence[Region],
-    segments: _Segments,
-    reusable: dict[tuple[str, int], ChunkRef],
-    options: WriteOptions,
-    total: int,
-    progress: ProgressFn | None,
-    cancelled: CancelledFn | None,
-    pin: PinFn | None,
-    root: SpillRoot,
-) -> tuple[list[list[ChunkRef]], int, int, int]:
-    tasks = [
-        (index, offset, min(options.chunk_bytes, region.nbytes - offset))
-        for index, region in enumerate(regions)
-        for offset in range(0, region.nbytes, options.chunk_bytes)
-    ]
-    placed: list[ChunkRef | None] = [None] * len(tasks)
-    pool = StagingPool(options.buffer_bytes, options.chunk_bytes, pin)
-    pipeline = Pipeline()
-    staged: queue.Queue[tuple[int, StagingBuffer, int, str] | None] = queue.Queue()
-    lock = threading.Lock()
-    counters = {"next": 0, "done": 0, "written": 0, "reused": 0}
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
-    def advance(length: int, *, wrote: bool) -> None:
-        with lock:
-            counters["done"] += length
-            counters["written" if wrote else "reused"] += length
-            done = counters["done"]
-        if progress is not None:
-            progress(done, total)
 
-    def take_task() -> int | None:
-        with lock:
-            if counters["next"] >= len(tasks) or pipeline.abort.is_set():
-                return None
-            counters["next"] += 1
-            return counters["next"] - 1
+class _Stream:
+    """One spill's chunks through stagers, arenas and writers; the refs of every chunk at the end."""
 
-    def reuse(task: int, digest: str, length: int) -> bool:
-        with lock:
-            hit = reusable.get((digest, length))
-        if hit is None:
-            return False
-        placed[task] = hit
-        advance(length, wrote=False)
-        return True
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        segments: _Segments,
+        reusable: dict[tuple[str, int], ChunkRef],
+        options: WriteOptions,
+        total: int,
+        progress: ProgressFn | None,
+        cancelled: CancelledFn | None,
+        root: SpillRoot,
+    ) -> None:
+        chunk = options.effective_chunk_bytes
+        self._regions = regions
+        self._segments = segments
+        self._previous = reusable
+        self._options = options
+        self._total = total
+        self._progress = progress
+        self._cancelled = cancelled
+        self._root = root
+        self._tasks = [
+            (index, offset, min(chunk, region.nbytes - offset))
+            for index, region in enumerate(regions)
+            for offset in range(0, region.nbytes, chunk)
+        ]
+        # Each task ends up a ChunkRef, or the index of an earlier task with the same bytes.
+        self._placed: list[ChunkRef | int | None] = [None] * len(self._tasks)
+        self._owners: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        self._done = 0
+        self.written = 0
+        self.reused = 0
+        self.staging_bytes = 0
+        # Hashing in place first pays only when there is something to reuse.
+        self._hash_in_place = bool(reusable)
 
-    def stage() -> None:
-        while (task := take_task()) is not None:
-            if cancelled is not None and cancelled():
-                raise AbortedError("the spill was called off before it finished; nothing was published")
-            index, offset, length = tasks[task]
-            region = regions[index]
-            in_place = region.host_view(offset, length)
-            digest = checksum(in_place) if in_place is not None else None
-            if digest is not None and reuse(task, digest, length):
-                continue
-            buffer = pool.take(pipeline.abort)
-            region.copy_out(offset, buffer.view[:length])
-            if digest is None:
-                digest = checksum(buffer.view[:length])
-                if reuse(task, digest, length):
-                    pool.give(buffer)
-                    continue
-            padded = align_up(length)
-            if padded > length:
-                buffer.view[length:padded] = bytes(padded - length)
-            staged.put((task, buffer, length, digest))
+    def run(self, pin: PinFn | None) -> list[list[ChunkRef]]:
+        padded = [align_up(length) for _, _, length in self._tasks]
+        arena = arena_bytes_for(self._options.buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
+        pool = StagingPool(ARENAS * arena, arena, pin)
+        pipeline = Pipeline()
+        packer = _Packer(pool, pipeline.abort)
+        remaining = [self._options.stage_threads]
 
-    def write() -> None:
-        while True:
+        def stage_then_close() -> None:
+            """The last stager to finish passes on the last arena and stops the writers."""
             try:
-                item = staged.get(timeout=0.1)
-            except queue.Empty:
-                if pipeline.abort.is_set():
-                    raise PipelineAborted() from None
-                continue
-            if item is None:
-                return
-            task, buffer, length, digest = item
-            try:
-                file, name, offset = segments.allocate(align_up(length))
-                write_at(file, buffer.view[: align_up(length)], offset)
+                self._stage(packer, pipeline.abort)
             finally:
-                pool.give(buffer)
-            ref = ChunkRef(name, offset, length, digest)
-            placed[task] = ref
-            with lock:
-                reusable.setdefault((digest, length), ref)
-            advance(length, wrote=True)
-
-    try:
-        for n in range(max(1, options.io_threads)):
-            pipeline.start(f"write-{n}", write)
-        remaining = [max(1, options.stage_threads)]
-
-        def stage_then_signal() -> None:
-            """The last stager to finish tells every writer there is no more."""
-            try:
-                stage()
-            finally:
-                with lock:
+                with self._lock:
                     remaining[0] -= 1
                     last = remaining[0] == 0
                 if last:
-                    for _ in range(max(1, options.io_threads)):
-                        staged.put(None)
+                    packer.close(self._options.io_threads)
 
-        for n in range(remaining[0]):
-            pipeline.start(f"stage-{n}", stage_then_signal)
         try:
+            for n in range(self._options.io_threads):
+                pipeline.start(f"write-{n}", lambda: self._write(packer, pool, pipeline.abort))
+            for n in range(self._options.stage_threads):
+                pipeline.start(f"stage-{n}", stage_then_close)
             pipeline.join()
+        finally:
+            self.staging_bytes = pool.total_bytes
+            pool.close()
+        return self._resolve()
+
+    def _resolve(self) -> list[list[ChunkRef]]:
+        chunks: list[list[ChunkRef]] = [[] for _ in self._regions]
+        for (index, _, _), placed in zip(self._tasks, self._placed, strict=True):
+            if isinstance(placed, int):
+                placed = self._placed[placed]
+            assert isinstance(placed, ChunkRef), "every chunk is placed once the pipeline finished cleanly"
+            chunks[index].append(placed)
+        return chunks
+
+    def _advance(self, length: int, *, wrote: bool) -> None:
+        with self._lock:
+            self._done += length
+            if wrote:
+                self.written += length
+            else:
+                self.reused += length
+            done = self._done
+        if self._progress is not None:
+            self._progress(done, self._total)
+
+    def _take_task(self, abort: threading.Event) -> int | None:
+        with self._lock:
+            if self._next >= len(self._tasks) or abort.is_set():
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _reuse(self, task: int, key: tuple[str, int], *, claim: bool) -> bool:
+        """Refer ``task`` to a chunk with these bytes if there is one; else maybe claim the bytes."""
+        with self._lock:
+            previous = self._previous.get(key)
+            if previous is not None:
+                self._placed[task] = previous
+            else:
+                owner = self._owners.get(key)
+                if owner is None:
+                    if claim:
+                        self._owners[key] = task
+                    return False
+                self._placed[task] = owner
+        self._advance(key[1], wrote=False)
+        return True
+
+    def _stage(self, packer: _Packer, abort: threading.Event) -> None:
+        while (task := self._take_task(abort)) is not None:
+            if self._cancelled is not None and self._cancelled():
+                raise AbortedError("the spill was called off before it finished; nothing was published")
+            index, offset, length = self._tasks[task]
+            region = self._regions[index]
+            if self._hash_in_place:
+                in_place = region.host_view(offset, length)
+                if in_place is not None:
+                    found = self._reuse(task, (checksum(in_place), length), claim=False)
+                    del in_place
+                    if found:
+                        continue
+            arena, slot = packer.reserve(task, length)
+            digest, live = "", False
+            try:
+                target = arena.buffer.view[slot.position : slot.position + slot.padded]
+                region.copy_out(offset, target[:length])
+                if slot.padded > length:
+                    target[length:] = bytes(slot.padded - length)
+                digest = checksum(target[:length])
+                del target
+                live = not self._reuse(task, (digest, length), claim=True)
+            finally:
+                packer.finish(arena, slot, digest, live)
+
+    def _write(self, packer: _Packer, pool: StagingPool, abort: threading.Event) -> None:
+        while True:
+            try:
+                arena = packer.sealed.get(timeout=0.05)
+            except queue.Empty:
+                if abort.is_set():
+                    raise PipelineAborted() from None
+                continue
+            if arena is None:
+                return
+            try:
+                while not arena.filled.wait(0.05):
+                    if abort.is_set():
+                        raise PipelineAborted()
+                if abort.is_set():
+                    raise PipelineAborted()
+                self._write_arena(arena)
+            finally:
+                pool.give(arena.buffer)
+
+    def _write_arena(self, arena: _Arena) -> None:
+        live = [slot for slot in arena.slots if slot.live]
+        if not live:
+            return
+        size = sum(slot.padded for slot in live)
+        views = arena.live_views()
+        try:
+            file, name, offset = self._segments.allocate(size)
         except OSError as exc:
-            raise _io_error(exc, root, counters["written"], total) from exc
-    finally:
-        staging_bytes = pool.total_bytes
-        pool.close()
-    chunks: list[list[ChunkRef]] = [[] for _ in regions]
-    for (index, _, _), ref in zip(tasks, placed, strict=True):
-        assert ref is not None, "every chunk is placed once the pipeline finished cleanly"
-        chunks[index].append(ref)
-    return chunks, counters["written"], counters["reused"], staging_bytes
+            raise _io_error(exc, self._root, self._segments.next_path(), self.written, self._total) from exc
+        try:
+            write_views(file, views, offset)
+        except OSError as exc:
+            raise _io_error(exc, self._root, self._segments.path_of(name), self.written, self._total) from exc
+        position = offset
+        for slot in live:
+            self._placed[slot.task] = ChunkRef(name, position, slot.length, slot.digest)
+            position += slot.padded
+        self._advance(sum(slot.length for slot in live), wrote=True)

@@ -1,0 +1,408 @@
+"""Every way a snapshot can be wrong, and the precise refusal each one gets.
+
+A refusal names the file and the problem, and comes before any byte reaches
+the process's memory whenever it can be found without reading the data; a
+corrupted chunk is caught by its checksum before it is copied in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hibernate.errors import SnapshotInvalidError, StorageError
+from hibernate.pools.tensors import TensorPool
+from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.format import _body_checksum
+
+KiB = 1024
+OPTIONS = WriteOptions(chunk_bytes=8 * KiB, buffer_bytes=64 * KiB)
+
+
+@dataclass
+class Spilled:
+    root: Path
+    snapshot: str
+    pool: TensorPool
+    tensors: dict[str, torch.Tensor]
+    expected: dict[str, bytes]
+
+    @property
+    def regions(self) -> list[Any]:
+        return list(self.pool.regions())
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / self.snapshot / "manifest.json"
+
+    @property
+    def data_file(self) -> Path:
+        return self.root / self.snapshot / "data-000.bin"
+
+    def manifest(self) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(self.manifest_path.read_text())
+        return document
+
+    def rewrite_manifest(self, document: dict[str, Any], *, resign: bool) -> None:
+        """Write an edited manifest; ``resign`` recomputes its checksum, as a careful forger would."""
+        if resign:
+            document["manifest_checksum"] = _body_checksum(document)
+        self.manifest_path.write_text(json.dumps(document))
+
+    def read(self, io_mode: str = "auto") -> Any:
+        with SpillRoot(self.root) as root, SnapshotReader(root, self.snapshot, io_mode=io_mode) as reader:
+            return reader.read_into(self.regions)
+
+    def intact(self) -> bool:
+        return all(raw_bytes(t) == self.expected[name] for name, t in self.tensors.items())
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return ctypes.string_at(tensor.data_ptr(), tensor.nbytes)
+
+
+@pytest.fixture
+def spilled(tmp_path: Path) -> Spilled:
+    generator = torch.Generator().manual_seed(7)
+    tensors = {
+        "w": torch.randn(40, 100, generator=generator),  # 16000 bytes: two chunks
+        "b": torch.randn(300, generator=generator).to(torch.float16),
+    }
+    pool = TensorPool()
+    pool.track(tensors, tag="weights", keep=True, name="model")
+    root = tmp_path / "proc"
+    with SpillRoot(root, create=True) as opened:
+        result = write_snapshot(opened, list(pool.regions()), producer={"test": 1}, options=OPTIONS)
+    expected = {name: raw_bytes(t) for name, t in tensors.items()}
+    for tensor in tensors.values():  # what a restore must overwrite
+        tensor.view(torch.uint8).fill_(0)
+    return Spilled(root, result.snapshot, pool, tensors, expected)
+
+
+def refused(spilled: Spilled, pattern: str, *, io_mode: str = "auto") -> SnapshotInvalidError:
+    with pytest.raises(SnapshotInvalidError) as caught:
+        spilled.read(io_mode)
+    assert re.search(pattern, caught.value.message), caught.value.message
+    return caught.value
+
+
+def test_the_fixture_round_trips(spilled: Spilled) -> None:
+    assert spilled.read().io_mode == "direct"
+    assert spilled.intact()
+
+
+# -- data files ----------------------------------------------------------------
+
+
+def test_a_bit_flip_in_a_data_file_is_caught_before_the_chunk_is_copied_in(spilled: Spilled) -> None:
+    data = bytearray(spilled.data_file.read_bytes())
+    data[9000] ^= 0x10  # in the second chunk of the first record
+    spilled.data_file.write_bytes(data)
+    error = refused(spilled, r"checksum mismatch; the data on disk is corrupted")
+    assert str(spilled.data_file) in error.message
+    assert "record 'weights/model.w' bytes 8192..16000" in error.message
+    # The corrupted chunk never reached the tensor: its bytes there are still the zeros we put.
+    assert raw_bytes(spilled.tensors["w"])[8192:16000] == bytes(16000 - 8192)
+
+
+def test_a_truncated_data_file_is_refused_before_anything_is_read(spilled: Spilled) -> None:
+    size = spilled.data_file.stat().st_size
+    os.truncate(spilled.data_file, size - 4096)
+    error = refused(spilled, r"is truncated: \d+ bytes, but 'weights/model\.\w' needs \d+")
+    assert error.message.startswith(str(spilled.data_file))
+    assert all(raw_bytes(t) == bytes(t.nbytes) for t in spilled.tensors.values()), "nothing was copied in"
+
+
+def test_a_missing_data_file_is_refused(spilled: Spilled) -> None:
+    spilled.data_file.unlink()
+    error = refused(spilled, r"is missing \(needed by 'weights/model\.\w'\)")
+    assert error.message.startswith(str(spilled.data_file))
+
+
+def test_a_fifo_planted_as_a_data_file_is_refused_without_blocking(spilled: Spilled) -> None:
+    spilled.data_file.unlink()
+    os.mkfifo(spilled.data_file, 0o600)
+    refused(spilled, re.escape(f"{spilled.data_file} is not a regular file"))
+
+
+# -- the manifest -----------------------------------------------------------------
+
+
+def test_an_edited_length_is_refused(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["records"][0]["chunks"][0]["length"] -= 8
+    spilled.rewrite_manifest(document, resign=False)
+    refused(
+        spilled, r"record 0 \('weights/model\.\w'\): chunk lengths add up to \d+ bytes but the record has \d+"
+    )
+
+
+def test_an_edited_length_and_size_that_agree_still_do_not_match_the_process(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    record = document["records"][0]
+    record["chunks"][-1]["length"] -= 8
+    record["nbytes"] -= 8
+    spilled.rewrite_manifest(document, resign=True)
+    refused(
+        spilled,
+        r"manifest\.json: record 0 'weights/model\.\w': \d+ bytes in the snapshot, \d+ in the process",
+    )
+
+
+def test_an_edited_offset_is_refused_by_the_manifest_checksum(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["records"][0]["chunks"][0]["offset"] += 4096
+    spilled.rewrite_manifest(document, resign=False)
+    error = refused(spilled, r"manifest checksum does not match its contents; it was edited or corrupted")
+    assert error.message.startswith(str(spilled.manifest_path))
+
+
+def test_a_resigned_offset_pointing_elsewhere_fails_the_data_checksum(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    chunks = document["records"][0]["chunks"]
+    chunks[0]["offset"], chunks[1]["offset"] = chunks[1]["offset"], chunks[0]["offset"]
+    spilled.rewrite_manifest(document, resign=True)
+    # Chunks are read in file order: the first one checked is the one now said to lie at offset 0.
+    refused(spilled, r"record 'weights/model\.w' bytes 8192\.\.16000 \(file offset 0\): checksum mismatch")
+
+
+def test_a_resigned_offset_beyond_the_file_is_refused_as_truncated(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["records"][0]["chunks"][0]["offset"] = 1 << 30
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"data-000\.bin is truncated: \d+ bytes, but 'weights/model\.\w' needs \d+")
+
+
+def test_an_unaligned_offset_is_refused(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["records"][0]["chunks"][0]["offset"] = 100
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"chunk 0: offset 100 is not 4096-byte aligned")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "float16", r"views\[0\]\.dtype is 'float16' in the snapshot, 'float32' in the process"),
+        ("shape", [41, 100], r"views\[0\]\.shape\[0\] is 41 in the snapshot, 40 in the process"),
+        ("strides", [1, 40], r"views\[0\]\.strides\[0\] is 1 in the snapshot, 100 in the process"),
+    ],
+)
+def test_an_edited_dtype_shape_or_stride_does_not_match_the_process(
+    spilled: Spilled, field: str, value: Any, message: str
+) -> None:
+    document = spilled.manifest()
+    record = next(r for r in document["records"] if r["key"] == "weights/model.w")
+    record["meta"]["views"][0][field] = value
+    spilled.rewrite_manifest(document, resign=False)
+    refused(spilled, "manifest checksum does not match")
+    spilled.rewrite_manifest(document, resign=True)
+    error = refused(spilled, message)
+    assert error.message.startswith(f"{spilled.manifest_path}: record ")
+    assert all(raw_bytes(t) == bytes(t.nbytes) for t in spilled.tensors.values())
+
+
+def test_a_truncated_manifest_is_refused(spilled: Spilled) -> None:
+    text = spilled.manifest_path.read_bytes()
+    spilled.manifest_path.write_bytes(text[: len(text) // 2])
+    error = refused(spilled, r"not valid JSON \(.*\); truncated or corrupted")
+    assert error.message.startswith(str(spilled.manifest_path))
+
+
+def test_an_unknown_major_version_is_refused_with_a_hint(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["version"] = "2.0"
+    spilled.rewrite_manifest(document, resign=True)
+    error = refused(spilled, r"format version 2\.0 is not supported \(this hibernate reads 1\.x\)")
+    assert error.hint == "wake it with the hibernate version that wrote it"
+
+
+def test_a_newer_minor_version_with_unknown_fields_is_read(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["version"] = "1.9"
+    document["a_field_from_the_future"] = {"ignored": True}
+    spilled.rewrite_manifest(document, resign=True)
+    spilled.read()
+    assert spilled.intact()
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("file", "../../etc/passwd", r"file '\.\./\.\./etc/passwd' contains '\.\.' or '\.'; refusing it"),
+        ("file", "snap-000001/../../x", r"contains '\.\.' or '\.'; refusing it"),
+        ("file", "/etc/passwd", r"file '/etc/passwd' is an absolute path; refusing it"),
+        ("file", "snap-000001/sub/data.bin", r"is not of the form snap-NNNNNN/<name>; refusing it"),
+        ("key", "../escape", r"key '\.\./escape' contains '\.\.' or is absolute"),
+        ("key", "/abs/key", r"key '/abs/key' contains '\.\.' or is absolute"),
+    ],
+)
+def test_names_with_dot_dot_or_absolute_paths_are_refused(
+    spilled: Spilled, where: str, value: str, message: str
+) -> None:
+    document = spilled.manifest()
+    if where == "file":
+        document["records"][0]["chunks"][0]["file"] = value
+    else:
+        document["records"][0]["key"] = value
+    spilled.rewrite_manifest(document, resign=True)
+    error = refused(spilled, message)
+    assert error.message.startswith(str(spilled.manifest_path))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"format": "hibernate-snapshot", "version": "1.0", "created_unix": NaN}',
+            "NaN is not a JSON number",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+        ('{"format": "safetensors"}', "not a hibernate snapshot"),
+        ('{"format": "hibernate-snapshot", "version": 1.0}', "version 1.0 is not of the form MAJOR.MINOR"),
+    ],
+)
+def test_hostile_manifests_are_refused_as_invalid_not_crashed_on(
+    spilled: Spilled, text: str, message: str
+) -> None:
+    spilled.manifest_path.write_text(text)
+    refused(spilled, re.escape(message))
+
+
+def test_an_oversized_chunk_size_is_refused_before_any_memory_is_staged(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["chunk_bytes"] = 1 << 40
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"chunk_bytes 1099511627776 is not a multiple of 4096 of at most 1073741824")
+
+
+# -- symbolic links ----------------------------------------------------------------------
+
+
+def test_a_data_file_replaced_by_a_symlink_is_refused(spilled: Spilled, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(spilled.data_file.read_bytes())
+    spilled.data_file.unlink()
+    spilled.data_file.symlink_to(outside)
+    refused(
+        spilled,
+        re.escape(f"{spilled.data_file} is a symbolic link; refusing to follow it out of the snapshot"),
+    )
+
+
+def test_a_manifest_replaced_by_a_symlink_is_refused(spilled: Spilled, tmp_path: Path) -> None:
+    outside = tmp_path / "manifest.json"
+    outside.write_bytes(spilled.manifest_path.read_bytes())
+    spilled.manifest_path.unlink()
+    spilled.manifest_path.symlink_to(outside)
+    refused(spilled, re.escape(f"{spilled.manifest_path} is a symbolic link; refusing to follow it"))
+
+
+def test_a_snapshot_directory_replaced_by_a_symlink_is_refused(spilled: Spilled, tmp_path: Path) -> None:
+    real = spilled.root / spilled.snapshot
+    moved = tmp_path / "moved"
+    real.rename(moved)
+    real.symlink_to(moved)
+    refused(spilled, re.escape(f"{real} is a symbolic link or not a directory; refusing to follow it"))
+    with SpillRoot(spilled.root) as root:
+        assert root.published() == [], "a symlinked directory is not a published snapshot"
+
+
+# -- filesystems without O_DIRECT ------------------------------------------------------------
+
+
+@pytest.fixture
+def no_odirect(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """The kernel contract of a filesystem without direct I/O: open(O_DIRECT) fails with EINVAL."""
+    calls: list[tuple[str, Any]] = []
+    real_open = os.open
+
+    def open_without_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    real_fadvise, real_fsync = os.posix_fadvise, os.fsync
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append(("fadvise", advice))
+        real_fadvise(fd, offset, length, advice)
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", fd))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", open_without_direct)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def cached_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache (mincore on a mapping of it)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # mapping faults nothing in
+    try:
+        vector = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        anchor = ctypes.c_char.from_buffer(mapped)
+        libc = ctypes.CDLL(None, use_errno=True)
+        status = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
+        del anchor
+        if status != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(v & 1 for v in vector)
+    finally:
+        mapped.close()
+
+
+def test_no_odirect_falls_back_to_buffered_io_and_leaves_no_page_cache(
+    tmp_path: Path, no_odirect: list[tuple[str, Any]]
+) -> None:
+    tensors = {"w": torch.randn(512, 1024)}  # 2 MiB
+    expected = raw_bytes(tensors["w"])
+    pool = TensorPool()
+    pool.track(tensors, tag="weights", keep=True, name="m")
+    with SpillRoot(tmp_path / "proc", create=True) as root:
+        result = write_snapshot(root, list(pool.regions()), producer={}, options=WriteOptions(io_mode="auto"))
+    assert result.io_mode == "buffered"
+    assert ("fadvise", os.POSIX_FADV_DONTNEED) in no_odirect, "written pages were dropped from the cache"
+    assert any(name == "fsync" for name, _ in no_odirect)
+    data_file = tmp_path / "proc" / result.snapshot / "data-000.bin"
+    assert cached_pages(data_file) == 0
+    tensors["w"].zero_()
+    with SpillRoot(tmp_path / "proc") as root, SnapshotReader(root, result.snapshot) as reader:
+        read = reader.read_into(list(pool.regions()))
+    assert read.io_mode == "buffered"
+    assert raw_bytes(tensors["w"]) == expected
+    assert cached_pages(data_file) == 0, "read pages were dropped from the cache too"
+
+
+def test_io_mode_direct_refuses_a_filesystem_without_odirect_instead_of_falling_back(
+    tmp_path: Path, no_odirect: list[tuple[str, Any]]
+) -> None:
+    pool = TensorPool()
+    pool.track({"w": torch.ones(1024)}, tag="weights", keep=True, name="m")
+    root_path = tmp_path / "proc"
+    with SpillRoot(root_path, create=True) as root, pytest.raises(StorageError) as caught:
+        write_snapshot(root, list(pool.regions()), producer={}, options=WriteOptions(io_mode="direct"))
+    assert re.match(
+        rf"the filesystem of {re.escape(str(root_path))} \(.*/data-000\.bin\) "
+        r"refuses direct I/O \(O_DIRECT\), which --io-mode direct requires; nothing was published",
+        caught.value.message,
+    ), caught.value.message
+    assert [p.name for p in root_path.iterdir()] == [".lock"]
+    with SpillRoot(root_path) as root:
+        snapshot = write_snapshot(root, list(pool.regions()), producer={}).snapshot
+        with pytest.raises(StorageError, match=r"data-000\.bin refuses direct I/O \(O_DIRECT\)"):
+            SnapshotReader(root, snapshot, io_mode="direct")

@@ -1,0 +1,59 @@
+"""docs/format.md and the code say the same thing: fields, constants, and a manifest that parses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from hibernate.store import directio, format, writer
+from hibernate.store.format import ChunkRef, Manifest, Record, parse_manifest
+from tests.conftest import REPO
+
+DOC = (REPO / "docs" / "format.md").read_text()
+
+
+def documented_fields(anchor: str) -> set[str]:
+    """The first column of the first field table after ``anchor``."""
+    lines = DOC[DOC.index(anchor) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| field |"))
+    table = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return {m.group(1) for line in table if (m := re.match(r"\| `(\w+)` \|", line))}
+
+
+def test_every_field_written_is_documented_and_nothing_else() -> None:
+    chunk = ChunkRef("snap-000001/data-000.bin", 0, 1, "0" * 16)
+    record = Record("w/x", "w", 1, {}, (chunk,))
+    manifest = Manifest("snap-000001", {}, 4096, (record,))
+    body = {**manifest.body(), "manifest_checksum": ""}
+    assert documented_fields("## 3. The manifest") == set(body)
+    assert documented_fields("A **record** describes") == set(record.to_json())
+    assert documented_fields("A **chunk** is a piece") == set(chunk.to_json())
+
+
+def test_the_documented_constants_are_the_code_s() -> None:
+    assert format.FORMAT_NAME == "hibernate-snapshot" and f'`"{format.FORMAT_NAME}"`' in DOC
+    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (1, 0) and "this document is `1.0`" in DOC
+    assert format.CHECKSUM_ALGORITHM == "xxh3-64" and f'`"{format.CHECKSUM_ALGORITHM}"`' in DOC
+    assert format.ALIGNMENT == 4096 and "multiple of **4096**" in DOC
+    assert format.MAX_CHUNK_BYTES == 1 << 30 and "at most 1 GiB" in DOC
+    assert format.MANIFEST_LIMIT_BYTES == 256 << 20 and "at most 256 MiB" in DOC
+    assert format.MAX_KEY_LENGTH == 1024 and "at most 1024 characters" in DOC
+    assert format.MAX_META_DEPTH == 8 and "nested at\nmost 8 deep" in DOC
+    assert writer.WriteOptions().segment_bytes == 1 << 30 and "(1 GiB by default)" in DOC
+    assert writer.WriteOptions().buffer_bytes == 256 << 20 and "(256 MiB by\ndefault" in DOC
+    assert writer.MAX_REQUEST_BYTES == 128 << 20 and "requests of up to 128 MiB" in DOC
+    assert writer.FREE_SPACE_MARGIN == 1 << 20 and "plus 1 MiB" in DOC
+    assert directio._EVICT_EVERY_BYTES == 64 << 20 and "`fdatasync` every 64 MiB" in DOC
+
+
+def test_the_example_manifest_is_valid() -> None:
+    example = re.search(r"```json\n(.*?)```", DOC, flags=re.DOTALL)
+    assert example is not None
+    manifest = parse_manifest(example.group(1).encode(), "docs/format.md example")
+    assert manifest.snapshot == "snap-000001"
+    assert json.loads(example.group(1))["version"] == "1.0"
+    assert [r.nbytes for r in manifest.records] == [8388608, 8192]
