@@ -300,6 +300,8 @@ def gc(
                 markup=False,
             )
         render.out.print(f"total freed: {render.human_bytes(report['freed_bytes'])}", markup=False)
+    for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
+        render.err.print(f"hibernate gc: warning: {warning}", markup=False)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

@@ -43,8 +43,10 @@ WAKE_POINTS = (
     "wake.after-restore",
     "wake.after-resume",
 )
-# Inside the target's agent, at the start of each operation it runs for a client.
+# Inside the target: its agent, at the start of each operation it runs for a client, and the
+# store, between writing a snapshot's data and publishing it.
 AGENT_POINTS = ("agent.quiesce", "agent.spill", "agent.release", "agent.restore")
+STORE_POINTS = ("store.write", "store.publish")
 
 
 class InjectedFault(HibernateError):

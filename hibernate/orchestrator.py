@@ -354,8 +354,8 @@ def _undo_sleep(members: Sequence[_Member], error: BaseException) -> None:
     """Put every member back to running; NeedsRecoveryError if that fails too."""
     failures = []
     for member in reversed(members):
-        if member.unresponsive:
-            continue
+        if member.unresponsive or not procinfo.is_alive(member.ref.identity):
+            continue  # left to roll back by itself, or gone: nothing of it to put back
         try:
             if member.reached == "release":
                 member.call("restore", idle_timeout=None)

@@ -267,3 +267,30 @@ def test_status_tells_a_person_how_to_resolve_an_interrupted_sleep(
     recovered = cli("recover", str(demo.pid))
     assert recovered.returncode == 0 and "finished the interrupted sleep" in recovered.stdout
     assert cli("wake", str(demo.pid), "-q").returncode == 0
+
+
+@pytest.mark.parametrize("point", faults.STORE_POINTS)
+def test_the_store_failing_before_publishing_leaves_the_process_running(
+    point: str, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=8, env={faults.ENV: point})
+    reference = demo.infer()["digest"]
+    result = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    assert result.returncode == ExitCode.FAILURE, result.stderr
+    assert f"fault injected at {point}" in result.stderr
+    assert demo.infer()["digest"] == reference
+    assert not list(work_dir.rglob("manifest.json")), "nothing was published"
+    published_snapshots_are_whole(work_dir)  # and the unfinished one was removed
+
+
+@pytest.mark.parametrize("point", faults.STORE_POINTS)
+def test_the_target_killed_while_writing_leaves_only_what_gc_removes(
+    point: str, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=8, env={faults.ENV: f"{point}:kill"})
+    result = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
+    assert not list(work_dir.rglob("manifest.json")) or point == "store.publish"
+    collected = cli("gc", str(work_dir), "--json")
+    assert collected.returncode == 0, collected.stderr
+    published_snapshots_are_whole(work_dir)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hibernate import faults
 from hibernate.errors import AbortedError, StorageError
 from hibernate.fsutil import free_bytes, write_file_atomic
 from hibernate.store.directio import (
@@ -388,6 +389,7 @@ def write_snapshot(
                 stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
                 chunks = stream.run(pin)
                 segments.finish()
+                faults.point("store.write")  # data durable, nothing published yet
             except OSError as exc:
                 raise _io_error(exc, root, None, stream.written, total) from exc
             finally:
@@ -406,6 +408,7 @@ def write_snapshot(
             )
             try:
                 write_file_atomic(tmp_fd, MANIFEST_NAME, manifest.encode())
+                faults.point("store.publish")  # the manifest is in place, the rename is next
                 root.publish(tmp_name, name)
             except OSError as exc:
                 raise _io_error(
