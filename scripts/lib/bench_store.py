@@ -1,0 +1,683 @@
+"""Measure hibernate's spill and restore against raw O_DIRECT and the usual libraries, in one run.
+
+  scripts/bench-store [--size-mb 2048] [--tensors 64] [--dir DIR] [--reps 5] [--json-out FILE]
+
+One disk, one set of tensors (bf16, pseudo-random bytes, no two chunks alike so
+nothing is deduplicated by accident). The disk of a shared machine is noisy from
+one second to the next, so hibernate is never compared with a limit measured at
+another time: each repetition runs a raw O_DIRECT write next to a hibernate spill
+and a raw O_DIRECT read next to a hibernate restore (in alternating order), and
+the reported ratio is the median of those paired ratios. The page cache is
+evicted (POSIX_FADV_DONTNEED) before every read. The limit is sequential
+O_DIRECT in 64 MiB blocks; 128 MiB blocks (hibernate's largest request) are
+shown for scale. torch.save/torch.load and safetensors run once each, each
+paired with a raw write and read.
+
+Peak extra RSS and page-cache growth are sampled every 2 ms by a separate
+process reading /proc/PID/statm and /proc/meminfo (Cached). For a restore the
+tensors are released first (as a sleep does) and reallocated by the restore, so
+"extra" RSS is what the restore holds beyond the tensors it refills.
+
+Prints a table, the targets (PASS/FAIL) and a JSON document; exits 1 if a target fails.
+"""
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
+
+import torch
+import xxhash
+
+from hibernate.pools.tensors import TensorPool
+from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.writer import MAX_REQUEST_BYTES, arena_bytes
+
+MiB = 1 << 20
+RAW_BLOCK = 64 * MiB
+TARGET_THROUGHPUT = 0.90
+TARGET_SECOND_SPEEDUP = 5.0
+SLACK_RSS = 64 * MiB
+CACHE_PER_2GIB = 64 * MiB
+
+
+# -- measuring -----------------------------------------------------------------
+
+
+# The sampler runs in its own process: a thread of ours would take the GIL every few
+# milliseconds and slow the very transfers it measures.
+_SAMPLER_CODE = r"""
+import os, select, sys
+pid, page = int(sys.argv[1]), os.sysconf("SC_PAGE_SIZE")
+statm = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+meminfo = os.open("/proc/meminfo", os.O_RDONLY)
+def rss():
+    return int(os.pread(statm, 128, 0).split()[1]) * page
+def cached():
+    data = os.pread(meminfo, 8192, 0)
+    at = data.index(b"\nCached:") + 8
+    return int(data[at : data.index(b"kB", at)]) * 1024
+for command in sys.stdin:
+    rss0, cached0 = rss(), cached()
+    rss_peak, cached_peak = rss0, cached0
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0.002)[0]:
+        rss_peak, cached_peak = max(rss_peak, rss()), max(cached_peak, cached())
+    sys.stdin.readline()
+    rss_peak, cached_peak = max(rss_peak, rss()), max(cached_peak, cached())
+    print(rss0, rss_peak, cached0, cached_peak, flush=True)
+"""
+
+
+class Sampler:
+    """Peak RSS of this process and peak page-cache size (/proc/meminfo Cached) while a step runs.
+
+    Every measured step, raw ones included, runs under it, so its small cost
+    (one core sampling every 2 ms) falls on both sides of each ratio.
+    """
+
+    _process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> "Sampler":
+        if Sampler._process is None:
+            Sampler._process = subprocess.Popen(
+                [sys.executable, "-c", _SAMPLER_CODE, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        self._talk("start", expect="ready")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        rss0, rss_peak, cached0, cached_peak = (int(x) for x in self._talk("stop").split())
+        self.rss_growth = rss_peak - rss0
+        self.cache_growth = cached_peak - cached0
+
+    @staticmethod
+    def _talk(line: str, expect: str | None = None) -> str:
+        process = Sampler._process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        process.stdin.write(line + "\n")
+        process.stdin.flush()
+        answer = process.stdout.readline().strip()
+        if expect is not None and answer != expect:
+            raise RuntimeError(f"sampler answered {answer!r}")
+        return answer
+
+    @staticmethod
+    def shutdown() -> None:
+        if Sampler._process is not None:
+            Sampler._process.kill()
+            Sampler._process.wait()
+            Sampler._process = None
+
+
+def evict(path: Path) -> None:
+    """Drop a file (or every file under a directory) from the page cache."""
+    paths = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file written through the page cache durable, as a fair save must."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sampled(step: Callable[[], float]) -> float:
+    """Run a raw step under the sampler too, so the sampler's cost falls on both sides."""
+    with Sampler():
+        return step()
+
+
+def timed(step: Callable[[], object]) -> float:
+    """Seconds ``step`` takes."""
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+# -- the data ------------------------------------------------------------------
+
+
+def make_tensors(total: int, count: int) -> dict[str, torch.Tensor]:
+    """``count`` bf16 tensors of mixed sizes adding up to ``total`` bytes, all distinct.
+
+    A few small 1-D tensors (like norms) and matrices of 4096 columns whose row
+    counts vary, filled from one random block XORed with a per-tensor, per-block
+    constant, so no two chunks are equal (fast to build, nothing to deduplicate).
+    """
+    row = 4096 * 2
+    small = min(4, count - 1)
+    big = count - small
+    rows_total = (total - small * row) // row
+    weights = [1 + (i % 4) for i in range(big)]
+    rows = [max(1, rows_total * w // sum(weights)) for w in weights]
+    rows[-1] += rows_total - sum(rows)
+    generator = torch.Generator().manual_seed(20240501)
+    block_elems = 16 * MiB // 8
+    block = torch.randint(-(2**62), 2**62, (block_elems,), dtype=torch.int64, generator=generator)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes = [(r, 4096) for r in rows] + [(4096,)] * small
+    for index, shape in enumerate(shapes):
+        tensor = torch.empty(shape, dtype=torch.bfloat16)
+        words = tensor.view(-1).view(torch.int64)
+        for start in range(0, words.numel(), block_elems):
+            part = words[start : start + block_elems]
+            torch.bitwise_xor(block[: part.numel()], (index << 40) | (start // block_elems), out=part)
+        tensors[f"layers.{index}.weight"] = tensor
+    return tensors
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """Every tensor's bytes, by name: equal digests mean a bit-exact round trip."""
+    h = xxhash.xxh3_128()
+    for name, tensor in sorted(tensors.items()):
+        h.update(name.encode())
+        h.update(_bytes(tensor))
+    return h.hexdigest()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's memory as bytes, without a copy."""
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+# -- the paths measured --------------------------------------------------------
+
+
+class Raw:
+    """The disk's limit: sequential O_DIRECT in ``block``-sized requests from one aligned buffer.
+
+    The buffer is allocated (and filled) anew for every measurement, outside
+    the timing, as hibernate allocates its staging for every transfer: on the
+    VM this was tuned on, how fast the disk fills a buffer depends on where
+    that buffer's pages happen to lie (one 64 MiB buffer read at 1.02x, another
+    allocated in the same process at 0.66x, for minutes), so a buffer kept for
+    the whole run would make the limit a matter of luck.
+    """
+
+    def __init__(self, path: Path, total: int, block: int) -> None:
+        self.path = path
+        self.total = total
+        self.block = block
+
+    def _buffer(self) -> mmap.mmap:
+        buffer = mmap.mmap(-1, self.block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer.write(os.urandom(MiB) * (self.block // MiB))
+        return buffer
+
+    def write(self) -> float:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        buffer = self._buffer()
+        view = memoryview(buffer)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        try:
+            started = time.perf_counter()
+            for offset in range(0, self.total, self.block):
+                n = min(self.block, self.total - offset)
+                if os.pwrite(fd, view[:n], offset) != n:
+                    raise OSError("short write")
+            os.fsync(fd)
+            return time.perf_counter() - started
+        finally:
+            os.close(fd)
+            view.release()
+            buffer.close()
+
+    def read(self) -> float:
+        evict(self.path)
+        buffer = self._buffer()
+        view = memoryview(buffer)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        try:
+            started = time.perf_counter()
+            for offset in range(0, self.total, self.block):
+                n = min(self.block, self.total - offset)
+                if os.preadv(fd, [view[:n]], offset) != n:
+                    raise OSError("short read")
+            return time.perf_counter() - started
+        finally:
+            os.close(fd)
+            view.release()
+            buffer.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+@dataclass
+class Transfer:
+    """One hibernate spill or restore, as measured."""
+
+    seconds: float
+    rss_growth: int
+    cache_growth: int
+    io_mode: str
+    written_bytes: int = 0
+
+
+class Hibernate:
+    """hibernate's store, driven the way the agent drives it (TensorPool regions)."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], options: WriteOptions) -> None:
+        self.path = path
+        self.options = options
+        self.pool = TensorPool()
+        self.pool.track(tensors, tag="weights", keep=True, name="model")
+        self.regions = list(self.pool.regions())
+        self.total = sum(r.nbytes for r in self.regions)
+        self.snapshot = ""
+
+    def fresh(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def spill(self) -> Transfer:
+        gc.collect()
+        with SpillRoot(self.path, create=True) as root, Sampler() as sampler:
+            started = time.perf_counter()
+            result = write_snapshot(
+                root, self.regions, producer={"bench": "bench-store"}, options=self.options
+            )
+            seconds = time.perf_counter() - started
+        self.snapshot = result.snapshot
+        return Transfer(
+            seconds, sampler.rss_growth, sampler.cache_growth, result.io_mode, result.written_bytes
+        )
+
+    def restore(self) -> Transfer:
+        evict(self.path)
+        for region in self.regions:
+            region.release()
+        self.pool.after_release()
+        gc.collect()
+        with Sampler() as sampler:
+            started = time.perf_counter()
+            for region in self.regions:
+                region.reallocate()
+            with SpillRoot(self.path) as root, SnapshotReader(root, self.snapshot) as reader:
+                result = reader.read_into(self.regions, buffer_bytes=self.options.buffer_bytes)
+            seconds = time.perf_counter() - started
+        # The restore legitimately grows RSS by the tensors it refills; the rest is its own.
+        return Transfer(seconds, sampler.rss_growth - self.total, sampler.cache_growth, result.io_mode)
+
+
+def torch_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """torch.save + fsync, then torch.load (weights_only: nothing from disk is executed)."""
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write = timed(save)
+    evict(path)
+    loaded: list[Any] = []
+    read = timed(lambda: loaded.append(torch.load(path, weights_only=True)))
+    assert digest(loaded[0]) == digest(tensors), "torch.load returned different bytes"
+    loaded.clear()
+    path.unlink()
+    return write, read
+
+
+def safetensors_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """save_file + fsync, then load_file and materialise the tensors.
+
+    safetensors' save_file finds the tensors' memory through numpy; without
+    numpy (as in this project's venv) the same writer, serialize_file, is
+    handed the pointers directly: the bytes written and the code writing them
+    are the same.
+    """
+    import importlib.util
+
+    from safetensors import TensorSpec, serialize_file
+    from safetensors.torch import load_file, save_file
+
+    def save() -> None:
+        if importlib.util.find_spec("numpy") is not None:
+            save_file(tensors, str(path))
+        else:
+            specs = {
+                name: TensorSpec(
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    shape=list(t.shape),
+                    data_ptr=t.data_ptr(),
+                    data_len=t.nbytes,
+                )
+                for name, t in tensors.items()
+            }
+            serialize_file(specs, str(path))
+        fsync_path(path)
+
+    write = timed(save)
+    evict(path)
+    loaded: list[dict[str, torch.Tensor]] = []
+
+    def load() -> None:
+        # Materialised: load_file's tensors are views of a file mapping (page cache); a
+        # loaded model holds its weights in its own memory, as a wake leaves them.
+        loaded.append({name: tensor.clone() for name, tensor in load_file(str(path)).items()})
+
+    read = timed(load)
+    assert digest(loaded[0]) == digest(tensors), "safetensors returned different bytes"
+    loaded.clear()
+    path.unlink()
+    return write, read
+
+
+# -- the run -------------------------------------------------------------------
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem ``path`` lives on (longest matching mount point)."""
+    best, kind = "", "?"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mount_point = fields[4]
+            fstype = fields[fields.index("-") + 1]
+            if str(path).startswith(mount_point.rstrip("/") + "/") and len(mount_point) >= len(best):
+                best, kind = mount_point, fstype
+    return kind
+
+
+def _holds(value: float, op: str, limit: float) -> bool:
+    return value >= limit if op == ">=" else value <= limit
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal GB/s, as disks are rated."""
+    return nbytes / seconds / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="bench-store",
+        description="hibernate's spill and restore against raw O_DIRECT, torch.save and safetensors",
+    )
+    parser.add_argument("--size-mb", type=int, default=2048, help="bytes of bf16 tensors (default 2048 MiB)")
+    parser.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="directory on the disk to measure (default: TMPDIR)"
+    )
+    parser.add_argument("--reps", type=int, default=5, help="paired repetitions (default 5)")
+    parser.add_argument("--buffer-mb", type=int, default=256, help="hibernate staging memory (default 256)")
+    parser.add_argument("--chunk-mb", type=int, default=32, help="hibernate chunk size (default 32)")
+    parser.add_argument("--skip-baselines", action="store_true", help="no torch.save / safetensors")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON document here")
+    args = parser.parse_args()
+    if args.size_mb < 64 or args.tensors < 2 or args.reps < 1:
+        parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1")
+
+    run_started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="hibernate-bench-", dir=args.dir))
+    os.chmod(work, 0o700)
+    try:
+        return run(args, work, run_started)
+    finally:
+        Sampler.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def paired(first: Callable[[], A], second: Callable[[], B], swap: bool) -> tuple[A, B]:
+    """Run two measurements back to back, in either order; returns them as (first, second)."""
+    if swap:
+        b = second()
+        return first(), b
+    a = first()
+    return a, second()
+
+
+def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
+    tensors = make_tensors(args.size_mb * MiB, args.tensors)
+    total = sum(t.nbytes for t in tensors.values())
+    reference = digest(tensors)
+    options = WriteOptions(buffer_bytes=args.buffer_mb * MiB, chunk_bytes=args.chunk_mb * MiB)
+    raw = Raw(work / "raw.bin", total - total % RAW_BLOCK, RAW_BLOCK)
+    raw_big = Raw(work / "raw-big.bin", raw.total, MAX_REQUEST_BYTES)
+    hib = Hibernate(work / "hibernate", tensors, options)
+
+    reps: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        swap = rep % 2 == 1  # alternate who goes first, so drift favours neither
+        hib.fresh()
+        raw_write, spill = paired(lambda: sampled(raw.write), hib.spill, swap)
+        second = hib.spill()
+        raw_big_write = sampled(raw_big.write)
+        raw_read, restore = paired(lambda: sampled(raw.read), hib.restore, swap)
+        raw_big_read = sampled(raw_big.read)
+        if digest(tensors) != reference:
+            raise SystemExit("hibernate restore returned different bytes")
+        reps.append(
+            {
+                "raw_write_gbps": gbps(raw.total, raw_write),
+                "raw_read_gbps": gbps(raw.total, raw_read),
+                "spill_gbps": gbps(total, spill.seconds),
+                "restore_gbps": gbps(total, restore.seconds),
+                "spill_ratio": gbps(total, spill.seconds) / gbps(raw.total, raw_write),
+                "restore_ratio": gbps(total, restore.seconds) / gbps(raw.total, raw_read),
+                "raw_big_write_ratio": raw_write / raw_big_write,
+                "raw_big_read_ratio": raw_read / raw_big_read,
+                "spill_seconds": spill.seconds,
+                "second_spill_seconds": second.seconds,
+                "second_spill_written_bytes": second.written_bytes,
+                "second_spill_speedup": spill.seconds / second.seconds,
+                "spill_extra_rss": spill.rss_growth,
+                "spill_cache_growth": spill.cache_growth,
+                "restore_extra_rss": restore.rss_growth,
+                "restore_cache_growth": restore.cache_growth,
+                "spill_io_mode": spill.io_mode,
+                "restore_io_mode": restore.io_mode,
+            }
+        )
+    raw_big.close()
+    hib.fresh()
+
+    baselines: dict[str, dict[str, float]] = {}
+    if not args.skip_baselines:
+        for name, roundtrip in (("torch", torch_roundtrip), ("safetensors", safetensors_roundtrip)):
+            limit_write = raw.write()
+            limit_read = raw.read()
+            write, read = roundtrip(work / f"model.{name}", tensors)
+            baselines[name] = {
+                "save_gbps": gbps(total, write),
+                "load_gbps": gbps(total, read),
+                "save_ratio": gbps(total, write) / gbps(raw.total, limit_write),
+                "load_ratio": gbps(total, read) / gbps(raw.total, limit_read),
+            }
+    raw.close()
+
+    def median(key: str) -> float:
+        return float(statistics.median(r[key] for r in reps))
+
+    staging = options.buffer_bytes
+    cache_allowance = CACHE_PER_2GIB * max(1.0, total / (2048 * MiB))
+    worst = {
+        key: max(r[key] for r in reps)
+        for key in ("spill_extra_rss", "restore_extra_rss", "spill_cache_growth", "restore_cache_growth")
+    }
+    checks = [
+        ("spill >= 0.90x raw O_DIRECT write", median("spill_ratio"), ">=", TARGET_THROUGHPUT),
+        ("cold restore >= 0.90x raw O_DIRECT read", median("restore_ratio"), ">=", TARGET_THROUGHPUT),
+        ("peak extra RSS, spill <= staging + 64 MiB", worst["spill_extra_rss"], "<=", staging + SLACK_RSS),
+        (
+            "peak extra RSS, restore <= staging + 64 MiB",
+            worst["restore_extra_rss"],
+            "<=",
+            staging + SLACK_RSS,
+        ),
+        ("page-cache growth, spill <= 64 MiB per 2 GiB", worst["spill_cache_growth"], "<=", cache_allowance),
+        (
+            "page-cache growth, restore <= 64 MiB per 2 GiB",
+            worst["restore_cache_growth"],
+            "<=",
+            cache_allowance,
+        ),
+        ("unchanged second spill >= 5x faster", median("second_spill_speedup"), ">=", TARGET_SECOND_SPEEDUP),
+    ]
+    targets = [
+        {"target": name, "value": value, "limit": limit, "pass": _holds(value, op, limit)}
+        for name, value, op, limit in checks
+    ]
+    document = {
+        "machine": {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "directory": str(work.parent),
+            "filesystem": filesystem_of(work),
+            "torch": torch.__version__,
+        },
+        "data": {"bytes": total, "tensors": len(tensors), "dtype": "bfloat16"},
+        "hibernate_options": {
+            "buffer_bytes": options.buffer_bytes,
+            "chunk_bytes": options.effective_chunk_bytes,
+            "largest_request_bytes": arena_bytes(options.buffer_bytes),
+            "stage_threads": options.stage_threads,
+            "io_threads": options.io_threads,
+        },
+        "method": METHOD,
+        "medians": {
+            key: median(key)
+            for key in (
+                "raw_write_gbps",
+                "raw_read_gbps",
+                "spill_gbps",
+                "restore_gbps",
+                "spill_ratio",
+                "restore_ratio",
+                "raw_big_write_ratio",
+                "raw_big_read_ratio",
+                "spill_seconds",
+                "second_spill_seconds",
+                "second_spill_speedup",
+            )
+        },
+        "worst": worst,
+        "baselines": baselines,
+        "repetitions": reps,
+        "targets": targets,
+        "all_pass": all(t["pass"] for t in targets),
+        "seconds": time.perf_counter() - run_started,
+    }
+    print_table(document)
+    text = json.dumps(document, indent=1)
+    print("\nJSON:")
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    return 0 if document["all_pass"] else 1
+
+
+METHOD = (
+    "each repetition pairs a raw O_DIRECT write with a hibernate spill and a raw O_DIRECT read with a "
+    "hibernate restore, back to back, in alternating order; throughput is the median over repetitions "
+    "and each 'x raw' is the median of the paired ratios (the disk drifts too much between minutes for "
+    "anything else). The page cache is evicted before every read. A restore first releases the tensors "
+    "and then refills freshly allocated memory, faulting it in as part of the restore, as a wake does. "
+    "Raw runs allocate their buffer anew each time, as hibernate allocates its staging. Baselines are "
+    "each paired with one raw run"
+)
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    m, data, options = doc["medians"], doc["data"], doc["hibernate_options"]
+    print(
+        f"bench-store: {data['bytes'] / MiB:.0f} MiB of {data['dtype']} in {data['tensors']} tensors, "
+        f"{doc['machine']['filesystem']} at {doc['machine']['directory']}, {doc['machine']['cpus']} CPUs, "
+        f"{len(doc['repetitions'])} repetitions"
+    )
+    print(f"method: {doc['method']}.")
+    print(
+        f"hibernate: staging {options['buffer_bytes'] / MiB:.0f} MiB, "
+        f"chunks of {options['chunk_bytes'] / MiB:.0f} MiB, "
+        f"requests of up to {options['largest_request_bytes'] / MiB:.0f} MiB"
+    )
+    print()
+    rows: list[tuple[str, float, float]] = [
+        ("raw O_DIRECT write, 64 MiB blocks (the limit)", m["raw_write_gbps"], 1.0),
+        (
+            "raw O_DIRECT write, 128 MiB blocks (for scale)",
+            m["raw_write_gbps"] * m["raw_big_write_ratio"],
+            m["raw_big_write_ratio"],
+        ),
+        ("hibernate spill", m["spill_gbps"], m["spill_ratio"]),
+    ]
+    for name, b in doc["baselines"].items():
+        label = "torch.save + fsync" if name == "torch" else "safetensors save_file + fsync"
+        rows.append((label, b["save_gbps"], b["save_ratio"]))
+    rows += [
+        ("raw O_DIRECT read, 64 MiB blocks (the limit)", m["raw_read_gbps"], 1.0),
+        (
+            "raw O_DIRECT read, 128 MiB blocks (for scale)",
+            m["raw_read_gbps"] * m["raw_big_read_ratio"],
+            m["raw_big_read_ratio"],
+        ),
+        ("hibernate restore (cold)", m["restore_gbps"], m["restore_ratio"]),
+    ]
+    for name, b in doc["baselines"].items():
+        label = "torch.load (cold)" if name == "torch" else "safetensors load_file (cold)"
+        rows.append((label, b["load_gbps"], b["load_ratio"]))
+    width = max(len(name) for name, _, _ in rows)
+    print(f"{'path':<{width}}  {'GB/s':>6}  {'x raw':>6}")
+    for name, speed, ratio in rows:
+        print(f"{name:<{width}}  {speed:>6.2f}  {ratio:>6.2f}")
+    w = doc["worst"]
+    print()
+    print(
+        f"unchanged second spill: {m['second_spill_seconds']:.3f} s "
+        f"(first {m['spill_seconds']:.3f} s, {m['second_spill_speedup']:.1f}x faster)"
+    )
+    print(
+        f"peak extra RSS (worst): spill {w['spill_extra_rss'] / MiB:.0f} MiB, "
+        f"restore {w['restore_extra_rss'] / MiB:.0f} MiB"
+    )
+    print(
+        f"page-cache growth (worst): spill {w['spill_cache_growth'] / MiB:.1f} MiB, "
+        f"restore {w['restore_cache_growth'] / MiB:.1f} MiB"
+    )
+    print()
+    for target in doc["targets"]:
+        value, limit = target["value"], target["limit"]
+        shown = (
+            f"{value / MiB:.1f} MiB (limit {limit / MiB:.0f} MiB)"
+            if limit > 1024
+            else f"{value:.2f} (limit {limit:.2f})"
+        )
+        print(f"{'PASS' if target['pass'] else 'FAIL'}  {target['target']}: {shown}")
+    print(f"\nwhole run {doc['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
