@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins.vllm_memory import (
@@ -303,10 +304,15 @@ def test_without_a_cumem_allocator_a_sleep_says_how_to_get_one(work_dir: Path) -
     assert "--enable-sleep-mode" in str(caught.value.hint)
 
 
-def test_self_checkpoint_is_refused_when_the_backend_is_created(work_dir: Path) -> None:
+def test_self_checkpoint_without_a_checkpointer_is_refused_when_the_backend_is_made(work_dir: Path) -> None:
     agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+
+    def no_helper() -> Any:
+        raise UnsupportedError("HIBERNATE_SELF_CHECKPOINT=1 needs the driver's checkpoint API")
+
     with pytest.raises(UnsupportedError, match="HIBERNATE_SELF_CHECKPOINT=1"):
-        HibernateBackend(agent=agent, environ={"HIBERNATE_SELF_CHECKPOINT": "1"})
+        HibernateBackend(agent=agent, environ={"HIBERNATE_SELF_CHECKPOINT": "1"}, helper=no_helper)
+    assert agent.state is AgentState.RUNNING
 
 
 # -- what the agent shows ---------------------------------------------------------------
