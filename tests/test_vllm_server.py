@@ -395,7 +395,7 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-def test_a_drain_that_outlasts_the_timeout_is_called_off_and_abort_does_not_wait(
+def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left_to_recover(
     world: World,
     start_server: Callable[..., FakeServer],
     cli: Callable[..., Any],
@@ -421,6 +421,23 @@ def test_a_drain_that_outlasts_the_timeout_is_called_off_and_abort_does_not_wait
     assert aborted.json()["vllm"]["mode"] == "abort" and server.is_sleeping()
     assert cli("wake", str(server.pid), "-q").returncode == 0
     awake_and_whole(cli, server, world, before, "after abort, sleep and wake")
+
+    # A worker whose sleep hangs: given up after --timeout (at least 5 s) without progress; the
+    # server still carries the sleep out, so nothing is undone behind its back and the journal
+    # says how to finish.
+    worker = server.workers[0]
+    world.clear_calls()
+    assert server.request("POST", "/standin/worker-fault?index=0&spec=agent.spill:hang")[0] == 200
+    started = time.monotonic()
+    hung = cli("sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1")
+    assert hung.returncode == ExitCode.TIMEOUT, hung.stderr
+    assert 5 <= time.monotonic() - started < 30
+    assert "showed no progress on POST /sleep?level=1&mode=wait for 5s" in hung.stderr
+    assert "the server is still carrying out the sleep, so nothing was undone" in hung.stderr
+    assert f"`hibernate recover {server.pid}`" in hung.stderr
+    interrupted = agents(cli, server.pid)[worker]["interrupted"]
+    assert interrupted is not None and interrupted["resolve"] == f"hibernate recover {worker}"
+    assert world.calls() == []
 
 
 def test_a_failure_at_every_vllm_sleep_point_is_undone(
