@@ -63,6 +63,37 @@ CudaCheckpointOption = Annotated[
     ),
 ]
 
+OptionalPidsArgument = Annotated[
+    list[int] | None,
+    typer.Argument(
+        help="Any process of each target's tree (or select them with --all, --job, --cgroup).",
+        show_default=False,
+    ),
+]
+AllOption = Annotated[
+    bool, typer.Option("--all", help="Every hibernate agent of yours on this node.", show_default=False)
+]
+JobOption = Annotated[
+    str | None,
+    typer.Option(
+        "--job",
+        metavar="ID",
+        help="The processes of Slurm job ID on this node (found through its cgroup, else through "
+        "SLURM_JOB_ID in their environment).",
+        show_default=False,
+    ),
+]
+CgroupOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cgroup",
+        metavar="PATH",
+        help="The processes of this cgroup and the cgroups below it (a directory, or the path "
+        "/proc/PID/cgroup shows; root: $HIBERNATE_CGROUP_ROOT, default /sys/fs/cgroup).",
+        show_default=False,
+    ),
+]
+
 VllmUrlOption = Annotated[
     str | None,
     typer.Option(
@@ -111,6 +142,20 @@ def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = N
     }
 
 
+def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | None) -> Any:
+    """The targets of a command: its pids and the processes its selectors find (targets.select)."""
+    from hibernate.targets import select
+
+    return select(pids, every=every, job=job, cgroup=cgroup)
+
+
+def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
+    """Add how the targets were selected to a JSON document, when selectors were used."""
+    if any(source["selector"] != "pids" for source in selection.sources):
+        document["selection"] = selection.to_wire()
+    return document
+
+
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
         from hibernate.errors import UsageError
@@ -122,8 +167,11 @@ def _io_mode(value: str) -> str:
 @app.command()
 @_handles_errors
 def sleep(
-    pids: PidsArgument,
     to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots (created 0700 if missing).")],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -161,10 +209,11 @@ def sleep(
         vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
+    selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.sleep(pids, to, options, progress)
+        report = orchestrator.sleep(selection.pids, to, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report})
+        render.print_json(_with_selection({"ok": True, **report}, selection))
     elif not quiet:
         render.sleep_report(report)
 
@@ -172,7 +221,10 @@ def sleep(
 @app.command()
 @_handles_errors
 def wake(
-    pids: PidsArgument,
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -192,10 +244,11 @@ def wake(
         vllm=orchestrator.VllmOptions(url=vllm_url),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
+    selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.wake(pids, options, progress)
+        report = orchestrator.wake(selection.pids, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report})
+        render.print_json(_with_selection({"ok": True, **report}, selection))
     elif not quiet:
         render.wake_report(report)
 
@@ -231,14 +284,19 @@ def recover(
 @_handles_errors
 def status(
     pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """State, pools and snapshot of each agent of the given targets (or all of yours)."""
     from hibernate import orchestrator, render
 
-    entries = orchestrator.status(pids or None)
+    selection = _select(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
+    entries = orchestrator.status(selection.pids if selection else None)
     if as_json:
-        render.print_json({"ok": True, "agents": entries})
+        document = {"ok": True, "agents": entries}
+        render.print_json(_with_selection(document, selection) if selection else document)
     else:
         render.agents_table(entries)
 
@@ -261,6 +319,7 @@ def list_agents(as_json: JsonOption = False) -> None:
 def gc(
     directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
     as_json: JsonOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
 ) -> None:
     """Delete unfinished snapshots and data no published snapshot needs."""
     from hibernate import render
@@ -269,7 +328,7 @@ def gc(
     report = collect_garbage(directory)
     if as_json:
         render.print_json({"ok": True, **report})
-    else:
+    elif not quiet:
         for root in report["roots"]:
             render.out.print(
                 f"{root['path']}: freed {render.human_bytes(root['freed_bytes'])}"
@@ -307,6 +366,145 @@ def run(
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
 
 
+@app.command("node-step", hidden=True)
+@_handles_errors
+def node_step(
+    operation: Annotated[str, typer.Argument(help="sleep or wake.", show_default=False)],
+    barrier: Annotated[
+        Path,
+        typer.Option("--barrier", help="A fresh directory every node shares, the same for all of them."),
+    ],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to", help="Snapshot directory (sleep); this node's go to DIR/<node name>.", show_default=False
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes",
+            min=1,
+            help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
+            show_default=False,
+        ),
+    ] = None,
+    node_index: Annotated[
+        int | None,
+        typer.Option(
+            "--node-index", min=0, help="This node's index (default: $SLURM_NODEID).", show_default=False
+        ),
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            "--node-name",
+            help="This node's name (default: $SLURMD_NODENAME, the host name).",
+            show_default=False,
+        ),
+    ] = None,
+    barrier_timeout: Annotated[
+        float,
+        typer.Option(
+            "--barrier-timeout", min=0.0, help="Seconds from the start until silent nodes count as failed."
+        ),
+    ] = 600.0,
+    allow_empty: Annotated[
+        bool,
+        typer.Option("--allow-empty", help="A node where nothing is selected agrees instead of failing."),
+    ] = False,
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
+    import signal
+    import time
+
+    from hibernate import multinode, orchestrator, render
+    from hibernate.errors import UsageError
+
+    started = time.monotonic()
+    if operation not in multinode.OPERATIONS:
+        raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
+    if operation == "sleep" and to is None:
+        raise UsageError("node-step sleep needs --to DIR")
+    name = node or multinode.node_name()
+    if "/" in name or not name.strip("."):
+        raise UsageError(f"--node-name {name!r} cannot name a file")
+    count = (
+        nodes if nodes is not None else multinode.env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
+    )
+    index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
+    gate = multinode.Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
+    options = orchestrator.Options(
+        quiesce_timeout=timeout,
+        agent_timeout=max(timeout, 5.0),
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        **_cuda_options(
+            checkpointer, cuda_checkpoint, lock_timeout=timeout if operation == "sleep" else None
+        ),
+    )
+    chosen: list[int] = []
+
+    def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        selection = _select(pids, every, job, cgroup)
+        chosen.extend(selection.pids)
+        wire = selection.to_wire()
+        with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+            if operation == "sleep":
+                assert to is not None
+                return orchestrator.sleep(selection.pids, to / name, options, progress), wire
+            return orchestrator.wake(selection.pids, options, progress), wire
+
+    def undo() -> dict[str, Any]:
+        return orchestrator.wake(chosen, options)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)  # srun passes a cancel on as SIGTERM
+    try:
+        outcome = multinode.run_step(
+            operation,
+            gate,
+            act,
+            undo,
+            deadline=started + barrier_timeout,
+            timeout=barrier_timeout,
+            allow_empty=allow_empty,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    document = outcome.to_wire(gate)
+    if outcome.error is not None:
+        code = int(outcome.error.exit_code)
+        if as_json:
+            document["error"] = {
+                **outcome.error.to_wire(),
+                "exit_code": code,
+                "exit_name": outcome.error.exit_code.name,
+            }
+            render.print_json(document)
+        else:
+            if not quiet:
+                render.node_step_report(document)
+            render.error(outcome.error, False)
+        raise typer.Exit(code)
+    if as_json:
+        render.print_json(document)
+    elif not quiet:
+        render.node_step_report(document)
+
+
 @app.command()
 @_handles_errors
 def doctor(
@@ -323,6 +521,9 @@ def doctor(
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     as_json: JsonOption = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only the checks that are not ok (nothing when all are).")
+    ] = False,
 ) -> None:
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
     from hibernate import doctor as diagnosis
@@ -334,7 +535,7 @@ def doctor(
     if as_json:
         render.print_json(report)
     else:
-        render.doctor_report(report)
+        render.doctor_report(report, only_problems=quiet)
     if not report["ok"]:
         raise typer.Exit(int(ExitCode.UNSUPPORTED))
 

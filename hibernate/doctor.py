@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hibernate.units import human_bytes
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 NCCL_SAFE = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
@@ -44,15 +46,6 @@ class Check:
             "fix": self.fix,
             "data": self.data,
         }
-
-
-def _size(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 # -- pure helpers -----------------------------------------------------------
@@ -272,7 +265,7 @@ class Doctor:
             )
             return
         listed = "; ".join(
-            f"GPU {g.index} {g.uuid} {g.name}: {_size(g.free)} free of {_size(g.total)}"
+            f"GPU {g.index} {g.uuid} {g.name}: {human_bytes(g.free)} free of {human_bytes(g.total)}"
             for g in self.gpus.gpus
         )
         self.add("gpus", OK, listed or "NVML sees no GPU", gpus=[g.to_wire() for g in self.gpus.gpus])
@@ -454,15 +447,19 @@ class Doctor:
             self.add(
                 "free space",
                 FAIL,
-                f"{_size(free)} free at {probe}; the target keeps {_size(needed)}",
+                f"{human_bytes(free)} free at {probe}; the target keeps {human_bytes(needed)}",
                 "free space or choose another --to",
                 free_bytes=free,
                 needed_bytes=needed,
             )
         else:
-            what = f"; the target keeps {_size(needed)}" if needed else ""
+            what = f"; the target keeps {human_bytes(needed)}" if needed else ""
             self.add(
-                "free space", OK, f"{_size(free)} free at {probe}{what}", free_bytes=free, needed_bytes=needed
+                "free space",
+                OK,
+                f"{human_bytes(free)} free at {probe}{what}",
+                free_bytes=free,
+                needed_bytes=needed,
             )
         if not os.access(probe, os.W_OK | os.X_OK):
             self.add(

@@ -25,20 +25,10 @@ from rich.table import Table
 
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.orchestrator import ProgressSink
+from hibernate.units import human_bytes
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def print_json(document: Any) -> None:
@@ -186,9 +176,16 @@ def cuda_summary(cuda: dict[str, Any]) -> str:
 _MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
 
 
-def doctor_report(report: dict[str, Any]) -> None:
-    """One line per check (status, name, what was found), the fix under each one not ok."""
-    for check in report["checks"]:
+def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
+    """One line per check (status, name, what was found), the fix under each one not ok.
+
+    ``only_problems`` (--quiet, for logs) leaves out the checks that are ok, and
+    says nothing at all when every check is.
+    """
+    problems = [c for c in report["checks"] if c["status"] != "ok"]
+    if only_problems and not problems:
+        return
+    for check in problems if only_problems else report["checks"]:
         status = check["status"]
         mark = _MARK.get(status, status) if out.is_terminal else status
         out.print(mark + " " * max(1, 5 - len(status)), end="", markup=out.is_terminal)
@@ -204,7 +201,7 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
         out.print("no hibernate agents running for this user", markup=False)
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("PID", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
+    for column in ("PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
         table.add_column(
             column,
             justify="right" if column in ("PID", "KEPT", "DROPPED", "RSS") else "left",
@@ -219,6 +216,7 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             state += " (busy)"
         table.add_row(
             str(e["pid"]),
+            str(e.get("kind") or "-"),
             state,
             human_bytes(kept),
             human_bytes(dropped),
@@ -226,3 +224,31 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
             (e.get("snapshot") or {}).get("path") or "-",
         )
     out.print(table)
+    for e in entries:
+        interrupted = e.get("interrupted")
+        if interrupted and "resolve" in interrupted:
+            done = ", ".join(interrupted["phases"]) or "nothing"
+            out.print(
+                f"pid {e['pid']}: a `hibernate {interrupted['op']}` was interrupted after: {done}; "
+                f"run `{interrupted['resolve']}` to finish or undo it",
+                markup=False,
+            )
+        elif interrupted:
+            out.print(f"pid {e['pid']}: {interrupted['in_progress']} is operating on it", markup=False)
+
+
+def node_step_report(document: dict[str, Any]) -> None:
+    """One node's part of a job-wide operation: its own report, every node's result, the verdict."""
+    report = document.get("report")
+    if report and report.get("processes"):
+        (sleep_report if document["operation"] == "sleep" else wake_report)(report)
+    for result in document["results"]:
+        state = "ok" if result["ok"] else f"failed (exit {result['exit_code']})"
+        note = f": {result['message']}" if result.get("message") else ""
+        out.print(f"node {result['index']} ({result['node']}): {state}{note}", markup=False)
+    decision = document["decision"]
+    out.print(
+        f"node {document['node_index']} ({document['node']}) of {document['nodes']}: "
+        f"{decision['verdict']} ({decision['reason']})",
+        markup=False,
+    )

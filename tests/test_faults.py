@@ -252,3 +252,18 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
     assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "running"
     assert cli("recover", str(demo.pid), "-q").returncode == 0
     assert demo.infer()["digest"] == reference
+
+
+def test_status_tells_a_person_how_to_resolve_an_interrupted_sleep(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=8)
+    kill_at(cli, "sleep.after-release", "sleep", str(demo.pid), "--to", str(work_dir), "-q")
+    human = cli("status", str(demo.pid)).stdout
+    assert (
+        f"pid {demo.pid}: a `hibernate sleep` was interrupted after: lock, connect, quiesce, spill, " in human
+    )
+    assert f"run `hibernate recover {demo.pid}` to finish or undo it" in human
+    recovered = cli("recover", str(demo.pid))
+    assert recovered.returncode == 0 and "finished the interrupted sleep" in recovered.stdout
+    assert cli("wake", str(demo.pid), "-q").returncode == 0

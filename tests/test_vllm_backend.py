@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hibernate import procinfo
+from hibernate.agent import AgentState, Hibernator
+from hibernate.errors import SnapshotInvalidError, UnsupportedError, UsageError
+from hibernate.integrations.vllm import HibernateBackend
+from hibernate.pools.device import DeviceMemoryError
+from hibernate.pools.vllm import keeps
+from hibernate.store.layout import SpillRoot
 from standins.vllm_memory import (
     LAYOUT,
     HostDeviceMemory,
@@ -26,14 +34,6 @@ from standins.vllm_memory import (
     reference_sleep,
     reference_wake_up,
 )
-
-from hibernate import procinfo
-from hibernate.agent import AgentState, Hibernator
-from hibernate.errors import SnapshotInvalidError, UnsupportedError, UsageError
-from hibernate.integrations.vllm import HibernateBackend
-from hibernate.pools.device import DeviceMemoryError
-from hibernate.pools.vllm import keeps
-from hibernate.store.layout import SpillRoot
 
 STAGING = {"HIBERNATE_BUFFER_MB": "2", "HIBERNATE_CHUNK_MB": "1"}
 AGENT_NAME = "vllm-test"

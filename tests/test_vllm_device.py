@@ -15,6 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from hibernate import procinfo
+from hibernate.agent import Hibernator
+from hibernate.errors import UnsupportedError
+from hibernate.integrations.vllm import HibernateBackend
+from hibernate.pools.device import CudaDeviceMemory, CudaRuntime, DeviceMemoryError
 from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, build_fake_cudart, make_module
 from standins.vllm_memory import (
     LAYOUT,
@@ -24,12 +30,6 @@ from standins.vllm_memory import (
     populate,
     unmap_and_release,
 )
-
-from hibernate import procinfo
-from hibernate.agent import Hibernator
-from hibernate.errors import UnsupportedError
-from hibernate.integrations.vllm import HibernateBackend
-from hibernate.pools.device import CudaDeviceMemory, CudaRuntime, DeviceMemoryError
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from standins.vllm_cumem import build_fake_cudart
 
 from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
 from hibernate.targets import find_agent
+from standins.vllm_cumem import build_fake_cudart
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

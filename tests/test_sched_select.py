@@ -1,0 +1,335 @@
+"""Selecting targets the way a scheduler sees them: --all, --job ID, --cgroup PATH.
+
+The pure parts (cgroup layouts, process trees) are tested with made-up data;
+the selectors with real demo processes, a cgroup tree each test builds (the
+stand-in for /sys/fs/cgroup, through HIBERNATE_CGROUP_ROOT) and the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hibernate.errors import ExitCode, UsageError
+from hibernate.targets import (
+    cgroup_members,
+    check_job_id,
+    find_named_cgroups,
+    job_cgroups,
+    job_dir_in_cgroup_path,
+    parse_pid_list,
+    pids_with_job_environment,
+    resolve_cgroup_path,
+    topmost,
+    tree_roots,
+    unified_cgroup_path,
+)
+from tests.conftest import Demo, run_cli
+from tests.standins.slurm_fixtures import Cluster, pretend_cluster
+
+V2_SCOPE = ("system.slice", "slurmstepd.scope")
+
+
+def make_cgroup(
+    root: Path, *parts: str, procs: list[int] | None = None, tasks: list[int] | None = None
+) -> Path:
+    """A cgroup directory; like the kernel's, every directory on the way lists its processes."""
+    directory = root.joinpath(*parts)
+    for depth in range(1, len(parts) + 1):
+        level = root.joinpath(*parts[:depth])
+        level.mkdir(exist_ok=True)
+        listing = level / ("tasks" if tasks is not None else "cgroup.procs")
+        if not listing.exists():
+            listing.write_text("")
+    if procs is not None:
+        (directory / "cgroup.procs").write_text("".join(f"{p}\n" for p in procs))
+    if tasks is not None:
+        (directory / "tasks").write_text("".join(f"{t}\n" for t in tasks))
+    return directory
+
+
+# -- pure parts -------------------------------------------------------------------------
+
+
+def test_cgroup_pid_lists_are_read_one_per_line() -> None:
+    assert parse_pid_list("12\n345\n\n6\n") == [12, 345, 6]
+    assert parse_pid_list("") == []
+
+
+def test_the_job_directory_is_what_comes_before_the_first_step() -> None:
+    path = "/system.slice/slurmstepd.scope/job_42/step_0/user/task_0"
+    assert job_dir_in_cgroup_path(path) == "/system.slice/slurmstepd.scope/job_42"
+    # Slurm 26.05 names job directories by SLUID unless CgroupJobIdPaths=yes
+    assert job_dir_in_cgroup_path("/system.slice/slurmstepd.scope/sEKNKTV3WPV500/step_batch/user/task_0") == (
+        "/system.slice/slurmstepd.scope/sEKNKTV3WPV500"
+    )
+    assert job_dir_in_cgroup_path("/user.slice/user-1000.slice/session-3.scope") is None
+
+
+def test_the_unified_hierarchy_line_of_proc_cgroup() -> None:
+    text = "12:memory:/slurm/uid_0/job_9/step_0\n0::/system.slice/slurmstepd.scope/job_9/step_0/user/task_0\n"
+    assert unified_cgroup_path(text) == "/system.slice/slurmstepd.scope/job_9/step_0/user/task_0"
+    assert unified_cgroup_path("12:memory:/slurm\n") is None
+
+
+@pytest.mark.parametrize("text", ["42", " 42 "])
+def test_job_ids_are_digits(text: str) -> None:
+    assert check_job_id(text) == "42"
+
+
+@pytest.mark.parametrize("text", ["123_4", "123+0", "job_42", "", "-1"])
+def test_array_and_het_job_ids_are_refused_with_the_way_to_the_number(text: str) -> None:
+    with pytest.raises(UsageError, match="not a Slurm job id") as caught:
+        check_job_id(text)
+    assert "squeue" in (caught.value.hint or "")
+
+
+def test_both_slurm_cgroup_layouts_are_found(tmp_path: Path) -> None:
+    v1 = make_cgroup(tmp_path, "freezer", "slurm", "uid_1000", "job_42", "step_0", procs=[1])
+    v1_memory = make_cgroup(tmp_path, "memory", "slurm_node3", "uid_1000", "job_42", procs=[1])
+    v2 = make_cgroup(tmp_path, *V2_SCOPE, "job_42", "step_batch", "user", "task_0", procs=[1])
+    make_cgroup(tmp_path, *V2_SCOPE, "job_420", procs=[2])  # another job, a longer id
+    found = sorted(find_named_cgroups(tmp_path, "job_42"))
+    assert found == sorted([v1.parent, v1_memory, v2.parent.parent.parent])
+
+
+def test_job_cgroups_found_too_deep_are_not_looked_for(tmp_path: Path) -> None:
+    make_cgroup(tmp_path, "a", "b", "c", "d", "job_42", procs=[1])
+    assert find_named_cgroups(tmp_path, "job_42") == []
+
+
+def test_a_process_inside_the_job_finds_its_job_directory_whatever_its_name(tmp_path: Path) -> None:
+    job_dir = make_cgroup(tmp_path, *V2_SCOPE, "sEKNKTV3WPV500")
+    own = "0::/system.slice/slurmstepd.scope/sEKNKTV3WPV500/step_3/user/task_0\n"
+    assert job_cgroups("42", tmp_path, {"SLURM_JOB_ID": "42"}, own) == [job_dir]
+    assert job_cgroups("43", tmp_path, {"SLURM_JOB_ID": "42"}, own) == []  # asked about another job
+
+
+def test_every_process_below_a_cgroup_counts_once(tmp_path: Path) -> None:
+    job = make_cgroup(tmp_path, "job_7", procs=[])
+    make_cgroup(job, "step_0", "user", "task_0", procs=[10, 11])
+    make_cgroup(job, "step_1", "user", "task_0", procs=[12, 10])
+    assert sorted(cgroup_members(job)) == [10, 11, 12]
+
+
+def test_a_v1_tasks_file_lists_threads_which_map_to_their_processes(tmp_path: Path) -> None:
+    group = make_cgroup(tmp_path, "job_7", tasks=[100, 101, 102, 200])
+    process_of = {100: 100, 101: 100, 102: 100, 200: 200}
+    assert cgroup_members(group, process_of.get) == [100, 200]
+
+
+def test_the_job_environment_marks_its_processes() -> None:
+    environments = [
+        (1, {"SLURM_JOB_ID": "42"}),
+        (2, {"SLURM_JOBID": "42"}),
+        (3, {"SLURM_JOB_ID": "4"}),
+        (4, {}),
+    ]
+    assert pids_with_job_environment("42", environments) == [1, 2]
+
+
+def test_a_cgroup_path_may_be_given_as_proc_pid_cgroup_prints_it(tmp_path: Path) -> None:
+    directory = make_cgroup(tmp_path, *V2_SCOPE, "job_42", procs=[1])
+    assert resolve_cgroup_path("/system.slice/slurmstepd.scope/job_42", tmp_path) == directory
+    assert resolve_cgroup_path(directory, tmp_path) == directory
+    with pytest.raises(UsageError, match="no cgroup there"):
+        resolve_cgroup_path("/system.slice/missing", tmp_path)
+
+
+PARENTS = {
+    1: 0,  # init
+    50: 1,  # slurmstepd (root)
+    100: 50,  # the job's batch shell
+    101: 100,  # hibernate run
+    102: 101,  # the server (agent)
+    103: 102,  # a worker (agent)
+    104: 102,  # a worker (agent, CUDA)
+    200: 50,  # a second step's task (agent)
+    300: 1,  # a process outside the job
+}
+OWNERS = {pid: 1000 for pid in PARENTS} | {1: 0, 50: 0}
+
+
+def test_each_agent_is_handed_over_through_its_topmost_process_in_the_job() -> None:
+    members = {50, 100, 101, 102, 103, 104, 200}
+    roots = tree_roots([103, 102, 104, 200], members, PARENTS.get, OWNERS.get)
+    # slurmstepd (root-owned) is not climbed to; each tree is named once
+    assert roots == [100, 200]
+
+
+def test_climbing_stops_at_the_edge_of_the_selection() -> None:
+    assert tree_roots([103, 104], {102, 103, 104}, PARENTS.get, OWNERS.get) == [102]
+    assert tree_roots([300], {300}, PARENTS.get, OWNERS.get) == [300]
+
+
+def test_topmost_keeps_order_and_drops_descendants() -> None:
+    assert topmost([103, 300, 100, 104, 100], PARENTS.get) == [300, 100]
+
+
+# -- the selectors, with real processes ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[tuple[Cluster, list[Demo]]]:
+    """One pretend node with three demos: two in Slurm job 4200 (steps 0 and 1), one outside any job."""
+    with pretend_cluster(1) as cluster:
+        demos = cluster.start_demos([("node0", None)] * 3)
+        yield cluster, demos
+
+
+@pytest.fixture
+def cgroups(node) -> Iterator[Path]:
+    """A cgroup root this test arranges (the node's own is left alone)."""
+    root = Path(tempfile.mkdtemp(prefix="hb-cg-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def hibernate(node, cgroups: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    cluster, _ = node
+    environment = {**cluster.world.node_env("node0"), "HIBERNATE_CGROUP_ROOT": str(cgroups), **(env or {})}
+    return run_cli(*args, env=environment)
+
+
+def selected(result: Any) -> list[int]:
+    assert result.returncode == 0, result.stderr + result.stdout
+    return sorted(agent["pid"] for agent in result.json()["agents"])
+
+
+def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> None:
+    _, (a, b, c) = node
+    make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid])
+    make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_1", "user", "task_0", procs=[b.pid])
+    make_cgroup(cgroups, *V2_SCOPE, "job_4201", "step_0", "user", "task_0", procs=[c.pid])
+    result = hibernate(node, cgroups, "status", "--job", "4200", "--json")
+    assert selected(result) == sorted([a.pid, b.pid])
+    source = result.json()["selection"]["sources"][0]
+    assert (
+        source["via"] == "cgroup"
+        and source["job"] == "4200"
+        and sorted(source["agents"]) == sorted([a.pid, b.pid])
+    )
+
+
+def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> None:
+    _, (a, _, _) = node
+    threads = sorted(int(t) for t in os.listdir(f"/proc/{a.pid}/task"))
+    assert len(threads) > 1  # torch and the agent run threads
+    make_cgroup(cgroups, "freezer", "slurm", "uid_0", "job_4200", "step_0", tasks=threads[1:])
+    assert selected(hibernate(node, cgroups, "status", "--job", "4200", "--json")) == [a.pid]
+
+
+def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path) -> None:
+    cluster, _ = node
+    (tagged,) = cluster.start_demos([("node0", None)], env={"SLURM_JOB_ID": "777"})
+    result = hibernate(node, cgroups, "status", "--job", "777", "--json")
+    assert selected(result) == [tagged.pid]
+    assert result.json()["selection"]["sources"][0]["via"] == "environment"
+    tagged.stop()
+
+
+def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path) -> None:
+    _, (a, b, c) = node
+    make_cgroup(cgroups, "work", "left", procs=[a.pid])
+    make_cgroup(cgroups, "work", "right", "deep", procs=[b.pid])
+    make_cgroup(cgroups, "elsewhere", procs=[c.pid])
+    assert selected(hibernate(node, cgroups, "status", "--cgroup", "/work", "--json")) == sorted(
+        [a.pid, b.pid]
+    )
+    absolute = str(cgroups / "work" / "right")
+    assert selected(hibernate(node, cgroups, "status", "--cgroup", absolute, "--json")) == [b.pid]
+
+
+def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgroups: Path) -> None:
+    cluster, demos = node
+    result = hibernate(node, cgroups, "status", "--all", "--json")
+    assert selected(result) == sorted(d.pid for d in demos)
+    # a process listening elsewhere (another runtime directory) is not "this node's" ...
+    (elsewhere,) = cluster.start_demos([("node0", None)], env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "run")})
+    assert elsewhere.pid not in selected(hibernate(node, cgroups, "status", "--all", "--json"))
+    # ... but a pid names it, and pids and selectors add up
+    both = hibernate(node, cgroups, "status", "--all", str(elsewhere.pid), "--json")
+    assert selected(both) == sorted([*(d.pid for d in demos), elsewhere.pid])
+    elsewhere.stop()
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--job", "31337"], ExitCode.NOTHING_TO_HIBERNATE, "has no processes on this node"),
+        (["--job", "12_3"], ExitCode.USAGE, "not a Slurm job id"),
+        (["--cgroup", "/no/such/group"], ExitCode.USAGE, "no cgroup there"),
+        (["--cgroup", "/empty"], ExitCode.NOTHING_TO_HIBERNATE, "has no processes"),
+        (["--cgroup", "/sleepers"], ExitCode.NOTHING_TO_HIBERNATE, "runs a hibernate agent"),
+    ],
+)
+def test_selectors_that_find_nothing_say_so_with_a_distinct_code(
+    node, cgroups: Path, args: list[str], code: ExitCode, words: str
+) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        make_cgroup(cgroups, "empty", procs=[])
+        make_cgroup(cgroups, "sleepers", procs=[sleeper.pid])
+        result = hibernate(node, cgroups, "sleep", *args, "--to", str(cgroups / "snap"), "--json")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert result.returncode == code, result.stdout
+    error = result.json()["error"]
+    assert words in error["message"] and error["hint"]
+
+
+def test_all_with_no_agents_says_where_it_looked(cgroups: Path) -> None:
+    result = run_cli("wake", "--all", env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "nobody-here")})
+    assert result.returncode == ExitCode.NOTHING_TO_HIBERNATE
+    assert "nobody-here" in result.stderr and "hint:" in result.stderr
+
+
+def test_no_targets_at_all_is_a_usage_error(cgroups: Path) -> None:
+    result = run_cli("sleep", "--to", str(cgroups))
+    assert result.returncode == ExitCode.USAGE and "no targets named" in result.stderr
+
+
+# -- one unit: all asleep, or none ----------------------------------------------------------
+
+
+def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path) -> None:
+    _, (a, b, c) = node
+    reference = {d.pid: d.infer()["digest"] for d in (a, b)}
+    make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid])
+    asleep = hibernate(node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--json")
+    assert asleep.returncode == 0, asleep.stderr
+    assert sorted(p["pid"] for p in asleep.json()["processes"]) == sorted([a.pid, b.pid])
+    states = {
+        e["pid"]: e["state"] for e in json.loads(hibernate(node, cgroups, "ls", "--json").stdout)["agents"]
+    }
+    assert (states[a.pid], states[b.pid], states[c.pid]) == ("asleep", "asleep", "running")
+    assert hibernate(node, cgroups, "wake", "--job", "4200", "-q").returncode == 0
+    assert {d.pid: d.infer()["digest"] for d in (a, b)} == reference
+
+
+def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
+    _, (a, b, c) = node
+    make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
+    b.hold(5)  # b is in a long step: it cannot quiesce within --timeout
+    result = hibernate(
+        node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--timeout", "1", "--json"
+    )
+    assert result.returncode == ExitCode.TIMEOUT, result.stdout
+    assert f"process {b.pid}" in result.json()["error"]["message"]
+    listing = json.loads(hibernate(node, cgroups, "ls", "--json").stdout)["agents"]
+    assert {e["pid"]: e["state"] for e in listing if e["pid"] in (a.pid, b.pid, c.pid)} == {
+        a.pid: "running",
+        b.pid: "running",
+        c.pid: "running",
+    }
+    assert a.infer()["digest"]  # serving again
