@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
-from standins.vllm_cumem import build_fake_cudart
 
 from hibernate import faults, orchestrator
 from hibernate.errors import ExitCode
+from standins.vllm_cumem import build_fake_cudart
 from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -183,6 +184,17 @@ def start_server(
         server.stop()
 
 
+SCHEMAS = REPO / "docs" / "json-schema"
+
+
+def valid(name: str, document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` after checking it against the published schema of its command."""
+    schema = json.loads((SCHEMAS / f"{name}.schema.json").read_text())
+    problems = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(document)]
+    assert problems == [], problems
+    return document
+
+
 def agents(cli: Callable[..., Any], pid: int) -> dict[int, dict[str, Any]]:
     """What `hibernate status PID --json` lists, asked in this process (quicker than a command)."""
     return {a["pid"]: a for a in orchestrator.status([pid])}
@@ -255,7 +267,7 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     # Any pid of the tree names the server: here its second worker.
     asleep = cli("sleep", str(server.workers[1]), "--to", str(work_dir), "--json", env=env)
     assert asleep.returncode == 0, asleep.stderr
-    report = asleep.json()
+    report = valid("sleep", asleep.json())
     vllm = report["vllm"]
     assert vllm["server_pid"] == server.pid and vllm["url"] == server.url
     assert f"--port {server.port}" in vllm["url_from"] and f"pid {server.pid}" in vllm["url_from"]
@@ -280,7 +292,7 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
 
     woken = cli("wake", str(server.pid), "--json", env=env)
     assert woken.returncode == 0, woken.stderr
-    report = woken.json()
+    report = valid("wake", woken.json())
     assert report["cuda"]["status"] == "restored"
     assert report["vllm"]["response"] == {"status": "awake", "tags": None}
     assert report["vllm"]["woken_directly"] == []
@@ -349,7 +361,7 @@ def test_a_failing_sleep_is_undone_and_the_worker_it_left_asleep_is_woken(
     assert server.request("POST", "/standin/worker-fault?index=1&spec=agent.release")[0] == 200
     failed = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
     assert failed.returncode == ExitCode.SERVER_FAILED, failed.stderr
-    error = failed.json()["error"]
+    error = valid("error", failed.json())["error"]
     assert error["exit_name"] == "SERVER_FAILED"
     assert f"vLLM server {server.pid} (vllm-sleep)" in error["message"]
     assert "HTTP 500: Call to sleep method failed" in error["message"]
@@ -538,7 +550,7 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
     # `hibernate sleep` on such a server leaves the CUDA phase to the workers and waits for it.
     asleep = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
     assert asleep.returncode == 0, asleep.stderr
-    cuda = asleep.json()["cuda"]
+    cuda = valid("sleep", asleep.json())["cuda"]
     assert cuda["status"] == "checkpointed (by the workers themselves)"
     assert [(p["pid"], p["by"]) for p in cuda["processes"]] == [(p, "itself") for p in server.workers]
     assert [world.state(pid) for pid in server.workers] == ["checkpointed", "checkpointed"]

@@ -708,13 +708,19 @@ def _await_self_checkpoint(
             time.sleep(POLL_S)
     seconds = round(time.monotonic() - started, 6)
     merged = dict(report)
-    merged.setdefault("checkpointer", None)
     merged["processes"] = [
         *report.get("processes", []),
-        *({"pid": h.pid, "state": "checkpointed", "by": "itself", "seconds": seconds} for h in holders),
+        *(
+            {"pid": h.pid, "state": "checkpointed", "by": "itself", "seconds": seconds, "steps": {}}
+            for h in holders
+        ),
     ]
-    if not report.get("processes"):
-        merged["status"] = "checkpointed (by the workers themselves)"
+    # "checkpointed" alone means hibernate locked and checkpointed every holder itself.
+    merged["status"] = (
+        "checkpointed (by the workers themselves)"
+        if not report.get("processes")
+        else f"checkpointed ({len(holders)} by the workers themselves)"
+    )
     return merged
 
 
