@@ -101,6 +101,21 @@ class Options:
     _skipped: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
+def exits(identity: ProcessIdentity, within: float = 2.0) -> bool:
+    """Whether a process whose agent just hung up is gone, or goes within ``within`` seconds.
+
+    A dying process's sockets close before /proc shows it gone (the kernel
+    closes its files first), so "connection lost" is judged only once the
+    process had a moment to finish exiting.
+    """
+    deadline = time.monotonic() + within
+    while procinfo.is_alive(identity):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 @dataclass
 class _Member:
     """One agent taking part in an operation, and what happened to it."""
@@ -120,7 +135,7 @@ class _Member:
         try:
             result = self.client.call(op, args, **kwargs)
         except AgentConnectionLost as exc:
-            if not procinfo.is_alive(self.ref.identity):
+            if exits(self.ref.identity):
                 raise NoSuchProcessError(f"process {self.pid} exited during {op}") from exc
             raise
         except HibernateTimeoutError as exc:

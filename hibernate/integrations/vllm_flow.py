@@ -82,6 +82,7 @@ from hibernate.orchestrator import (
     _Operation,
     _require_checkpointer,
     _undo_cuda,
+    exits,
     interrupted_operation,
     prepare_directory,
     sleep_entry,
@@ -551,10 +552,8 @@ class _Sleep(_Run):
                 self.watch(self.flight, None, "spill")
                 self.response = self.answer(self.flight)
                 self.slept = True
-            except (HibernateTimeoutError, NoSuchProcessError):
-                pass
             except HibernateError:
-                pass  # it failed: whatever it left asleep is woken below
+                pass  # it failed, its server died or went silent: decided below from the real states
         if (
             isinstance(error, HibernateTimeoutError)
             and self.flight is not None
@@ -633,21 +632,11 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     for pid, outcome in _in_parallel(asleep, lambda ref: wake_directly(ref, options)).items():
         if isinstance(outcome, BaseException):
             ref = next(r for r in asleep if r.pid == pid)
-            if isinstance(outcome, (AgentConnectionLost, NoSuchProcessError)) and _exits(ref.identity):
+            if isinstance(outcome, (AgentConnectionLost, NoSuchProcessError)) and exits(ref.identity):
                 continue
             words = outcome.message if isinstance(outcome, HibernateError) else repr(outcome)
             failures.append(f"process {pid}: {words}")
     return failures
-
-
-def _exits(identity: ProcessIdentity, within: float = 2.0) -> bool:
-    """Whether the process is gone, or goes within ``within`` seconds (its connection just dropped)."""
-    deadline = time.monotonic() + within
-    while procinfo.is_alive(identity):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(POLL_S)
-    return True
 
 
 def _cuda_phase(
@@ -840,6 +829,8 @@ def wake(
             run.watch(flight, "vllm-wake", "restore")
             response = run.answer(flight)
             seconds["wake_up"] = round(time.perf_counter() - clock, 6)
+        # A worker vLLM did not wake (its executor never recorded that sleep): only after a failed
+        # sleep whose journal is gone; scheduling has resumed, so wake it at once.
         after = statuses(server.workers)
         leftovers = [ref for ref in server.workers if (after.get(ref.pid) or {}).get("state") == "asleep"]
         if leftovers:
