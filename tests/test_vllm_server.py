@@ -347,7 +347,7 @@ def test_a_server_without_its_development_endpoints_is_refused_with_how_to_start
     nothing_left_to_clean(runtime_dir)
 
 
-def test_a_failing_sleep_is_undone_and_the_worker_it_left_asleep_is_woken(
+def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_asleep(
     world: World,
     start_server: Callable[..., FakeServer],
     cli: Callable[..., Any],
@@ -374,16 +374,8 @@ def test_a_failing_sleep_is_undone_and_the_worker_it_left_asleep_is_woken(
     assert all(found[pid]["default_dir"] is None for pid in server.workers), "the spill directory was reset"
     nothing_left_to_clean(runtime_dir)
 
-
-def test_the_server_dying_mid_sleep_is_reported_and_leaves_nothing_asleep(
-    world: World,
-    start_server: Callable[..., FakeServer],
-    cli: Callable[..., Any],
-    work_dir: Path,
-    runtime_dir: Path,
-) -> None:
-    server = start_server(workers=2)
-    register(world, server)
+    # The server dies once its first worker has slept.
+    assert server.request("POST", "/standin/worker-fault?index=1&spec=-")[0] == 200
     assert server.request("POST", "/standin/die-during-sleep")[0] == 200
     result = cli("sleep", str(server.pid), "--to", str(work_dir))
     assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
@@ -452,25 +444,7 @@ def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left
     assert world.calls() == []
 
 
-def test_a_failure_at_every_vllm_sleep_point_is_undone(
-    world: World,
-    start_server: Callable[..., FakeServer],
-    cli: Callable[..., Any],
-    work_dir: Path,
-    runtime_dir: Path,
-) -> None:
-    server = start_server(workers=1)
-    register(world, server)
-    before = server.digests()
-    for point in faults.VLLM_SLEEP_POINTS:
-        result = cli("sleep", str(server.pid), "--to", str(work_dir), "-q", env={faults.ENV: point})
-        assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
-        assert f"fault injected at {point}" in result.stderr, point
-        awake_and_whole(cli, server, world, before, point)
-        nothing_left_to_clean(runtime_dir)
-
-
-def test_the_cli_killed_at_every_vllm_point_is_recovered(
+def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovered(
     world: World,
     start_server: Callable[..., FakeServer],
     cli: Callable[..., Any],
@@ -481,6 +455,12 @@ def test_the_cli_killed_at_every_vllm_point_is_recovered(
     register(world, server)
     before = server.digests()
     pid = str(server.pid)
+    for point in faults.VLLM_SLEEP_POINTS:
+        result = cli("sleep", str(server.pid), "--to", str(work_dir), "-q", env={faults.ENV: point})
+        assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
+        assert f"fault injected at {point}" in result.stderr, point
+        awake_and_whole(cli, server, world, before, point)
+        nothing_left_to_clean(runtime_dir)
 
     def resolve(point: str) -> None:
         info = agents(cli, server.pid)[server.workers[0]]["interrupted"]
