@@ -42,7 +42,8 @@ TimeoutOption = Annotated[
     typer.Option(
         "--timeout",
         min=0.0,
-        help="Seconds to wait for the program to leave hibernate.guard() (and for its CUDA work to drain).",
+        help="Seconds to wait for the program to leave hibernate.guard() (a vLLM server: for its running "
+        "requests to drain) and for its CUDA work to drain.",
     ),
 ]
 CheckpointerOption = Annotated[
