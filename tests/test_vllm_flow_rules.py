@@ -480,3 +480,21 @@ def test_the_helper_checkpoints_and_restores_its_parent(
         assert helper.call("wake")["status"] == "running (nothing to restore)"
     finally:
         helper.close()
+
+
+def test_the_doctor_knows_a_vllm_command_line_from_a_path_that_mentions_vllm() -> None:
+    from hibernate.doctor import runs_vllm
+
+    for vllm in (
+        "vllm serve Qwen/Qwen3-8B --port 8000",
+        "/opt/venv/bin/vllm serve m",
+        "python -m vllm.entrypoints.openai.api_server --model m",
+        "python3 -m vllm serve m",
+    ):
+        assert runs_vllm(vllm), vllm
+    for other in (
+        "python /srv/wt-vllm2/tests/standins/tree_target.py --children 1",
+        "/home/u/vllm-env/bin/python train.py",
+        "python -m vllmish",
+    ):
+        assert not runs_vllm(other), other
