@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -123,11 +124,86 @@ def cli() -> Any:
     return run_cli
 
 
+class ForkedProcess:
+    """A target forked by the fork server, with the part of Popen's interface tests use."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.request({"op": "status", "pid": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The session's fork server (tests/forkserver.py): demo targets without re-importing torch."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="hb-fork-", dir="/tmp"))
+        self.path = str(self.directory / "server.sock")
+        plain = {k: v for k, v in os.environ.items() if not k.startswith(("HIBERNATE_", "XDG_RUNTIME"))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(REPO / "tests" / "forkserver.py"), self.path],
+            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**plain, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.path)
+            with conn.makefile("rw") as stream:
+                stream.write(json.dumps(message) + "\n")
+                stream.flush()
+                answer: dict[str, Any] = json.loads(stream.readline())
+                return answer
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> ForkedProcess:
+        answer = self.request({"op": "start", "argv": argv, "env": env, "cwd": str(cwd), "log": str(log)})
+        return ForkedProcess(self, answer["pid"])
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_forkserver: ForkServer | None = None
+
+
+def forkserver() -> ForkServer:
+    """Started on first use, stopped when the session ends."""
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = ForkServer()
+        atexit.register(_forkserver.close)
+    return _forkserver
+
+
 @dataclass
 class Demo:
     """A running ``python -m hibernate.demo serve`` target."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Any  # subprocess.Popen, or ForkedProcess
     control: str
     info: dict[str, Any]
     log: Path
@@ -176,36 +252,40 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
         uid: int | None = None,
         env: dict[str, str] | None = None,
         dtype: str = "float32",
+        fork: bool = True,
     ) -> Demo:
         index = len(started)
         control = scratch / f"demo{index}.sock"
         ready = scratch / f"demo{index}.ready"
         log = scratch / f"demo{index}.log"
-        command = [
-            *as_user_prefix(uid),
-            sys.executable,
-            "-W",
-            "ignore",
-            "-m",
-            "hibernate.demo",
-            "serve",
-            "--size-mb",
-            str(size_mb),
-            "--dtype",
-            dtype,
-            "--control",
-            str(control),
-            "--ready-file",
-            str(ready),
-        ]
-        with open(log, "wb") as log_file:
-            proc = subprocess.Popen(
-                command,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=source_root_for(uid),
-                env={**os.environ, "PYTHONPATH": str(source_root_for(uid)), **(env or {})},
+        demo_args = [
+            "serve", "--size-mb", str(size_mb), "--dtype", dtype,
+            "--control", str(control), "--ready-file", str(ready),
+        ]  # fmt: skip
+        proc: Any
+        # A fork keeps the server's /proc/<pid>/environ (read by target discovery and --job), so
+        # only targets with the session's plain environment are forked.
+        if fork and uid is None and not env:
+            proc = forkserver().start(
+                demo_args, {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, REPO, log
             )
+        else:
+            with open(log, "wb") as log_file:
+                proc = subprocess.Popen(
+                    [
+                        *as_user_prefix(uid),
+                        sys.executable,
+                        "-W",
+                        "ignore",
+                        "-m",
+                        "hibernate.demo",
+                        *demo_args,
+                    ],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    cwd=source_root_for(uid),
+                    env={**os.environ, "PYTHONPATH": str(source_root_for(uid)), **(env or {})},
+                )
         demo = Demo(proc, str(control), {}, log)
         started.append(demo)
         deadline = time.monotonic() + 120

@@ -171,14 +171,14 @@ def test_the_agent_killed_during_a_wake(
 def test_a_reused_pid_is_never_mistaken_for_the_hibernated_process(
     start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
 ) -> None:
-    first = start_demo(size_mb=8)
+    first = start_demo(size_mb=8, fork=False)  # this test is about creating processes: no fork server
     assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
     old_pid = first.pid
     first.stop()
     # The next process created gets the same pid.
     with open("/proc/sys/kernel/ns_last_pid", "w") as last:
         last.write(str(old_pid - 1))
-    second = start_demo(size_mb=8)
+    second = start_demo(size_mb=8, fork=False)
     if second.pid != old_pid:
         pytest.skip("another process took the pid first")
     reference = second.infer()["digest"]

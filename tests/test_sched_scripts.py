@@ -115,7 +115,7 @@ def ready_demo(slurm: Cluster, name: str, node: str) -> ScriptDemo:
 
 
 def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, work_dir: Path) -> None:
-    slurm.world.configure(suspend_grace_time=3)  # the site gives a sleep this long before SIGSTOP
+    slurm.world.configure(suspend_grace_time=8)  # the site gives a sleep this long before SIGSTOP
     job_id, output = submit(
         slurm,
         "vllm-preemptible.sbatch",

@@ -1,0 +1,103 @@
+"""A fork server for test targets: torch is imported once, each target is a fork of it.
+
+Starting a demo target costs ~3 s, two of them importing torch. The suite
+starts dozens, so this server imports torch and hibernate.demo once, and for
+each request forks a child that becomes a demo target with its own
+environment, working directory and log. The child is a real, separate
+process like any other target (its own pid, agent and socket); only its
+parent is this server rather than the test. The server runs no torch
+computation before forking, so no thread pools are inherited.
+
+Protocol: one JSON line per connection, one JSON line back.
+    {"op": "start", "argv": [...], "env": {...}, "cwd": "...", "log": "..."} -> {"pid": N}
+    {"op": "status", "pid": N} -> {"returncode": null | int}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+_exited: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def _reap(signum: int, frame: object) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with _lock:
+            _exited[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _become_target(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> None:
+    """In the child: drop the server's sockets and handlers, then run the demo; never returns."""
+    code = 1
+    try:
+        listener.close()
+        conn.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        sys.argv = ["hibernate.demo", *request["argv"]]
+        from hibernate import demo
+
+        code = demo.main(request["argv"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    import torch  # noqa: F401  (the point of this server: imported once, inherited by every fork)
+
+    from hibernate import demo  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, _reap)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    print("ready", flush=True)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except InterruptedError:
+            continue
+        with conn, conn.makefile("rw") as stream:
+            request = json.loads(stream.readline())
+            if request["op"] == "start":
+                pid = os.fork()
+                if pid == 0:
+                    _become_target(request, listener, conn)
+                stream.write(json.dumps({"pid": pid}) + "\n")
+            elif request["op"] == "status":
+                with _lock:
+                    code = _exited.get(request["pid"])
+                stream.write(json.dumps({"returncode": code}) + "\n")
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
