@@ -42,7 +42,8 @@ TimeoutOption = Annotated[
     typer.Option(
         "--timeout",
         min=0.0,
-        help="Seconds to wait for the program to leave hibernate.guard() (and for its CUDA work to drain).",
+        help="Seconds to wait for the program to leave hibernate.guard() (a vLLM server: for its running "
+        "requests to drain) and for its CUDA work to drain.",
     ),
 ]
 CheckpointerOption = Annotated[
@@ -90,6 +91,16 @@ CgroupOption = Annotated[
         metavar="PATH",
         help="The processes of this cgroup and the cgroups below it (a directory, or the path "
         "/proc/PID/cgroup shows; root: $HIBERNATE_CGROUP_ROOT, default /sys/fs/cgroup).",
+        show_default=False,
+    ),
+]
+
+VllmUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--vllm-url",
+        help="vLLM server only: its address (http://HOST:PORT or unix:/PATH); default: read from the "
+        "server's command line (--host/--port/--uds), else vLLM's default port 8000.",
         show_default=False,
     ),
 ]
@@ -167,16 +178,36 @@ def sleep(
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    level: Annotated[
+        int | None,
+        typer.Option(
+            "--level",
+            help="vLLM server only: 1 keeps the weights (written to DIR), 2 drops them. [default: 1]",
+        ),
+    ] = None,
+    drain: Annotated[
+        str | None,
+        typer.Option(
+            "--drain",
+            help="vLLM server only: wait (running requests finish first, within --timeout) or abort "
+            "them. [default: wait]",
+        ),
+    ] = None,
+    vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Spill each target's tracked memory to DIR, release it, and take CUDA state off the GPU."""
+    """Spill each target's tracked memory to DIR, release it, and take CUDA state off the GPU.
+
+    For a vLLM server (any pid of it) the server's own /sleep stops its scheduler and spills the workers.
+    """
     from hibernate import orchestrator, render
 
     options = orchestrator.Options(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
     selection = _select(pids, every, job, cgroup)
@@ -200,6 +231,7 @@ def wake(
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -207,8 +239,10 @@ def wake(
     from hibernate import orchestrator, render
 
     options = orchestrator.Options(
+        quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        vllm=orchestrator.VllmOptions(url=vllm_url),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
     selection = _select(pids, every, job, cgroup)
@@ -226,13 +260,16 @@ def recover(
     pids: PidsArgument,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
     """Finish or undo a sleep or wake whose hibernate command was killed half-way."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(**_cuda_options(checkpointer, cuda_checkpoint))
+    options = orchestrator.Options(
+        vllm=orchestrator.VllmOptions(url=vllm_url), **_cuda_options(checkpointer, cuda_checkpoint)
+    )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.recover(pids, options, progress)
     if as_json:

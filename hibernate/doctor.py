@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +52,19 @@ class Check:
 # -- pure helpers -----------------------------------------------------------
 
 
+# `vllm ...` (any path to it), `python -m vllm...`, vLLM's entry points; not a path that mentions vllm.
+_VLLM_COMMAND = re.compile(r"(?:^|[\s/])vllm(?:\s|$)|(?:^|\s)-m\s+vllm(?:[.\s]|$)|\bvllm\.entrypoints\b")
+
+
+def runs_vllm(cmdline: str) -> bool:
+    """Whether a command line starts vLLM (a venv or checkout named like vllm-env is not enough)."""
+    return _VLLM_COMMAND.search(cmdline) is not None
+
+
 def nccl_traps(env: Mapping[str, str], cmdline: str, infiniband: bool) -> list[str]:
     """The NCCL/vLLM settings of one process of a multi-process target that break a checkpoint."""
     traps = [f"{name} is not {value}" for name, value in NCCL_SAFE.items() if env.get(name) != value]
-    if "vllm" in cmdline and "--disable-custom-all-reduce" not in cmdline:
+    if runs_vllm(cmdline) and "--disable-custom-all-reduce" not in cmdline:
         traps.append("vLLM custom all-reduce is on (CUDA IPC buffers cannot be checkpointed)")
     if infiniband and env.get("NCCL_IB_DISABLE") != "1":
         traps.append("NCCL may use InfiniBand (registered RDMA memory cannot be checkpointed)")

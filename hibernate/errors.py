@@ -29,6 +29,7 @@ class ExitCode(IntEnum):
     CUDA_CHECKPOINT = 11  # cuda-checkpoint / driver API failed
     UNSUPPORTED = 12  # this machine or target cannot do what was asked
     NEEDS_RECOVERY = 13  # an operation stopped half-way and could not be undone
+    SERVER_FAILED = 14  # the target's own server (vLLM) refused or failed a request
 
 
 class HibernateError(Exception):
@@ -117,6 +118,13 @@ class NeedsRecoveryError(HibernateError):
     wire_name = "needs-recovery"
 
 
+class ServerFailedError(HibernateError):
+    """The target's own server (a vLLM server's /sleep or /wake_up) answered with an error."""
+
+    exit_code = ExitCode.SERVER_FAILED
+    wire_name = "server-failed"
+
+
 class AbortedError(HibernateError):
     """The operation was called off (its client went away); everything was undone."""
 
@@ -148,6 +156,7 @@ _BY_WIRE_NAME: dict[str, type[HibernateError]] = {
         CudaCheckpointError,
         UnsupportedError,
         NeedsRecoveryError,
+        ServerFailedError,
         AbortedError,
         ProtocolError,
     )

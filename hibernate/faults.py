@@ -8,8 +8,9 @@ hour: a step that never returns), ``kill`` (SIGKILL ourselves: a process that
 dies with no chance to clean up). Unset, a point costs one environment lookup.
 
 Every phase boundary of sleep and wake is a point (see SLEEP_POINTS and
-WAKE_POINTS); a test checks that each orchestrator phase has one, so a new
-phase cannot be added without a way to break it on purpose.
+WAKE_POINTS, and VLLM_SLEEP_POINTS and VLLM_WAKE_POINTS for a vLLM server,
+whose flow has phases of its own); tests check that each orchestrator phase
+has one, so a new phase cannot be added without a way to break it on purpose.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ WAKE_POINTS = (
     "wake.during-restore",
     "wake.after-restore",
     "wake.after-resume",
+)
+# The same for a vLLM server (hibernate/integrations/vllm_flow.py): the server's own
+# /sleep and /wake_up move the workers' memory.
+VLLM_SLEEP_POINTS = (
+    "sleep.after-lock",
+    "sleep.after-connect",
+    "sleep.after-configure",
+    "sleep.after-drain",
+    "sleep.during-vllm-sleep",
+    "sleep.after-vllm-sleep",
+    "sleep.after-cuda-lock",
+    "sleep.after-cuda",
+)
+VLLM_WAKE_POINTS = (
+    "wake.after-lock",
+    "wake.after-connect",
+    "wake.after-cuda-restore",
+    "wake.after-cuda",
+    "wake.during-vllm-wake",
+    "wake.after-vllm-wake",
 )
 # Inside the target: its agent, at the start of each operation it runs for a client, and the
 # store, between writing a snapshot's data and publishing it.

@@ -43,6 +43,9 @@ from hibernate.targets import AgentRef, Target, resolve
 # Phase boundaries, in order; each is journaled and is a fault point ("sleep.after-<phase>").
 SLEEP_PHASES = ("lock", "connect", "quiesce", "spill", "release", "cuda-lock", "cuda")
 WAKE_PHASES = ("lock", "connect", "cuda-restore", "cuda", "restore", "resume")
+# A vLLM server (hibernate/integrations/vllm_flow.py): its own /sleep and /wake_up move the memory.
+VLLM_SLEEP_PHASES = ("lock", "connect", "configure", "drain", "vllm-sleep", "cuda-lock", "cuda")
+VLLM_WAKE_PHASES = ("lock", "connect", "cuda-restore", "cuda", "vllm-wake")
 
 
 class ProgressSink:
@@ -66,6 +69,22 @@ class IoOptions:
 
 
 @dataclass
+class VllmOptions:
+    """How to put a vLLM server to sleep; None: the default (level 1, drain wait, URL from its command line).
+
+    Set only when the user gave them, so that they can be refused for a target that is not vLLM.
+    """
+
+    level: int | None = None
+    drain: str | None = None
+    url: str | None = None
+
+    def given(self) -> list[str]:
+        named = (("--level", self.level), ("--drain", self.drain), ("--vllm-url", self.url))
+        return [name for name, value in named if value is not None]
+
+
+@dataclass
 class Options:
     quiesce_timeout: float = 30.0
     agent_timeout: float = 60.0  # longest silence from an agent before giving up
@@ -76,9 +95,25 @@ class Options:
     checkpointer_kind: str = "auto"
     cuda_checkpoint: str | None = None  # path of the cuda-checkpoint binary (--cuda-checkpoint)
     cuda_timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    vllm: VllmOptions = field(default_factory=VllmOptions)
     _chosen: bool = field(default=False, repr=False)
     _passed_over: list[str] = field(default_factory=list, repr=False)
     _skipped: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+
+def exits(identity: ProcessIdentity, within: float = 2.0) -> bool:
+    """Whether a process whose agent just hung up is gone, or goes within ``within`` seconds.
+
+    A dying process's sockets close before /proc shows it gone (the kernel
+    closes its files first), so "connection lost" is judged only once the
+    process had a moment to finish exiting.
+    """
+    deadline = time.monotonic() + within
+    while procinfo.is_alive(identity):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @dataclass
@@ -100,7 +135,7 @@ class _Member:
         try:
             result = self.client.call(op, args, **kwargs)
         except AgentConnectionLost as exc:
-            if not procinfo.is_alive(self.ref.identity):
+            if exits(self.ref.identity):
                 raise NoSuchProcessError(f"process {self.pid} exited during {op}") from exc
             raise
         except HibernateTimeoutError as exc:
@@ -229,6 +264,20 @@ def _sweep_dead(directory: Path) -> None:
     journal = Journal(directory)
     journal.entries()
     journal.sweep_locks()
+
+
+def _vllm(targets: Sequence[Target], options: Options) -> bool:
+    """Whether the targets are a vLLM server (its own flow); vLLM-only options refused for anything else."""
+    if any(a.status.get("sleep_driver") == "vLLM" for t in targets for a in t.agents):
+        return True
+    given = options.vllm.given()
+    if given:
+        pids = ", ".join(str(t.requested_pid) for t in targets)
+        raise UsageError(
+            f"{', '.join(given)} apply to a vLLM server, and process(es) {pids} are not one; "
+            "nothing was changed"
+        )
+    return False
 
 
 def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
@@ -377,6 +426,10 @@ def sleep(
     started = time.perf_counter()
     sink.phase("connect")
     targets = resolve(pids)
+    if _vllm(targets, options):
+        from hibernate.integrations import vllm_flow
+
+        return vllm_flow.sleep(targets, directory, options, sink)
     operation = _Operation("sleep", targets)
     operation.lock()
     try:
@@ -517,38 +570,45 @@ def _cuda_sleep(targets: Sequence[Target], options: Options, operation: _Operati
     return report
 
 
+def phase_seconds(phases: dict[str, Any]) -> dict[str, float]:
+    """Seconds per phase of one process, from its agent's reports."""
+    return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)}
+
+
+def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One process of a sleep report, from what its agent's quiesce, spill and release returned."""
+    spill = phases.get("spill", {})
+    release = phases.get("release", {})
+    written = int(spill.get("written_bytes", 0))
+    spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
+    return {
+        "pid": pid,
+        "name": name,
+        "snapshot": spill.get("path"),
+        "total_bytes": spill.get("total_bytes", 0),
+        "written_bytes": written,
+        "reused_bytes": spill.get("reused_bytes", 0),
+        "dropped_bytes": spill.get("dropped_bytes", 0),
+        "released_bytes": release.get("released_bytes", 0),
+        "io_mode": spill.get("io_mode"),
+        "gb_per_s": round(written / spill_seconds / 1e9, 3),
+        "rss_before": release.get("rss_before"),
+        "rss_after": release.get("rss_after"),
+        "pools": spill.get("pools", []),
+        "phases": {
+            k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)
+        },
+    }
+
+
 def _sleep_report(
     members: Sequence[_Member], cuda: dict[str, Any], directory: Path, seconds: float
 ) -> dict[str, Any]:
-    processes = []
-    for member in members:
-        spill = member.phases.get("spill", {})
-        release = member.phases.get("release", {})
-        written = int(spill.get("written_bytes", 0))
-        spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
-        processes.append(
-            {
-                "pid": member.pid,
-                "name": member.ref.status.get("name"),
-                "snapshot": spill.get("path"),
-                "total_bytes": spill.get("total_bytes", 0),
-                "written_bytes": written,
-                "reused_bytes": spill.get("reused_bytes", 0),
-                "dropped_bytes": spill.get("dropped_bytes", 0),
-                "released_bytes": release.get("released_bytes", 0),
-                "io_mode": spill.get("io_mode"),
-                "gb_per_s": round(written / spill_seconds / 1e9, 3),
-                "rss_before": release.get("rss_before"),
-                "rss_after": release.get("rss_after"),
-                "pools": spill.get("pools", []),
-                "phases": {k: round(float(v.get("seconds", 0.0)), 6) for k, v in member.phases.items()},
-            }
-        )
     return {
         "operation": "sleep",
         "directory": str(directory),
         "seconds": round(seconds, 6),
-        "processes": processes,
+        "processes": [sleep_entry(m.pid, m.ref.status.get("name"), m.phases) for m in members],
         "cuda": cuda,
     }
 
@@ -560,6 +620,10 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
     started = time.perf_counter()
     sink.phase("connect")
     targets = resolve(pids)
+    if _vllm(targets, options):
+        from hibernate.integrations import vllm_flow
+
+        return vllm_flow.wake(targets, options, sink)
     operation = _Operation("wake", targets)
     operation.lock()
     members: list[_Member] = []
@@ -676,26 +740,34 @@ def _cuda_wake(targets: Sequence[Target], options: Options, operation: _Operatio
     return report
 
 
+def wake_entry(pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One process of a wake report, from what its agent's restore and resume returned."""
+    restore = phases.get("restore", {})
+    total = int(restore.get("total_bytes", 0))
+    restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
+    return {
+        "pid": pid,
+        "name": name,
+        "snapshot": snapshot,
+        "restored_bytes": total,
+        "zeroed_bytes": restore.get("zeroed_bytes", 0),
+        "io_mode": restore.get("io_mode"),
+        "gb_per_s": round(total / restore_seconds / 1e9, 3),
+        "rss_before": restore.get("rss_before"),
+        "rss_after": restore.get("rss_after"),
+        "phases": {
+            k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)
+        },
+    }
+
+
 def _wake_report(members: Sequence[_Member], cuda: dict[str, Any], seconds: float) -> dict[str, Any]:
-    processes = []
-    for member in members:
-        restore = member.phases.get("restore", {})
-        total = int(restore.get("total_bytes", 0))
-        restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
-        processes.append(
-            {
-                "pid": member.pid,
-                "name": member.ref.status.get("name"),
-                "snapshot": (member.ref.status.get("snapshot") or {}).get("path"),
-                "restored_bytes": total,
-                "zeroed_bytes": restore.get("zeroed_bytes", 0),
-                "io_mode": restore.get("io_mode"),
-                "gb_per_s": round(total / restore_seconds / 1e9, 3),
-                "rss_before": restore.get("rss_before"),
-                "rss_after": restore.get("rss_after"),
-                "phases": {k: round(float(v.get("seconds", 0.0)), 6) for k, v in member.phases.items()},
-            }
+    processes = [
+        wake_entry(
+            m.pid, m.ref.status.get("name"), (m.ref.status.get("snapshot") or {}).get("path"), m.phases
         )
+        for m in members
+    ]
     return {"operation": "wake", "seconds": round(seconds, 6), "processes": processes, "cuda": cuda}
 
 
@@ -745,6 +817,10 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
     """
     sink = sink or ProgressSink()
     targets = resolve(pids)
+    if _vllm(targets, options):
+        from hibernate.integrations import vllm_flow
+
+        return vllm_flow.recover(targets, options, sink)
     refs = list({a.identity: a for t in targets for a in t.agents}.values())
     found = [(ref, interrupted_operation(ref)) for ref in refs]
     busy = [(ref, i) for ref, i in found if i and "in_progress" in i]

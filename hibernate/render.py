@@ -137,7 +137,18 @@ def sleep_report(report: dict[str, Any]) -> None:
             f"{human_bytes(p['dropped_bytes'])}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
         )
         _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
+    if report.get("vllm"):
+        out.print(vllm_summary(report["vllm"]), markup=False)
     out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
+
+
+def vllm_summary(vllm: dict[str, Any]) -> str:
+    """One line on the vLLM server a sleep or wake went through."""
+    seconds = ", ".join(f"{name} {value:.2f}s" for name, value in (vllm.get("seconds") or {}).items())
+    how = f"level {vllm['level']}, drain {vllm['mode']}; " if "level" in vllm else ""
+    return f"vllm: server pid {vllm['server_pid']} at {vllm['url']} ({vllm['url_from']}); {how}" + (
+        seconds or "no request needed"
+    )
 
 
 def wake_report(report: dict[str, Any]) -> None:
@@ -150,6 +161,8 @@ def wake_report(report: dict[str, Any]) -> None:
             f"verified; {human_bytes(p['zeroed_bytes'])} zero-filled",
         )
         _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
+    if report.get("vllm"):
+        out.print(vllm_summary(report["vllm"]), markup=False)
     out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
 
 

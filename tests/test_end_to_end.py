@@ -133,5 +133,6 @@ def test_exit_codes_are_stable(exit_code: ExitCode) -> None:
         "CUDA_CHECKPOINT": 11,
         "UNSUPPORTED": 12,
         "NEEDS_RECOVERY": 13,
+        "SERVER_FAILED": 14,
     }
     assert documented[exit_code.name] == exit_code.value

@@ -9,9 +9,11 @@ there by the backend, at the address vLLM holds.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,14 +70,14 @@ class World:
         return [r.tag for r in manifest.records]
 
 
-def make_world(spill_dir: Path, environ: dict[str, str] | None = None) -> World:
+def make_world(spill_dir: Path, environ: dict[str, str] | None = None, helper: Any = None) -> World:
     reservations = HostReservations()
     allocator = StandInCuMemAllocator(reservations)
     contents = populate(allocator, LAYOUT)
     memory = HostDeviceMemory(reservations)
     agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME, kind="test")  # type: ignore[arg-type]
     env = {"HIBERNATE_DIR": str(spill_dir), **STAGING, **(environ or {})}
-    backend = HibernateBackend(allocator=allocator, device=memory, agent=agent, environ=env)
+    backend = HibernateBackend(allocator=allocator, device=memory, agent=agent, environ=env, helper=helper)
     return World(reservations, allocator, memory, agent, backend, contents, spill_dir)
 
 
@@ -303,10 +305,57 @@ def test_without_a_cumem_allocator_a_sleep_says_how_to_get_one(work_dir: Path) -
     assert "--enable-sleep-mode" in str(caught.value.hint)
 
 
-def test_self_checkpoint_is_refused_when_the_backend_is_created(work_dir: Path) -> None:
+def test_self_checkpoint_without_a_checkpointer_is_refused_when_the_backend_is_made(work_dir: Path) -> None:
     agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+
+    def no_helper() -> Any:
+        raise UnsupportedError("HIBERNATE_SELF_CHECKPOINT=1 needs the driver's checkpoint API")
+
     with pytest.raises(UnsupportedError, match="HIBERNATE_SELF_CHECKPOINT=1"):
-        HibernateBackend(agent=agent, environ={"HIBERNATE_SELF_CHECKPOINT": "1"})
+        HibernateBackend(agent=agent, environ={"HIBERNATE_SELF_CHECKPOINT": "1"}, helper=no_helper)
+    assert agent.state is AgentState.RUNNING
+
+
+def test_with_self_checkpoint_the_checkpoint_follows_vllms_sleep_and_the_restore_precedes_its_wake(
+    work_dir: Path,
+) -> None:
+    """The helper is asked to checkpoint once the caller of suspend returned, to restore before any remap."""
+    order: list[tuple[str, bool | None]] = []
+    worlds: list[World] = []
+
+    class Helper:
+        def call(self, op: str) -> dict[str, Any]:
+            order.append((op, all(worlds[0].asleep())))  # were the pools released at that moment?
+            return {"status": "checkpointed" if op == "sleep" else "restored", "processes": []}
+
+        def close(self) -> None:
+            pass
+
+    world = make_world(work_dir, {"HIBERNATE_SELF_CHECKPOINT": "1"}, helper=Helper)
+    worlds.append(world)
+    try:
+        assert world.agent.status()["self_checkpoint"] is True
+
+        def worker_sleep() -> None:  # vLLM's Worker.sleep: suspend, then device calls
+            world.backend.suspend(1)
+            order.append(("device calls after suspend", None))
+
+        worker_sleep()
+        deadline = time.monotonic() + 5
+        while len(order) < 3:
+            assert time.monotonic() < deadline, order
+            time.sleep(0.01)
+        world.backend.resume()
+        assert order == [
+            ("wake", False),  # suspend first makes sure CUDA runs (it always does here)
+            ("device calls after suspend", None),
+            ("sleep", True),  # after Worker.sleep returned, with every pool released
+            ("wake", True),  # before resume maps anything back
+        ]
+        assert world.backend.state() == "RUNNING" and not any(world.asleep())
+        assert all(world.read(a) == c for a, c in world.contents.items() if keeps(world.tag(a), 1))
+    finally:
+        free_world(world)
 
 
 # -- what the agent shows ---------------------------------------------------------------

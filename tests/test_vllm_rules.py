@@ -13,7 +13,7 @@ from hibernate.integrations.vllm import (
     DEFAULT_DEFERRABLE_TAGS,
     flag,
     rank_from,
-    refuse_self_checkpoint,
+    self_checkpoint_requested,
     spill_base,
     staging_args,
     worker_name,
@@ -144,8 +144,11 @@ def test_staging_budget_and_chunk_size_come_from_the_environment_validated() -> 
         staging_args({"HIBERNATE_CHUNK_MB": "2048"})
 
 
-def test_self_checkpoint_is_refused_clearly_until_the_checkpoint_support_exists() -> None:
-    refuse_self_checkpoint({})
-    refuse_self_checkpoint({"HIBERNATE_SELF_CHECKPOINT": "0"})
-    with pytest.raises(UnsupportedError, match="needs hibernate's cuda-checkpoint support"):
-        refuse_self_checkpoint({"HIBERNATE_SELF_CHECKPOINT": "1"})
+def test_self_checkpoint_is_asked_for_with_a_clear_yes() -> None:
+    assert not self_checkpoint_requested({})
+    assert not self_checkpoint_requested({"HIBERNATE_SELF_CHECKPOINT": "0"})
+    assert self_checkpoint_requested({"HIBERNATE_SELF_CHECKPOINT": "1"})
+    with pytest.raises(UsageError, match="HIBERNATE_SELF_CHECKPOINT='sometimes'"):
+        self_checkpoint_requested({"HIBERNATE_SELF_CHECKPOINT": "sometimes"})
+    # Where raising would stop vLLM from starting (the plugin), an unclear value means no.
+    assert not self_checkpoint_requested({"HIBERNATE_SELF_CHECKPOINT": "sometimes"}, strict=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -110,7 +111,7 @@ def start_worker(
                 worker.proc.wait()
 
 
-def test_hibernate_ls_shows_the_worker_and_refuses_to_put_it_to_sleep_behind_vllms_back(
+def test_hibernate_ls_shows_the_worker_and_a_sleep_without_its_server_changes_nothing(
     start_worker: Callable[..., WorkerProcess], cli: Any, work_dir: Path
 ) -> None:
     worker = start_worker()
@@ -121,7 +122,7 @@ def test_hibernate_ls_shows_the_worker_and_refuses_to_put_it_to_sleep_behind_vll
     assert listed.returncode == 0, listed.stderr
     entry = next(a for a in listed.json()["agents"] if a["pid"] == worker.pid)
     assert entry["kind"] == "vllm" and entry["sleep_driver"] == "vLLM" and entry["state"] == "running"
-    assert entry["name"] == f"vllm-pid{worker.pid}"
+    assert entry["name"] == f"vllm-pid{worker.pid}" and entry["self_checkpoint"] is False
     pools = {(p["pool"], p["tag"]): p["keep"] for p in entry["pools"]}
     assert pools[("vllm-cumem", "weights")] is True
     assert pools[("vllm-cumem", "kv_cache")] is False
@@ -134,12 +135,18 @@ def test_hibernate_ls_shows_the_worker_and_refuses_to_put_it_to_sleep_behind_vll
         "default",
     }
 
+    # A vLLM process is put to sleep through its server's /sleep; with no server answering,
+    # nothing is touched (the server's address is normally read from its command line).
     before = worker.ask("digests")
-    refused = cli("sleep", str(worker.pid), "--to", str(work_dir))
-    assert refused.returncode == ExitCode.UNSUPPORTED, refused.stderr
-    assert "put to sleep by vLLM" in refused.stderr and "POST /sleep" in refused.stderr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    refused = cli("sleep", str(worker.pid), "--to", str(work_dir), "--vllm-url", nobody)
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert f"no server answers at {nobody} (--vllm-url)" in refused.stderr
     assert worker.ask("digests") == before
-    assert cli("status", str(worker.pid), "--json").json()["agents"][0]["state"] == "running"
+    status = cli("status", str(worker.pid), "--json").json()["agents"][0]
+    assert status["state"] == "running" and status["default_dir"] is None and status["interrupted"] is None
 
 
 def test_a_sleep_through_the_backend_spills_where_a_client_configured_and_wakes_in_two_steps(

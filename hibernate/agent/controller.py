@@ -21,7 +21,11 @@ Some processes are put to sleep by a program inside them rather than by a
 hibernate client: a vLLM worker sleeps when its server's ``/sleep`` asks it to,
 so that its scheduler has stopped first. Such a process names a *sleep driver*;
 a client's ``quiesce`` is then refused (a restore, which only brings memory
-back, is still allowed, for recovery).
+back, is still allowed, for recovery). A client that drives such a process
+from outside (``hibernate sleep`` on a vLLM server) therefore watches it
+instead: ``status`` shows the bytes moved by a transfer in progress
+(``transfer``) and what the last sleep or wake the process ran itself did
+(``last_operation``).
 
 One client at a time owns the agent (a *session*); another gets a BusyError
 naming the owner. Operations run on the owner's thread; the client's liveness
@@ -107,6 +111,7 @@ class SleepDriver:
 
     name: str  # e.g. "vLLM"
     hint: str  # how to put this process to sleep instead
+    checkpoints_itself: bool = False  # its CUDA state is checkpointed by a helper of its own
 
 
 def refuse_client_sleep(driver: SleepDriver | None, in_process: bool, pid: int) -> None:
@@ -223,6 +228,8 @@ class Hibernator:
         self._last_snapshot: dict[str, Any] | None = None
         self.default_dir: Path | None = None
         self.sleep_driver: SleepDriver | None = None
+        self._transfer: dict[str, Any] | None = None  # the newest progress of a spill or restore
+        self._last_operation: dict[str, Any] | None = None  # the report of the newest sleep_here/wake_here
         self.signals_configured = False  # hibernate-on-signal handlers, once per process
 
     # -- pools ---------------------------------------------------------------
@@ -250,6 +257,8 @@ class Hibernator:
             state = self._state
             owner = self._owner.description if self._owner else None
             snapshot = dict(self._last_snapshot) if self._last_snapshot else None
+            transfer = dict(self._transfer) if self._transfer else None
+            last_operation = self._last_operation
         summaries: list[dict[str, Any]] = []
         for pool, regions in sleeping.regions if sleeping else [(p, p.regions()) for p in pools]:
             summaries.extend(s.to_wire() for s in summarize(pool.name, regions))
@@ -267,6 +276,9 @@ class Hibernator:
             "snapshot": snapshot,
             "default_dir": str(self.default_dir) if self.default_dir else None,
             "sleep_driver": self.sleep_driver.name if self.sleep_driver else None,
+            "self_checkpoint": bool(self.sleep_driver and self.sleep_driver.checkpoints_itself),
+            "transfer": transfer,
+            "last_operation": last_operation,
         }
 
     def configure(self, directory: Path | None) -> dict[str, Any]:
@@ -345,7 +357,7 @@ class Hibernator:
                         "hibernate": __version__,
                     },
                     options=options,
-                    progress=_progress_reporter(session, "spill"),
+                    progress=self._reporter(session, "spill"),
                     cancelled=session.cancelled,
                     pin=pin,
                 )
@@ -445,7 +457,7 @@ class Hibernator:
                     report = reader.read_into(
                         targets,
                         buffer_bytes=options.buffer_bytes,
-                        progress=_progress_reporter(session, "restore"),
+                        progress=self._reporter(session, "restore"),
                         cancelled=session.cancelled,
                         pin=pin,
                     ).to_wire()
@@ -496,6 +508,7 @@ class Hibernator:
             report = {"quiesce": self.quiesce(session, timeout)}
             report["spill"] = self.spill(session, directory, args)
             report["release"] = self.release(session)
+            self._remember("sleep", report)
             return report
         finally:
             self.end(session)
@@ -510,9 +523,33 @@ class Hibernator:
             report = {"restore": self.restore(session, args, wanted)}
             if self.state is AgentState.QUIESCED:
                 report["resume"] = self.resume(session)
+            self._remember("wake", report)
             return report
         finally:
             self.end(session)
+
+    def _remember(self, op: str, report: dict[str, Any]) -> None:
+        """Keep what an in-process sleep or wake did, for a client watching from outside."""
+        with self._mutex:
+            self._last_operation = {"op": op, "finished_unix": time.time(), **report}
+
+    # -- progress ------------------------------------------------------------
+
+    def _reporter(self, session: Session, phase: str) -> Callable[[int, int], None]:
+        """Progress of a transfer: kept for ``status`` (whoever drives it), sent to the session's client.
+
+        A client that did not start the transfer (one watching a vLLM worker
+        sleep through its server) judges whether it still moves by ``status``.
+        """
+        forward = _progress_reporter(session, phase)
+
+        def report(done: int, total: int) -> None:
+            with self._mutex:
+                self._transfer = {"phase": phase, "done": done, "total": total, "unix": time.time()}
+            if forward is not None:
+                forward(done, total)
+
+        return report
 
 
 def _progress_reporter(session: Session, phase: str) -> Callable[[int, int], None] | None:

@@ -22,8 +22,14 @@ How it is wired:
   (quiesce, spill, release; restore, resume) over a
   :class:`~hibernate.pools.vllm.CuMemPool`, rather than a state machine of its own.
 * A hibernate client cannot start a sleep of a vLLM process itself: the worker's
-  scheduler must stop first, which only the server's ``/sleep`` does. A client
-  may set where the spill goes (agent op ``configure``).
+  scheduler must stop first, which only the server's ``/sleep`` does. So
+  ``hibernate sleep PID`` on a vLLM server sets where the spill goes (agent op
+  ``configure``), asks the server's ``/sleep``, watches the workers' agents and
+  then takes the CUDA state off the GPU from outside
+  (:mod:`hibernate.integrations.vllm_flow`).
+* With ``HIBERNATE_SELF_CHECKPOINT=1`` a worker does that last step itself,
+  through a helper process of its own, so plain ``/sleep`` and ``/wake_up``
+  give the full hibernation (:mod:`hibernate.integrations.self_checkpoint`).
 
 Where the spill goes: the directory a hibernate client configured on the
 agent, else ``$HIBERNATE_DIR``, else ``$XDG_CACHE_HOME/hibernate`` (default
@@ -39,6 +45,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,7 +54,8 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 
 from hibernate.agent import AgentState, Hibernator, hibernator
 from hibernate.agent.controller import SleepDriver, write_options
-from hibernate.errors import HibernateError, UnsupportedError, UsageError
+from hibernate.errors import HibernateError, UsageError
+from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
 from hibernate.pools.device import DeviceMemory
 from hibernate.pools.vllm import (
     CUMEM_MODULE,
@@ -73,13 +81,12 @@ CHUNK_ENV = "HIBERNATE_CHUNK_MB"
 QUIESCE_TIMEOUT_S = 30.0
 DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
 
-VLLM_DRIVER = SleepDriver(
-    name="vLLM",
-    hint=(
-        "ask the vLLM server: POST /sleep?level=1 (served with VLLM_SERVER_DEV_MODE=1); "
-        f"its workers spill to ${DIR_ENV} or to the directory set with the agent's configure op"
-    ),
+_DRIVER_HINT = (
+    "`hibernate sleep PID --to DIR` asks the vLLM server to sleep and then checkpoints its CUDA state; "
+    "or POST /sleep?level=1 to the server yourself (served with VLLM_SERVER_DEV_MODE=1)"
 )
+VLLM_DRIVER = SleepDriver(name="vLLM", hint=_DRIVER_HINT)
+VLLM_SELF_CHECKPOINT_DRIVER = SleepDriver(name="vLLM", hint=_DRIVER_HINT, checkpoints_itself=True)
 
 
 # -- small pure rules --------------------------------------------------------------
@@ -135,20 +142,18 @@ def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
     return args
 
 
-def refuse_self_checkpoint(environ: Mapping[str, str]) -> None:
-    """``HIBERNATE_SELF_CHECKPOINT=1`` needs a cuda-checkpoint helper this version does not have.
+def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True) -> bool:
+    """``HIBERNATE_SELF_CHECKPOINT``: does this worker take its own CUDA state off the GPU after a sleep?
 
-    The full hibernation from plain ``/sleep`` would have a helper process lock
-    and checkpoint this worker after ``suspend`` (a process cannot checkpoint
-    itself). Until hibernate's cuda-checkpoint support lands, say so before
-    anything is touched instead of silently doing half of it.
+    ``strict=False`` reads an unclear value as no (where raising would stop
+    vLLM from starting); the backend reads it strictly and says what is wrong.
     """
-    if flag(environ, SELF_CHECKPOINT_ENV):
-        raise UnsupportedError(
-            f"{SELF_CHECKPOINT_ENV}=1 asks for this worker to be cuda-checkpointed after each sleep; "
-            "that needs hibernate's cuda-checkpoint support, which this version does not include",
-            hint=f"unset {SELF_CHECKPOINT_ENV}: /sleep then frees the model's pools and keeps the context",
-        )
+    try:
+        return flag(environ, SELF_CHECKPOINT_ENV)
+    except UsageError:
+        if strict:
+            raise
+        return False
 
 
 # -- this process ------------------------------------------------------------------
@@ -165,7 +170,9 @@ def _torch_rank() -> int | None:
 def _adopt(agent: Hibernator, *, with_pool: bool = True) -> Hibernator:
     """Mark an agent as a vLLM process's and (by default) give it this process's CuMemAllocator pool."""
     agent.kind = AGENT_KIND
-    agent.sleep_driver = VLLM_DRIVER
+    agent.sleep_driver = (
+        VLLM_SELF_CHECKPOINT_DRIVER if self_checkpoint_requested(os.environ, strict=False) else VLLM_DRIVER
+    )
     if with_pool and agent.pool(CuMemPool.name) is None:
         agent.add_pool(CuMemPool())
     return agent
@@ -245,7 +252,11 @@ class HibernateBackend(SleepModeBackend):
 
     vLLM creates it with no arguments; the keyword arguments are for embedding
     and tests (an allocator and device memory of one's own, an agent not the
-    process's).
+    process's, a self-checkpoint helper of one's own).
+
+    With ``HIBERNATE_SELF_CHECKPOINT=1`` the backend starts its helper here
+    (vLLM creates the backend at the first sleep, so that sleep fails cleanly,
+    before anything is touched, if no checkpointer is available).
     """
 
     def __init__(
@@ -255,17 +266,24 @@ class HibernateBackend(SleepModeBackend):
         device: DeviceMemory | None = None,
         agent: Hibernator | None = None,
         environ: Mapping[str, str] | None = None,
+        helper: Callable[[], Helper] | None = None,
     ) -> None:
         super().__init__()
         self._environ: Mapping[str, str] = os.environ if environ is None else environ
-        refuse_self_checkpoint(self._environ)
         self._args = staging_args(self._environ)
+        wants_self_checkpoint = self_checkpoint_requested(self._environ)
         self._deferrable: Collection[str] = _vllm_deferrable_tags()
         self._agent = _adopt(agent, with_pool=False) if agent is not None else _process_agent()
         self._pool = self._attach_pool(allocator, device)
         rank = rank_from(_torch_rank(), self._environ)
         if rank is not None:
             self._agent.name = worker_name(rank, self._agent.identity.pid)
+        self._self_checkpoint: SelfCheckpointer | None = None
+        if wants_self_checkpoint:
+            self._self_checkpoint = SelfCheckpointer((helper or (lambda: HelperProcess(self._environ)))())
+            self._agent.sleep_driver = VLLM_SELF_CHECKPOINT_DRIVER
+        else:
+            self._agent.sleep_driver = VLLM_DRIVER
         self.last_report: dict[str, Any] = {}
 
     def _attach_pool(self, allocator: AllocatorLike | None, device: DeviceMemory | None) -> CuMemPool:
@@ -297,9 +315,16 @@ class HibernateBackend(SleepModeBackend):
 
     # -- SleepModeBackend ------------------------------------------------------
 
+    def _cuda_running(self) -> None:
+        """With self-checkpoint: this process's CUDA state restored and unlocked (else nothing to do)."""
+        if self._self_checkpoint is not None:
+            self._self_checkpoint.wake()
+
     def suspend(self, level: int = 1) -> None:
         check_level(level)
         require_allocator(self._pool)
+        caller = sys._getframe(1)  # vLLM's Worker.sleep: the self-checkpoint waits for it to return
+        self._cuda_running()
         report: dict[str, Any] = {}
         try:
             if self._agent.state is AgentState.ASLEEP:
@@ -313,6 +338,9 @@ class HibernateBackend(SleepModeBackend):
         finally:
             self._state = self._settled_state()
         self.last_report = report
+        if self._self_checkpoint is not None:
+            self._self_checkpoint.after_return(caller, threading.get_ident())
+        del caller
         spill, release = report["spill"], report["release"]
         log.info(
             "hibernate: level %d sleep kept %.2f GiB in %s (%.2f GiB written), dropped %.2f GiB, "
@@ -335,6 +363,7 @@ class HibernateBackend(SleepModeBackend):
         self._state = "RESUMING"
         report: dict[str, Any] = {}
         try:
+            self._cuda_running()  # before any device call of this wake
             if self._agent.state is AgentState.ASLEEP:
                 report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
             report["loose"] = self._pool.wake_loose(wanted)
@@ -352,9 +381,18 @@ class HibernateBackend(SleepModeBackend):
 
     def discard(self, tags: tuple[str, ...]) -> None:
         try:
+            self._cuda_running()
             self.last_report = self._pool.discard(tags)
         finally:
             self._state = self._settled_state()
+
+    def state(self) -> SleepModeState:
+        """Read from the memory itself, so a wake done from outside (``hibernate recover``) shows."""
+        return self._state if self._state == "RESUMING" else self._settled_state()
+
+    @property
+    def self_checkpoint(self) -> SelfCheckpointer | None:
+        return self._self_checkpoint
 
     # -- capabilities ----------------------------------------------------------
 

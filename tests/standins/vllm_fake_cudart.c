@@ -8,11 +8,20 @@
  * One rule is stricter than CUDA, on purpose: a stream may only be used while
  * its own device is the calling thread's current device (the seam promises to
  * set the device before every operation, from whichever thread it runs on).
+ *
+ * With the stand-in NVIDIA driver (tests/standins/standin_world.h) a process
+ * registered there as locked or checkpointed behaves as the driver documents
+ * for cuCheckpointProcessLock: its CUDA calls block until it runs again. Each
+ * call that had to wait is counted (fake_calls_while_suspended), so a test can
+ * tell that nothing touched the device while the CUDA state was off the GPU.
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef int cudaError_t;
 
@@ -48,6 +57,31 @@ long long fake_registered_bytes = 0;
 long long fake_registered_peak = 0;
 long long fake_device_synchronizations = 0;
 long long fake_fail_copy_at = -1; /* the copy with this index fails with cudaErrorIllegalAddress */
+long long fake_calls_while_suspended = 0;
+
+/* This process's state in the stand-in driver's world: 0 running (or not registered). */
+static int world_state(void) {
+    const char *dir = getenv("HIBERNATE_STANDIN_DIR");
+    if (dir == NULL || *dir == '\0') return 0;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/pid-%d", dir, (int)getpid());
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    int state = 0;
+    if (fscanf(f, "%d", &state) != 1) state = 0;
+    fclose(f);
+    return state;
+}
+
+/* A CUDA call of a locked or checkpointed process blocks until the process runs again. */
+static void wait_while_suspended(void) {
+    if (world_state() == 0) return;
+    __atomic_add_fetch(&fake_calls_while_suspended, 1, __ATOMIC_SEQ_CST);
+    while (world_state() != 0) {
+        struct timespec pause = {0, 5000000L};
+        nanosleep(&pause, NULL);
+    }
+}
 
 static cudaError_t fail(cudaError_t error) {
     last_error = error;
@@ -74,17 +108,20 @@ cudaError_t cudaGetLastError(void) {
 }
 
 cudaError_t cudaSetDevice(int device) {
+    wait_while_suspended();
     if (device < 0 || device >= fake_device_count) return fail(cudaErrorInvalidDevice);
     current_device = device;
     return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+    wait_while_suspended();
     __atomic_add_fetch(&fake_device_synchronizations, 1, __ATOMIC_SEQ_CST);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
+    wait_while_suspended();
     if (stream == NULL || flags > 1) return fail(cudaErrorInvalidValue);
     struct fake_stream *s = malloc(sizeof *s);
     if (s == NULL) return fail(cudaErrorInvalidValue);
@@ -95,6 +132,7 @@ cudaError_t cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
 }
 
 cudaError_t cudaStreamSynchronize(void *stream) {
+    wait_while_suspended();
     if (stream == NULL) return fail(cudaErrorInvalidResourceHandle);
     return cudaSuccess;
 }
@@ -106,6 +144,7 @@ static cudaError_t check_stream(void *stream) {
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, void *stream) {
+    wait_while_suspended();
     if (kind != cudaMemcpyDefault || dst == NULL || src == NULL) return fail(cudaErrorInvalidValue);
     if (check_stream(stream) != cudaSuccess) return last_error;
     long long index = __atomic_fetch_add(&fake_copies, 1, __ATOMIC_SEQ_CST);
@@ -116,6 +155,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, 
 }
 
 cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, void *stream) {
+    wait_while_suspended();
     if (ptr == NULL) return fail(cudaErrorInvalidValue);
     if (check_stream(stream) != cudaSuccess) return last_error;
     memset(ptr, value, count);
@@ -123,6 +163,7 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, void *stream) {
 }
 
 cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
+    wait_while_suspended();
     (void)flags;
     if (ptr == NULL || size == 0) return fail(cudaErrorInvalidValue);
     pthread_mutex_lock(&lock);
@@ -147,6 +188,7 @@ cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
 }
 
 cudaError_t cudaHostUnregister(void *ptr) {
+    wait_while_suspended();
     pthread_mutex_lock(&lock);
     for (int i = 0; i < fake_max_registrations; i++) {
         if (registrations[i].address == (uintptr_t)ptr) {

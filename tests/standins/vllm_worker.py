@@ -11,7 +11,17 @@ backend, which then runs hibernate's real CUDA seam.
 
 It prints one JSON line when ready, then answers commands on stdin, one JSON
 line each: ``suspend LEVEL``, ``resume [TAG...]``, ``digests``, ``memory``,
-``fork`` (a forked child reports its own agent), ``exit``.
+``fork`` (a forked child reports its own agent), ``fault SPEC`` (sets
+``HIBERNATE_FAULT`` in this process; ``-`` clears it), ``cuda`` (the fake
+runtime's counters), ``exit``; end of input ends it too (as a real worker ends
+with its server).
+
+``suspend`` and ``resume`` go through :meth:`Worker.sleep` and
+:meth:`Worker.wake_up`, which call the backend as vLLM 0.33's ``Worker.sleep``
+/ ``Worker.wake_up`` do, including the device calls vLLM makes right after
+``suspend`` (it synchronizes the device and reads its memory figures): with
+the stand-in NVIDIA driver those calls block while this process is locked or
+checkpointed, exactly what a self-checkpoint must not cause.
 """
 
 from __future__ import annotations
@@ -66,7 +76,18 @@ class Worker:
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
         vllm.plugins.load_general_plugins()
+        self.cudart = sys.modules[MODULE_NAME].libcudart
         self.backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend="hibernate"))
+
+    def sleep(self, level: int) -> None:
+        """vLLM's Worker.sleep: the backend's suspend, then device calls (synchronize, memory info)."""
+        self.backend.suspend(level)
+        self.cudart.lib.cudaDeviceSynchronize()
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """vLLM's Worker.wake_up: the backend's resume first, then device calls."""
+        self.backend.resume(tags)
+        self.cudart.lib.cudaDeviceSynchronize()
 
     def digests(self) -> dict[str, Any]:
         out = {}
@@ -87,12 +108,23 @@ class Worker:
         command = words[0]
         if command == "suspend":
             before = peak_rss_bytes()
-            self.backend.suspend(int(words[1]))
+            self.sleep(int(words[1]))
             return {"state": self.backend.state(), "peak_before": before, "peak_after": peak_rss_bytes()}
         if command == "resume":
             before = peak_rss_bytes()
-            self.backend.resume(words[1:] or None)
+            self.wake_up(words[1:] or None)
             return {"state": self.backend.state(), "peak_before": before, "peak_after": peak_rss_bytes()}
+        if command == "fault":
+            if words[1] == "-":
+                os.environ.pop("HIBERNATE_FAULT", None)
+            else:
+                os.environ["HIBERNATE_FAULT"] = words[1]
+            return {"fault": os.environ.get("HIBERNATE_FAULT")}
+        if command == "cuda":
+            return {
+                "calls_while_suspended": self.cudart.counter("fake_calls_while_suspended"),
+                "synchronizations": self.cudart.counter("fake_device_synchronizations"),
+            }
         if command == "digests":
             return self.digests()
         if command == "memory":

@@ -1,0 +1,330 @@
+"""STAND-IN for a vLLM 0.33 API server (tests only): its sleep endpoints, over stand-in workers.
+
+    python -m standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
+                                   [--enable-sleep-mode] [--sleep-mode-backend NAME]
+
+Like ``vllm serve`` it is the parent of its workers: each is a real
+``standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
+over host memory, hibernate's backend created by vLLM's factory), driven over
+its stdin as vLLM's executor drives its workers (every worker, then gather).
+The server loads vLLM's general plugins too, so it has a hibernate agent with
+an empty pool, as the real API server does. The flags after ``--ready`` are
+accepted as ``vllm serve`` accepts them (hibernate reads them from the command
+line); the others are the stand-in's.
+
+What it serves, and how, follows vLLM 0.33 (read from the released package):
+
+* with ``VLLM_SERVER_DEV_MODE=1`` only (``vllm/entrypoints/launchers/api_server/routers.py``):
+  ``POST /sleep?level=0..2&mode=abort|wait|keep`` -> ``{"status": "sleeping", "level": L}``;
+  ``POST /wake_up[?tags=...]`` -> ``{"status": "awake"|"sleeping", "tags": [...]|null}``;
+  ``GET /is_sleeping`` -> ``{"is_sleeping": bool}`` (``vllm/entrypoints/serve/dev/sleep/api_router.py``);
+* always ``GET /version``, ``GET /health``; any other route is a 404;
+* the engine (``vllm/v1/engine/core.py``): a sleep first pauses scheduling
+  (``abort`` aborts running requests, ``wait`` waits for them to finish,
+  ``keep`` keeps them); level 0 stops there. A pending pause is not called off
+  by a wake. Level >= 1 then has the executor put every worker to sleep unless
+  ``weights`` already sleep; ``wake_up`` drops ``scheduling`` from the tags,
+  wakes the executor (nothing if it does not sleep, nothing if a tag is not
+  asleep), and resumes scheduling once nothing sleeps. ``is_sleeping`` is
+  "paused or asleep". One engine call runs at a time (its busy loop);
+* the executor (``vllm/v1/executor/abstract.py``): ``sleeping_tags`` becomes
+  ``{"weights", "kv_cache"}`` only after every worker slept; a failing worker
+  makes the call fail and leaves it unset;
+* errors: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP
+  status; a worker's failure is a 500 "Call to sleep method failed: Worker
+  failed with error '...', please check the stack trace above for the root
+  cause"; a bad query a 400 (vLLM's validation handler).
+
+Stand-in controls, under ``/standin/`` (no vLLM equivalent; hibernate never calls them):
+``GET /standin/workers`` (pids, digests, the fake runtime's counters),
+``POST /standin/busy?requests=N`` (N requests running that only an abort ends),
+``POST /standin/worker-fault?index=I&spec=S`` (``HIBERNATE_FAULT`` in a worker),
+``POST /standin/die-during-sleep`` (the server kills itself once one worker slept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
+VERSION = "0.33.0"
+
+
+class EngineError(Exception):
+    """A failed engine call: vLLM's exception handler makes it a 500."""
+
+
+class WorkerHandle:
+    """One stand-in worker process, spoken to over its stdin/stdout."""
+
+    def __init__(self, index: int, cudart: str, mb: int) -> None:
+        env = {**os.environ, "RANK": str(index)}
+        self.index = index
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                "-m",
+                "standins.vllm_worker",
+                "--cudart",
+                cudart,
+                "--mb",
+                str(mb),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lock = threading.Lock()
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.index} did not start")
+        self.ready = json.loads(line)
+
+    def call(self, command: str) -> dict[str, Any]:
+        with self.lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            return {"ok": False, "error": f"worker {self.index} exited"}
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+
+class Engine:
+    """The engine core and executor, as far as sleeping goes."""
+
+    def __init__(self, workers: list[WorkerHandle]) -> None:
+        self.workers = workers
+        self.lock = threading.Lock()  # the engine core's busy loop: one call at a time
+        self.changed = threading.Condition()
+        self.paused = False
+        self.sleeping_tags: set[str] = set()
+        self.running_requests = 0
+        self.die_during_sleep = False
+
+    def _collective(self, command: str, after_first: Callable[[], None] | None = None) -> None:
+        """Every worker runs ``command``; the first failure fails the call (after all have answered)."""
+        with ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
+            futures = [pool.submit(w.call, command) for w in self.workers]
+            replies = []
+            for future in futures:
+                replies.append(future.result())
+                if after_first is not None and len(replies) == 1:
+                    after_first()
+        for reply in replies:
+            if not reply.get("ok"):
+                raise EngineError(
+                    f"Worker failed with error '{reply.get('error')}', please check the stack trace above "
+                    "for the root cause"
+                )
+
+    def sleep(self, level: int, mode: str) -> None:
+        with self.lock:
+            if mode == "abort":
+                with self.changed:
+                    self.running_requests = 0
+                    self.changed.notify_all()
+            self.paused = True
+        if mode == "wait":  # a pending pause: the engine keeps serving other calls meanwhile
+            with self.changed:
+                self.changed.wait_for(lambda: self.running_requests == 0)
+        if level < 1:
+            return
+        with self.lock:
+            if "weights" in self.sleeping_tags:
+                print("Executor is already sleeping.", file=sys.stderr, flush=True)
+                return
+            die = self._die if self.die_during_sleep else None
+            try:
+                self._collective(f"suspend {level}", after_first=die)
+            except EngineError as exc:
+                raise EngineError(f"Call to sleep method failed: {exc}") from None
+            self.sleeping_tags |= SLEEP_TAGS
+
+    @staticmethod
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        with self.lock:
+            if tags is not None and "scheduling" in tags:
+                tags = [t for t in tags if t != "scheduling"]
+            if tags is None or tags:
+                self._executor_wake_up(tags)
+            fully_awake = not self.sleeping_tags
+            if fully_awake:
+                self.paused = False
+            return fully_awake
+
+    def _executor_wake_up(self, tags: list[str] | None) -> None:
+        if not self.sleeping_tags:
+            print("Executor is not sleeping.", file=sys.stderr, flush=True)
+            return
+        for tag in tags or []:
+            if tag not in self.sleeping_tags:
+                print(f"Tag {tag} is not in sleeping tags {self.sleeping_tags}", file=sys.stderr, flush=True)
+                return
+        try:
+            self._collective("resume" + "".join(f" {t}" for t in tags or []))
+        except EngineError as exc:
+            raise EngineError(f"Call to wake_up method failed: {exc}") from None
+        if tags:
+            self.sleeping_tags -= set(tags)
+        else:
+            self.sleeping_tags.clear()
+
+    def is_sleeping(self) -> bool:
+        with self.lock:
+            return self.paused or bool(self.sleeping_tags)
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_error(param: str, message: str, value: str) -> dict[str, Any]:
+    detail = {"type": "value_error", "loc": tuple(param.split(".")), "msg": message, "input": value}
+    return error_body(f"1 validation error:\n  {detail}", "Bad Request", 400, param)
+
+
+def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            print(f"stand-in vllm: {format % args}", file=sys.stderr, flush=True)
+
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _not_found(self) -> None:
+            self._send(404, error_body("Not Found", "Not Found", 404))
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path == "/version":
+                self._send(200, {"version": VERSION})
+            elif url.path == "/health":
+                self._send(200, {})
+            elif url.path == "/is_sleeping" and dev_mode:
+                self._send(200, {"is_sleeping": engine.is_sleeping()})
+            elif url.path == "/standin/workers":
+                self._send(200, [self._worker(w) for w in engine.workers])
+            else:
+                self._not_found()
+
+        @staticmethod
+        def _worker(worker: WorkerHandle) -> dict[str, Any]:
+            return {
+                "index": worker.index,
+                "pid": worker.proc.pid,
+                "digests": worker.call("digests").get("result"),
+                "cuda": worker.call("cuda").get("result"),
+            }
+
+        def do_POST(self) -> None:
+            url = urlsplit(self.path)
+            query = parse_qs(url.query)
+            try:
+                if url.path == "/sleep" and dev_mode:
+                    self._sleep(query)
+                elif url.path == "/wake_up" and dev_mode:
+                    tags = query.get("tags") or None
+                    fully_awake = engine.wake_up(list(tags) if tags else None)
+                    self._send(200, {"status": "awake" if fully_awake else "sleeping", "tags": tags})
+                elif url.path == "/standin/busy":
+                    with engine.changed:
+                        engine.running_requests = int(query["requests"][0])
+                        engine.changed.notify_all()
+                    self._send(200, {"running_requests": engine.running_requests})
+                elif url.path == "/standin/worker-fault":
+                    worker = engine.workers[int(query["index"][0])]
+                    self._send(200, worker.call(f"fault {query['spec'][0]}"))
+                elif url.path == "/standin/die-during-sleep":
+                    engine.die_during_sleep = True
+                    self._send(200, {"die_during_sleep": True})
+                else:
+                    self._not_found()
+            except EngineError as exc:
+                self._send(500, error_body(str(exc), "InternalServerError", 500))
+
+        def _sleep(self, query: dict[str, list[str]]) -> None:
+            raw_level = (query.get("level") or ["1"])[0]
+            mode = (query.get("mode") or ["abort"])[0]
+            if not raw_level.lstrip("-").isdigit():
+                self._send(400, validation_error("query.level", "Input should be a valid integer", raw_level))
+                return
+            level = int(raw_level)
+            if not 0 <= level <= 2:
+                self._send(400, validation_error("query.level", "Input should be between 0 and 2", raw_level))
+                return
+            if mode not in PAUSE_MODES:
+                self._send(
+                    400, validation_error("query.mode", "Input should be 'abort', 'wait' or 'keep'", mode)
+                )
+                return
+            engine.sleep(level, mode)
+            self._send(200, {"status": "sleeping", "level": level})
+
+    return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cudart", required=True)
+    parser.add_argument("--ready", required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mb", type=int, default=0)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--enable-sleep-mode", action="store_true")
+    parser.add_argument("--sleep-mode-backend", default="cumem")
+    args = parser.parse_args()
+    dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
+
+    workers = [WorkerHandle(i, args.cudart, args.mb) for i in range(args.workers)]
+    import vllm.plugins  # the API server loads the plugins too: hibernate's agent, with an empty pool
+
+    vllm.plugins.load_general_plugins()
+    for worker in workers:
+        worker.wait_ready()
+    engine = Engine(workers)
+    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(engine, dev_mode))
+    server.daemon_threads = True
+    ready = {"pid": os.getpid(), "port": args.port, "workers": [w.proc.pid for w in workers]}
+    tmp = Path(f"{args.ready}.tmp")
+    tmp.write_text(json.dumps(ready))
+    tmp.rename(args.ready)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,540 @@
+"""``hibernate sleep/wake/recover`` on a vLLM server, end to end: the real CLI, a stand-in server.
+
+The server (tests/standins/vllm_server.py) serves vLLM 0.33's sleep endpoints
+with vLLM's semantics over real stand-in worker processes (vLLM's plugin
+loader, hibernate's backend from vLLM's factory, real AllocationData over host
+memory). The workers are registered with the stand-in NVIDIA driver, so the
+CUDA phase runs for real, and their fake CUDA runtime blocks (and counts) any
+device call made while they are locked or checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from hibernate import faults, orchestrator
+from hibernate.errors import ExitCode
+from standins.vllm_cumem import build_fake_cudart
+from tests.standins.world import GIB, World
+
+pytest_plugins = ["tests.standins.fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private HIBERNATE_RUNTIME_DIR on tmpfs where there is one, as $XDG_RUNTIME_DIR is.
+
+    Every journal step is an fsync (two per process and phase); on this suite's
+    disks one costs tens of milliseconds, on tmpfs nothing. The code is the same.
+    """
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="hb-run-", dir=base or "/tmp"))
+    run = path / "run"
+    monkeypatch.setenv("HIBERNATE_RUNTIME_DIR", str(run))
+    yield run
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        return build_fake_cudart(tmp_path_factory.mktemp("cudart"))
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class FakeServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    ready: dict[str, Any]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def workers(self) -> list[int]:
+        return list(self.ready["workers"])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, timeout: float = 60) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:
+                return answer.status, json.loads(answer.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def is_sleeping(self) -> bool:
+        status, body = self.request("GET", "/is_sleeping")
+        assert status == 200, body
+        return bool(body["is_sleeping"])
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        status, body = self.request("GET", "/standin/workers")
+        assert status == 200, body
+        return list(body)
+
+    def digests(self) -> dict[int, dict[str, Any]]:
+        return {w["pid"]: w["digests"] for w in self.workers_info()}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def start_server(
+    runtime_dir: Path, cudart_path: Path, work_dir: Path, tmp_path: Path
+) -> Iterator[Callable[..., FakeServer]]:
+    started: list[FakeServer] = []
+
+    def start(workers: int = 2, dev: bool = True, env: dict[str, str] | None = None) -> FakeServer:
+        index = len(started)
+        ready = tmp_path / f"server{index}.json"
+        log = tmp_path / f"server{index}.log"
+        port = free_port()
+        environment = dict(os.environ)
+        for name in ("VLLM_PLUGINS", "HIBERNATE_AGENT", "HIBERNATE_DIR", faults.ENV, faults.TRACE_ENV):
+            environment.pop(name, None)
+        environment.update(
+            {
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+                "HIBERNATE_BUFFER_MB": "8",
+                "HIBERNATE_CHUNK_MB": "2",
+                "VLLM_SERVER_DEV_MODE": "1" if dev else "0",
+                **(env or {}),
+            }
+        )
+        command = [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "standins.vllm_server",
+            "--cudart",
+            str(cudart_path),
+            "--workers",
+            str(workers),
+            "--ready",
+            str(ready),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enable-sleep-mode",
+            "--sleep-mode-backend",
+            "hibernate",
+        ]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the stand-in server did not start:\n{log.read_text()}")
+            time.sleep(0.05)
+        server = FakeServer(proc, port, json.loads(ready.read_text()), log)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+SCHEMAS = REPO / "docs" / "json-schema"
+
+
+def valid(name: str, document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` after checking it against the published schema of its command."""
+    schema = json.loads((SCHEMAS / f"{name}.schema.json").read_text())
+    problems = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(document)]
+    assert problems == [], problems
+    return document
+
+
+def agents(cli: Callable[..., Any], pid: int) -> dict[int, dict[str, Any]]:
+    """What `hibernate status PID --json` lists, asked in this process (quicker than a command)."""
+    return {a["pid"]: a for a in orchestrator.status([pid])}
+
+
+def states(cli: Callable[..., Any], server: FakeServer) -> list[str]:
+    found = agents(cli, server.pid)
+    return [found[pid]["state"] for pid in server.workers]
+
+
+def register(world: World, server: FakeServer) -> None:
+    for pid in server.workers:
+        world.register(pid, nbytes=2 * GIB)
+
+
+def nothing_left_to_clean(runtime_dir: Path) -> None:
+    journal = runtime_dir / "journal"
+    assert not (journal.exists() and any(journal.iterdir())), list(journal.iterdir())
+
+
+def assert_back_as_before(server: FakeServer, before: dict[int, dict[str, Any]], how: str = "") -> None:
+    """Every allocation at its address again: kept tags byte for byte, dropped ones zero."""
+    after = server.digests()
+    assert set(after) == set(before), how
+    for pid, allocations in before.items():
+        assert set(after[pid]) == set(allocations), f"{how}: addresses changed in {pid}"
+        for address, entry in allocations.items():
+            now = after[pid][address]
+            assert not now["asleep"], f"{how}: {pid} {address} still asleep"
+            if entry["tag"] in ("kv_cache", "workspace"):
+                assert now["zero"] or now["digest"] == entry["digest"], f"{how}: {pid} {address}"
+            else:
+                assert now["digest"] == entry["digest"], f"{how}: {pid} {address} {entry['tag']} differs"
+
+
+def awake_and_whole(
+    cli: Callable[..., Any], server: FakeServer, world: World, before: dict[int, Any], how: str
+) -> None:
+    assert states(cli, server) == ["running"] * len(server.workers), how
+    assert [world.state(pid) for pid in server.workers] == ["running"] * len(server.workers), how
+    assert not server.is_sleeping(), how
+    assert_back_as_before(server, before, how)
+    assert all(w["cuda"]["calls_while_suspended"] == 0 for w in server.workers_info()), how
+
+
+def test_vllm_phases_have_fault_points() -> None:
+    """A new phase of the vLLM flow without its fault point fails here."""
+    assert [f"sleep.after-{p}" for p in orchestrator.VLLM_SLEEP_PHASES] == [
+        p for p in faults.VLLM_SLEEP_POINTS if ".after-" in p
+    ]
+    assert [f"wake.after-{p}" for p in orchestrator.VLLM_WAKE_PHASES] == [
+        p for p in faults.VLLM_WAKE_POINTS if ".after-" in p
+    ]
+
+
+def test_sleep_and_wake_through_the_servers_own_endpoints(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+    tmp_path: Path,
+) -> None:
+    server = start_server(workers=2)
+    register(world, server)
+    before = server.digests()
+    trace = tmp_path / "trace"
+    env = {faults.TRACE_ENV: str(trace)}
+
+    # Any pid of the tree names the server: here its second worker.
+    asleep = cli("sleep", str(server.workers[1]), "--to", str(work_dir), "--json", env=env)
+    assert asleep.returncode == 0, asleep.stderr
+    report = valid("sleep", asleep.json())
+    vllm = report["vllm"]
+    assert vllm["server_pid"] == server.pid and vllm["url"] == server.url
+    assert f"--port {server.port}" in vllm["url_from"] and f"pid {server.pid}" in vllm["url_from"]
+    assert (vllm["level"], vllm["mode"]) == (1, "wait") and vllm["workers"] == server.workers
+    assert vllm["response"] == {"status": "sleeping", "level": 1}
+    assert [p["pid"] for p in report["processes"]] == server.workers
+    for rank, entry in enumerate(report["processes"]):
+        snapshot = Path(entry["snapshot"])
+        assert snapshot.parent == work_dir / f"vllm-rank{rank}-pid{entry['pid']}"
+        assert entry["written_bytes"] > 0 and entry["released_bytes"] > entry["total_bytes"]
+        assert set(entry["phases"]) == {"quiesce", "spill", "release"}
+    cuda = report["cuda"]
+    assert cuda["status"] == "checkpointed"
+    assert [(p["pid"], p["state"]) for p in cuda["processes"]] == [
+        (p, "checkpointed") for p in server.workers
+    ]
+    assert [world.state(pid) for pid in server.workers] == ["checkpointed", "checkpointed"]
+    assert [s for _, s, _, _ in world.calls()] == ["lock", "lock", "checkpoint", "checkpoint"]
+    assert server.is_sleeping() and states(cli, server) == ["asleep", "asleep"]
+    assert all(e["asleep"] for d in server.digests().values() for e in d.values())
+    nothing_left_to_clean(runtime_dir)
+
+    woken = cli("wake", str(server.pid), "--json", env=env)
+    assert woken.returncode == 0, woken.stderr
+    report = valid("wake", woken.json())
+    assert report["cuda"]["status"] == "restored"
+    assert report["vllm"]["response"] == {"status": "awake", "tags": None}
+    assert report["vllm"]["woken_directly"] == []
+    assert [p["pid"] for p in report["processes"]] == server.workers
+    assert all(p["restored_bytes"] > 0 and p["zeroed_bytes"] > 0 for p in report["processes"])
+    assert [s for _, s, _, _ in world.calls()][4:] == ["restore", "restore", "unlock", "unlock"]
+    awake_and_whole(cli, server, world, before, "after the wake")
+    assert trace.read_text().split() == [*faults.VLLM_SLEEP_POINTS, *faults.VLLM_WAKE_POINTS]
+    nothing_left_to_clean(runtime_dir)
+
+    human = cli("sleep", str(server.pid), "--to", str(work_dir), "--level", "2", "--drain", "abort")
+    assert human.returncode == 0, human.stderr
+    assert f"vllm: server pid {server.pid} at {server.url}" in human.stdout
+    assert "level 2, drain abort" in human.stdout
+    assert cli("wake", str(server.pid), "-q").returncode == 0
+    assert states(cli, server) == ["running", "running"] and not server.is_sleeping()
+
+
+def test_a_server_without_its_development_endpoints_is_refused_with_how_to_start_it(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    server = start_server(workers=1, dev=False)
+    register(world, server)
+    refused = cli("sleep", str(server.pid), "--to", str(work_dir))
+    assert refused.returncode == ExitCode.UNSUPPORTED, refused.stderr
+    assert "does not serve GET /is_sleeping (404)" in refused.stderr
+    assert "VLLM_SERVER_DEV_MODE=1" in refused.stderr
+    assert "--enable-sleep-mode --sleep-mode-backend hibernate" in refused.stderr
+    found = agents(cli, server.pid)
+    assert [found[pid]["state"] for pid in server.workers] == ["running"]
+    assert all(a["default_dir"] is None for a in found.values()), "the workers were not told anything"
+    assert world.state(server.workers[0]) == "running" and world.calls() == []
+    nothing_left_to_clean(runtime_dir)
+
+    # Bad input is refused before anything is touched, each with its exit code.
+    wrong = cli(
+        "sleep", str(server.pid), "--to", str(work_dir), "--vllm-url", f"http://127.0.0.1:{free_port()}"
+    )
+    assert wrong.returncode == ExitCode.USAGE and "no server answers at" in wrong.stderr, wrong.stderr
+    assert "pass the server's address with --vllm-url" in wrong.stderr
+    level = cli("sleep", str(server.pid), "--to", str(work_dir), "--level", "0")
+    assert level.returncode == ExitCode.USAGE and "--level must be 1 or 2" in level.stderr
+    drain = cli("sleep", str(server.pid), "--to", str(work_dir), "--drain", "keep")
+    assert drain.returncode == ExitCode.USAGE and "--drain must be wait or abort" in drain.stderr
+    not_http = cli("wake", str(server.pid), "--vllm-url", "ftp://x")
+    assert not_http.returncode == ExitCode.USAGE and "is not an http(s) URL" in not_http.stderr
+    assert world.calls() == [] and server.request("GET", "/health")[0] == 200
+    nothing_left_to_clean(runtime_dir)
+
+
+def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_asleep(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    server = start_server(workers=2)
+    register(world, server)
+    before = server.digests()
+    # The second worker's sleep fails once its pools are spilled; the first one's succeeds.
+    assert server.request("POST", "/standin/worker-fault?index=1&spec=agent.release")[0] == 200
+    failed = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
+    assert failed.returncode == ExitCode.SERVER_FAILED, failed.stderr
+    error = valid("error", failed.json())["error"]
+    assert error["exit_name"] == "SERVER_FAILED"
+    assert f"vLLM server {server.pid} (vllm-sleep)" in error["message"]
+    assert "HTTP 500: Call to sleep method failed" in error["message"]
+    assert "fault injected at agent.release" in error["message"]
+    # vLLM's executor never recorded the sleep, so /wake_up would not have woken worker 0:
+    # hibernate woke it through its agent, then let scheduling resume.
+    awake_and_whole(cli, server, world, before, "after the undo")
+    assert world.calls() == [], "the CUDA state was never touched"
+    found = agents(cli, server.pid)
+    assert all(found[pid]["default_dir"] is None for pid in server.workers), "the spill directory was reset"
+    nothing_left_to_clean(runtime_dir)
+
+    # The server dies once its first worker has slept.
+    assert server.request("POST", "/standin/worker-fault?index=1&spec=-")[0] == 200
+    assert server.request("POST", "/standin/die-during-sleep")[0] == 200
+    result = cli("sleep", str(server.pid), "--to", str(work_dir))
+    assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
+    assert f"the vLLM server (pid {server.pid}) exited during POST /sleep?level=1&mode=wait" in result.stderr
+    server.proc.wait(timeout=10)
+    assert world.calls() == []
+    # Its workers end with it (as vLLM's do); none is left asleep behind anyone's back.
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in server.workers):
+        assert time.monotonic() < deadline, "the workers outlived their server"
+        time.sleep(0.1)
+    assert cli("ls", "--json").json()["agents"] == []
+    nothing_left_to_clean(runtime_dir)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left_to_recover(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    server = start_server(workers=1)
+    register(world, server)
+    before = server.digests()
+    assert server.request("POST", "/standin/busy?requests=1")[0] == 200  # a request that never finishes
+    timed_out = cli("sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1")
+    assert timed_out.returncode == ExitCode.TIMEOUT, timed_out.stderr
+    assert "did not answer POST /sleep?level=0&mode=wait within 1s" in timed_out.stderr
+    assert f"vLLM server {server.pid} (drain)" in timed_out.stderr
+    awake_and_whole(cli, server, world, before, "after the drain timed out")  # scheduling resumed
+    assert world.calls() == []
+    nothing_left_to_clean(runtime_dir)
+
+    aborted = cli(
+        "sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1", "--drain", "abort", "--json"
+    )
+    assert aborted.returncode == 0, aborted.stderr
+    assert aborted.json()["vllm"]["mode"] == "abort" and server.is_sleeping()
+    assert cli("wake", str(server.pid), "-q").returncode == 0
+    awake_and_whole(cli, server, world, before, "after abort, sleep and wake")
+
+    # A worker whose sleep hangs: given up after --timeout (at least 5 s) without progress; the
+    # server still carries the sleep out, so nothing is undone behind its back and the journal
+    # says how to finish.
+    worker = server.workers[0]
+    world.clear_calls()
+    assert server.request("POST", "/standin/worker-fault?index=0&spec=agent.spill:hang")[0] == 200
+    started = time.monotonic()
+    hung = cli("sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1")
+    assert hung.returncode == ExitCode.TIMEOUT, hung.stderr
+    assert 5 <= time.monotonic() - started < 30
+    assert "showed no progress on POST /sleep?level=1&mode=wait for 5s" in hung.stderr
+    assert "the server is still carrying out the sleep, so nothing was undone" in hung.stderr
+    assert f"`hibernate recover {server.pid}`" in hung.stderr
+    interrupted = agents(cli, server.pid)[worker]["interrupted"]
+    assert interrupted is not None and interrupted["resolve"] == f"hibernate recover {worker}"
+    assert world.calls() == []
+
+
+def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovered(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    server = start_server(workers=1)
+    register(world, server)
+    before = server.digests()
+    pid = str(server.pid)
+    for point in faults.VLLM_SLEEP_POINTS:
+        result = cli("sleep", str(server.pid), "--to", str(work_dir), "-q", env={faults.ENV: point})
+        assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
+        assert f"fault injected at {point}" in result.stderr, point
+        awake_and_whole(cli, server, world, before, point)
+        nothing_left_to_clean(runtime_dir)
+
+    def resolve(point: str) -> None:
+        info = agents(cli, server.pid)[server.workers[0]]["interrupted"]
+        assert info is not None and info["resolve"] == f"hibernate recover {server.workers[0]}", (point, info)
+        recovered = cli("recover", pid, "--json")
+        assert recovered.returncode == 0, f"{point}: {recovered.stderr}"
+        if set(states(cli, server)) == {"asleep"}:  # recover finished the sleep: wake it for real
+            assert recovered.json()["action"] in (
+                "finished the interrupted sleep",
+                "the interrupted sleep had completed",
+            ), point
+            assert {world.state(p) for p in server.workers} == {"checkpointed"}, point
+            woken = cli("wake", pid, "-q")
+            assert woken.returncode == 0, f"{point}: {woken.stderr}"
+        awake_and_whole(cli, server, world, before, point)
+        nothing_left_to_clean(runtime_dir)
+        assert agents(cli, server.pid)[server.workers[0]]["interrupted"] is None, point
+
+    for point in faults.VLLM_SLEEP_POINTS:
+        killed = cli("sleep", pid, "--to", str(work_dir), "-q", env={faults.ENV: f"{point}:kill"})
+        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode} {killed.stderr}"
+        resolve(point)
+    for point in faults.VLLM_WAKE_POINTS:
+        assert cli("sleep", pid, "--to", str(work_dir), "-q").returncode == 0
+        killed = cli("wake", pid, "-q", env={faults.ENV: f"{point}:kill"})
+        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode} {killed.stderr}"
+        resolve(point)
+
+
+def test_self_checkpoint_through_plain_sleep_and_wake_up(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    server = start_server(workers=2, env={"HIBERNATE_SELF_CHECKPOINT": "1", "HIBERNATE_DIR": str(work_dir)})
+    register(world, server)
+    before = server.digests()
+    found = agents(cli, server.pid)
+    assert all(found[pid]["self_checkpoint"] for pid in server.workers)
+
+    # Plain vLLM: no hibernate command at all.
+    assert server.request("POST", "/sleep?level=1&mode=abort") == (200, {"status": "sleeping", "level": 1})
+    deadline = time.monotonic() + 30  # the checkpoint follows the answer: wait for it (and its log lines)
+    while [world.state(pid) for pid in server.workers] != ["checkpointed", "checkpointed"] or len(
+        world.calls()
+    ) < 4:
+        assert time.monotonic() < deadline, [world.state(pid) for pid in server.workers]
+        time.sleep(0.05)
+    assert sorted((s, p) for _, s, p, _ in world.calls()) == sorted(
+        [("lock", p) for p in server.workers] + [("checkpoint", p) for p in server.workers]
+    )
+    assert states(cli, server) == ["asleep", "asleep"] and server.is_sleeping()
+    # vLLM's own device calls after suspend ran before the lock: nothing waited on it.
+    info = server.workers_info()
+    assert all(w["cuda"]["calls_while_suspended"] == 0 and w["cuda"]["synchronizations"] > 0 for w in info)
+
+    assert server.request("POST", "/wake_up") == (200, {"status": "awake", "tags": None})
+    assert [world.state(pid) for pid in server.workers] == ["running", "running"]
+    # Each worker restored and unlocked itself before touching its memory.
+    assert sorted((s, p) for _, s, p, _ in world.calls()[4:]) == sorted(
+        [("restore", p) for p in server.workers] + [("unlock", p) for p in server.workers]
+    )
+    awake_and_whole(cli, server, world, before, "after plain /sleep and /wake_up")
+
+    # `hibernate sleep` on such a server leaves the CUDA phase to the workers and waits for it.
+    asleep = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
+    assert asleep.returncode == 0, asleep.stderr
+    cuda = valid("sleep", asleep.json())["cuda"]
+    assert cuda["status"] == "checkpointed (by the workers themselves)"
+    assert [(p["pid"], p["by"]) for p in cuda["processes"]] == [(p, "itself") for p in server.workers]
+    assert [world.state(pid) for pid in server.workers] == ["checkpointed", "checkpointed"]
+    woken = cli("wake", str(server.pid), "-q")
+    assert woken.returncode == 0, woken.stderr
+    awake_and_whole(cli, server, world, before, "after hibernate sleep and wake")
+    nothing_left_to_clean(runtime_dir)
