@@ -12,10 +12,11 @@ published snapshot holds every kept byte, so an undo can always restore.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,25 @@ class _Operation:
         self._entries.clear()
         self.release()
 
+    @contextlib.contextmanager
+    def concluding(self, *keep_journal_on: type[BaseException]) -> Iterator[None]:
+        """End the operation with the block that runs its phases.
+
+        Success and a clean undo leave nothing to recover (``finish``); a
+        NeedsRecoveryError, or one of ``keep_journal_on``, keeps the journal
+        entry for ``hibernate recover`` and only lets go of the locks.
+        """
+        keep: tuple[type[BaseException], ...] = (NeedsRecoveryError, *keep_journal_on)
+        try:
+            yield
+        except keep:
+            self.release()
+            raise
+        except BaseException:
+            self.finish()
+            raise
+        self.finish()
+
     def release(self) -> None:
         for lock in self._locks:
             lock.release()
@@ -309,7 +329,7 @@ def _connect(targets: Sequence[Target], timeout: float) -> list[_Member]:
                 members.append(member)
                 member.call("begin")
     except BaseException:
-        _close(members)
+        _hang_up(members)
         raise
     return members
 
@@ -323,9 +343,18 @@ def _describe_state(member: _Member) -> str:
     return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
 
 
-def _close(members: Sequence[_Member]) -> None:
+def _hang_up(members: Sequence[_Member]) -> None:
     for member in members:
         member.client.close()
+
+
+@contextlib.contextmanager
+def _closing(members: Sequence[_Member]) -> Iterator[None]:
+    """Hang up on every member when the block ends (``members`` may still grow inside it)."""
+    try:
+        yield
+    finally:
+        _hang_up(members)
 
 
 def _parallel(members: Sequence[_Member], work: Callable[[_Member], object]) -> None:
@@ -432,18 +461,15 @@ def sleep(
         return vllm_flow.sleep(targets, directory, options, sink)
     operation = _Operation("sleep", targets)
     operation.lock()
-    try:
+    members: list[_Member] = []
+    with operation.concluding(), _closing(members):
         _require_checkpointer(targets, options)
         directory = prepare_directory(directory, targets)
         holders = [h for t in targets for h in t.cuda_holders]
         checkpointer = options.checkpointer
         operation.record(directory, holders, getattr(checkpointer, "name", None))
         operation.passed("lock")
-        members = _connect(targets, options.agent_timeout)
-    except BaseException:
-        operation.finish()
-        raise
-    try:
+        members.extend(_connect(targets, options.agent_timeout))
         not_running = [m for m in members if m.phases["begin"].get("state") != "running"]
         if not_running:
             raise WrongStateError(
@@ -452,16 +478,6 @@ def sleep(
             )
         operation.passed("connect")
         cuda = _sleep_phases(targets, members, directory, options, sink, operation)
-    except NeedsRecoveryError:
-        _close(members)
-        operation.release()  # the journal stays: `hibernate recover` / `wake` reads it
-        raise
-    except BaseException:
-        _close(members)
-        operation.finish()
-        raise
-    _close(members)
-    operation.finish()
     return _sleep_report(members, cuda, directory, time.perf_counter() - started)
 
 
@@ -627,22 +643,12 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
     operation = _Operation("wake", targets)
     operation.lock()
     members: list[_Member] = []
-    try:
+    with operation.concluding(), _closing(members):
         operation.record(None, [h for t in targets for h in t.cuda_holders], None)
         operation.passed("lock")
-        members = _connect(targets, options.agent_timeout)
+        members.extend(_connect(targets, options.agent_timeout))
         operation.passed("connect")
         report = _wake_phases(targets, members, options, sink, operation, started)
-    except NeedsRecoveryError:
-        _close(members)
-        operation.release()
-        raise
-    except BaseException:
-        _close(members)
-        operation.finish()
-        raise
-    _close(members)
-    operation.finish()
     return report
 
 
@@ -860,15 +866,8 @@ def _finish_sleep(targets: Sequence[Target], options: Options, sink: ProgressSin
     """The CUDA phase of a sleep whose agents are all asleep already."""
     operation = _Operation("sleep", targets)
     operation.lock()
-    try:
+    with operation.concluding():
         _require_checkpointer(targets, options)  # refuses holders that are not all running
         sink.phase("cuda")
         cuda = _cuda_sleep(targets, options, operation)
-    except NeedsRecoveryError:
-        operation.release()
-        raise
-    except BaseException:
-        operation.finish()
-        raise
-    operation.finish()
     return {"operation": "sleep", "cuda": cuda}

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -722,7 +722,7 @@ def sleep(targets: Sequence[Target], directory: Path, options: Options, sink: Pr
     _refuse_other_backend(server)
     operation = server.operation("sleep")
     operation.lock()
-    try:
+    with operation.concluding(_LeftInFlight):  # a sleep left in flight: `hibernate recover` reads the journal
         _require_checkpointer(server.targets, options)
         directory = prepare_directory(directory, server.targets)
         checkpointer = options.checkpointer
@@ -737,23 +737,25 @@ def sleep(targets: Sequence[Target], directory: Path, options: Options, sink: Pr
                 hint=f"wake it first: hibernate wake {server.pid}",
             )
         operation.passed("connect")
-    except BaseException:
-        operation.finish()
-        raise
-    run = _Sleep(server, operation, options, sink, directory, level, drain)
-    try:
+        run = _Sleep(server, operation, options, sink, directory, level, drain)
         cuda = run.run(found)
-    except (NeedsRecoveryError, _LeftInFlight):
-        operation.release()  # the journal stays: `hibernate recover` reads it
-        raise
-    except BaseException:
-        operation.finish()
-        raise
-    operation.finish()
     return run.report(cuda, time.perf_counter() - started)
 
 
 # -- wake -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _naming(server: Server, op: str) -> Iterator[None]:
+    """An error of ``op`` says which server and which operation, unless it already names the server."""
+    try:
+        yield
+    except NeedsRecoveryError:
+        raise  # its message is the recovery's, worded whole
+    except HibernateError as exc:
+        if not exc.message.startswith(("nothing to wake", "vLLM server")):
+            exc.message = f"vLLM server {server.pid} ({op}): {exc.message}"
+        raise
 
 
 def _interrupted_sleep(server: Server) -> bool:
@@ -796,7 +798,7 @@ def wake(
     operation = server.operation("wake")
     operation.lock()
     run = _Run(server, operation, options, sink)
-    try:
+    with operation.concluding(), _naming(server, "wake"):
         operation.record(None, list(server.target.cuda_holders), None)
         operation.passed("lock")
         found = _settle(server, options)
@@ -845,15 +847,6 @@ def wake(
                 hint=f"see the server's log; then run `hibernate wake {server.pid}` again",
             )
         operation.passed("vllm-wake")
-    except NeedsRecoveryError:
-        operation.release()
-        raise
-    except BaseException as exc:
-        operation.finish()
-        if isinstance(exc, HibernateError) and not exc.message.startswith(("nothing to wake", "vLLM server")):
-            exc.message = f"vLLM server {server.pid} (wake): {exc.message}"  # which server, and when
-        raise
-    operation.finish()
     processes = []
     for ref in asleep:
         status = after.get(ref.pid) or {}
@@ -905,17 +898,10 @@ def _finish_sleep(server: Server, options: Options, sink: ProgressSink) -> dict[
     """The CUDA phase of a sleep whose workers are all asleep already."""
     operation = server.operation("sleep")
     operation.lock()
-    try:
+    with operation.concluding():
         _require_checkpointer(server.targets, options)  # refuses holders that are not all running
         sink.phase("cuda")
         cuda = _cuda_phase(server, options, operation, statuses(server.workers))
-    except NeedsRecoveryError:
-        operation.release()
-        raise
-    except BaseException:
-        operation.finish()
-        raise
-    operation.finish()
     return {"operation": "sleep", "cuda": cuda}
 
 
