@@ -1,0 +1,51 @@
+"""Staging memory: huge-page buffers behave as plain ones, and a lazy pool allocates only what is used."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import pytest
+
+from hibernate.store.directio import PipelineAborted, StagingBuffer, StagingPool
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_staging_buffer_is_zeroed_writable_and_page_aligned(huge: bool) -> None:
+    buffer = StagingBuffer(4 * MiB, huge=huge)
+    try:
+        assert len(buffer.view) == 4 * MiB and not buffer.view.readonly
+        assert buffer.view[:: mmap.PAGESIZE].tobytes() == bytes(4 * MiB // mmap.PAGESIZE)
+        buffer.view[-1] = 7
+        assert buffer.view[-1] == 7
+    finally:
+        buffer.close()
+
+
+def test_a_lazy_pool_allocates_a_buffer_only_when_none_is_free() -> None:
+    abort = threading.Event()
+    pool = StagingPool(4 * MiB, MiB, lazy=True, huge=True)
+    try:
+        assert pool.total_bytes == 0
+        first = pool.take(abort)
+        pool.give(first)
+        assert pool.take(abort) is first and pool.total_bytes == MiB  # reused, not a second one
+        taken = [first] + [pool.take(abort) for _ in range(3)]
+        assert len({id(b) for b in taken}) == 4 and pool.total_bytes == 4 * MiB
+        abort.set()
+        with pytest.raises(PipelineAborted):
+            pool.take(abort)  # the pool is full: it waits for a buffer rather than allocating
+        assert pool.total_bytes == 4 * MiB
+    finally:
+        pool.close()
+
+
+def test_an_eager_pool_allocates_all_its_buffers_at_the_first_take() -> None:
+    pool = StagingPool(3 * MiB, MiB)
+    try:
+        pool.take(threading.Event())
+        assert pool.total_bytes == 3 * MiB
+    finally:
+        pool.close()
