@@ -49,3 +49,17 @@ def test_an_eager_pool_allocates_all_its_buffers_at_the_first_take() -> None:
         assert pool.total_bytes == 3 * MiB
     finally:
         pool.close()
+
+
+def test_prefill_allocates_within_the_pool_size_and_takes_use_those_first() -> None:
+    abort = threading.Event()
+    pool = StagingPool(3 * MiB, MiB, lazy=True, huge=True)
+    try:
+        pool.prefill(2)
+        assert pool.total_bytes == 2 * MiB
+        pool.take(abort), pool.take(abort)
+        assert pool.total_bytes == 2 * MiB  # both came from the prefill
+        pool.prefill(5)
+        assert pool.total_bytes == 3 * MiB  # never past the pool's size
+    finally:
+        pool.close()

@@ -140,14 +140,27 @@ class StagingPool:
             made.append(buffer)
         return made
 
+    def prefill(self, count: int) -> None:
+        """Allocate up to ``count`` more buffers now (within the pool's size) and make them free.
+
+        For a lazy pool: another thread allocates what the transfer will soon
+        need while the disk works, instead of the reader when it needs one.
+        """
+        for _ in range(count):
+            for buffer in self._allocate(1):
+                self._free.put(buffer)  # usable while the next is faulted in
+
     def take(self, abort: threading.Event) -> StagingBuffer:
         """The next free buffer (the most recently returned first)."""
         if self._lazy:
             try:
                 return self._free.get_nowait()
             except queue.Empty:
-                for buffer in self._allocate(1):
-                    return buffer
+                with self._lock:
+                    busy = self._reserved > len(self._all)
+                if not busy:  # else one is being faulted in: waiting for it is sooner
+                    for buffer in self._allocate(1):
+                        return buffer
         elif not self._reserved:
             for buffer in self._allocate(self._count):
                 self._free.put(buffer)

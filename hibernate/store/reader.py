@@ -305,6 +305,7 @@ class SnapshotReader:
         loaded: queue.Queue[tuple[_Loaded, _Piece] | None] = queue.Queue()
         lock = threading.Lock()
         state = {"done": 0}
+        reading = threading.Event()  # the reader has its first buffer
         workers = max(1, threads)
 
         def read() -> None:
@@ -313,6 +314,7 @@ class SnapshotReader:
                     if cancelled is not None and cancelled():
                         raise AbortedError("the wake was called off before it finished")
                     buffer = pool.take(pipeline.abort)
+                    reading.set()
                     try:
                         got = self._read_request(request, buffer)
                     except BaseException:
@@ -322,6 +324,7 @@ class SnapshotReader:
                     for piece in request.pieces:
                         loaded.put((batch, piece))
             finally:
+                reading.set()  # also when there was nothing to read, or the first take failed
                 for _ in range(workers):
                     loaded.put(None)
 
@@ -345,7 +348,19 @@ class SnapshotReader:
                     progress(done, total)
 
         def fault_in() -> None:
-            """Fault in the regions' host memory in the order the copies will need it."""
+            """Fault in staging and the regions' host memory, in the order the reads and copies need it.
+
+            The reader allocates its first buffer; one more for each worker
+            (each holds at most one while the reader fills the next) is
+            allocated here once the reader has its own: faulting huge pages
+            in took up to 0.3 s for three buffers, time the disk idled when
+            the reader allocated them itself, and faulting them in alongside
+            the reader's first one delayed it (0.17 s instead of 0.09).
+            """
+            while not reading.wait(0.05):
+                if pipeline.abort.is_set():
+                    return
+            pool.prefill(workers)
             seen: set[int] = set()
             for request in requests:
                 for piece in request.pieces:
