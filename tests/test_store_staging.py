@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from hibernate.store import directio
 from hibernate.store.directio import PipelineAborted, StagingBuffer, StagingPool
 
 MiB = 1 << 20
@@ -62,4 +63,25 @@ def test_prefill_allocates_within_the_pool_size_and_takes_use_those_first() -> N
         pool.prefill(5)
         assert pool.total_bytes == 3 * MiB  # never past the pool's size
     finally:
+        pool.close()
+
+
+def test_a_failed_allocation_leaves_the_pool_able_to_allocate(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = StagingPool(2 * MiB, MiB, lazy=True)
+    real = directio.StagingBuffer
+
+    def refuse(size: int, *, huge: bool = False) -> StagingBuffer:
+        raise MemoryError
+
+    monkeypatch.setattr(directio, "StagingBuffer", refuse)
+    with pytest.raises(MemoryError):
+        pool.take(threading.Event())
+    monkeypatch.setattr(directio, "StagingBuffer", real)
+    abort = threading.Event()
+    timer = threading.Timer(5, abort.set)  # a take waiting for the failed one raises PipelineAborted
+    timer.start()
+    try:
+        assert pool.take(abort) is not None and pool.total_bytes == MiB
+    finally:
+        timer.cancel()
         pool.close()

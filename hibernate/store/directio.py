@@ -130,8 +130,13 @@ class StagingPool:
             count = min(count, self._count - self._reserved)
             self._reserved += count
         made = []
-        for _ in range(count):
-            buffer = StagingBuffer(self.buffer_bytes, huge=self._huge)
+        for done in range(count):
+            try:
+                buffer = StagingBuffer(self.buffer_bytes, huge=self._huge)
+            except BaseException:
+                with self._lock:
+                    self._reserved -= count - done  # else a lazy take would wait for it forever
+                raise
             unpin = self._pin(buffer.view) if self._pin is not None else None
             with self._lock:
                 self._all.append(buffer)
