@@ -67,6 +67,17 @@ def source_root_for(uid: int | None) -> Path:
     return _readable_copy
 
 
+@pytest.fixture(scope="session")
+def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in CUDA runtime behind vLLM's device seam (tests/standins/vllm_cumem.py), built once."""
+    from standins.vllm_cumem import build_fake_cudart
+
+    try:
+        return build_fake_cudart(tmp_path_factory.mktemp("cudart"))
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture
 def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A short, private HIBERNATE_RUNTIME_DIR for this test and every process it starts."""

@@ -21,7 +21,7 @@ from hibernate.agent import Hibernator
 from hibernate.errors import UnsupportedError
 from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import CudaDeviceMemory, CudaRuntime, DeviceMemoryError
-from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, build_fake_cudart, make_module
+from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
 from standins.vllm_memory import (
     LAYOUT,
     HostReservations,
@@ -30,14 +30,6 @@ from standins.vllm_memory import (
     populate,
     unmap_and_release,
 )
-
-
-@pytest.fixture(scope="module")
-def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return build_fake_cudart(tmp_path_factory.mktemp("cudart"))
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture

@@ -32,7 +32,6 @@ import pytest
 
 from hibernate import faults, orchestrator
 from hibernate.errors import ExitCode
-from standins.vllm_cumem import build_fake_cudart
 from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -54,14 +53,6 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("HIBERNATE_RUNTIME_DIR", str(run))
     yield run
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return build_fake_cudart(tmp_path_factory.mktemp("cudart"))
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
 
 
 def free_port() -> int:

@@ -22,19 +22,10 @@ import pytest
 from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
 from hibernate.targets import find_agent
-from standins.vllm_cumem import build_fake_cudart
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 STAGING_MB = 8
-
-
-@pytest.fixture(scope="module")
-def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return build_fake_cudart(tmp_path_factory.mktemp("cudart"))
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
 
 
 @dataclass
