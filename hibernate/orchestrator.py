@@ -586,11 +586,6 @@ def _cuda_sleep(targets: Sequence[Target], options: Options, operation: _Operati
     return report
 
 
-def phase_seconds(phases: dict[str, Any]) -> dict[str, float]:
-    """Seconds per phase of one process, from its agent's reports."""
-    return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)}
-
-
 def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One process of a sleep report, from what its agent's quiesce, spill and release returned."""
     spill = phases.get("spill", {})

@@ -94,13 +94,6 @@ def resident_bytes(pid: int) -> int | None:
         return None
 
 
-def open_fd_count(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, PermissionError):
-        return None
-
-
 def command_line(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -84,10 +84,6 @@ class StorageRegion:
     def meta(self) -> Mapping[str, Any]:
         return self._meta
 
-    @property
-    def is_cuda(self) -> bool:
-        return self._device.type == "cuda"
-
     def _bytes(self) -> torch.Tensor:
         flat = torch.empty(0, dtype=torch.uint8, device=self._device)
         return flat.set_(self._storage, 0, (self._nbytes,), (1,))
@@ -206,10 +202,6 @@ class TensorPool:
     def untrack(self, obj: Any) -> bool:
         with self._lock:
             return self._tracked.pop(id(obj), None) is not None
-
-    def is_empty(self) -> bool:
-        with self._lock:
-            return not self._tracked
 
     def regions(self) -> Sequence[SpillableRegion]:
         with self._lock:
