@@ -42,6 +42,7 @@ from hibernate.errors import (
     UnsupportedError,
     WrongStateError,
 )
+from hibernate.units import human_bytes
 
 # Room left on a GPU beyond what a process held when it was checkpointed.
 HEADROOM_BYTES = 64 << 20
@@ -55,15 +56,6 @@ NEXT_STATE = {
     "restore": CudaState.LOCKED,
     "unlock": CudaState.RUNNING,
 }
-
-
-def _size(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _pids(pids: Iterable[int]) -> str:
@@ -119,8 +111,8 @@ class Shortfall:
     pids: tuple[int, ...]
 
     def describe(self) -> str:
-        has = "is not on this machine" if self.free is None else f"has {_size(self.free)} free"
-        return f"{self.uuid} {has}; {_pids(self.pids)} need {_size(self.needed)} there"
+        has = "is not on this machine" if self.free is None else f"has {human_bytes(self.free)} free"
+        return f"{self.uuid} {has}; {_pids(self.pids)} need {human_bytes(self.needed)} there"
 
 
 def memory_shortfalls(
