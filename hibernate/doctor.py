@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hibernate.fsutil import free_bytes
 from hibernate.units import human_bytes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -450,8 +451,7 @@ class Doctor:
             )
         else:
             self.add("snapshot dir", OK, f"{directory} is on {fstype} ({point})", fstype=fstype, mount=point)
-        stat = os.statvfs(probe)
-        free = stat.f_bavail * stat.f_frsize
+        free = free_bytes(probe)
         needed = sum(p["bytes"] for a in self.agents for p in a.status.get("pools", []) if p.get("keep"))
         if needed and free < needed:
             self.add(

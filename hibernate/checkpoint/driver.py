@@ -37,14 +37,16 @@ LIBCUDA_ENV = "HIBERNATE_LIBCUDA"
 DEFAULT_LIBCUDA = "libcuda.so.1"
 API_MIN_VERSION = 12080  # cuCheckpointProcess* in cuda.h from 12.8 (driver 570)
 GPU_MAP_MIN_VERSION = 13000  # CUcheckpointRestoreArgs.gpuPairs from 13.0 (driver 580)
-REQUIRED_SYMBOLS = (
-    "cuCheckpointProcessLock",
-    "cuCheckpointProcessCheckpoint",
-    "cuCheckpointProcessRestore",
-    "cuCheckpointProcessUnlock",
-    "cuCheckpointProcessGetState",
-    "cuCheckpointProcessGetRestoreThreadId",
-)
+# step -> the entry point that does it, each called as f(pid, &argument).
+SYMBOL_BY_STEP = {
+    "lock": "cuCheckpointProcessLock",
+    "checkpoint": "cuCheckpointProcessCheckpoint",
+    "restore": "cuCheckpointProcessRestore",
+    "unlock": "cuCheckpointProcessUnlock",
+    "state": "cuCheckpointProcessGetState",
+    "restore-tid": "cuCheckpointProcessGetRestoreThreadId",
+}
+REQUIRED_SYMBOLS = tuple(SYMBOL_BY_STEP.values())
 
 
 # The argument structs: 64 bytes each, all zero means default behaviour in every version.
@@ -183,16 +185,15 @@ class DriverCheckpointer:
             return None
         return text.value.decode("utf-8", "replace")
 
-    def _call(self, step: str, pid: int, func: Callable[[], int], timeout: float | None) -> None:
-        function_name = {
-            "state": "cuCheckpointProcessGetState",
-            "lock": "cuCheckpointProcessLock",
-            "checkpoint": "cuCheckpointProcessCheckpoint",
-            "restore": "cuCheckpointProcessRestore",
-            "unlock": "cuCheckpointProcessUnlock",
-            "restore-tid": "cuCheckpointProcessGetRestoreThreadId",
-            "init": "cuInit",
-        }[step]
+    def _call_step(self, step: str, pid: int, argument: Any, timeout: float | None) -> None:
+        """``SYMBOL_BY_STEP[step](pid, &argument)`` under ``timeout``."""
+        name = SYMBOL_BY_STEP[step]
+        function = getattr(self._lib, name)
+        self._call(step, pid, name, lambda: int(function(pid, ctypes.byref(argument))), timeout)
+
+    def _call(
+        self, step: str, pid: int, function_name: str, func: Callable[[], int], timeout: float | None
+    ) -> None:
         try:
             result = call_with_timeout(func, timeout, f"{function_name}({pid})")
         except CallTimedOut:
@@ -210,12 +211,7 @@ class DriverCheckpointer:
 
     def state(self, pid: int) -> CudaState:
         value = ctypes.c_int(-1)
-        self._call(
-            "state",
-            pid,
-            lambda: int(self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(value))),
-            self.timeouts.query,
-        )
+        self._call_step("state", pid, value, self.timeouts.query)
         state = STATE_BY_NUMBER.get(value.value)
         if state is None:
             raise CheckpointStepError(
@@ -229,25 +225,17 @@ class DriverCheckpointer:
     def lock(self, pid: int, timeout_ms: int) -> None:
         args = LockArgs(timeoutMs=max(0, int(timeout_ms)))
         grace = timeout_ms / 1000 + self.timeouts.query if timeout_ms else None
-        self._call(
-            "lock", pid, lambda: int(self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args))), grace
-        )
+        self._call_step("lock", pid, args, grace)
 
     def checkpoint(self, pid: int) -> None:
-        args = CheckpointArgs()
-        self._call(
-            "checkpoint",
-            pid,
-            lambda: int(self._lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args))),
-            self.timeouts.checkpoint,
-        )
+        self._call_step("checkpoint", pid, CheckpointArgs(), self.timeouts.checkpoint)
 
     def _ensure_init(self, pid: int) -> None:
         """cuInit(0) once: a restore needs it in the caller unless persistence mode is on."""
         with self._init_lock:
             if self._initialized:
                 return
-            self._call("init", pid, lambda: int(self._lib.cuInit(0)), self.timeouts.query)
+            self._call("init", pid, "cuInit", lambda: int(self._lib.cuInit(0)), self.timeouts.query)
             self._initialized = True
 
     def restore(self, pid: int, gpu_map: Mapping[str, str] | None = None) -> None:
@@ -264,31 +252,15 @@ class DriverCheckpointer:
             pairs = gpu_pairs(gpu_map)
             args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(GpuPair))
             args.gpuPairsCount = len(gpu_map)
-        self._call(
-            "restore",
-            pid,
-            lambda: int(self._lib.cuCheckpointProcessRestore(pid, ctypes.byref(args))),
-            self.timeouts.restore,
-        )
+        self._call_step("restore", pid, args, self.timeouts.restore)
         del pairs  # kept alive through the call
 
     def unlock(self, pid: int) -> None:
-        args = UnlockArgs()
-        self._call(
-            "unlock",
-            pid,
-            lambda: int(self._lib.cuCheckpointProcessUnlock(pid, ctypes.byref(args))),
-            self.timeouts.unlock,
-        )
+        self._call_step("unlock", pid, UnlockArgs(), self.timeouts.unlock)
 
     def restore_thread_id(self, pid: int) -> int:
         tid = ctypes.c_int(0)
-        self._call(
-            "restore-tid",
-            pid,
-            lambda: int(self._lib.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.byref(tid))),
-            self.timeouts.query,
-        )
+        self._call_step("restore-tid", pid, tid, self.timeouts.query)
         return tid.value
 
 

@@ -42,6 +42,7 @@ from hibernate.errors import (
     UnsupportedError,
     WrongStateError,
 )
+from hibernate.units import human_bytes
 
 # Room left on a GPU beyond what a process held when it was checkpointed.
 HEADROOM_BYTES = 64 << 20
@@ -55,15 +56,6 @@ NEXT_STATE = {
     "restore": CudaState.LOCKED,
     "unlock": CudaState.RUNNING,
 }
-
-
-def _size(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _pids(pids: Iterable[int]) -> str:
@@ -119,8 +111,8 @@ class Shortfall:
     pids: tuple[int, ...]
 
     def describe(self) -> str:
-        has = "is not on this machine" if self.free is None else f"has {_size(self.free)} free"
-        return f"{self.uuid} {has}; {_pids(self.pids)} need {_size(self.needed)} there"
+        has = "is not on this machine" if self.free is None else f"has {human_bytes(self.free)} free"
+        return f"{self.uuid} {has}; {_pids(self.pids)} need {human_bytes(self.needed)} there"
 
 
 def memory_shortfalls(
@@ -205,10 +197,7 @@ def check_sleepable(holders: Sequence[Holder]) -> None:
         )
     busy = by_state.get(CudaState.CHECKPOINTING, []) + by_state.get(CudaState.RESTORING, [])
     if busy:
-        raise BusyError(
-            f"{_pids(busy)}: another tool is checkpointing or restoring its CUDA state; nothing was changed",
-            hint="wait for it to finish, then retry",
-        )
+        raise _busy(busy)
     stuck = by_state.get(CudaState.LOCKED, []) + by_state.get(CudaState.CHECKPOINTED, [])
     if stuck:
         described = "; ".join(f"process {pid} is CUDA-{_state_of(holders, pid)}" for pid in stuck)
@@ -216,6 +205,14 @@ def check_sleepable(holders: Sequence[Holder]) -> None:
             f"{described} (an interrupted hibernate operation, or another tool); nothing was changed",
             hint=f"bring it back first: hibernate wake {' '.join(map(str, stuck))}",
         )
+
+
+def _busy(pids: Sequence[int]) -> BusyError:
+    """Refusal of a sleep or wake of processes another tool is checkpointing or restoring."""
+    return BusyError(
+        f"{_pids(pids)}: another tool is checkpointing or restoring its CUDA state; nothing was changed",
+        hint="wait for it to finish, then retry",
+    )
 
 
 def _state_of(holders: Sequence[Holder], pid: int) -> str:
@@ -306,16 +303,20 @@ class CudaPhase:
                 tracked[pid].state = outcome.value
         return states
 
-    def _usage(self, pids: Sequence[int]) -> tuple[dict[int, dict[str, int] | None], Any]:
+    def _snapshot(self) -> Any:
+        """The GPUs now, or None: a broken NVML must not stop a sleep or wake, it only informs them."""
         try:
-            snapshot = self.read_gpus()
-        except Exception:  # a broken NVML must not stop a sleep: it only informs the wake's check
-            snapshot = None
+            return self.read_gpus()
+        except Exception:
+            return None
+
+    def _usage(self, pids: Sequence[int]) -> dict[int, dict[str, int] | None]:
+        snapshot = self._snapshot()
         if snapshot is None:
-            return {pid: None for pid in pids}, None
+            return {pid: None for pid in pids}
         # A CUDA process holds at least its context: nothing listed means NVML cannot see it (another
         # pid namespace), not that it needs nothing.
-        return {pid: snapshot.usage_of(pid) or None for pid in pids}, snapshot
+        return {pid: snapshot.usage_of(pid) or None for pid in pids}
 
     def _report(
         self, status: str, tracked: Mapping[int, _Tracked], started: float, **extra: Any
@@ -334,7 +335,7 @@ class CudaPhase:
         """Lock every holder, then checkpoint every holder; on failure undo and raise."""
         started = time.perf_counter()
         tracked = {h.pid: _Tracked(h, h.state) for h in holders}
-        usage, _ = self._usage(list(tracked))
+        usage = self._usage(list(tracked))
         for pid, entry in tracked.items():
             entry.gpus = usage[pid]
         errors: list[CheckpointStepError] = []
@@ -411,10 +412,7 @@ class CudaPhase:
                 tracked[pid].gpus = needs[pid]
             else:
                 unknown.append(pid)
-        try:
-            snapshot = self.read_gpus()
-        except Exception:
-            snapshot = None
+        snapshot = self._snapshot()
         if snapshot is None:
             return {"checked": False, "reason": "NVML is not available", "shortfalls": [], "unknown": unknown}
         free = {gpu.uuid: gpu.free for gpu in snapshot.gpus}
@@ -439,11 +437,7 @@ class CudaPhase:
                 hint="only restarting the process recovers it",
             )
         if plan.busy:
-            raise BusyError(
-                f"{_pids(plan.busy)}: another tool is checkpointing or restoring its CUDA state; "
-                "nothing was changed",
-                hint="wait for it to finish, then retry",
-            )
+            raise _busy(plan.busy)
         if plan.unknown:
             raise CudaCheckpointError(
                 f"the CUDA state of {_pids(plan.unknown)} is unknown; nothing was changed"

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "standin_table.h"
+#include "standin_uuid.h"
 
 extern int cuDriverGetVersion(int *version);
 extern int cuGetExportTable(const void **table, const void *id);
@@ -59,30 +60,6 @@ static void help(int version) {
     printf("--help|-h\n");
 }
 
-static int hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-static int parse_uuid(const char *text, size_t len, unsigned char out[16]) {
-    if (len >= 4 && (strncmp(text, "GPU-", 4) == 0 || strncmp(text, "MIG-", 4) == 0)) {
-        text += 4;
-        len -= 4;
-    }
-    int n = 0;
-    for (size_t i = 0; i < len && n < 32; i++) {
-        if (text[i] == '-') continue;
-        int v = hexval(text[i]);
-        if (v < 0) return -1;
-        if (n % 2 == 0) out[n / 2] = (unsigned char)(v << 4);
-        else out[n / 2] |= (unsigned char)v;
-        n++;
-    }
-    return n == 32 ? 0 : -1;
-}
-
 static int parse_map(const char *map, standin_pair *pairs, unsigned int max) {
     unsigned int n = 0;
     const char *p = map;
@@ -91,8 +68,8 @@ static int parse_map(const char *map, standin_pair *pairs, unsigned int max) {
         size_t len = comma ? (size_t)(comma - p) : strlen(p);
         const char *eq = memchr(p, '=', len);
         if (!eq) return -1;
-        if (parse_uuid(p, (size_t)(eq - p), pairs[n].old_uuid) != 0) return -1;
-        if (parse_uuid(eq + 1, len - (size_t)(eq - p) - 1, pairs[n].new_uuid) != 0) return -1;
+        if (standin_parse_uuid(p, (size_t)(eq - p), pairs[n].old_uuid) != 0) return -1;
+        if (standin_parse_uuid(eq + 1, len - (size_t)(eq - p) - 1, pairs[n].new_uuid) != 0) return -1;
         n++;
         p += len + (comma ? 1 : 0);
     }

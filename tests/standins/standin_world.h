@@ -37,6 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "standin_uuid.h"
+
 typedef int CUresult;
 
 enum {
@@ -134,30 +136,6 @@ static void standin_unlock(int fd) {
     }
 }
 
-static int hexval(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/* "GPU-1a2b3c4d-...." -> 16 bytes; 0 on success. */
-static int standin_parse_uuid(const char *text, unsigned char out[16]) {
-    if (strncmp(text, "GPU-", 4) == 0 || strncmp(text, "MIG-", 4) == 0) text += 4;
-    int n = 0;
-    for (const char *p = text; *p && n < 32; p++) {
-        if (*p == '-') continue;
-        int v = hexval(*p);
-        if (v < 0) return -1;
-        if (n % 2 == 0)
-            out[n / 2] = (unsigned char)(v << 4);
-        else
-            out[n / 2] |= (unsigned char)v;
-        n++;
-    }
-    return n == 32 ? 0 : -1;
-}
-
 static int standin_load_gpus(standin_gpu *gpus) {
     char path[4096];
     const char *dir = standin_dir();
@@ -172,7 +150,7 @@ static int standin_load_gpus(standin_gpu *gpus) {
         if (fscanf(f, "%95s %llu %llu %d %d %63s", g->uuid, &g->total, &g->other, &g->persistence, &g->mig,
                    g->name) != 6)
             break;
-        if (standin_parse_uuid(g->uuid, g->uuid_bytes) != 0) break;
+        if (standin_parse_uuid(g->uuid, strlen(g->uuid), g->uuid_bytes) != 0) break;
         n++;
     }
     fclose(f);
