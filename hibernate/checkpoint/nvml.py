@@ -76,9 +76,6 @@ class Snapshot:
     driver_version: str | None
     gpus: list[Gpu]
 
-    def by_uuid(self) -> dict[str, Gpu]:
-        return {gpu.uuid: gpu for gpu in self.gpus}
-
     def usage_of(self, pid: int) -> dict[str, int]:
         """GPU UUID -> bytes ``pid`` holds there (GPUs where it holds nothing are left out)."""
         return {gpu.uuid: gpu.processes[pid] for gpu in self.gpus if pid in gpu.processes}
