@@ -398,10 +398,6 @@ def _may_act(pid: int) -> bool:
     return procinfo.owner_uid(pid) == os.getuid()
 
 
-def _agents_among(pids: Iterable[int], timeout: float) -> list[int]:
-    return [pid for pid in pids if _may_act(pid) and find_agent(pid, timeout) is not None]
-
-
 def _from_members(what: str, members: list[int], timeout: float, source: dict[str, Any]) -> Selection:
     """The agents among ``members`` (the processes a --job or --cgroup found), as tree roots."""
     mine = [p for p in members if _may_act(p)]
@@ -412,7 +408,7 @@ def _from_members(what: str, members: list[int], timeout: float, source: dict[st
             + ", ".join(f"{_user_name(u)} (uid {u})" for u in owners),
             hint="run hibernate as that user, or as root",
         )
-    agents = _agents_among(mine, timeout)
+    agents = [pid for pid in mine if find_agent(pid, timeout) is not None]
     if not agents:
         raise NothingToHibernateError(
             f"{what}: none of its {len(mine)} process(es) on this node runs a hibernate agent",
