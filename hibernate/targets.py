@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,16 +334,14 @@ def resolve_cgroup_path(path: str | Path, root: Path) -> Path:
     )
 
 
-def is_within(pid: int, ancestor_pid: int, parent_of: Callable[[int], int | None]) -> bool:
-    """True if ``ancestor_pid`` is a strict ancestor of ``pid``."""
+def _ancestors(pid: int, parent_of: Callable[[int], int | None]) -> Iterator[int]:
+    """The strict ancestors of ``pid``, nearest first (each once, even if ``parent_of`` loops)."""
     seen: set[int] = set()
     current = parent_of(pid)
     while current is not None and current > 0 and current not in seen:
-        if current == ancestor_pid:
-            return True
+        yield current
         seen.add(current)
         current = parent_of(current)
-    return False
 
 
 def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list[int]:
@@ -351,9 +349,11 @@ def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list
 
     The orchestrator takes a pid as the root of a process tree: naming a
     process and its ancestor both would name the descendant's agents twice.
+    Each pid's ancestry is walked once (``parent_of`` reads /proc), not once per other pid.
     """
     unique = list(dict.fromkeys(pids))
-    return [p for p in unique if not any(is_within(p, other, parent_of) for other in unique if other != p)]
+    chosen = set(unique)
+    return [p for p in unique if not any(a != p and a in chosen for a in _ancestors(p, parent_of))]
 
 
 def tree_roots(
