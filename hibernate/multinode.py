@@ -208,6 +208,9 @@ class Barrier:
         self.pause = pause
         self.poll = poll
         self.appear_timeout = appear_timeout
+        # A result file is complete when it appears (linked) and never changes: parse each once,
+        # not on every poll of wait() (a file system every node shares is slow to read).
+        self._parsed: dict[str, NodeResult] = {}
 
     def check(self) -> None:
         """Refuse what cannot work before anything is touched: a missing, used or foreign barrier."""
@@ -256,17 +259,26 @@ class Barrier:
         except FileNotFoundError:
             return found
         for name in names:
-            match = _RESULT_RE.match(name)
-            if not match:
-                continue
-            document = _read_json(self.directory / name)
-            if document is None:
-                continue
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                result = NodeResult.from_wire(document)
-                if result.index == int(match.group(1)) and result.ok == (match.group(2) == "ok"):
-                    found[result.index] = result
+            result = self._parsed.get(name) or self._parse_result(name)
+            if result is not None:
+                self._parsed[name] = result
+                found[result.index] = result
         return found
+
+    def _parse_result(self, name: str) -> NodeResult | None:
+        match = _RESULT_RE.match(name)
+        if not match:
+            return None
+        document = _read_json(self.directory / name)
+        if document is None:
+            return None
+        try:
+            result = NodeResult.from_wire(document)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if result.index == int(match.group(1)) and result.ok == (match.group(2) == "ok"):
+            return result
+        return None
 
     def decision(self) -> Decision | None:
         document = _read_json(self.directory / DECISION)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,16 +334,14 @@ def resolve_cgroup_path(path: str | Path, root: Path) -> Path:
     )
 
 
-def is_within(pid: int, ancestor_pid: int, parent_of: Callable[[int], int | None]) -> bool:
-    """True if ``ancestor_pid`` is a strict ancestor of ``pid``."""
+def _ancestors(pid: int, parent_of: Callable[[int], int | None]) -> Iterator[int]:
+    """The strict ancestors of ``pid``, nearest first (each once, even if ``parent_of`` loops)."""
     seen: set[int] = set()
     current = parent_of(pid)
     while current is not None and current > 0 and current not in seen:
-        if current == ancestor_pid:
-            return True
+        yield current
         seen.add(current)
         current = parent_of(current)
-    return False
 
 
 def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list[int]:
@@ -351,9 +349,11 @@ def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list
 
     The orchestrator takes a pid as the root of a process tree: naming a
     process and its ancestor both would name the descendant's agents twice.
+    Each pid's ancestry is walked once (``parent_of`` reads /proc), not once per other pid.
     """
     unique = list(dict.fromkeys(pids))
-    return [p for p in unique if not any(is_within(p, other, parent_of) for other in unique if other != p)]
+    chosen = set(unique)
+    return [p for p in unique if not any(a != p and a in chosen for a in _ancestors(p, parent_of))]
 
 
 def tree_roots(
@@ -398,10 +398,6 @@ def _may_act(pid: int) -> bool:
     return procinfo.owner_uid(pid) == os.getuid()
 
 
-def _agents_among(pids: Iterable[int], timeout: float) -> list[int]:
-    return [pid for pid in pids if _may_act(pid) and find_agent(pid, timeout) is not None]
-
-
 def _from_members(what: str, members: list[int], timeout: float, source: dict[str, Any]) -> Selection:
     """The agents among ``members`` (the processes a --job or --cgroup found), as tree roots."""
     mine = [p for p in members if _may_act(p)]
@@ -412,7 +408,7 @@ def _from_members(what: str, members: list[int], timeout: float, source: dict[st
             + ", ".join(f"{_user_name(u)} (uid {u})" for u in owners),
             hint="run hibernate as that user, or as root",
         )
-    agents = _agents_among(mine, timeout)
+    agents = [pid for pid in mine if find_agent(pid, timeout) is not None]
     if not agents:
         raise NothingToHibernateError(
             f"{what}: none of its {len(mine)} process(es) on this node runs a hibernate agent",
