@@ -105,10 +105,6 @@ def is_vllm(status: Mapping[str, Any]) -> bool:
     return status.get("sleep_driver") == DRIVER
 
 
-def is_vllm_target(targets: Sequence[Target]) -> bool:
-    return any(is_vllm(a.status) for t in targets for a in t.agents)
-
-
 def holds_pools(status: Mapping[str, Any]) -> bool:
     """A worker: its agent lists CuMemAllocator allocations (the API server's pool is empty)."""
     return any(p.get("pool") == POOL and int(p.get("bytes", 0)) > 0 for p in status.get("pools") or [])
