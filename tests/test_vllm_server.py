@@ -30,7 +30,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from hibernate import faults, orchestrator
+from hibernate import faults, orchestrator, procinfo
 from hibernate.errors import ExitCode
 from tests.standins.world import GIB, World
 
@@ -117,8 +117,9 @@ class FakeServer:
 
 @pytest.fixture
 def start_server(
-    runtime_dir: Path, cudart_path: Path, work_dir: Path, tmp_path: Path
+    world: World, runtime_dir: Path, cudart_path: Path, work_dir: Path, tmp_path: Path
 ) -> Iterator[Callable[..., FakeServer]]:
+    """Start the stand-in server; its workers are registered with the stand-in driver (2 GiB each)."""
     started: list[FakeServer] = []
 
     def start(workers: int = 2, dev: bool = True, env: dict[str, str] | None = None) -> FakeServer:
@@ -168,6 +169,8 @@ def start_server(
             time.sleep(0.05)
         server = FakeServer(proc, port, json.loads(ready.read_text()), log)
         started.append(server)
+        for pid in server.workers:
+            world.register(pid, nbytes=2 * GIB)
         return server
 
     yield start
@@ -194,11 +197,6 @@ def agents(cli: Callable[..., Any], pid: int) -> dict[int, dict[str, Any]]:
 def states(cli: Callable[..., Any], server: FakeServer) -> list[str]:
     found = agents(cli, server.pid)
     return [found[pid]["state"] for pid in server.workers]
-
-
-def register(world: World, server: FakeServer) -> None:
-    for pid in server.workers:
-        world.register(pid, nbytes=2 * GIB)
 
 
 def nothing_left_to_clean(runtime_dir: Path) -> None:
@@ -250,7 +248,6 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     tmp_path: Path,
 ) -> None:
     server = start_server(workers=2)
-    register(world, server)
     before = server.digests()
     trace = tmp_path / "trace"
     env = {faults.TRACE_ENV: str(trace)}
@@ -310,7 +307,6 @@ def test_a_server_without_its_development_endpoints_is_refused_with_how_to_start
     runtime_dir: Path,
 ) -> None:
     server = start_server(workers=1, dev=False)
-    register(world, server)
     refused = cli("sleep", str(server.pid), "--to", str(work_dir))
     assert refused.returncode == ExitCode.UNSUPPORTED, refused.stderr
     assert "does not serve GET /is_sleeping (404)" in refused.stderr
@@ -346,7 +342,6 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     runtime_dir: Path,
 ) -> None:
     server = start_server(workers=2)
-    register(world, server)
     before = server.digests()
     # The second worker's sleep fails once its pools are spilled; the first one's succeeds.
     assert server.request("POST", "/standin/worker-fault?index=1&spec=agent.release")[0] == 200
@@ -366,6 +361,7 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     nothing_left_to_clean(runtime_dir)
 
     # The server dies once its first worker has slept.
+    workers = [procinfo.identity(pid) for pid in server.workers]
     assert server.request("POST", "/standin/worker-fault?index=1&spec=-")[0] == 200
     assert server.request("POST", "/standin/die-during-sleep")[0] == 200
     result = cli("sleep", str(server.pid), "--to", str(work_dir))
@@ -375,19 +371,11 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     assert world.calls() == []
     # Its workers end with it (as vLLM's do); none is left asleep behind anyone's back.
     deadline = time.monotonic() + 20
-    while any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in server.workers):
+    while any(ident is not None and procinfo.is_alive(ident) for ident in workers):
         assert time.monotonic() < deadline, "the workers outlived their server"
         time.sleep(0.1)
     assert cli("ls", "--json").json()["agents"] == []
     nothing_left_to_clean(runtime_dir)
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left_to_recover(
@@ -398,7 +386,6 @@ def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left
     runtime_dir: Path,
 ) -> None:
     server = start_server(workers=1)
-    register(world, server)
     before = server.digests()
     assert server.request("POST", "/standin/busy?requests=1")[0] == 200  # a request that never finishes
     timed_out = cli("sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1")
@@ -443,7 +430,6 @@ def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovere
     runtime_dir: Path,
 ) -> None:
     server = start_server(workers=1)
-    register(world, server)
     before = server.digests()
     pid = str(server.pid)
     for point in faults.VLLM_SLEEP_POINTS:
@@ -489,7 +475,6 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
     runtime_dir: Path,
 ) -> None:
     server = start_server(workers=2, env={"HIBERNATE_SELF_CHECKPOINT": "1", "HIBERNATE_DIR": str(work_dir)})
-    register(world, server)
     before = server.digests()
     found = agents(cli, server.pid)
     assert all(found[pid]["self_checkpoint"] for pid in server.workers)

@@ -42,7 +42,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +103,6 @@ STATUS_TIMEOUT_S = 10.0
 
 def is_vllm(status: Mapping[str, Any]) -> bool:
     return status.get("sleep_driver") == DRIVER
-
-
-def is_vllm_target(targets: Sequence[Target]) -> bool:
-    return any(is_vllm(a.status) for t in targets for a in t.agents)
 
 
 def holds_pools(status: Mapping[str, Any]) -> bool:
@@ -644,14 +640,10 @@ def _cuda_phase(
 ) -> dict[str, Any]:
     """Lock all, then checkpoint all CUDA holders; workers that checkpoint themselves are waited for."""
     own = {ref.pid for ref in server.workers if (found.get(ref.pid) or {}).get("self_checkpoint")}
-    target = server.target
-    everyone = list(target.cuda_holders)
+    everyone = server.target.cuda_holders
     themselves = [h for h in everyone if h.pid in own]
-    target.cuda_holders = [h for h in everyone if h.pid not in own]
-    try:
-        report = _cuda_sleep(server.targets, options, operation)
-    finally:
-        target.cuda_holders = everyone
+    others = replace(server.target, cuda_holders=[h for h in everyone if h.pid not in own])
+    report = _cuda_sleep([others], options, operation)
     if themselves:
         report = _await_self_checkpoint(themselves, options, report)
     return report
