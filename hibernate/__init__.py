@@ -81,18 +81,21 @@ def untrack(obj: Any) -> bool:
     return isinstance(pool, TensorPool) and pool.untrack(obj)
 
 
-def sleep(to: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256) -> dict[str, Any]:
+def sleep(
+    to: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256, verify: bool = False
+) -> dict[str, Any]:
     """Hibernate this process's tracked memory to ``to`` (a directory), from inside.
 
     Waits up to ``timeout`` seconds for ``guard()`` holders. Must not be called
     from a thread holding the guard. Only tracked memory is released: a process
     cannot take its own CUDA context off the GPU (``hibernate sleep PID`` from
-    another process can).
+    another process can). ``verify`` reads the snapshot back whole before
+    anything is released.
     """
     from hibernate.agent import hibernator
 
     directory = Path(to).expanduser().absolute()
-    return hibernator().sleep_here(directory, timeout, {"buffer_mb": buffer_mb})
+    return hibernator().sleep_here(directory, timeout, {"buffer_mb": buffer_mb, "verify": verify})
 
 
 def wake(*, buffer_mb: int = 256) -> dict[str, Any]:

@@ -176,6 +176,14 @@ def sleep(
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Read each snapshot back whole (checksums) before any memory is released: "
+            "proof over speed, it costs one read of the snapshot.",
+        ),
+    ] = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     level: Annotated[
@@ -206,7 +214,7 @@ def sleep(
     options = orchestrator.Options(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode), verify=verify),
         vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
@@ -319,24 +327,27 @@ def list_agents(as_json: JsonOption = False) -> None:
 @_handles_errors
 def gc(
     directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
+    awake: Annotated[
+        bool, typer.Option("--awake", help="Also delete the snapshot kept by processes that are awake.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted, and why.")] = False,
     as_json: JsonOption = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
 ) -> None:
-    """Delete unfinished snapshots and data no published snapshot needs."""
-    from hibernate import render
+    """Delete unfinished snapshots and those of processes that are gone; never a sleeping one's."""
+    from hibernate import render, targets
     from hibernate.store.maintenance import collect_garbage
 
-    report = collect_garbage(directory)
+    report = collect_garbage(
+        directory,
+        awake=awake,
+        dry_run=dry_run,
+        agent_state=lambda owner: targets.agent_state(owner.pid, owner.start_time, owner.pid_namespace),
+    )
     if as_json:
         render.print_json({"ok": True, **report})
     elif not quiet:
-        for root in report["roots"]:
-            render.out.print(
-                f"{root['path']}: freed {render.human_bytes(root['freed_bytes'])}"
-                + (" (skipped: in use)" if root["skipped"] else ""),
-                markup=False,
-            )
-        render.out.print(f"total freed: {render.human_bytes(report['freed_bytes'])}", markup=False)
+        render.gc_report(report)
     for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
         render.err.print(f"hibernate gc: warning: {warning}", markup=False)
 

@@ -64,9 +64,15 @@ class IoOptions:
     buffer_mb: int = 256
     chunk_mb: int = 32
     io_mode: str = "auto"
+    verify: bool = False  # read each snapshot back before its memory is released
 
     def to_args(self) -> dict[str, Any]:
-        return {"buffer_mb": self.buffer_mb, "chunk_mb": self.chunk_mb, "io_mode": self.io_mode}
+        return {
+            "buffer_mb": self.buffer_mb,
+            "chunk_mb": self.chunk_mb,
+            "io_mode": self.io_mode,
+            "verify": self.verify,
+        }
 
 
 @dataclass

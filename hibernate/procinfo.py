@@ -115,3 +115,75 @@ def environment(pid: int) -> dict[str, str]:
         if sep:
             env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
     return env
+
+
+def boot_id() -> str:
+    """This kernel's boot id: the same for every process and container until the next boot.
+
+    With the pid namespace and the start time it names a process on a shared
+    file system beyond its pid (two containers, two nodes, one pid).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace(pid: int | str = "self") -> int | None:
+    """The inode of ``pid``'s pid namespace, or None if it cannot be read (gone, or not ours)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def own_start_time() -> int:
+    """This process's start time, read through /proc/self.
+
+    Unlike ``start_time(os.getpid())`` it is right inside a pid namespace whose
+    /proc was not remounted, where /proc/<our pid> is some other process.
+    """
+    with open("/proc/self/stat", "rb") as f:
+        raw = f.read().decode("ascii", "replace")
+    return int(raw[raw.rindex(")") + 2 :].split()[19])
+
+
+def namespaced_pid(pid: int) -> int | None:
+    """``pid``'s pid in its own (innermost) pid namespace, from the NSpid line of its status."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def find_in_namespace(namespace: int, pid: int, started: int) -> tuple[bool, bool, bool]:
+    """Whether a process with this pid and start time lives in pid namespace ``namespace``.
+
+    Returns ``(alive, namespace_seen, saw_all)``: a namespace no visible
+    process is in is either gone or out of our sight (a sibling container, or
+    processes whose namespace we may not read), and the caller must not take
+    that for death unless ``saw_all``.
+    """
+    seen, saw_all = False, True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        found = pid_namespace(entry)
+        if found is None:
+            saw_all = saw_all and not os.path.exists(f"/proc/{entry}")
+            continue
+        if found != namespace:
+            continue
+        seen = True
+        if namespaced_pid(int(entry)) == pid and start_time(int(entry)) == started:
+            return True, True, saw_all
+    return False, seen, saw_all
+
+
+# The fixed inode of the machine's first pid namespace (PROC_PID_INIT_INO in the kernel).
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC

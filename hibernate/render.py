@@ -252,3 +252,22 @@ def node_step_report(document: dict[str, Any]) -> None:
         f"{decision['verdict']} ({decision['reason']})",
         markup=False,
     )
+
+
+def gc_report(report: dict[str, Any]) -> None:
+    """What gc deleted (or would delete) and kept, one line a snapshot, with the reason."""
+    verb = "would delete" if report["dry_run"] else "deleted"
+    for root in report["roots"]:
+        if root["skipped"]:
+            out.print(f"{root['path']}: skipped (in use by a sleep, a wake or another gc)", markup=False)
+            continue
+        for action in root["actions"]:
+            what = f"{verb} ({human_bytes(action['bytes'])})" if action["delete"] else "kept"
+            out.print(f"{action['path']}: {what}: {action['reason']}", markup=False)
+        if root["removed"]:
+            out.print(f"{root['path']}: {verb}: its process is gone", markup=False)
+    if report["dry_run"]:
+        planned = sum(a["bytes"] for r in report["roots"] for a in r["actions"] if a["delete"])
+        out.print(f"total: {human_bytes(planned)} would be freed", markup=False)
+    else:
+        out.print(f"total freed: {human_bytes(report['freed_bytes'])}", markup=False)

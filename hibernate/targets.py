@@ -507,3 +507,18 @@ def select(
     ]
     agents = list(dict.fromkeys(a for part in parts for a in part.agents))
     return Selection(chosen, agents, sources)
+
+
+def agent_state(pid: int, start_time: int, pid_namespace: int) -> str | None:
+    """What the agent of this very process says its state is; None if it cannot be asked.
+
+    For ``gc --awake``: only an agent that answers for the same pid, start
+    time and pid namespace counts, so a reused pid is never taken for it.
+    """
+    if pid_namespace != procinfo.pid_namespace():
+        return None
+    ref = find_agent(pid)
+    if ref is None or ref.identity.start_time != start_time:
+        return None
+    state = ref.status.get("state")
+    return state if isinstance(state, str) else None

@@ -28,6 +28,21 @@ def is_root() -> bool:
     return os.getuid() == 0
 
 
+def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:
+    """Where process ``pid`` (of this pid namespace) keeps its snapshots under ``base``.
+
+    Computed from the process's identity as its agent computes it, so a test
+    checks the real name rather than globbing for one.
+    """
+    from hibernate import procinfo
+    from hibernate.store.owner import Owner, spill_root_name
+
+    started = procinfo.start_time(pid)
+    assert started is not None, f"process {pid} is gone"
+    owner = Owner(procinfo.boot_id(), procinfo.pid_namespace(pid) or 0, pid, started)
+    return base / spill_root_name(label or f"proc-{pid}", owner)
+
+
 def as_user_prefix(uid: int | None) -> list[str]:
     """Command prefix that runs a program as ``uid`` (root only)."""
     if uid is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.errors import ExitCode
+from tests.conftest import spill_root_of
 
 
 def kept_bytes(report: dict) -> int:
@@ -44,7 +45,7 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
     demo = start_demo(size_mb=48)
     reference = demo.infer()["digest"]
     fds, rss, disk = [], [], []
-    root = work_dir / f"proc-{demo.pid}"
+    root = spill_root_of(work_dir, demo.pid)
     for cycle in range(20):
         asleep = cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet")
         assert asleep.returncode == 0, f"cycle {cycle}: {asleep.stderr}"
@@ -117,7 +118,7 @@ def test_relative_to_directory_is_created_private(start_demo, cli, work_dir: Pat
     target = work_dir / "snaps" / "today"
     assert result.json()["directory"] == str(target)
     assert target.stat().st_mode & 0o777 == 0o700
-    assert (target / f"proc-{demo.pid}").stat().st_mode & 0o777 == 0o700
+    assert spill_root_of(target, demo.pid).stat().st_mode & 0o777 == 0o700
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 

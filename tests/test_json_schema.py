@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, spill_root_of
 from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -136,7 +136,7 @@ def test_node_step_reports_validate_on_commit_and_on_abort(start_demo, cli, work
         committed["decision"]["verdict"] == "commit"
         and committed["report"]["processes"][0]["pid"] == demo.pid
     )
-    assert (work_dir / "n0" / f"proc-{demo.pid}").is_dir()  # this node's snapshots go to DIR/<node>
+    assert spill_root_of(work_dir / "n0", demo.pid).is_dir()  # this node's snapshots go to DIR/<node>
 
     second = work_dir / "barrier2"
     second.mkdir()

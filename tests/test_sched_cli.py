@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, spill_root_of
 
 
 def test_gc_quiet_prints_nothing_when_it_succeeds(cli, work_dir: Path) -> None:
@@ -76,7 +76,7 @@ def test_node_step_takes_its_place_from_srun_s_environment(cli, start_demo, tmp_
     )
     assert result.returncode == 0, result.stderr
     assert "node 0 (gpu-07): ok" in result.stdout and "commit" in result.stdout
-    assert (tmp_path / "gpu-07" / f"proc-{demo.pid}").is_dir()
+    assert spill_root_of(tmp_path / "gpu-07", demo.pid).is_dir()
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, spill_root_of
 
 
 def modes_under(path: Path) -> dict[str, int]:
@@ -43,7 +43,7 @@ def test_a_planted_symlink_for_a_process_directory_is_refused(start_demo, cli, w
     elsewhere = work_dir / "elsewhere"
     elsewhere.mkdir()
     (work_dir / "snaps").mkdir()
-    (work_dir / "snaps" / f"proc-{demo.pid}").symlink_to(elsewhere)
+    spill_root_of(work_dir / "snaps", demo.pid).symlink_to(elsewhere)
     result = cli("sleep", str(demo.pid), "--to", str(work_dir / "snaps"))
     assert result.returncode == ExitCode.PERMISSION_DENIED, result.stderr
     assert "is a symbolic link; refusing to use it" in result.stderr

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import spill_root_of
+
 CYCLES = int(os.environ.get("SOAK_CYCLES", "200"))
 WARMUP = 5
 
@@ -26,7 +28,7 @@ def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> Non
     demo = start_demo(size_mb=64)
     reference = demo.infer()["digest"]
     samples: dict[str, list[int]] = {"rss": [], "fds": [], "threads": [], "disk": []}
-    root = work_dir / f"proc-{demo.pid}"
+    root = spill_root_of(work_dir, demo.pid)
     mismatches = 0
     for cycle in range(CYCLES):
         asleep = cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, spill_root_of
 
 
 def sleep_json(cli: Any, pid: int, directory: Path) -> dict[str, Any]:
@@ -113,11 +113,10 @@ def test_a_disk_filling_up_during_sleep_leaves_the_process_running(
     result = cli("sleep", str(demo.pid), "--to", str(work_dir), "--json")
     assert result.returncode == ExitCode.IO_ERROR, result.stdout + result.stderr
     error = result.json()["error"]
-    root = work_dir / f"proc-{demo.pid}"
+    root = spill_root_of(work_dir, demo.pid)
     assert error["message"].startswith(f"process {demo.pid} (spill): no space left on the device of {root}")
     assert "nothing was published and the process keeps its memory" in error["message"]
     assert state(cli, demo.pid) == "running"
     assert demo.infer()["digest"] == reference
     assert demo.rss() > rss * 0.9, "the weights stayed in memory"
-    left = sorted(p.name for p in root.iterdir() if p.name != ".lock")
-    assert left == [], f"nothing published, no temporary left: {left}"
+    assert not root.exists(), "nothing published, no temporary and no empty directory left"

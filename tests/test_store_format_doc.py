@@ -6,7 +6,9 @@ import json
 import re
 
 from hibernate.store import directio, format, writer
-from hibernate.store.format import ChunkRef, Manifest, Record, parse_manifest
+from hibernate.store.format import ChunkRef, FileIdentity, Manifest, Record, parse_manifest
+from hibernate.store.layout import MARKER_FORMAT, MARKER_NAME
+from hibernate.store.owner import Owner
 from tests.conftest import REPO
 
 DOC = (REPO / "docs" / "format.md").read_text()
@@ -25,9 +27,12 @@ def documented_fields(anchor: str) -> set[str]:
 
 
 def test_every_field_written_is_documented_and_nothing_else() -> None:
-    chunk = ChunkRef("snap-000001/data-000.bin", 0, 1, "0" * 16)
+    chunk = ChunkRef("data-000.bin", 0, 1, "0" * 16)
     record = Record("w/x", "w", 1, {}, (chunk,))
-    manifest = Manifest("snap-000001", {}, 4096, (record,))
+    owner = Owner("boot", 1, 2, 3, "host", 4)
+    manifest = Manifest(
+        "snap-000001", {}, 4096, (record,), owner, {"data-000.bin": FileIdentity(1, 2, 3, 4, 5)}
+    )
     body = {**manifest.body(), "manifest_checksum": ""}
     assert documented_fields("## 3. The manifest") == set(body)
     assert documented_fields("A **record** describes") == set(record.to_json())
@@ -36,11 +41,14 @@ def test_every_field_written_is_documented_and_nothing_else() -> None:
 
 def test_the_documented_constants_are_the_code_s() -> None:
     assert format.FORMAT_NAME == "hibernate-snapshot" and f'`"{format.FORMAT_NAME}"`' in DOC
-    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (1, 0) and "this document is `1.0`" in DOC
+    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (2, 0) and "this document is `2.0`" in DOC
     assert format.CHECKSUM_ALGORITHM == "xxh3-64" and f'`"{format.CHECKSUM_ALGORITHM}"`' in DOC
     assert format.ALIGNMENT == 4096 and "multiple of **4096**" in DOC
     assert format.MAX_CHUNK_BYTES == 1 << 30 and "at most 1 GiB" in DOC
-    assert format.MANIFEST_LIMIT_BYTES == 256 << 20 and "at most 256 MiB" in DOC
+    assert format.MANIFEST_LIMIT_BYTES == 1 << 30 and "A\nmanifest is at most 1 GiB" in DOC
+    assert format.MAX_RECORDS == 2_000_000 and "holds at most 2,000,000 records" in DOC
+    assert (MARKER_NAME, MARKER_FORMAT) == (".hibernate-root", "hibernate-spill-root")
+    assert f"`{MARKER_NAME}`" in DOC and f'"{MARKER_FORMAT}"' in DOC
     assert format.MAX_KEY_LENGTH == 1024 and "at most 1024 characters" in DOC
     assert format.MAX_META_DEPTH == 8 and "nested at\nmost 8 deep" in DOC
     assert writer.WriteOptions().segment_bytes == 1 << 30 and "(1 GiB by default)" in DOC
@@ -55,5 +63,5 @@ def test_the_example_manifest_is_valid() -> None:
     assert example is not None
     manifest = parse_manifest(example.group(1).encode(), "docs/format.md example")
     assert manifest.snapshot == "snap-000001"
-    assert json.loads(example.group(1))["version"] == "1.0"
+    assert json.loads(example.group(1))["version"] == "2.0"
     assert [r.nbytes for r in manifest.records] == [8388608, 8192]

@@ -44,9 +44,11 @@ def write(root_path: Path, regions: list[BytesRegion], options: WriteOptions = O
         return write_snapshot(root, regions, producer={}, options=options)
 
 
-def newest_content(root_path: Path) -> list[bytes]:
-    """What a wake would read now: the newest published snapshot, verified."""
-    with SpillRoot(root_path) as root:
+def newest_content(root_path: Path) -> list[bytes] | None:
+    """What a wake would read now: the newest published snapshot, verified (None: none is)."""
+    with SpillRoot(root_path, inspect=True) as root:
+        if not root.published():
+            return None
         name = root.published()[-1]
         blanks = [r.blank() for r in content(0)]
         with SnapshotReader(root, name) as reader:
@@ -56,14 +58,14 @@ def newest_content(root_path: Path) -> list[bytes]:
 
 def assert_clean(root_path: Path) -> None:
     """One published snapshot; no temporaries; every data file left is referenced by it."""
-    with SpillRoot(root_path) as root:
+    with SpillRoot(root_path, inspect=True) as root:
         published = root.published()
         assert len(published) == 1, published
         manifest = root.read_manifest(published[0])
-    names = sorted(p.name for p in root_path.iterdir() if p.name != ".lock")
-    assert not [n for n in names if n.startswith(".tmp-")], names
-    files = {str(p.relative_to(root_path)) for p in root_path.glob("snap-*/*") if p.name != "manifest.json"}
-    assert files == manifest.files(), (files, manifest.files())
+    names = sorted(p.name for p in root_path.iterdir() if p.name not in (".lock", ".hibernate-root"))
+    assert names == published, names
+    files = {p.name for p in (root_path / published[0]).iterdir() if p.name != "manifest.json"}
+    assert files == set(manifest.files), (files, manifest.files)
 
 
 class Crash(BaseException):
@@ -119,7 +121,10 @@ def test_a_crash_at_every_step_leaves_old_or_new(tmp_path: Path, death: Death) -
     steps = len(death.seen)
     assert steps > 10 and {"pwritev", "fsync", "rename", "unlink"} <= set(death.seen), death.seen
 
-    outcomes = {"old": 0, "new": 0}
+    # The old snapshot is deleted once the new one's data is durable, just before the new
+    # one is published (it is only a cache then: the process still holds its memory), so
+    # a crash in between leaves neither; never a mix.
+    outcomes = {"old": 0, "new": 0, "neither": 0}
     for k in range(1, steps + 1):
         root_path = tmp_path / f"crash-{k}"
         shutil.copytree(template, root_path)
@@ -128,16 +133,20 @@ def test_a_crash_at_every_step_leaves_old_or_new(tmp_path: Path, death: Death) -
             write(root_path, new)
         death.disarm()
         now = newest_content(root_path)
-        assert now in (old_bytes, new_bytes), f"torn snapshot after a crash at step {k} ({death.seen[-1]})"
-        outcomes["old" if now == old_bytes else "new"] += 1
+        assert now in (old_bytes, new_bytes, None), (
+            f"torn snapshot after a crash at step {k} ({death.seen[-1]})"
+        )
+        outcomes["neither" if now is None else "old" if now == old_bytes else "new"] += 1
         if k % 2:
             collect_garbage(root_path)
         else:
             write(root_path, new)
-        assert_clean(root_path)
-        assert newest_content(root_path) in (old_bytes, new_bytes)
+        if newest_content(root_path) is not None:
+            assert_clean(root_path)
+        assert newest_content(root_path) in (old_bytes, new_bytes, None)
         shutil.rmtree(root_path)
     assert outcomes["old"] and outcomes["new"], outcomes
+    assert outcomes["neither"] < outcomes["old"], "the window without a snapshot is a few calls wide"
 
 
 # A writer that publishes content(0), content(1), content(0)... until killed. It needs no
@@ -183,10 +192,9 @@ def test_a_writer_killed_at_random_moments_leaves_old_or_new(tmp_path: Path) -> 
         time.sleep(rng.uniform(0, 0.05))
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-        assert newest_content(root_path) in expected, f"torn snapshot in attempt {attempt}"
+        assert newest_content(root_path) in [*expected, None], f"torn snapshot in attempt {attempt}"
         collect_garbage(root_path)
-        assert_clean(root_path)
-        assert newest_content(root_path) in expected
+        assert not root_path.exists(), "gc removes the root of a process that is gone"
 
 
 def test_published_snapshots_are_private(tmp_path: Path) -> None:
@@ -227,7 +235,8 @@ def test_gc_frees_leftovers_and_keeps_the_newest(cli: Any, work_dir: Path) -> No
     assert_clean(root_path)
     assert newest_content(root_path) == [bytes(r.data) for r in content(5)]
     human = cli("gc", str(root_path))
-    assert human.returncode == 0 and "freed 0 B" in human.stdout, human.stdout
+    assert human.returncode == 0 and "total freed: 0 B" in human.stdout, human.stdout
+    assert f"{paths['newest']}: kept: its process" in human.stdout, human.stdout
 
 
 def test_gc_skips_a_root_in_use(cli: Any, work_dir: Path) -> None:
@@ -249,8 +258,8 @@ def test_gc_keeps_everything_when_the_newest_manifest_cannot_be_read(cli: Any, w
     shutil.copytree(root_path / newest.snapshot, broken)
     (broken / "manifest.json").write_text("{ damaged")
     report = cli("gc", str(work_dir), "--json").json()
-    assert len(report["warnings"]) == 1
-    assert f"{broken}/manifest.json cannot be read; kept every snapshot" in report["warnings"][0]
+    reasons = {a["path"]: a["reason"] for a in report["roots"][0]["actions"]}
+    assert f"{broken}/manifest.json cannot be read" in reasons[str(broken)], reasons
     with SpillRoot(root_path) as root:
         assert root.published() == ["snap-000002", "snap-000003"]
 
@@ -269,6 +278,5 @@ def test_the_next_write_cleans_what_a_crash_left(tmp_path: Path) -> None:
     assert not paths["tmp"].exists() and not paths["retired"].exists()
     assert_clean(root_path)
     manifest = json.loads((result.path / "manifest.json").read_text())
-    assert {c["file"].split("/")[0] for r in manifest["records"] for c in r["chunks"]} == {
-        paths["newest"].name
-    }
+    used = {c["file"] for r in manifest["records"] for c in r["chunks"]}
+    assert used == set(manifest["files"]) and all((result.path / f).is_file() for f in used)

@@ -193,22 +193,23 @@ def allocated(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("data-*.bin"))
 
 
-def test_old_data_is_reclaimed_once_no_published_snapshot_uses_it(scratch: Path) -> None:
+def test_reused_bytes_are_linked_in_and_the_old_snapshot_goes_whole(scratch: Path) -> None:
     if not punches_holes(scratch):
         pytest.skip("this filesystem cannot punch holes; data goes only with whole files")
     a = BytesRegion("w/a", "w", os.urandom(64 * KiB))
     b = BytesRegion("w/b", "w", os.urandom(64 * KiB))
     first = write(scratch, [a, b])
     assert allocated(scratch) >= 128 * KiB
-    b.data[:] = os.urandom(64 * KiB)  # b changes entirely; a's chunks are still used from snap 1
+    b.data[:] = os.urandom(64 * KiB)  # b changes entirely; a's chunks are reused from snap 1
     second = write(scratch, [a, b])
     assert second.written_bytes == 64 * KiB
-    assert not (scratch / first.snapshot / "manifest.json").exists(), "only the newest stays published"
-    assert (scratch / first.snapshot / "data-000.bin").exists(), "a's bytes still live there"
-    assert allocated(scratch) <= 128 * KiB + 16 * KiB, "b's old chunks were punched out of the old file"
+    assert not (scratch / first.snapshot).exists(), "only the newest snapshot stays"
+    assert sorted(second.manifest.files) == ["data-000.bin", "reused-000.bin"]
+    assert (second.path / "reused-000.bin").stat().st_nlink == 1, "a's bytes live on in the new snapshot"
+    assert allocated(scratch) <= 128 * KiB + 16 * KiB, "b's old chunks were punched out of the linked file"
     a.data[:] = os.urandom(64 * KiB)  # now nothing of snap 1 is used
-    write(scratch, [a, b])
-    assert not (scratch / first.snapshot).exists(), "a retired snapshot goes once nothing refers to it"
+    third = write(scratch, [a, b])
+    assert not (third.path / "reused-001.bin").exists()
     assert allocated(scratch) <= 128 * KiB + 16 * KiB
 
 

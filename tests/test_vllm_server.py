@@ -32,6 +32,7 @@ import pytest
 
 from hibernate import faults, orchestrator, procinfo
 from hibernate.errors import ExitCode
+from tests.conftest import spill_root_of
 from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -264,7 +265,7 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     assert [p["pid"] for p in report["processes"]] == server.workers
     for rank, entry in enumerate(report["processes"]):
         snapshot = Path(entry["snapshot"])
-        assert snapshot.parent == work_dir / f"vllm-rank{rank}-pid{entry['pid']}"
+        assert snapshot.parent == spill_root_of(work_dir, entry["pid"], f"vllm-rank{rank}-pid{entry['pid']}")
         assert entry["written_bytes"] > 0 and entry["released_bytes"] > entry["total_bytes"]
         assert set(entry["phases"]) == {"quiesce", "spill", "release"}
     cuda = report["cuda"]

@@ -22,6 +22,7 @@ import pytest
 from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
 from hibernate.targets import find_agent
+from tests.conftest import spill_root_of
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -155,7 +156,7 @@ def test_a_sleep_through_the_backend_spills_where_a_client_configured_and_wakes_
     status = cli("status", str(worker.pid), "--json").json()["agents"][0]
     assert status["state"] == "asleep"
     snapshot = Path(status["snapshot"]["path"])
-    assert snapshot.parent == configured / f"vllm-pid{worker.pid}"
+    assert snapshot.parent == spill_root_of(configured, worker.pid, f"vllm-pid{worker.pid}")
     assert all(entry["asleep"] for entry in worker.ask("digests").values())
 
     assert worker.ask("resume weights")["state"] == "SUSPENDED"

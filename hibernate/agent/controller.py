@@ -51,7 +51,8 @@ from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageE
 from hibernate.pools.base import Pool, SpillableRegion, summarize
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
-from hibernate.store.reader import SnapshotReader
+from hibernate.store.owner import Owner, spill_root_name
+from hibernate.store.reader import SnapshotReader, verify_snapshot
 from hibernate.store.writer import WriteOptions, write_snapshot
 
 
@@ -208,6 +209,7 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
             chunk_bytes=_bytes_option(args, "chunk_mb", 32) * mib,
             io_mode=str(args.get("io_mode", "auto")),
             reuse=bool(args.get("reuse", True)),
+            verify=bool(args.get("verify", False)),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -217,6 +219,7 @@ class Hibernator:
     def __init__(self, identity: ProcessIdentity, name: str | None = None, kind: str = "torch") -> None:
         self.identity = identity
         self.name = name or f"proc-{identity.pid}"
+        self.owner = Owner.current()
         self.kind = kind
         self.guard = Guard()
         self.token = secrets.token_hex(8)
@@ -343,9 +346,9 @@ class Hibernator:
             with self._mutex:
                 pools = list(self._pools)
             regions = [(pool, list(pool.regions())) for pool in pools]
-            sleeping = _Sleep(regions, Path(base) / self.name, "")
+            sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.owner), "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
-            with SpillRoot(sleeping.root, create=True) as root:
+            with SpillRoot(sleeping.root, create=True, owner=self.owner) as root:
                 result = write_snapshot(
                     root,
                     sleeping.kept,
@@ -361,6 +364,13 @@ class Hibernator:
                     cancelled=session.cancelled,
                     pin=pin,
                 )
+                verified = (
+                    verify_snapshot(
+                        root, result.snapshot, io_mode=options.io_mode, buffer_bytes=options.buffer_bytes
+                    )
+                    if options.verify
+                    else None
+                )
             sleeping.snapshot = result.snapshot
             with self._mutex:
                 self._sleep = sleeping
@@ -370,6 +380,8 @@ class Hibernator:
                     "path": str(result.path),
                 }
             report = result.to_wire()
+            if verified is not None:
+                report["verify_seconds"] = round(verified.seconds, 6)
             report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
             report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
             return report
@@ -443,7 +455,7 @@ class Hibernator:
         with contextlib.ExitStack() as stack:
             reader: SnapshotReader | None = None
             if fill:  # refuse what can be found wrong before any memory is touched
-                root = stack.enter_context(SpillRoot(sleeping.root))
+                root = stack.enter_context(SpillRoot(sleeping.root, owner=self.owner))
                 reader = stack.enter_context(SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode))
                 reader.check_matches(targets)
             try:

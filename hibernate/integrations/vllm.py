@@ -78,6 +78,7 @@ DIR_ENV = "HIBERNATE_DIR"
 SELF_CHECKPOINT_ENV = "HIBERNATE_SELF_CHECKPOINT"
 BUFFER_ENV = "HIBERNATE_BUFFER_MB"
 CHUNK_ENV = "HIBERNATE_CHUNK_MB"
+VERIFY_ENV = "HIBERNATE_VERIFY"  # 1: read each snapshot back before its memory is released
 QUIESCE_TIMEOUT_S = 30.0
 DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
 
@@ -135,6 +136,8 @@ def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
         if not raw.isdigit():
             raise UsageError(f"{env}={raw!r} is not a whole number of MiB")
         args[key] = int(raw)
+    if environ.get(VERIFY_ENV, "").strip():
+        args["verify"] = flag(environ, VERIFY_ENV)
     try:
         write_options(args)
     except UsageError as exc:

@@ -710,6 +710,12 @@ def sleep(targets: Sequence[Target], directory: Path, options: Options, sink: Pr
     started = time.perf_counter()
     level = check_level(options.vllm.level)
     drain = check_drain(options.vllm.drain)
+    if options.io.verify:
+        raise UsageError(
+            "--verify does not reach a vLLM server's workers: they sleep through the server's own /sleep, "
+            "with the settings of their environment; nothing was changed",
+            hint="start the server with HIBERNATE_VERIFY=1 in its environment",
+        )
     server = locate(targets, options)
     _refuse_other_backend(server)
     operation = server.operation("sleep")

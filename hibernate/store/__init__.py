@@ -2,12 +2,14 @@
 
 from hibernate.store.format import Manifest, Record
 from hibernate.store.layout import SpillRoot
-from hibernate.store.reader import ReadResult, SnapshotReader
+from hibernate.store.owner import Owner, spill_root_name
+from hibernate.store.reader import ReadResult, SnapshotReader, verify_snapshot
 from hibernate.store.regions import Region
 from hibernate.store.writer import WriteOptions, WriteResult, write_snapshot
 
 __all__ = [
     "Manifest",
+    "Owner",
     "ReadResult",
     "Record",
     "Region",
@@ -15,5 +17,7 @@ __all__ = [
     "SpillRoot",
     "WriteOptions",
     "WriteResult",
+    "spill_root_name",
+    "verify_snapshot",
     "write_snapshot",
 ]

@@ -1,16 +1,24 @@
-"""The on-disk snapshot format, version 1: a JSON manifest plus raw data files.
+"""The on-disk snapshot format, version 2: a JSON manifest plus raw data files.
 
 The manifest is the only structured thing read back, and it is plain JSON:
 nothing in a snapshot is ever executed. Every field that steers a read (file,
 offset, length) is validated before use, so an edited or hostile manifest is
 refused with a message naming the problem instead of reading outside the
 snapshot. docs/format.md is the reference; keep the two in step.
+
+Version 2 makes a snapshot self-contained and owned: every chunk lies in a
+file of the snapshot's own directory (reused bytes are hard links, so
+deleting an older snapshot never breaks a newer one), the manifest names the
+process it belongs to (:class:`~hibernate.store.owner.Owner`), and it records
+each data file's identity as verified when it was written, so a later sleep
+reuses only files that nobody has touched since.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,21 +27,26 @@ from typing import Any
 import xxhash
 
 from hibernate.errors import SnapshotInvalidError
+from hibernate.store.owner import Owner, parse_owner
 
 FORMAT_NAME = "hibernate-snapshot"
-FORMAT_MAJOR = 1
+FORMAT_MAJOR = 2
 FORMAT_MINOR = 0
 CHECKSUM_ALGORITHM = "xxh3-64"
 ALIGNMENT = 4096  # data offsets and write sizes, for O_DIRECT on every common block size
 MANIFEST_NAME = "manifest.json"
-MANIFEST_LIMIT_BYTES = 256 << 20
+# What a reader accepts, and so what a writer refuses to publish: a manifest over these
+# limits would leave its process asleep for good. 1,000,000 records with keys of 256
+# characters and ordinary meta take about 600 MiB.
+MANIFEST_LIMIT_BYTES = 1 << 30
+MAX_RECORDS = 2_000_000
 MAX_CHUNK_BYTES = 1 << 30  # a reader stages one chunk at a time: this bounds its memory
 MAX_FILE_OFFSET = 1 << 60  # far beyond any real data file, far below what off_t can hold
 MAX_KEY_LENGTH = 1024
 MAX_META_DEPTH = 8
 
 SNAPSHOT_NAME_RE = re.compile(r"^snap-(\d{6,12})$")
-_PATH_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+DATA_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -59,11 +72,40 @@ def snapshot_sequence(name: str) -> int | None:
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """A data file as it was when its snapshot was published.
+
+    Writing, truncating, punching, linking, renaming over or changing the mode
+    of a file all change its change time (``ctime``), which nobody but the
+    kernel can set: a file whose identity is unchanged still holds the bytes
+    that were verified when it was written, and may be reused.
+    """
+
+    size: int
+    device: int
+    inode: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        return cls(info.st_size, info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "size": self.size,
+            "device": self.device,
+            "inode": self.inode,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+        }
+
+
+@dataclass(frozen=True)
 class ChunkRef:
     """Where one piece of a record lies: ``length`` bytes at ``offset`` of ``file``.
 
-    ``file`` is relative to the spill root (the per-process directory), so a
-    new snapshot can refer to an unchanged chunk written by an older one.
+    ``file`` is a data file in the snapshot's own directory.
     """
 
     file: str
@@ -108,15 +150,13 @@ class Manifest:
     producer: Mapping[str, Any]
     chunk_bytes: int
     records: tuple[Record, ...]
+    owner: Owner
+    files: Mapping[str, FileIdentity] = field(default_factory=dict)
     created_unix: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.records)
-
-    def files(self) -> set[str]:
-        return {c.file for r in self.records for c in r.chunks}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -128,13 +168,51 @@ class Manifest:
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "alignment": ALIGNMENT,
             "chunk_bytes": self.chunk_bytes,
+            "owner": self.owner.to_json(),
+            "files": {name: identity.to_json() for name, identity in sorted(self.files.items())},
             "records": [r.to_json() for r in self.records],
         }
 
     def encode(self) -> bytes:
+        """The manifest's bytes; refuses (before anything is published) what a reader would refuse."""
         body = self.body()
         body["manifest_checksum"] = _body_checksum(body)
-        return json.dumps(body, indent=1, sort_keys=True).encode("utf-8") + b"\n"
+        data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8") + b"\n"
+        check_manifest_size(len(data), len(self.records))
+        return data
+
+
+def check_manifest_size(nbytes: int, records: int, where: str = MANIFEST_NAME) -> None:
+    """The one rule for a manifest's size, applied by the writer before publishing and the reader."""
+    if records > MAX_RECORDS:
+        raise SnapshotInvalidError(
+            f"{where}: {records} records, more than the {MAX_RECORDS} a snapshot may hold",
+            hint="track fewer, larger tensors (e.g. a flat buffer per layer)",
+        )
+    if nbytes > MANIFEST_LIMIT_BYTES:
+        raise SnapshotInvalidError(
+            f"{where} is {nbytes} bytes, more than the {MANIFEST_LIMIT_BYTES} allowed",
+            hint="track fewer tensors or give them shorter names",
+        )
+
+
+def check_region(key: object, tag: object, meta: object, where: str) -> None:
+    """What a reader demands of a record's key, tag and meta; a writer checks it before writing."""
+    _validate_key(key, where)
+    if not isinstance(tag, str) or not tag:
+        raise SnapshotInvalidError(f"{where}: tag must be a non-empty string")
+    if not isinstance(meta, Mapping):
+        raise SnapshotInvalidError(f"{where}: meta must be an object")
+    _validate_meta(plain_meta(meta), where)
+
+
+def plain_meta(value: Any) -> Any:
+    """Live meta as the manifest holds it: tuples become lists, keys strings."""
+    if isinstance(value, Mapping):
+        return {str(k): plain_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_meta(v) for v in value]
+    return value
 
 
 def _body_checksum(body: Mapping[str, Any]) -> str:
@@ -152,22 +230,17 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def validate_relative_file(path: object, where: str) -> str:
-    """A data file path: ``snap-NNNNNN/<name>``, relative, no ``..``, no odd characters."""
-    if not isinstance(path, str):
-        raise SnapshotInvalidError(f"{where}: file must be a string, got {type(path).__name__}")
-    if path.startswith("/"):
-        raise SnapshotInvalidError(f"{where}: file {path!r} is an absolute path; refusing it")
-    parts = path.split("/")
-    if ".." in parts or "." in parts:
-        raise SnapshotInvalidError(f"{where}: file {path!r} contains '..' or '.'; refusing it")
-    if len(parts) != 2 or not SNAPSHOT_NAME_RE.match(parts[0]):
+def validate_data_file(name: object, where: str) -> str:
+    """A data file's name: one plain component of the snapshot's own directory, nothing else."""
+    if not isinstance(name, str):
+        raise SnapshotInvalidError(f"{where}: file must be a string, got {type(name).__name__}")
+    if "/" in name or name in (".", ".."):
         raise SnapshotInvalidError(
-            f"{where}: file {path!r} is not of the form snap-NNNNNN/<name>; refusing it"
+            f"{where}: file {name!r} is not a file of the snapshot's own directory; refusing it"
         )
-    if not _PATH_COMPONENT_RE.match(parts[1]):
-        raise SnapshotInvalidError(f"{where}: file name {parts[1]!r} has characters not allowed")
-    return path
+    if not DATA_FILE_RE.match(name):
+        raise SnapshotInvalidError(f"{where}: file name {name!r} has characters not allowed")
+    return name
 
 
 def _validate_key(key: object, where: str) -> str:
@@ -218,7 +291,23 @@ def _parse_chunk(raw: object, where: str) -> ChunkRef:
     digest = raw.get("checksum")
     if not isinstance(digest, str) or not _CHECKSUM_RE.match(digest):
         raise SnapshotInvalidError(f"{where}: checksum {digest!r} is not 16 hex digits")
-    return ChunkRef(validate_relative_file(raw.get("file"), where), offset, length, digest)
+    return ChunkRef(validate_data_file(raw.get("file"), where), offset, length, digest)
+
+
+def _parse_files(raw: object, where: str) -> dict[str, FileIdentity]:
+    if not isinstance(raw, dict):
+        raise SnapshotInvalidError(f"{where}: files must be an object")
+    files = {}
+    for name, identity in raw.items():
+        validate_data_file(name, f"{where}: files")
+        if not isinstance(identity, dict):
+            raise SnapshotInvalidError(f"{where}: files[{name!r}] must be an object")
+        fields = [
+            _int_field(identity, f, f"{where}: files[{name!r}]")
+            for f in ("size", "device", "inode", "mtime_ns", "ctime_ns")
+        ]
+        files[name] = FileIdentity(*fields)
+    return files
 
 
 def _parse_record(raw: object, where: str, chunk_bytes: int) -> Record:
@@ -268,7 +357,8 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     if int(major_text) != FORMAT_MAJOR:
         raise SnapshotInvalidError(
             f"{where}: format version {version} is not supported (this hibernate reads {FORMAT_MAJOR}.x)",
-            hint="wake it with the hibernate version that wrote it",
+            hint="a snapshot is woken by the hibernate that put its process to sleep: "
+            "wake it with the version that wrote it",
         )
     if body.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise SnapshotInvalidError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
@@ -286,19 +376,33 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
             f"{where}: chunk_bytes {chunk_bytes} is not a multiple of {ALIGNMENT} "
             f"of at most {MAX_CHUNK_BYTES}"
         )
+    owner = parse_owner(body.get("owner"))
+    if owner is None:
+        raise SnapshotInvalidError(f"{where}: owner is missing or malformed")
+    files = _parse_files(body.get("files"), where)
     records_raw = body.get("records")
     if not isinstance(records_raw, list):
         raise SnapshotInvalidError(f"{where}: records must be a list")
+    check_manifest_size(len(data), len(records_raw), where)
     records = tuple(_parse_record(r, f"{where}: record {i}", chunk_bytes) for i, r in enumerate(records_raw))
     keys = [r.key for r in records]
     if len(set(keys)) != len(keys):
         raise SnapshotInvalidError(f"{where}: two records share a key")
+    for record in records:
+        for chunk in record.chunks:
+            if chunk.file not in files:
+                raise SnapshotInvalidError(
+                    f"{where}: record {record.key!r} uses {chunk.file!r}, which is not among the "
+                    "snapshot's files"
+                )
     created = body.get("created_unix", 0.0)
     manifest = Manifest(
         snapshot=name,
         producer=_validate_meta(producer, where),
         chunk_bytes=chunk_bytes,
         records=records,
+        owner=owner,
+        files=files,
         created_unix=float(created) if isinstance(created, (int, float)) else 0.0,
     )
     expected = body.get("manifest_checksum")

@@ -1,18 +1,21 @@
 """A spill root: one process's directory of snapshots, and the rules that keep it whole.
 
-    <root>/                       0700, one per hibernated process
-      .lock                       flock: writers and gc exclusive, readers shared
-      snap-000007/                published: manifest.json + data-NNN.bin
-      snap-000006/                retired: no manifest, only data still referenced by snap-000007
-      .tmp-snap-000008-1a2b3c4d/  being written; never read; swept by the next writer or gc
+    <--to DIR>/proc-4242-3f9a1c0d2b7e/   0700, one per hibernated process (spill_root_name)
+      .hibernate-root                   the marker: made by hibernate, for this owner
+      .lock                             flock: writers and gc exclusive, readers shared
+      snap-000007/                      published: manifest.json + its data files
+      .tmp-snap-000008-1a2b3c4d/        being written; never read; swept by the next writer or gc
 
 A snapshot exists for a reader only once its directory has been renamed to
 ``snap-N`` with a manifest inside, after every file and the directory were
 fsynced: a crash leaves the previous snapshot or the new one, never a mix.
-Only the newest published snapshot is kept; older ones are retired by
-removing their manifest. Their data goes once nothing refers to it: a whole
-file when no chunk of it is used, otherwise the unused ranges are punched out
-(the file keeps its size, so offsets stay valid, but gives its blocks back).
+Every snapshot is self-contained (bytes it shares with an older one are hard
+links in its own directory), so the newest is kept and older ones are simply
+deleted once it is published, and deleting any of them by hand breaks no other.
+
+hibernate touches only directories that carry its marker, naming the process
+they belong to: a directory without one is never entered or written to, and
+one of another process is never reused, retired or punched.
 
 Every access after opening the root is relative to the root's descriptor and
 never follows a symbolic link, so a path swapped under us cannot redirect a
@@ -26,66 +29,158 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-from hibernate.errors import BusyError, PermissionDeniedError, SnapshotInvalidError, StorageError
-from hibernate.fsutil import PRIVATE_DIR_MODE, ensure_private_dir, fsync_dir, open_dir
+from hibernate.errors import (
+    BusyError,
+    PermissionDeniedError,
+    SnapshotInvalidError,
+    StorageError,
+    UsageError,
+)
+from hibernate.fsutil import (
+    PRIVATE_DIR_MODE,
+    ensure_private_dir,
+    fsync_dir,
+    open_dir,
+    read_small_file,
+    write_file_atomic,
+)
 from hibernate.store.format import (
-    MANIFEST_LIMIT_BYTES,
     MANIFEST_NAME,
     Manifest,
-    align_up,
+    check_manifest_size,
     parse_manifest,
     snapshot_name,
     snapshot_sequence,
 )
+from hibernate.store.owner import Owner, parse_owner
 
 LOCK_NAME = ".lock"
+MARKER_NAME = ".hibernate-root"
+MARKER_FORMAT = "hibernate-spill-root"
 TMP_PREFIX = ".tmp-"
+_MARKER_LIMIT = 64 << 10
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
-# file (relative to the root) -> sorted (start, end) byte ranges some published snapshot uses
-Ranges = dict[str, list[tuple[int, int]]]
+
+def _storage_error(exc: OSError, what: str, path: Path) -> StorageError:
+    """An OSError inside a snapshot tree as exit 9, naming the path (never a bare PermissionError)."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return StorageError(
+            f"cannot {what} {path}: permission denied",
+            hint="give the process's user read and write access to it (directories 0700, files 0600)",
+        )
+    return StorageError(f"cannot {what} {path}: {exc.strerror or exc}")
 
 
-def referenced_ranges(manifests: Iterable[Manifest]) -> Ranges:
-    """The byte ranges of data files that ``manifests`` use (each chunk with its alignment padding)."""
-    ranges: Ranges = {}
-    for manifest in manifests:
-        for record in manifest.records:
-            for chunk in record.chunks:
-                ranges.setdefault(chunk.file, []).append(
-                    (chunk.offset, chunk.offset + align_up(chunk.length))
-                )
-    return {file: _merge(spans) for file, spans in ranges.items()}
+def read_marker(dir_fd: int) -> Owner | None:
+    """The owner a marked directory names; None if it has no marker (not hibernate's).
 
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
+    A marker that is a link, not a regular file, oversized or malformed is
+    refused: whoever planted it does not get hibernate to touch the directory.
+    """
+    try:
+        info = os.stat(MARKER_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise SnapshotInvalidError(f"{MARKER_NAME} is not a regular file")
+    try:
+        raw = json.loads(read_small_file(dir_fd, MARKER_NAME, _MARKER_LIMIT).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SnapshotInvalidError(f"{MARKER_NAME} is not a hibernate marker ({exc})") from exc
+    owner = parse_owner(raw.get("owner")) if isinstance(raw, dict) else None
+    if owner is None or raw.get("format") != MARKER_FORMAT:
+        raise SnapshotInvalidError(f"{MARKER_NAME} is not a hibernate marker")
+    return owner
 
 
 class SpillRoot:
-    """Opened by path; every later access is relative to the opened directory."""
+    """One process's spill root, opened by path; every later access is relative to it.
 
-    def __init__(self, path: Path, *, create: bool = False, owner_uid: int | None = None) -> None:
+    ``owner`` is the process the root must belong to (default: this one); a
+    root marked for anyone else is refused. ``inspect=True`` opens any marked
+    root whatever its owner (gc), and ``create=True`` makes the root and its
+    marker when missing (a sleep).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        create: bool = False,
+        owner: Owner | None = None,
+        owner_uid: int | None = None,
+        inspect: bool = False,
+    ) -> None:
         self.path = Path(path)
+        expected = None if inspect else (owner or Owner.current())
         if create:
             ensure_private_dir(self.path, owner_uid=owner_uid)
         try:
             self.fd = open_dir(self.path)
         except FileNotFoundError as exc:
             raise SnapshotInvalidError(f"snapshot directory {self.path} does not exist") from exc
+        except PermissionError as exc:
+            raise _storage_error(exc, "open", self.path) from exc
         self._lock_fd: int | None = None
+        try:
+            self.owner = self._claim(expected, create, owner_uid)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _claim(self, expected: Owner | None, create: bool, owner_uid: int | None) -> Owner:
+        """The owner named by the root's marker, after checking it is ``expected``; makes it if asked."""
+        try:
+            found = read_marker(self.fd)
+        except SnapshotInvalidError as exc:
+            raise SnapshotInvalidError(f"{self.path}: {exc.message}") from exc
+        except PermissionError as exc:
+            raise _storage_error(exc, "read", self.path / MARKER_NAME) from exc
+        if found is None:
+            if not create or expected is None:
+                raise SnapshotInvalidError(
+                    f"{self.path} was not made by hibernate (it has no {MARKER_NAME}); not touching it"
+                )
+            if self._entries():
+                raise UsageError(
+                    f"{self.path} exists and was not made by hibernate (it has no {MARKER_NAME}); "
+                    "refusing to write into it",
+                    hint="choose another --to directory, or move that directory away",
+                )
+            self._mark(expected, owner_uid)
+            return expected
+        if expected is not None and not found.same_process(expected):
+            raise SnapshotInvalidError(
+                f"{self.path} belongs to another process, {found.describe()}, not {expected.describe()}; "
+                "not touching it"
+            )
+        return found
+
+    def _mark(self, owner: Owner, owner_uid: int | None) -> None:
+        """Make an empty directory a spill root: the lock file first, then the marker (atomically)."""
+        try:
+            fd = os.open(
+                LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd
+            )
+            try:
+                if owner_uid is not None and os.getuid() == 0:
+                    os.fchown(fd, owner_uid, -1)
+            finally:
+                os.close(fd)
+            body = {"format": MARKER_FORMAT, "version": 1, "owner": owner.to_json()}
+            write_file_atomic(self.fd, MARKER_NAME, json.dumps(body, sort_keys=True).encode() + b"\n")
+            if owner_uid is not None and os.getuid() == 0:
+                os.chown(MARKER_NAME, owner_uid, -1, dir_fd=self.fd, follow_symlinks=False)
+        except OSError as exc:
+            raise _storage_error(exc, "create files in", self.path) from exc
 
     def close(self) -> None:
         self.unlock()
@@ -100,19 +195,32 @@ class SpillRoot:
     # -- locking -----------------------------------------------------------
 
     def lock(self, *, exclusive: bool, wait: bool = False) -> bool:
-        """Take the root's lock; without ``wait``, returns False if someone else holds it."""
+        """Take the root's lock; without ``wait``, returns False if someone else holds it.
+
+        The lock file is never created here (a marked root has one since it
+        was made): gc creates nothing. A root removed while we waited for its
+        lock is reported as gone.
+        """
         if self._lock_fd is None:
-            self._lock_fd = os.open(
-                LOCK_NAME,
-                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                0o600,
-                dir_fd=self.fd,
-            )
+            try:
+                self._lock_fd = os.open(
+                    LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd
+                )
+            except FileNotFoundError as exc:
+                raise SnapshotInvalidError(
+                    f"{self.path / LOCK_NAME} is missing; it was deleted by hand",
+                    hint=f"if no hibernate is working on {self.path}, create it empty (mode 0600)",
+                ) from exc
+            except OSError as exc:
+                raise _storage_error(exc, "open", self.path / LOCK_NAME) from exc
         flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         try:
             fcntl.flock(self._lock_fd, flags | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             return False
+        if os.fstat(self._lock_fd).st_nlink == 0:
+            self.unlock()
+            raise SnapshotInvalidError(f"{self.path} was removed (by gc) while we waited for it")
         return True
 
     def lock_for_write(self) -> None:
@@ -128,7 +236,7 @@ class SpillRoot:
     # -- what is there -----------------------------------------------------
 
     def _entries(self) -> list[str]:
-        return sorted(os.listdir(self.fd))
+        return sorted(n for n in os.listdir(self.fd) if n not in (LOCK_NAME, MARKER_NAME))
 
     def _is_dir(self, name: str) -> bool:
         """A real directory (a symlink to one is not)."""
@@ -153,8 +261,17 @@ class SpillRoot:
         ]
         return sorted(names, key=lambda n: snapshot_sequence(n) or 0)
 
+    def unfinished(self) -> list[str]:
+        """Snapshots being written or left by a crash: temporaries and ``snap-N`` without a manifest."""
+        published = set(self.published())
+        return [
+            name
+            for name in self._entries()
+            if name.startswith(TMP_PREFIX) or (snapshot_sequence(name) is not None and name not in published)
+        ]
+
     def next_sequence(self) -> int:
-        """One past every snapshot number in use, published, retired or being written."""
+        """One past every snapshot number in use, published, unfinished or being written."""
         sequences = [snapshot_sequence(n) for n in self._entries()]
         for name in self._entries():
             if name.startswith(TMP_PREFIX):
@@ -169,13 +286,13 @@ class SpillRoot:
         try:
             snap_fd = open_dir(name, dir_fd=self.fd)
         except FileNotFoundError as exc:
-            raise SnapshotInvalidError(f"snapshot {self.path / name} does not exist") from exc
+            raise SnapshotInvalidError(self._why_missing(name)) from exc
         except PermissionDeniedError as exc:
             raise SnapshotInvalidError(
                 f"{self.path / name} is a symbolic link or not a directory; refusing to follow it"
             ) from exc
         except PermissionError as exc:
-            raise SnapshotInvalidError(f"{self.path / name}: {exc.strerror}") from exc
+            raise _storage_error(exc, "open", self.path / name) from exc
         try:
             data = _read_manifest_file(snap_fd, where)
         finally:
@@ -183,7 +300,21 @@ class SpillRoot:
         manifest = parse_manifest(data, where)
         if manifest.snapshot != name:
             raise SnapshotInvalidError(f"{where}: names snapshot {manifest.snapshot!r}, not {name!r}")
+        if not manifest.owner.same_process(self.owner):
+            raise SnapshotInvalidError(
+                f"{where}: belongs to {manifest.owner.describe()}, not to this root's {self.owner.describe()}"
+            )
         return manifest
+
+    def _why_missing(self, name: str) -> str:
+        """A missing snapshot explained: replaced by a newer sleep, or deleted."""
+        newer = [n for n in self.published() if (snapshot_sequence(n) or 0) > (snapshot_sequence(name) or 0)]
+        if newer:
+            return (
+                f"snapshot {self.path / name} was retired: a newer sleep of this process replaced it "
+                f"with {newer[-1]}"
+            )
+        return f"snapshot {self.path / name} does not exist (it was deleted)"
 
     def latest_manifest(self) -> Manifest | None:
         """The newest published snapshot that parses, for chunk reuse; broken ones are skipped."""
@@ -194,24 +325,17 @@ class SpillRoot:
                 continue
         return None
 
-    def _published_manifests(self) -> tuple[list[Manifest], list[str]]:
-        """Every published manifest that parses, and the names of those that do not."""
-        good, broken = [], []
-        for name in self.published():
-            try:
-                good.append(self.read_manifest(name))
-            except SnapshotInvalidError:
-                broken.append(name)
-        return good, broken
-
     # -- writing -----------------------------------------------------------
 
     @contextlib.contextmanager
     def staging_dir(self, sequence: int, token: str) -> Iterator[tuple[str, int]]:
         """A fresh temporary snapshot directory, removed unless :meth:`publish` renamed it."""
         name = f"{TMP_PREFIX}{snapshot_name(sequence)}-{token}"
-        os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=self.fd)
-        tmp_fd = open_dir(name, dir_fd=self.fd)
+        try:
+            os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=self.fd)
+            tmp_fd = open_dir(name, dir_fd=self.fd)
+        except OSError as exc:
+            raise _storage_error(exc, "create a snapshot in", self.path) from exc
         try:
             yield name, tmp_fd
         finally:
@@ -224,81 +348,46 @@ class SpillRoot:
         os.rename(tmp_name, final_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         fsync_dir(self.fd)
 
-    def retire_all_but(self, keep: Manifest) -> None:
-        """After a publish: remove older manifests, then everything ``keep`` does not use."""
-        for name in self.published():
-            if name != keep.snapshot:
-                os.unlink(f"{name}/{MANIFEST_NAME}", dir_fd=self.fd)
-        fsync_dir(self.fd)
-        self.sweep(referenced_ranges([keep]))
-
-    def sweep_leftovers(self) -> int:
-        """Before a write: clear what earlier failures and crashes left, keeping every published byte.
-
-        If a published manifest cannot be read we cannot know what it uses, so
-        only temporaries go.
-        """
-        good, broken = self._published_manifests()
-        return self.sweep(None if broken else referenced_ranges(good))
-
-    def sweep(self, referenced: Ranges | None) -> int:
-        """Delete temporaries and, when ``referenced`` is known, retired data it does not cover.
-
-        Published snapshot directories are never touched. Callers hold the
-        exclusive lock, so no temporary directory is in use. Returns the bytes
-        of disk space given back.
-        """
-        freed = 0
-        for name in self._entries():
-            if name.startswith(TMP_PREFIX):
-                freed += _unlink_any(self.fd, name)
-            elif (
-                referenced is not None
-                and snapshot_sequence(name) is not None
-                and not self._has_manifest(name)
-            ):
-                freed += self._sweep_retired(name, referenced)
-        return freed
-
-    def _sweep_retired(self, name: str, referenced: Ranges) -> int:
-        if not self._is_dir(name):
-            return _unlink_any(self.fd, name)  # a file or link with a snapshot's name: not ours
-        freed = 0
-        sub_fd = open_dir(name, dir_fd=self.fd)
+    def delete_snapshot(self, name: str) -> int:
+        """Remove snapshot ``name`` whole (manifest first, so it is never half there); bytes freed."""
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(f"{name}/{MANIFEST_NAME}", dir_fd=self.fd)
+            fsync_dir(self.fd)
         try:
-            for entry in os.listdir(sub_fd):
-                used = referenced.get(f"{name}/{entry}")
-                freed += _unlink_any(sub_fd, entry) if used is None else _punch_unused(sub_fd, entry, used)
-            remaining = os.listdir(sub_fd)
+            return _unlink_any(self.fd, name)
+        except FileNotFoundError:
+            return 0
+
+    def retire_all_but(self, keep: str | None) -> int:
+        """Delete every published snapshot but ``keep`` (each is self-contained); bytes freed."""
+        return sum(self.delete_snapshot(name) for name in self.published() if name != keep)
+
+    def sweep_unfinished(self) -> int:
+        """Remove what failed or crashed writers left; the caller holds the exclusive lock."""
+        return sum(_unlink_any(self.fd, name) for name in self.unfinished())
+
+    def remove(self) -> int:
+        """Delete the whole root, marker and lock last; the caller holds the exclusive lock.
+
+        Whoever opened the root and waits for its lock finds it removed (see
+        :meth:`lock`). Returns the bytes freed.
+        """
+        freed = sum(_unlink_any(self.fd, name) for name in self._entries())
+        os.unlink(MARKER_NAME, dir_fd=self.fd)
+        os.unlink(LOCK_NAME, dir_fd=self.fd)
+        parent_fd = open_dir(self.path.parent)
+        try:
+            info = os.stat(self.path.name, dir_fd=parent_fd, follow_symlinks=False)
+            mine = os.fstat(self.fd)
+            if (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino):
+                os.rmdir(self.path.name, dir_fd=parent_fd)
         finally:
-            os.close(sub_fd)
-        if not remaining:
-            os.rmdir(name, dir_fd=self.fd)
+            os.close(parent_fd)
         return freed
 
-    def collect_garbage(self) -> tuple[int, list[str]]:
-        """``hibernate gc``: keep the newest published snapshot, free everything else.
-
-        Returns the bytes freed and warnings. A published manifest that does
-        not parse and is newer than every one that does might be what a
-        sleeping process needs once repaired: then nothing is retired and only
-        temporaries go.
-        """
-        good, broken = self._published_manifests()
-        newest = good[-1] if good else None
-        newest_sequence = (snapshot_sequence(newest.snapshot) or 0) if newest else 0
-        newer_broken = [n for n in broken if (snapshot_sequence(n) or 0) > newest_sequence]
-        if newer_broken:
-            warning = (
-                f"{', '.join(str(self.path / n / MANIFEST_NAME) for n in newer_broken)} cannot be read; "
-                "kept every snapshot and its data (repair or delete it, then run gc again)"
-            )
-            return self.sweep(None), [warning]
-        for name in self.published():
-            if newest is None or name != newest.snapshot:
-                os.unlink(f"{name}/{MANIFEST_NAME}", dir_fd=self.fd)
-        fsync_dir(self.fd)
-        return self.sweep(referenced_ranges([newest] if newest else [])), []
+    def is_empty(self) -> bool:
+        """Nothing in the root but its marker and lock."""
+        return not self._entries()
 
 
 def _read_manifest_file(snap_fd: int, where: str) -> bytes:
@@ -308,25 +397,24 @@ def _read_manifest_file(snap_fd: int, where: str) -> bytes:
             MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=snap_fd
         )
     except FileNotFoundError as exc:
-        raise SnapshotInvalidError(f"{where} is missing; the snapshot was not published") from exc
+        raise SnapshotInvalidError(
+            f"{where} is missing: the snapshot was never published, or its manifest was deleted"
+        ) from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise SnapshotInvalidError(f"{where} is a symbolic link; refusing to follow it") from exc
-        raise StorageError(f"cannot read {where}: {exc.strerror}") from exc
+        raise _storage_error(exc, "read", Path(where)) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise SnapshotInvalidError(f"{where} is not a regular file")
-        if info.st_size > MANIFEST_LIMIT_BYTES:
-            raise SnapshotInvalidError(
-                f"{where} is {info.st_size} bytes, more than the {MANIFEST_LIMIT_BYTES} allowed"
-            )
+        check_manifest_size(info.st_size, 0, where)
         parts = []
         while chunk := os.read(fd, 1 << 20):
             parts.append(chunk)
         return b"".join(parts)
     except OSError as exc:
-        raise StorageError(f"cannot read {where}: {exc.strerror}") from exc
+        raise _storage_error(exc, "read", Path(where)) from exc
     finally:
         os.close(fd)
 
@@ -344,8 +432,8 @@ def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def _punch_unused(dir_fd: int, name: str, used: list[tuple[int, int]]) -> int:
-    """Give back the blocks of ``name`` outside ``used``; returns the bytes freed.
+def punch_unused(dir_fd: int, name: str, used: list[tuple[int, int]]) -> int:
+    """Give back the blocks of ``name`` outside the sorted, merged ``used`` ranges; bytes freed.
 
     Filesystems without hole punching keep the blocks until the whole file goes.
     """
@@ -367,15 +455,16 @@ def _punch_unused(dir_fd: int, name: str, used: list[tuple[int, int]]) -> int:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                 return 0
             raise
+        os.fsync(fd)
         return max(0, allocated - os.fstat(fd).st_blocks * 512)
     finally:
         os.close(fd)
 
 
 def _unlink_any(dir_fd: int, name: str) -> int:
-    """Unlink a file (or an unexpected nested directory's files); never follows links.
+    """Unlink a file or a directory tree; never follows links.
 
-    Returns the disk space given back (allocated blocks).
+    Returns the disk space given back (allocated blocks of files whose last link went).
     """
     info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     if stat.S_ISDIR(info.st_mode):
@@ -389,4 +478,5 @@ def _unlink_any(dir_fd: int, name: str) -> int:
         os.rmdir(name, dir_fd=dir_fd)
         return freed
     os.unlink(name, dir_fd=dir_fd)
-    return info.st_blocks * 512 if stat.S_ISREG(info.st_mode) else 0
+    last_link = stat.S_ISREG(info.st_mode) and info.st_nlink <= 1
+    return info.st_blocks * 512 if last_link else 0

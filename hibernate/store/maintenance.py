@@ -1,47 +1,178 @@
-"""``hibernate gc``: reclaim what no published snapshot needs, across a --to directory."""
+"""``hibernate gc``: reclaim the snapshots nobody needs, and touch nothing hibernate did not make.
+
+A ``--to`` directory is shared: with the user's own files, with other
+processes' spill roots, with other hosts on a shared file system. gc enters
+only directories that carry hibernate's marker (see layout.py), creates
+nothing, and decides per root from its owner, never from a pid alone:
+
+| the owner                         | gc removes                                   |
+|-----------------------------------|----------------------------------------------|
+| has exited (same boot, same or visible pid namespace), or its machine rebooted | the whole root |
+| runs, asleep or state unknown     | unfinished snapshots and all but the newest  |
+| runs, awake, and ``--awake``      | also the newest (the next sleep writes anew) |
+| cannot be judged (another host, a pid namespace out of sight) | unfinished snapshots only |
+
+A root in use (a sleep, a wake, another gc holds its lock) is skipped, and
+an awake owner is judged while gc holds the root's lock, so no sleep can
+publish a snapshot between the judgement and the deletion.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hibernate.errors import UsageError
-from hibernate.store.format import snapshot_sequence
-from hibernate.store.layout import LOCK_NAME, TMP_PREFIX, SpillRoot
+from hibernate.errors import HibernateError, UsageError
+from hibernate.fsutil import open_dir
+from hibernate.store.format import MANIFEST_NAME
+from hibernate.store.layout import MARKER_NAME, SpillRoot
+from hibernate.store.owner import Owner, liveness
+
+# The state a running owner's agent reports ("running", "asleep", ...), or None if it cannot be asked.
+AgentStateFn = Callable[[Owner], str | None]
 
 
-def _is_spill_root(path: Path) -> bool:
+@dataclass
+class Action:
+    """One thing gc does (or, with --dry-run, would do) and why."""
+
+    path: Path
+    delete: bool
+    reason: str
+    nbytes: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"path": str(self.path), "delete": self.delete, "reason": self.reason, "bytes": self.nbytes}
+
+
+def _is_marked(path: Path) -> bool:
     try:
-        names = os.listdir(path)
+        info = os.stat(path / MARKER_NAME, follow_symlinks=False)
     except OSError:
         return False
-    return any(n == LOCK_NAME or n.startswith(TMP_PREFIX) or snapshot_sequence(n) is not None for n in names)
+    return stat.S_ISREG(info.st_mode)
 
 
 def spill_roots(directory: Path) -> list[Path]:
-    """``directory`` itself if it is one process's root, else the roots directly inside it."""
-    if _is_spill_root(directory):
+    """``directory`` itself if it is one process's root, else the marked roots directly inside it."""
+    if _is_marked(directory):
         return [directory]
-    return sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink() and _is_spill_root(p))
+    try:
+        entries = sorted(directory.iterdir())
+    except PermissionError as exc:
+        raise UsageError(f"cannot list {directory}: permission denied") from exc
+    return [p for p in entries if not p.is_symlink() and p.is_dir() and _is_marked(p)]
 
 
-def collect_garbage(directory: Path) -> dict[str, Any]:
-    """Collect every spill root in ``directory``; one in use (a sleep or a wake running) is skipped."""
+def _allocated(dir_fd: int, name: str) -> int:
+    """Disk space of a file or tree, not following links (what deleting it would free at most)."""
+    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode):
+        return info.st_blocks * 512 if stat.S_ISREG(info.st_mode) else 0
+    sub = open_dir(name, dir_fd=dir_fd)
+    try:
+        return sum(_allocated(sub, entry) for entry in os.listdir(sub))
+    finally:
+        os.close(sub)
+
+
+def plan_root(root: SpillRoot, *, awake: bool, agent_state: AgentStateFn | None) -> tuple[bool, list[Action]]:
+    """What to do with one locked root: (remove it whole?, per-snapshot actions)."""
+    verdict, why = liveness(root.owner)
+    who = f"its process, {root.owner.describe()},"
+    actions = [
+        Action(root.path / name, True, "unfinished: a sleep failed or was killed while writing it")
+        for name in root.unfinished()
+    ]
+    published = root.published()
+    if verdict == "dead":
+        return True, [
+            *actions,
+            *(Action(root.path / n, True, f"{who} is gone: {why}") for n in published),
+        ]
+    if verdict == "unknown":
+        return False, [*actions, *(Action(root.path / n, False, why) for n in published)]
+    *older, newest = published or [""]
+    if newest:
+        try:
+            root.read_manifest(newest)
+        except HibernateError as exc:
+            # It may be what a sleeping process needs once repaired: keep every snapshot.
+            why_kept = (
+                f"{root.path / newest / MANIFEST_NAME} cannot be read ({exc.message}); every snapshot "
+                "here is kept until it is repaired or deleted"
+            )
+            return False, [*actions, *(Action(root.path / n, False, why_kept) for n in published)]
+    actions += [Action(root.path / n, True, f"replaced by {newest}") for n in older]
+    if newest:
+        state = agent_state(root.owner) if agent_state is not None else None
+        if state == "running" and awake:
+            actions.append(Action(root.path / newest, True, f"{who} is awake (--awake)"))
+        elif state == "running":
+            actions.append(Action(root.path / newest, False, f"{who} is awake; --awake reclaims it"))
+        elif state is None:
+            actions.append(Action(root.path / newest, False, f"{who} runs, its state is unknown"))
+        else:
+            actions.append(Action(root.path / newest, False, f"{who} is {state}"))
+    return False, actions
+
+
+def collect_garbage(
+    directory: Path,
+    *,
+    awake: bool = False,
+    dry_run: bool = False,
+    agent_state: AgentStateFn | None = None,
+) -> dict[str, Any]:
+    """Collect every marked spill root in ``directory``; one in use is skipped."""
     directory = Path(directory).expanduser().absolute()
     if not directory.is_dir():
         raise UsageError(f"{directory} is not a directory")
     roots: list[dict[str, Any]] = []
+    warnings: list[str] = []
     for path in spill_roots(directory):
-        with SpillRoot(path) as root:
-            if not root.lock(exclusive=True):
-                roots.append({"path": str(path), "freed_bytes": 0, "skipped": True, "warnings": []})
-                continue
-            freed, warnings = root.collect_garbage()
-            roots.append({"path": str(path), "freed_bytes": freed, "skipped": False, "warnings": warnings})
+        try:
+            roots.append(_collect_root(path, awake=awake, dry_run=dry_run, agent_state=agent_state))
+        except HibernateError as exc:
+            warnings.append(f"{path}: {exc.message}; left as it is")
+        except OSError as exc:
+            warnings.append(f"{path}: {exc.strerror or exc}; left as it is")
     return {
         "directory": str(directory),
+        "dry_run": dry_run,
         "roots": roots,
         "freed_bytes": sum(r["freed_bytes"] for r in roots),
-        "warnings": [w for r in roots for w in r["warnings"]],
+        "warnings": warnings,
     }
+
+
+def _collect_root(
+    path: Path, *, awake: bool, dry_run: bool, agent_state: AgentStateFn | None
+) -> dict[str, Any]:
+    with SpillRoot(path, inspect=True) as root:
+        # A dry run must not make a sleep BUSY: a shared lock conflicts with writers only.
+        if not root.lock(exclusive=not dry_run):
+            return {"path": str(path), "freed_bytes": 0, "skipped": True, "removed": False, "actions": []}
+        remove, actions = plan_root(root, awake=awake, agent_state=agent_state)
+        for action in actions:
+            if action.delete:
+                action.nbytes = _allocated(root.fd, action.path.name)
+        freed = 0
+        if not dry_run:
+            for action in actions:
+                if action.delete:
+                    freed += root.delete_snapshot(action.path.name)
+            if remove:
+                freed += root.remove()
+        return {
+            "path": str(path),
+            "freed_bytes": freed,
+            "skipped": False,
+            "removed": remove,
+            "owner": root.owner.to_json(),
+            "actions": [a.to_wire() for a in actions],
+        }

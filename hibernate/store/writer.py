@@ -19,17 +19,26 @@ each request costs a fixed latency on top of its transfer. Packing chunks into
 64 MiB requests reaches the raw O_DIRECT limit; one request per chunk did not.
 
 Nothing becomes visible until the manifest is written and the temporary
-directory is renamed (see layout.py): a failure anywhere leaves the previous
-snapshot as it was, the temporary directory removed, and the memory untouched.
+directory is renamed (see layout.py): a failure anywhere leaves the temporary
+directory removed and the memory untouched.
+
+Release only after proof: a snapshot's every byte is either written now
+(checksummed from memory, fsynced) or lies in a file of the previous
+snapshot whose identity (device, inode, size, mtime, ctime) is still the one
+recorded when that file was verified. Such files are hard-linked into the new
+snapshot's own directory before anything is streamed, so the new snapshot is
+self-contained; a file that changed, vanished or cannot be linked is not
+reused, and its bytes are written again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
 import secrets
-import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import faults
-from hibernate.errors import AbortedError, StorageError
+from hibernate.errors import AbortedError, SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.fsutil import free_bytes, write_file_atomic
 from hibernate.store.directio import (
     BUFFERED,
@@ -56,14 +65,17 @@ from hibernate.store.format import (
     ALIGNMENT,
     MANIFEST_NAME,
     MAX_CHUNK_BYTES,
+    MAX_RECORDS,
     ChunkRef,
+    FileIdentity,
     Manifest,
     Record,
     align_up,
+    check_region,
     checksum,
     snapshot_name,
 )
-from hibernate.store.layout import SpillRoot
+from hibernate.store.layout import SpillRoot, punch_unused
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
 
@@ -104,6 +116,7 @@ class WriteOptions:
     stage_threads: int = 2  # copy + checksum workers (and in-place hashing of unchanged chunks)
     io_threads: int = 1  # writers; ext4 serialises appending direct writes, so more did not help
     reuse: bool = True  # refer to unchanged chunks of the previous snapshot
+    verify: bool = False  # read the published snapshot back before returning (see verify_snapshot)
 
     def __post_init__(self) -> None:
         if self.io_mode not in IO_MODES:
@@ -152,37 +165,134 @@ class WriteResult:
         }
 
 
-def _reusable_chunks(root: SpillRoot, previous: Manifest | None) -> dict[tuple[str, int], ChunkRef]:
-    """Chunks of the previous snapshot whose data file is present and long enough.
+REUSED_PREFIX = "reused-"
 
-    Their bytes are trusted as the previous snapshot left them: they were
-    verified chunk by chunk by the wake that read them back, and every later
-    wake verifies them again before use.
+
+def _unchanged(root: SpillRoot, previous: Manifest, name: str) -> bool:
+    """The previous snapshot's file ``name`` is the very file that was verified when it was written."""
+    try:
+        info = os.stat(f"{previous.snapshot}/{name}", dir_fd=root.fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and FileIdentity.of(info) == previous.files.get(name)
+
+
+def link_reusable(
+    root: SpillRoot, previous: Manifest | None, tmp_fd: int
+) -> tuple[dict[tuple[str, int], ChunkRef], list[str], list[str]]:
+    """Hard-link the previous snapshot's unchanged files into the new one; index their chunks.
+
+    Returns the chunks by ``(checksum, length)`` (naming the links), the
+    links made, and warnings for files that could not be linked (a file
+    system without hard links: their bytes are written again).
     """
-    if previous is None:
-        return {}
-    sizes: dict[str, int] = {}
-    for file in previous.files():
-        try:
-            sizes[file] = os.stat(file, dir_fd=root.fd, follow_symlinks=False).st_size
-        except OSError:
-            sizes[file] = -1
     index: dict[tuple[str, int], ChunkRef] = {}
+    links: list[str] = []
+    warnings: list[str] = []
+    if previous is None:
+        return index, links, warnings
+    renamed: dict[str, str] = {}
+    for name in sorted(previous.files):
+        if not _unchanged(root, previous, name):
+            continue
+        link = f"{REUSED_PREFIX}{len(links):03d}.bin"
+        try:
+            os.link(
+                f"{previous.snapshot}/{name}",
+                link,
+                src_dir_fd=root.fd,
+                dst_dir_fd=tmp_fd,
+                follow_symlinks=False,
+            )
+        except OSError as exc:
+            warnings.append(
+                f"{root.path / previous.snapshot / name} could not be linked into the new snapshot "
+                f"({exc.strerror or exc}); its bytes were written again"
+            )
+            continue
+        renamed[name] = link
+        links.append(link)
     for record in previous.records:
         for chunk in record.chunks:
-            if chunk.offset + chunk.length <= sizes[chunk.file]:
-                index.setdefault((chunk.checksum, chunk.length), chunk)
-    return index
+            if chunk.file in renamed:
+                index.setdefault(
+                    (chunk.checksum, chunk.length),
+                    ChunkRef(renamed[chunk.file], chunk.offset, chunk.length, chunk.checksum),
+                )
+    return index, links, warnings
+
+
+def _used_ranges(chunks: list[list[ChunkRef]]) -> dict[str, list[tuple[int, int]]]:
+    """Per data file, the sorted and merged byte ranges the chunks use, padding included."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for region in chunks:
+        for chunk in region:
+            spans.setdefault(chunk.file, []).append((chunk.offset, chunk.offset + align_up(chunk.length)))
+    merged: dict[str, list[tuple[int, int]]] = {}
+    for file, ranges in spans.items():
+        out: list[tuple[int, int]] = []
+        for start, end in sorted(ranges):
+            if out and start <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], end))
+            else:
+                out.append((start, end))
+        merged[file] = out
+    return merged
+
+
+def _trim_links(tmp_fd: int, links: list[str], used: dict[str, list[tuple[int, int]]]) -> None:
+    """Links the new snapshot does not use go; in those it partly uses, the rest is punched out.
+
+    The punch changes the shared file under the previous snapshot too: that one is
+    deleted next, before this one is published, and a crash in between leaves it
+    with a changed identity, so no later sleep reuses it.
+    """
+    for link in links:
+        if link not in used:
+            os.unlink(link, dir_fd=tmp_fd)
+        else:
+            punch_unused(tmp_fd, link, used[link])
+
+
+def _identities(tmp_fd: int, names: set[str]) -> dict[str, FileIdentity]:
+    """Each data file as it is now, at the end of writing: what a later sleep may trust."""
+    return {name: FileIdentity.of(os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)) for name in names}
+
+
+def check_regions(regions: Sequence[Region]) -> None:
+    """Refuse, before anything is written, regions whose manifest no wake would accept."""
+    if len(regions) > MAX_RECORDS:
+        raise UnsupportedError(
+            f"{len(regions)} regions to hibernate, more than the {MAX_RECORDS} a snapshot may hold; "
+            "nothing was written and the process keeps its memory",
+            hint="track fewer, larger tensors",
+        )
+    seen: set[str] = set()
+    for index, region in enumerate(regions):
+        try:
+            check_region(region.key, region.tag, region.meta, f"region {index}")
+        except SnapshotInvalidError as exc:
+            raise UnsupportedError(
+                f"{exc.message}; a wake could not read it back, so nothing was written and the process "
+                "keeps its memory",
+                hint="rename the tensor (hibernate.track(..., name=...)) or untrack it",
+            ) from exc
+        if region.key in seen:
+            raise UnsupportedError(
+                f"two regions share the key {region.key!r}; nothing was written and the process keeps "
+                "its memory",
+                hint="give the tracked objects distinct names",
+            )
+        seen.add(region.key)
 
 
 class _Segments:
     """Data files of the snapshot being written, appended to in order."""
 
-    def __init__(self, root: SpillRoot, dir_fd: int, tmp_name: str, snapshot: str, options: WriteOptions):
+    def __init__(self, root: SpillRoot, dir_fd: int, tmp_name: str, options: WriteOptions):
         self._root = root
         self._dir_fd = dir_fd
         self._tmp_name = tmp_name
-        self._snapshot = snapshot
         self._segment_bytes = options.segment_bytes
         self._io_mode = options.io_mode
         self._lock = threading.Lock()
@@ -198,15 +308,15 @@ class _Segments:
                 self._offset = 0
             offset = self._offset
             self._offset += nbytes
-            return self.files[-1], f"{self._snapshot}/data-{len(self.files) - 1:03d}.bin", offset
+            return self.files[-1], f"data-{len(self.files) - 1:03d}.bin", offset
 
     def next_path(self) -> Path:
         """Where the data file being created lies (for messages when creating it fails)."""
         return self._root.path / self._tmp_name / f"data-{len(self.files):03d}.bin"
 
     def path_of(self, name: str) -> Path:
-        """Where a file named ``snap-N/data-M.bin`` lies while it is being written."""
-        return self._root.path / self._tmp_name / name.split("/", 1)[1]
+        """Where data file ``name`` lies while it is being written."""
+        return self._root.path / self._tmp_name / name
 
     @property
     def mode(self) -> str:
@@ -370,70 +480,109 @@ def write_snapshot(
     cancelled: CancelledFn | None = None,
     pin: PinFn | None = None,
 ) -> WriteResult:
-    """Write ``regions`` as a new published snapshot of ``root``; all or nothing."""
+    """Write ``regions`` as a new published snapshot of ``root``; all or nothing.
+
+    A root left with nothing in it (the first sleep of a process failed) is
+    removed, so failed sleeps leave no empty directories behind.
+    """
     options = options or WriteOptions()
     started = time.perf_counter()
+    check_regions(regions)
     root.lock_for_write()
     try:
-        previous = root.latest_manifest() if options.reuse else None
-        reusable = _reusable_chunks(root, previous)
-        chunk_bytes = options.effective_chunk_bytes
-        total = sum(r.nbytes for r in regions)
-        _check_free_space(root, regions, chunk_bytes, reusable)
-        sequence = root.next_sequence()
-        name = snapshot_name(sequence)
-        root.sweep_leftovers()
-        with root.staging_dir(sequence, secrets.token_hex(4)) as (tmp_name, tmp_fd):
-            segments = _Segments(root, tmp_fd, tmp_name, name, options)
-            try:
-                stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
-                chunks = stream.run(pin)
-                segments.finish()
-                faults.point("store.write")  # data durable, nothing published yet
-            except OSError as exc:
-                raise _io_error(exc, root, None, stream.written, total) from exc
-            finally:
-                io_mode = segments.mode
-                data_files = len(segments.files)
-                segments.close()
-            manifest = Manifest(
-                snapshot=name,
-                producer={**producer, "hostname": socket.gethostname()},
-                chunk_bytes=chunk_bytes,
-                records=tuple(
-                    Record(region.key, region.tag, region.nbytes, dict(region.meta), tuple(chunks[index]))
-                    for index, region in enumerate(regions)
-                ),
-                created_unix=time.time(),
-            )
-            try:
-                write_file_atomic(tmp_fd, MANIFEST_NAME, manifest.encode())
-                faults.point("store.publish")  # the manifest is in place, the rename is next
-                root.publish(tmp_name, name)
-            except OSError as exc:
-                raise _io_error(
-                    exc, root, root.path / tmp_name / MANIFEST_NAME, stream.written, total
-                ) from exc
-        warnings = []
-        try:
-            root.retire_all_but(manifest)
-        except OSError as exc:
-            warnings.append(f"older snapshots in {root.path} could not be removed: {exc}")
-        return WriteResult(
-            snapshot=name,
-            path=root.path / name,
-            total_bytes=total,
-            written_bytes=stream.written,
-            reused_bytes=stream.reused,
-            seconds=time.perf_counter() - started,
-            io_mode=io_mode,
-            staging_bytes=stream.staging_bytes,
-            data_files=data_files,
-            manifest=manifest,
-            warnings=warnings,
-        )
+        return _write_locked(root, regions, producer, options, progress, cancelled, pin, started)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if root.is_empty():
+                root.remove()
+        raise
     finally:
         root.unlock()
+
+
+def _write_locked(
+    root: SpillRoot,
+    regions: Sequence[Region],
+    producer: Mapping[str, Any],
+    options: WriteOptions,
+    progress: ProgressFn | None,
+    cancelled: CancelledFn | None,
+    pin: PinFn | None,
+    started: float,
+) -> WriteResult:
+    try:
+        root.sweep_unfinished()
+    except OSError as exc:
+        raise StorageError(
+            f"cannot clear unfinished snapshots in {root.path}: {exc.strerror or exc}"
+        ) from exc
+    previous = root.latest_manifest() if options.reuse else None
+    chunk_bytes = options.effective_chunk_bytes
+    total = sum(r.nbytes for r in regions)
+    sequence = root.next_sequence()
+    name = snapshot_name(sequence)
+    with root.staging_dir(sequence, secrets.token_hex(4)) as (tmp_name, tmp_fd):
+        reusable, links, warnings = link_reusable(root, previous, tmp_fd)
+        _check_free_space(root, regions, chunk_bytes, reusable)
+        segments = _Segments(root, tmp_fd, tmp_name, options)
+        try:
+            stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
+            chunks = stream.run(pin)
+            segments.finish()
+            used = _used_ranges(chunks)
+            _trim_links(tmp_fd, links, used)
+            # The older snapshots go now, not after the publish: removing a link changes the
+            # change time of the file it shares with ours, which must be final when recorded.
+            # They were a cache of bytes the process still holds, so nothing is lost if the
+            # publish then fails.
+            root.retire_all_but(None)
+            files = _identities(tmp_fd, set(used))
+            faults.point("store.write")  # data durable, nothing published yet
+        except OSError as exc:
+            raise _io_error(exc, root, None, stream.written, total) from exc
+        finally:
+            io_mode = segments.mode
+            data_files = len(segments.files)
+            segments.close()
+        manifest = Manifest(
+            snapshot=name,
+            producer=dict(producer),
+            chunk_bytes=chunk_bytes,
+            records=tuple(
+                Record(region.key, region.tag, region.nbytes, dict(region.meta), tuple(chunks[index]))
+                for index, region in enumerate(regions)
+            ),
+            owner=root.owner,
+            files=files,
+            created_unix=time.time(),
+        )
+        try:
+            encoded = manifest.encode()
+        except SnapshotInvalidError as exc:
+            raise UnsupportedError(
+                f"{exc.message}: no wake could read it, so nothing was published and the process keeps "
+                "its memory",
+                hint=exc.hint,
+            ) from exc
+        try:
+            write_file_atomic(tmp_fd, MANIFEST_NAME, encoded)
+            faults.point("store.publish")  # the manifest is in place, the rename is next
+            root.publish(tmp_name, name)
+        except OSError as exc:
+            raise _io_error(exc, root, root.path / tmp_name / MANIFEST_NAME, stream.written, total) from exc
+    return WriteResult(
+        snapshot=name,
+        path=root.path / name,
+        total_bytes=total,
+        written_bytes=stream.written,
+        reused_bytes=stream.reused,
+        seconds=time.perf_counter() - started,
+        io_mode=io_mode,
+        staging_bytes=stream.staging_bytes,
+        data_files=data_files,
+        manifest=manifest,
+        warnings=warnings,
+    )
 
 
 def _check_free_space(
