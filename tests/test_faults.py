@@ -56,7 +56,7 @@ def test_a_sleep_and_a_wake_pass_every_point_in_order(
 
 def published_snapshots_are_whole(directory: Path) -> None:
     for manifest in directory.rglob("manifest.json"):
-        root = SpillRoot(manifest.parent.parent)
+        root = SpillRoot(manifest.parent.parent, inspect=True)
         with root, SnapshotReader(root, manifest.parent.name) as reader:
             assert reader.manifest.records, manifest
     leftovers = [p for p in directory.rglob(".tmp-*")]

@@ -487,9 +487,9 @@ def write_snapshot(
     """
     options = options or WriteOptions()
     started = time.perf_counter()
-    check_regions(regions)
     root.lock_for_write()
     try:
+        check_regions(regions)
         return _write_locked(root, regions, producer, options, progress, cancelled, pin, started)
     except BaseException:
         with contextlib.suppress(OSError):
