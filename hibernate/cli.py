@@ -168,9 +168,14 @@ def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | 
     return select(pids, every=every, job=job, cgroup=cgroup)
 
 
+def _by_selector(selection: Any) -> bool:
+    """Whether a selector (--all, --job, --cgroup) chose targets, rather than pids alone."""
+    return any(source["selector"] != "pids" for source in selection.sources)
+
+
 def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
     """Add how the targets were selected to a JSON document, when selectors were used."""
-    if any(source["selector"] != "pids" for source in selection.sources):
+    if _by_selector(selection):
         document["selection"] = selection.to_wire()
     return document
 
@@ -234,6 +239,7 @@ def sleep(
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
     selection = _select(pids, every, job, cgroup)
+    options.skip_asleep = _by_selector(selection)  # as a wake skips those awake
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.sleep(selection.pids, to, options, progress)
     if as_json:

@@ -228,3 +228,29 @@ def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, 
     assert "an empty string names no directory" in result.stderr and "--to ." in result.stderr
     assert not any(work_dir.iterdir())
     assert_untouched(demo, cli, reference)
+
+
+def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, work_dir: Path) -> None:
+    """As ``wake --all`` skips those awake; pids named one by one are still refused (above)."""
+    first, second = start_demo(size_mb=16), start_demo(size_mb=16)
+    reference = second.infer()["digest"]
+    assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
+    snapshot = cli("status", str(first.pid), "--json").json()["agents"][0]["snapshot"]["path"]
+
+    result = cli("sleep", "--all", "--to", str(work_dir))
+    assert result.returncode == 0, result.stderr
+    assert f"asleep: pid {second.pid}" in result.stdout
+    skipped = f"skipped: pid {first.pid} (proc-{first.pid}) is already asleep (snapshot {snapshot})"
+    assert skipped in result.stdout
+    states = {a["pid"]: a for a in cli("status", "--all", "--json").json()["agents"]}
+    assert {pid: a["state"] for pid, a in states.items()} == {first.pid: "asleep", second.pid: "asleep"}
+    assert states[first.pid]["snapshot"]["path"] == snapshot  # left alone: not slept again
+
+    again = cli("sleep", "--all", "--to", str(work_dir), "--json")
+    assert again.returncode == ExitCode.WRONG_STATE, again.stderr
+    message = again.json()["error"]["message"]
+    assert message.startswith("nothing to put to sleep: ")
+    assert f"process {first.pid} is already asleep" in message and f"process {second.pid}" in message
+
+    assert cli("wake", "--all", "-q").returncode == 0
+    assert second.infer()["digest"] == reference
