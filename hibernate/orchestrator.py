@@ -155,7 +155,9 @@ class _Member:
                 else ""
             )
             raise
-        result.setdefault("seconds", time.perf_counter() - started)
+        # The phase as this command saw it, from request to answer: everything the agent did for it
+        # (not only the store's transfer, which it reports as io_seconds) and the round trip.
+        result["seconds"] = time.perf_counter() - started
         self.phases[op] = result
         self.reached = op
         return result
@@ -647,8 +649,20 @@ def _cuda_sleep(targets: Sequence[Target], options: Options, operation: _Operati
     return report
 
 
+def _io_seconds(phase: dict[str, Any]) -> float | None:
+    """The store's own transfer time within a spill or restore; None where the agent did not say."""
+    value = phase.get("io_seconds")
+    return round(float(value), 6) if isinstance(value, (int, float)) else None
+
+
 def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One process of a sleep report, from what its agent's quiesce, spill and release returned."""
+    """One process of a sleep report, from what its agent's quiesce, spill and release returned.
+
+    GB/s is the bytes written over the whole spill phase (``seconds``), not over
+    the store's transfer alone (``io_seconds``): with many small tensors the
+    work around the writes is most of the phase, and a rate that left it out
+    would promise what no sleep delivers.
+    """
     spill = phases.get("spill", {})
     release = phases.get("release", {})
     written = int(spill.get("written_bytes", 0))
@@ -664,6 +678,7 @@ def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[
         "released_bytes": release.get("released_bytes", 0),
         "io_mode": spill.get("io_mode"),
         "gb_per_s": round(written / spill_seconds / 1e9, 3),
+        "io_seconds": _io_seconds(spill),
         "rss_before": release.get("rss_before"),
         "rss_after": release.get("rss_after"),
         "pools": spill.get("pools", []),
@@ -803,7 +818,10 @@ def _cuda_wake(targets: Sequence[Target], options: Options, operation: _Operatio
 
 
 def wake_entry(pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One process of a wake report, from what its agent's restore and resume returned."""
+    """One process of a wake report, from what its agent's restore and resume returned.
+
+    GB/s is over the whole restore phase, as in :func:`sleep_entry`.
+    """
     restore = phases.get("restore", {})
     total = int(restore.get("total_bytes", 0))
     restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
@@ -815,6 +833,7 @@ def wake_entry(pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, A
         "zeroed_bytes": restore.get("zeroed_bytes", 0),
         "io_mode": restore.get("io_mode"),
         "gb_per_s": round(total / restore_seconds / 1e9, 3),
+        "io_seconds": _io_seconds(restore),
         "rss_before": restore.get("rss_before"),
         "rss_after": restore.get("rss_after"),
         "phases": {
