@@ -89,13 +89,14 @@ def _half_ram_words() -> str:
 
 
 # By the name of the command function's parameter: every command with such a parameter is checked.
+# (--level is checked by the vLLM flow, hibernate/integrations/vllm_flow.py:check_level, whose message
+# says what each level does; for any other target it is refused as a vLLM-only option.)
 BOUNDS: dict[str, Bound] = {
     "timeout": Bound("--timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")),
     "barrier_timeout": Bound(
         "--barrier-timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")
     ),
     "buffer_mb": Bound("--buffer-mb", min_buffer_mb, max_buffer_mb, "MiB", _half_ram_words),
-    "level": Bound("--level", _const(1), _const(2)),
     "nodes": Bound("--nodes", _const(1), _const(MAX_NODES)),
     "node_index": Bound("--node-index", _const(0), _const(MAX_NODES - 1)),
 }

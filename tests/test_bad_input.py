@@ -188,7 +188,6 @@ def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cl
         (["wake", str(demo.pid), "--timeout", "inf"], "--timeout must be between 0 and 86400 seconds"),
         (["sleep", *target, "--buffer-mb", "1099511627776"], "--buffer-mb must be between 16 and"),
         (["sleep", *target, "--buffer-mb", "8"], "--buffer-mb must be between 16 and"),
-        (["sleep", *target, "--level", "3"], "--level must be between 1 and 2"),
         (
             ["node-step", "sleep", *target, "--barrier", str(barrier), "--nodes", "1", "--node-index", "0",
              "--barrier-timeout", "inf"],
