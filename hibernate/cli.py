@@ -31,7 +31,10 @@ PidsArgument = Annotated[
 ]
 BufferOption = Annotated[
     int,
-    typer.Option("--buffer-mb", min=16, help="Staging memory for the transfer, in MiB (the whole of it)."),
+    typer.Option(
+        "--buffer-mb",
+        help="Staging memory for the transfer, in MiB (the whole of it): 16 to half of this machine's RAM.",
+    ),
 ]
 IoModeOption = Annotated[
     str,
@@ -41,9 +44,8 @@ TimeoutOption = Annotated[
     float,
     typer.Option(
         "--timeout",
-        min=0.0,
         help="Seconds to wait for the program to leave hibernate.guard() (a vLLM server: for its running "
-        "requests to drain) and for its CUDA work to drain.",
+        "requests to drain) and for its CUDA work to drain: 0 to 86400.",
     ),
 ]
 CheckpointerOption = Annotated[
@@ -108,14 +110,30 @@ VllmUrlOption = Annotated[
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _directory(value: str) -> Path:
+    """A ``--to`` directory. An empty string is refused: ``Path("")`` quietly means the current
+    directory, and an empty ``--to "$DIR"`` is a script whose variable was never set."""
+    if isinstance(value, Path):  # a default, or a value already converted
+        return value
+    if value == "":
+        raise typer.BadParameter("an empty string names no directory (for the current one, pass --to .)")
+    return Path(value)
+
+
 def _handles_errors(func: F) -> F:
-    """Turn HibernateError into its exit code and message (JSON when --json)."""
+    """Turn HibernateError into its exit code and message (JSON when --json).
+
+    Every numeric option is range-checked here first (hibernate/limits.py, by
+    parameter name), so each command refuses a bad number before it touches
+    anything, with the same words and exit code, and no command can forget to.
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from hibernate import render
+        from hibernate import limits, render
 
         try:
+            limits.check(kwargs)
             return func(*args, **kwargs)
         except HibernateError as exc:
             raise typer.Exit(render.error(exc, bool(kwargs.get("as_json")))) from None
@@ -150,9 +168,14 @@ def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | 
     return select(pids, every=every, job=job, cgroup=cgroup)
 
 
+def _by_selector(selection: Any) -> bool:
+    """Whether a selector (--all, --job, --cgroup) chose targets, rather than pids alone."""
+    return any(source["selector"] != "pids" for source in selection.sources)
+
+
 def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
     """Add how the targets were selected to a JSON document, when selectors were used."""
-    if any(source["selector"] != "pids" for source in selection.sources):
+    if _by_selector(selection):
         document["selection"] = selection.to_wire()
     return document
 
@@ -168,7 +191,12 @@ def _io_mode(value: str) -> str:
 @app.command()
 @_handles_errors
 def sleep(
-    to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots (created 0700 if missing).")],
+    to: Annotated[
+        Path,
+        typer.Option(
+            "--to", parser=_directory, help="Directory for the snapshots (created 0700 if missing)."
+        ),
+    ],
     pids: OptionalPidsArgument = None,
     every: AllOption = False,
     job: JobOption = None,
@@ -219,6 +247,7 @@ def sleep(
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
     selection = _select(pids, every, job, cgroup)
+    options.skip_asleep = _by_selector(selection)  # as a wake skips those awake
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.sleep(selection.pids, to, options, progress)
     if as_json:
@@ -356,7 +385,7 @@ def gc(
 @_handles_errors
 def run(
     command: Annotated[list[str], typer.Argument(help="The job to run, after --.", show_default=False)],
-    to: Annotated[Path, typer.Option("--to", help="Directory for the snapshots.")],
+    to: Annotated[Path, typer.Option("--to", parser=_directory, help="Directory for the snapshots.")],
     on_signal: Annotated[
         str, typer.Option("--on-signal", help="Signal that puts the job to sleep.")
     ] = "USR1",
@@ -395,23 +424,23 @@ def node_step(
     to: Annotated[
         Path | None,
         typer.Option(
-            "--to", help="Snapshot directory (sleep); this node's go to DIR/<node name>.", show_default=False
+            "--to",
+            parser=_directory,
+            help="Snapshot directory (sleep); this node's go to DIR/<node name>.",
+            show_default=False,
         ),
     ] = None,
     nodes: Annotated[
         int | None,
         typer.Option(
             "--nodes",
-            min=1,
             help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
             show_default=False,
         ),
     ] = None,
     node_index: Annotated[
         int | None,
-        typer.Option(
-            "--node-index", min=0, help="This node's index (default: $SLURM_NODEID).", show_default=False
-        ),
+        typer.Option("--node-index", help="This node's index (default: $SLURM_NODEID).", show_default=False),
     ] = None,
     node: Annotated[
         str | None,
@@ -424,7 +453,7 @@ def node_step(
     barrier_timeout: Annotated[
         float,
         typer.Option(
-            "--barrier-timeout", min=0.0, help="Seconds from the start until silent nodes count as failed."
+            "--barrier-timeout", help="Seconds from the start until silent nodes count as failed (to 86400)."
         ),
     ] = 600.0,
     allow_empty: Annotated[
@@ -529,7 +558,9 @@ def doctor(
     to: Annotated[
         Path | None,
         typer.Option(
-            "--to", help="Where snapshots would go (default: the agent's default directory, if any)."
+            "--to",
+            parser=_directory,
+            help="Where snapshots would go (default: the agent's default directory, if any).",
         ),
     ] = None,
     checkpointer: CheckpointerOption = "auto",

@@ -103,6 +103,10 @@ class Options:
     cuda_checkpoint: str | None = None  # path of the cuda-checkpoint binary (--cuda-checkpoint)
     cuda_timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     vllm: VllmOptions = field(default_factory=VllmOptions)
+    # A sleep of targets chosen by a selector (--all, --job, --cgroup) skips those already asleep and
+    # lists them, as a wake skips those awake: "everything of mine" should end asleep, not fail because
+    # part of it already is. Pids named one by one are refused instead (the user meant those).
+    skip_asleep: bool = False
     _chosen: bool = field(default=False, repr=False)
     _passed_over: list[str] = field(default_factory=list, repr=False)
     _skipped: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -157,7 +161,9 @@ class _Member:
                 else ""
             )
             raise
-        result.setdefault("seconds", time.perf_counter() - started)
+        # The phase as this command saw it, from request to answer: everything the agent did for it
+        # (not only the store's transfer, which it reports as io_seconds) and the round trip.
+        result["seconds"] = time.perf_counter() - started
         self.phases[op] = result
         self.reached = op
         return result
@@ -454,6 +460,49 @@ def _undo_sleep(members: Sequence[_Member], error: BaseException) -> None:
         ) from error
 
 
+def _asleep(target: Target) -> bool:
+    """Whether ``target`` is asleep as a whole: every agent of it that holds memory is asleep.
+
+    A vLLM server's API process holds no pools (its workers do) and stays
+    running while the server sleeps, so it does not count.
+    """
+    from hibernate.integrations.vllm_flow import holds_pools, is_vllm
+
+    holders = [a for a in target.agents if not (is_vllm(a.status) and not holds_pools(a.status))]
+    return bool(holders) and all(a.status.get("state") == "asleep" for a in holders)
+
+
+def _skip_asleep(targets: Sequence[Target]) -> tuple[list[Target], list[dict[str, Any]]]:
+    """The targets still to put to sleep, and what was skipped because it already sleeps.
+
+    Decided from the agents' answers when the targets were resolved, before any
+    lock: a target half asleep is not skipped (the sleep then refuses it, as
+    one named by pid). Nothing left to do is a WrongStateError, as a wake of
+    nothing asleep is.
+    """
+    asleep = [t for t in targets if _asleep(t)]
+    remaining = [t for t in targets if not any(t is a for a in asleep)]
+    skipped = [
+        {
+            "pid": a.pid,
+            "name": a.status.get("name"),
+            "state": a.status.get("state"),
+            "snapshot": (a.status.get("snapshot") or {}).get("path"),
+        }
+        for t in asleep
+        for a in t.agents
+        if a.status.get("state") == "asleep"
+    ]
+    if not remaining:
+        raise WrongStateError("nothing to put to sleep: " + "; ".join(_describe_skipped(s) for s in skipped))
+    return remaining, skipped
+
+
+def _describe_skipped(entry: dict[str, Any]) -> str:
+    where = entry.get("snapshot")
+    return f"process {entry['pid']} is already asleep" + (f" (snapshot {where})" if where else "")
+
+
 def sleep(
     pids: Sequence[int], directory: Path, options: Options, sink: ProgressSink | None = None
 ) -> dict[str, Any]:
@@ -461,10 +510,24 @@ def sleep(
     started = time.perf_counter()
     sink.phase("connect")
     targets = resolve(pids)
+    skipped: list[dict[str, Any]] = []
+    if options.skip_asleep:
+        targets, skipped = _skip_asleep(targets)
     if _vllm(targets, options):
         from hibernate.integrations import vllm_flow
 
-        return vllm_flow.sleep(targets, directory, options, sink)
+        report = vllm_flow.sleep(targets, directory, options, sink)
+    else:
+        report = _sleep_targets(targets, directory, options, sink, started)
+    if skipped:
+        report["skipped"] = skipped
+    return report
+
+
+def _sleep_targets(
+    targets: Sequence[Target], directory: Path, options: Options, sink: ProgressSink, started: float
+) -> dict[str, Any]:
+    """quiesce, spill, release and the CUDA phase of targets that are not a vLLM server."""
     operation = _Operation("sleep", targets)
     operation.lock()
     members: list[_Member] = []
@@ -592,8 +655,20 @@ def _cuda_sleep(targets: Sequence[Target], options: Options, operation: _Operati
     return report
 
 
+def _io_seconds(phase: dict[str, Any]) -> float | None:
+    """The store's own transfer time within a spill or restore; None where the agent did not say."""
+    value = phase.get("io_seconds")
+    return round(float(value), 6) if isinstance(value, (int, float)) else None
+
+
 def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One process of a sleep report, from what its agent's quiesce, spill and release returned."""
+    """One process of a sleep report, from what its agent's quiesce, spill and release returned.
+
+    GB/s is the bytes written over the whole spill phase (``seconds``), not over
+    the store's transfer alone (``io_seconds``): with many small tensors the
+    work around the writes is most of the phase, and a rate that left it out
+    would promise what no sleep delivers.
+    """
     spill = phases.get("spill", {})
     release = phases.get("release", {})
     written = int(spill.get("written_bytes", 0))
@@ -609,6 +684,8 @@ def sleep_entry(pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> dict[
         "released_bytes": release.get("released_bytes", 0),
         "io_mode": spill.get("io_mode"),
         "gb_per_s": round(written / spill_seconds / 1e9, 3),
+        "io_seconds": _io_seconds(spill),
+        "verify_seconds": spill.get("verify_seconds"),
         "rss_before": release.get("rss_before"),
         "rss_after": release.get("rss_after"),
         "pools": spill.get("pools", []),
@@ -748,7 +825,10 @@ def _cuda_wake(targets: Sequence[Target], options: Options, operation: _Operatio
 
 
 def wake_entry(pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One process of a wake report, from what its agent's restore and resume returned."""
+    """One process of a wake report, from what its agent's restore and resume returned.
+
+    GB/s is over the whole restore phase, as in :func:`sleep_entry`.
+    """
     restore = phases.get("restore", {})
     total = int(restore.get("total_bytes", 0))
     restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
@@ -760,6 +840,7 @@ def wake_entry(pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, A
         "zeroed_bytes": restore.get("zeroed_bytes", 0),
         "io_mode": restore.get("io_mode"),
         "gb_per_s": round(total / restore_seconds / 1e9, 3),
+        "io_seconds": _io_seconds(restore),
         "rss_before": restore.get("rss_before"),
         "rss_after": restore.get("rss_after"),
         "phases": {

@@ -137,6 +137,9 @@ def sleep_report(report: dict[str, Any]) -> None:
             f"{human_bytes(p['dropped_bytes'])}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
         )
         _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
+    for s in report.get("skipped", []):
+        where = f" (snapshot {s['snapshot']})" if s.get("snapshot") else ""
+        out.print(f"skipped: pid {s['pid']} ({s['name']}) is already asleep{where}", markup=False)
     if report.get("vllm"):
         out.print(vllm_summary(report["vllm"]), markup=False)
     out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)

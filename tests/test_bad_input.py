@@ -173,3 +173,83 @@ def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
     result = run_cli("sleep", "1", "--to", "/tmp/x", "--io-mode", "sideways")
     assert result.returncode == ExitCode.USAGE
     assert "--io-mode must be auto, direct or buffered" in result.stderr
+
+
+def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cli, work_dir: Path) -> None:
+    """inf, 1e10, NaN, negatives, a TiB of staging: refused at once (exit 2), never a traceback."""
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    target = [str(demo.pid), "--to", str(work_dir)]
+    barrier = work_dir / "barrier"
+    cases = [
+        (["sleep", *target, "--timeout", "inf"], "--timeout must be between 0 and 86400 seconds"),
+        (["sleep", *target, "--timeout", "1e10"], "--timeout must be between 0 and 86400 seconds"),
+        (["sleep", *target, "--timeout", "nan"], "--timeout must be between 0 and 86400 seconds"),
+        (["wake", str(demo.pid), "--timeout", "inf"], "--timeout must be between 0 and 86400 seconds"),
+        (["sleep", *target, "--buffer-mb", "1099511627776"], "--buffer-mb must be between 16 and"),
+        (["sleep", *target, "--buffer-mb", "8"], "--buffer-mb must be between 16 and"),
+        (
+            ["node-step", "sleep", *target, "--barrier", str(barrier), "--nodes", "1", "--node-index", "0",
+             "--barrier-timeout", "inf"],
+            "--barrier-timeout must be between 0 and 86400 seconds",
+        ),
+        (
+            ["node-step", "sleep", *target, "--barrier", str(barrier), "--nodes", "0", "--node-index", "0"],
+            "--nodes must be between 1 and 65536",
+        ),
+    ]  # fmt: skip
+    for args, words in cases:
+        result = cli(*args)
+        assert result.returncode == ExitCode.USAGE, (args, result.stderr)
+        assert words in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+    big = cli("sleep", *target, "--buffer-mb", "1099511627776", "--json")
+    assert big.returncode == ExitCode.USAGE
+    error = big.json()["error"]
+    assert error["code"] == "usage" and "half of this machine's" in error["message"]
+    assert not list(work_dir.rglob("manifest.json")) and not barrier.exists()
+    assert_untouched(demo, cli, reference)
+
+
+def test_run_refuses_a_bad_timeout_before_starting_the_job(cli, work_dir: Path) -> None:
+    started = work_dir / "started"
+    job = [sys.executable, "-c", f"open({str(started)!r}, 'w').close()"]
+    result = cli("run", "--timeout", "inf", "--to", str(work_dir), "--", *job)
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    assert "--timeout must be between 0 and 86400 seconds" in result.stderr
+    assert not started.exists()
+
+
+def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    result = cli("sleep", str(demo.pid), "--to", "", cwd=work_dir)
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    assert "an empty string names no directory" in result.stderr and "--to ." in result.stderr
+    assert not any(work_dir.iterdir())
+    assert_untouched(demo, cli, reference)
+
+
+def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, work_dir: Path) -> None:
+    """As ``wake --all`` skips those awake; pids named one by one are still refused (above)."""
+    first, second = start_demo(size_mb=16), start_demo(size_mb=16)
+    reference = second.infer()["digest"]
+    assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
+    snapshot = cli("status", str(first.pid), "--json").json()["agents"][0]["snapshot"]["path"]
+
+    result = cli("sleep", "--all", "--to", str(work_dir))
+    assert result.returncode == 0, result.stderr
+    assert f"asleep: pid {second.pid}" in result.stdout
+    skipped = f"skipped: pid {first.pid} (proc-{first.pid}) is already asleep (snapshot {snapshot})"
+    assert skipped in result.stdout
+    states = {a["pid"]: a for a in cli("status", "--all", "--json").json()["agents"]}
+    assert {pid: a["state"] for pid, a in states.items()} == {first.pid: "asleep", second.pid: "asleep"}
+    assert states[first.pid]["snapshot"]["path"] == snapshot  # left alone: not slept again
+
+    again = cli("sleep", "--all", "--to", str(work_dir), "--json")
+    assert again.returncode == ExitCode.WRONG_STATE, again.stderr
+    message = again.json()["error"]["message"]
+    assert message.startswith("nothing to put to sleep: ")
+    assert f"process {first.pid} is already asleep" in message and f"process {second.pid}" in message
+
+    assert cli("wake", "--all", "-q").returncode == 0
+    assert second.infer()["digest"] == reference

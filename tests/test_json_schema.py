@@ -95,6 +95,19 @@ def test_sleep_and_wake_without_cuda_and_with_a_selector(start_demo, cli, work_d
     valid("gc", cli("gc", str(work_dir), "--json"))
 
 
+def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
+    start_demo, cli, work_dir: Path
+) -> None:
+    first, second = start_demo(size_mb=16), start_demo(size_mb=16)
+    assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
+    asleep = valid("sleep", cli("sleep", "--all", "--to", str(work_dir), "--json"))
+    assert [p["pid"] for p in asleep["processes"]] == [second.pid]
+    (skipped,) = asleep["skipped"]
+    assert skipped["pid"] == first.pid and skipped["state"] == "asleep"
+    assert skipped["snapshot"] and Path(skipped["snapshot"]).parent == work_dir / f"proc-{first.pid}"
+    valid("wake", cli("wake", "--all", "--json"))
+
+
 def test_doctor_on_this_machine_and_with_a_target(world: World, start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     world.register(demo.pid)
@@ -181,6 +194,8 @@ def mutated(change: Any) -> dict[str, Any]:
 
 def test_a_complete_sleep_report_is_valid() -> None:
     assert problems("sleep", SLEEP) == []
+    skipped = {"pid": 7, "name": "proc-7", "state": "asleep", "snapshot": "/snap/proc-7/snap-000001"}
+    assert problems("sleep", {**SLEEP, "skipped": [skipped]}) == []
 
 
 @pytest.mark.parametrize(
@@ -193,6 +208,8 @@ def test_a_complete_sleep_report_is_valid() -> None:
         lambda d: d["processes"][0].update(written_bytes=-1),
         lambda d: d.update(operation="wake"),
         lambda d: d.update(ok=False),
+        lambda d: d.update(skipped=[{"pid": 7, "name": None, "state": "running", "snapshot": None}]),
+        lambda d: d.update(skipped=[{"pid": 7, "name": None, "state": "asleep"}]),
     ],
     ids=[
         "no spill time",
@@ -202,6 +219,8 @@ def test_a_complete_sleep_report_is_valid() -> None:
         "negative",
         "wake",
         "not ok",
+        "skipped one awake",
+        "skipped without its snapshot",
     ],
 )
 def test_a_sleep_report_missing_a_timing_or_a_field_is_not(change: Any) -> None:

@@ -515,3 +515,34 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
     assert woken.returncode == 0, woken.stderr
     awake_and_whole(cli, server, world, before, "after hibernate sleep and wake")
     nothing_left_to_clean(runtime_dir)
+
+
+@pytest.mark.slow
+def test_sleep_all_skips_a_vllm_server_already_asleep_and_sleeps_the_rest(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+) -> None:
+    """--all with a sleeping vLLM server beside another target: the server is skipped, as a whole
+    (its API process holds no pools and stays running), and the other target is put to sleep."""
+    server = start_server(workers=2)
+    assert cli("sleep", str(server.pid), "--to", str(work_dir), "-q").returncode == 0
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+
+    asleep = cli("sleep", "--all", "--to", str(work_dir), "--json")
+    assert asleep.returncode == 0, asleep.stderr
+    report = valid("sleep", asleep.json())
+    assert [p["pid"] for p in report["processes"]] == [demo.pid] and "vllm" not in report
+    assert sorted(s["pid"] for s in report["skipped"]) == sorted(server.workers)
+    assert server.is_sleeping() and states(cli, server) == ["asleep", "asleep"]
+
+    again = cli("sleep", "--all", "--to", str(work_dir), "--json")
+    assert again.returncode == ExitCode.WRONG_STATE, again.stderr
+    assert again.json()["error"]["message"].startswith("nothing to put to sleep: ")
+
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    assert cli("wake", str(server.pid), "-q").returncode == 0
+    assert demo.infer()["digest"] == reference and not server.is_sleeping()
