@@ -104,7 +104,7 @@ def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
     assert [p["pid"] for p in asleep["processes"]] == [second.pid]
     (skipped,) = asleep["skipped"]
     assert skipped["pid"] == first.pid and skipped["state"] == "asleep"
-    assert skipped["snapshot"] and Path(skipped["snapshot"]).parent == work_dir / f"proc-{first.pid}"
+    assert skipped["snapshot"] and Path(skipped["snapshot"]).parent == spill_root_of(work_dir, first.pid)
     valid("wake", cli("wake", "--all", "--json"))
 
 
