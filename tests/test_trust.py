@@ -390,3 +390,20 @@ def test_an_unreadable_snapshot_tree_is_an_io_error_naming_the_path(
     assert "permission denied" in result.json()["error"]["message"]
     assert state(as_nobody, demo.pid) == "running"
     assert demo.infer()["digest"] == reference
+
+
+def test_a_retired_snapshot_and_one_never_published_are_told_apart(tmp_path: Path) -> None:
+    regions = [BytesRegion("w/a", "w", os.urandom(16 * KiB))]
+    path = tmp_path / "proc"
+    with SpillRoot(path, create=True) as root:
+        first = write_snapshot(root, regions, producer={}).snapshot
+        second = write_snapshot(root, regions, producer={}).snapshot
+        with pytest.raises(
+            Exception, match=f"was retired: a newer sleep of this process replaced it with {second}"
+        ):
+            root.read_manifest(first)
+        (path / "snap-000009").mkdir()
+        with pytest.raises(Exception, match="the snapshot was never published, or its manifest was deleted"):
+            root.read_manifest("snap-000009")
+        with pytest.raises(Exception, match=r"snap-000010 does not exist \(it was deleted\)"):
+            root.read_manifest("snap-000010")
