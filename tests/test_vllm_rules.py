@@ -144,6 +144,23 @@ def test_staging_budget_and_chunk_size_come_from_the_environment_validated() -> 
         staging_args({"HIBERNATE_CHUNK_MB": "2048"})
 
 
+def test_verification_is_asked_for_through_the_environment() -> None:
+    assert staging_args({"HIBERNATE_VERIFY": "1"}) == {"verify": True}
+    assert staging_args({"HIBERNATE_VERIFY": "0"}) == {"verify": False}
+    with pytest.raises(UsageError):
+        staging_args({"HIBERNATE_VERIFY": "perhaps"})
+
+
+def test_sleep_verify_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach(tmp_path: Path) -> None:
+    from hibernate import orchestrator
+    from hibernate.integrations import vllm_flow
+
+    options = orchestrator.Options(io=orchestrator.IoOptions(verify=True))
+    with pytest.raises(UsageError, match="--verify does not reach a vLLM server's workers") as caught:
+        vllm_flow.sleep([], tmp_path, options, orchestrator.ProgressSink())
+    assert caught.value.hint == "start the server with HIBERNATE_VERIFY=1 in its environment"
+
+
 def test_self_checkpoint_is_asked_for_with_a_clear_yes() -> None:
     assert not self_checkpoint_requested({})
     assert not self_checkpoint_requested({"HIBERNATE_SELF_CHECKPOINT": "0"})
