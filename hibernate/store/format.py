@@ -36,8 +36,8 @@ CHECKSUM_ALGORITHM = "xxh3-64"
 ALIGNMENT = 4096  # data offsets and write sizes, for O_DIRECT on every common block size
 MANIFEST_NAME = "manifest.json"
 # What a reader accepts, and so what a writer refuses to publish: a manifest over these
-# limits would leave its process asleep for good. 1,000,000 records with keys of 256
-# characters and ordinary meta take about 600 MiB.
+# limits would leave its process asleep for good. 1,000,000 one-view tensor records take
+# about 370 MiB with 64-character names and 740 MiB with 256-character ones (measured).
 MANIFEST_LIMIT_BYTES = 1 << 30
 MAX_RECORDS = 2_000_000
 MAX_CHUNK_BYTES = 1 << 30  # a reader stages one chunk at a time: this bounds its memory
