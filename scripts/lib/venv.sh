@@ -9,6 +9,17 @@
 HIBERNATE_TORCH="torch==2.13.0"
 HIBERNATE_VLLM="vllm==0.33.0"
 
+# One pip install into venv $1, its output appended to log $2; on failure the log is shown.
+pip_step() {
+  local venv="$1" log="$2"
+  shift 2
+  if ! "$venv/bin/python" -m pip install --disable-pip-version-check "$@" >> "$log" 2>&1; then
+    cat "$log" >&2
+    echo "pip install $* failed; its output is above and in $log" >&2
+    return 1
+  fi
+}
+
 ensure_venv() {
   local root venv stamp want
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -20,12 +31,17 @@ ensure_venv() {
     python3 -m venv "$venv"
   fi
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "installing hibernate and its test dependencies into $venv" >&2
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$HIBERNATE_TORCH"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root[dev]"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$HIBERNATE_VLLM"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check packaging regex
+    # pip's own output (including its complaint that the --no-deps vLLM lacks its
+    # dependencies, which is intended) goes to a log shown only when a step fails.
+    echo "installing into $venv: $HIBERNATE_TORCH (CPU build), hibernate with its test tools," \
+      "and $HIBERNATE_VLLM without its dependencies (the tests need only its sleep-mode ABC and plugin loader)" >&2
+    local log="$venv/install.log"
+    : > "$log"
+    pip_step "$venv" "$log" --upgrade pip || return 1
+    pip_step "$venv" "$log" "$HIBERNATE_TORCH" || return 1
+    pip_step "$venv" "$log" -e "${root}[dev]" || return 1
+    pip_step "$venv" "$log" --no-deps "$HIBERNATE_VLLM" || return 1
+    pip_step "$venv" "$log" packaging regex || return 1
     echo "$want" > "$stamp"
   fi
   VENV="$venv"
