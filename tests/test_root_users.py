@@ -1,16 +1,24 @@
 """Root acting on other users' processes (issue 14, item 5): careful with their files, explicit about scope.
 
-The cases that need another user run as root against ``nobody``; without
-root they are skipped, saying why.
+The cases that need two users run as root against ``nobody`` and a user the
+test creates with ``useradd``; without root (or without ``useradd``) they are
+skipped, saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +28,29 @@ from hibernate.errors import ExitCode
 from tests.conftest import NOBODY, as_user_prefix, is_root, run_cli, source_root_for
 
 needs_root = pytest.mark.skipif(not is_root(), reason="acting on another user's process needs root")
+
+
+@pytest.fixture(scope="session")
+def second_user() -> Iterator[int]:
+    """A throw-away system user (uid), created for this session and deleted after it."""
+    if not is_root():
+        pytest.skip("creating a second user needs root")
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed: cannot create a second user")
+    name = f"hbt{secrets.token_hex(4)}"
+    made = subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"useradd failed: {made.stderr.strip()}")
+    import pwd
+
+    try:
+        yield pwd.getpwnam(name).pw_uid
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
 
 
 def user_runtime(runtime_dir: Path, uid: int) -> Path:
@@ -279,3 +310,140 @@ try:
 except HibernateError as exc:
     print(json.dumps({"exit_code": int(exc.exit_code), "hint": exc.hint}))
 """
+
+
+# -- one command, several users: only when asked ------------------------------------------------
+
+
+@dataclass
+class Launcher:
+    """A root process (a shell) whose children are demo targets of the given users."""
+
+    proc: subprocess.Popen[bytes]
+    demos: list[dict[str, Any]]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@pytest.fixture
+def launch(runtime_dir: Path) -> Iterator[Any]:
+    started: list[Launcher] = []
+    scratch = Path(tempfile.mkdtemp(prefix="hb-launch-", dir="/tmp"))
+    os.chmod(scratch, 0o777)
+
+    def start(uids: list[int]) -> Launcher:
+        lines, ready = [], []
+        for index, uid in enumerate(uids):
+            source = source_root_for(uid)
+            control, done = (
+                scratch / f"{len(started)}-{index}.sock",
+                scratch / f"{len(started)}-{index}.ready",
+            )
+            ready.append(done)
+            env = f"HIBERNATE_RUNTIME_DIR={user_runtime(runtime_dir, uid)} PYTHONPATH={source}"
+            argv = [
+                *as_user_prefix(uid), sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve",
+                "--size-mb", "8", "--control", str(control), "--ready-file", str(done),
+            ]  # fmt: skip
+            lines.append(f"(cd {source} && {env} exec {' '.join(argv)}) &")
+        proc = subprocess.Popen(["bash", "-c", "\n".join([*lines, "wait"])], stdout=subprocess.DEVNULL)
+        launcher = Launcher(proc, [])
+        started.append(launcher)
+        deadline = time.monotonic() + 120
+        for done in ready:
+            while not done.exists():
+                assert proc.poll() is None, "the launcher exited"
+                assert time.monotonic() < deadline, "a demo did not become ready"
+                time.sleep(0.05)
+            launcher.demos.append(json.loads(done.read_text()))
+        return launcher
+
+    yield start
+    for launcher in started:
+        for demo in launcher.demos:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(demo["pid"], 9)
+        launcher.proc.kill()
+        launcher.proc.wait()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def digest(demo: dict[str, Any]) -> str:
+    from hibernate.demo import request
+
+    value: str = request(demo["control"], "infer", 60)["digest"]
+    return value
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_root_tree_holding_two_users_agents_needs_all_users(
+    launch, second_user: int, cli, runtime_dir: Path, work_dir: Path
+) -> None:
+    """``hibernate sleep ROOT_PID`` reaching agents of two users is refused (exit 2, hint --all-users)
+    with nothing quiesced; with ``--all-users`` the same command sleeps and wakes both."""
+    launcher = launch([NOBODY, second_user])
+    references = [digest(d) for d in launcher.demos]
+    os.chmod(work_dir, 0o755)
+    snaps = work_dir / "snaps"
+    for command in (["sleep", str(launcher.pid), "--to", str(snaps)], ["wake", str(launcher.pid)],
+                    ["status", str(launcher.pid)], ["recover", str(launcher.pid)]):  # fmt: skip
+        refused = cli(*command, "--json")
+        assert refused.returncode == ExitCode.USAGE, refused.stdout + refused.stderr
+        error = refused.json()["error"]
+        assert "hold hibernate agents of 2 users" in error["message"]
+        assert f"(uid {NOBODY})" in error["message"] and f"(uid {second_user})" in error["message"]
+        assert "--all-users" in error["hint"]
+    assert [agent_state(d["pid"]) for d in launcher.demos] == ["running", "running"]
+    assert not snaps.exists(), "nothing was written"
+    slept = cli("sleep", str(launcher.pid), "--to", str(snaps), "--all-users", "--json")
+    assert slept.returncode == 0, slept.stderr
+    assert sorted(p["pid"] for p in slept.json()["processes"]) == sorted(d["pid"] for d in launcher.demos)
+    assert [agent_state(d["pid"]) for d in launcher.demos] == ["asleep", "asleep"]
+    assert owner_and_mode(snaps) == (0, 0o1777), "shared like /tmp: each agent makes its own 0700 dir"
+    woke = cli("wake", str(launcher.pid), "--all-users", "-q")
+    assert woke.returncode == 0, woke.stderr
+    assert [digest(d) for d in launcher.demos] == references
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_root_tree_holding_one_users_agents_needs_no_flag(
+    launch, cli, runtime_dir: Path, work_dir: Path
+) -> None:
+    """Root acting on one user's process through a root launcher (the common case) works as before."""
+    launcher = launch([NOBODY])
+    reference = digest(launcher.demos[0])
+    os.chmod(work_dir, 0o755)
+    slept = cli("sleep", str(launcher.pid), "--to", str(work_dir / "snaps"), "-q")
+    assert slept.returncode == 0, slept.stderr
+    assert agent_state(launcher.demos[0]["pid"]) == "asleep"
+    woke = cli("wake", str(launcher.pid), "-q")
+    assert woke.returncode == 0, woke.stderr
+    assert digest(launcher.demos[0]) == reference
+
+
+def test_several_users_agents_are_refused_before_anything_unless_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule itself, without processes: one user's agents pass; two users' need all_users."""
+    from hibernate import targets
+    from hibernate.errors import UsageError
+    from hibernate.procinfo import ProcessIdentity
+
+    owners = {10: 1000, 11: 1000, 12: 1001}
+    monkeypatch.setattr(targets.procinfo, "owner_uid", owners.get)
+
+    def target(pid: int, agents: list[int]) -> targets.Target:
+        refs = [targets.AgentRef(ProcessIdentity(a, 1), Path(f"/x/{a}"), {}) for a in agents]
+        return targets.Target(requested_pid=pid, processes=[pid, *agents], agents=refs)
+
+    targets.check_one_user([target(1, [10, 11])], all_users=False)
+    with pytest.raises(
+        UsageError, match=r"agents of 2 users .*uid 1000\): pids 10, 11; .*uid 1001\): pid 12"
+    ) as err:
+        targets.check_one_user([target(1, [10, 11, 12])], all_users=False)
+    assert "--all-users" in (err.value.hint or "")
+    targets.check_one_user([target(1, [10]), target(2, [12])], all_users=True)
