@@ -96,6 +96,15 @@ CgroupOption = Annotated[
         show_default=False,
     ),
 ]
+AllUsersOption = Annotated[
+    bool,
+    typer.Option(
+        "--all-users",
+        help="Root: act on the agents of every user the targets hold (without it, targets holding "
+        "agents of several users are refused; --job and --cgroup imply it).",
+        show_default=False,
+    ),
+]
 
 VllmUrlOption = Annotated[
     str | None,
@@ -173,6 +182,11 @@ def _by_selector(selection: Any) -> bool:
     return any(source["selector"] != "pids" for source in selection.sources)
 
 
+def _all_users(all_users: bool, job: str | None, cgroup: str | None) -> bool:
+    """Whether agents of several users may be acted on: asked for, or named exactly by a selector."""
+    return all_users or job is not None or cgroup is not None
+
+
 def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
     """Add how the targets were selected to a JSON document, when selectors were used."""
     if _by_selector(selection):
@@ -201,6 +215,7 @@ def sleep(
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -244,6 +259,7 @@ def sleep(
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode), verify=verify),
         vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
+        all_users=_all_users(all_users, job, cgroup),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
     selection = _select(pids, every, job, cgroup)
@@ -263,6 +279,7 @@ def wake(
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     io_mode: IoModeOption = "auto",
@@ -280,6 +297,7 @@ def wake(
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
         vllm=orchestrator.VllmOptions(url=vllm_url),
+        all_users=_all_users(all_users, job, cgroup),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
     selection = _select(pids, every, job, cgroup)
@@ -295,6 +313,7 @@ def wake(
 @_handles_errors
 def recover(
     pids: PidsArgument,
+    all_users: AllUsersOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     vllm_url: VllmUrlOption = None,
@@ -305,7 +324,9 @@ def recover(
     from hibernate import orchestrator, render
 
     options = orchestrator.Options(
-        vllm=orchestrator.VllmOptions(url=vllm_url), **_cuda_options(checkpointer, cuda_checkpoint)
+        vllm=orchestrator.VllmOptions(url=vllm_url),
+        all_users=all_users,
+        **_cuda_options(checkpointer, cuda_checkpoint),
     )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.recover(pids, options, progress)
@@ -325,13 +346,16 @@ def status(
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """State, pools and snapshot of each agent of the given targets (or all of yours)."""
     from hibernate import orchestrator, render
 
     selection = _select(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
-    entries = orchestrator.status(selection.pids if selection else None)
+    entries = orchestrator.status(
+        selection.pids if selection else None, all_users=_all_users(all_users, job, cgroup)
+    )
     if as_json:
         document = {"ok": True, "agents": entries}
         render.print_json(_with_selection(document, selection) if selection else document)
@@ -492,6 +516,7 @@ def node_step(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
+        all_users=_all_users(False, job, cgroup),
         **_cuda_options(
             checkpointer, cuda_checkpoint, lock_timeout=timeout if operation == "sleep" else None
         ),

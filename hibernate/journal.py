@@ -10,22 +10,30 @@ resolves it; ``hibernate wake`` and ``hibernate recover`` read it.
 The lock is an ``flock`` on a file per process: the kernel drops it when its
 holder dies, however it dies, so a killed command never leaves a target locked.
 The holder writes who it is into the file, so the next one can say who is busy.
+
+Both live in the runtime directory of the process's user, which that user
+controls. When root acts on the process it reaches ``journal/`` and ``locks/``
+through directory descriptors, refusing symbolic links (fsutil), and gives
+every directory, entry and lock file it creates to the process's user: the
+user's own later commands must be able to lock and journal the same process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.errors import BusyError
-from hibernate.fsutil import ensure_private_dir, open_dir, read_small_file, write_file_atomic
+from hibernate.errors import BusyError, HibernateError, PermissionDeniedError
+from hibernate.fsutil import open_existing_dir, open_private_dir, read_small_file, write_file_atomic
 from hibernate.procinfo import ProcessIdentity
 
 JOURNAL_VERSION = 1
@@ -109,16 +117,11 @@ class Journal:
         self.directory = directory / "journal"
         self._owner_uid = owner_uid
 
-    def _dir_fd(self) -> int:
-        ensure_private_dir(self.directory, owner_uid=self._owner_uid)
-        return open_dir(self.directory)
-
     def record(self, entry: Entry) -> None:
-        fd = self._dir_fd()
+        fd = open_private_dir(self.directory, owner_uid=self._owner_uid)
         try:
-            write_file_atomic(fd, _name(entry.identity, "json"), json.dumps(entry.to_wire()).encode())
-            if self._owner_uid is not None and os.getuid() == 0:
-                os.chown(_name(entry.identity, "json"), self._owner_uid, -1, dir_fd=fd, follow_symlinks=False)
+            data = json.dumps(entry.to_wire()).encode()
+            write_file_atomic(fd, _name(entry.identity, "json"), data, owner_uid=self._owner_uid)
         finally:
             os.close(fd)
 
@@ -127,9 +130,10 @@ class Journal:
         self.record(entry)
 
     def load(self, ident: ProcessIdentity) -> Entry | None:
+        """The entry of ``ident``; a journal directory swapped for a link is refused, not read."""
         try:
-            fd = open_dir(self.directory)
-        except (FileNotFoundError, OSError):
+            fd = open_existing_dir(self.directory)
+        except OSError:
             return None
         try:
             entry = parse_entry(read_small_file(fd, _name(ident, "json"), _LIMIT))
@@ -142,9 +146,8 @@ class Journal:
         return entry if entry.identity == ident else None
 
     def remove(self, ident: ProcessIdentity) -> None:
-        try:
-            fd = open_dir(self.directory)
-        except (FileNotFoundError, OSError):
+        fd = _open_quietly(self.directory)  # runs while an operation ends, failed ones too
+        if fd is None:
             return
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -155,32 +158,32 @@ class Journal:
 
     def sweep_locks(self) -> None:
         """Delete lock files of processes that are gone: nobody can ever lock them again."""
-        locks = self.directory.parent / "locks"
-        try:
-            names = os.listdir(locks)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
+        fd = _open_quietly(self.directory.parent / "locks")
+        if fd is None:
             return
-        for name in names:
-            stem, _, suffix = name.partition(".")
-            pid_text, _, start_text = stem.partition("-")
-            named = suffix == "lock" and pid_text.isdigit() and start_text.isdigit()
-            if named and not procinfo.is_alive(ProcessIdentity(int(pid_text), int(start_text))):
-                with contextlib.suppress(OSError):
-                    os.unlink(locks / name)
+        try:
+            for name in os.listdir(fd):
+                ident = _parse_name(name, "lock")
+                if ident is not None and not procinfo.is_alive(ident):
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def entries(self) -> list[Entry]:
         """Every entry whose process still lives; entries of dead processes are deleted."""
-        try:
-            names = sorted(os.listdir(self.directory))
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
+        fd = _open_quietly(self.directory)
+        if fd is None:
             return []
+        try:
+            names = sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
         found = []
         for name in names:
-            stem, _, suffix = name.partition(".")
-            pid_text, _, start_text = stem.partition("-")
-            if suffix != "json" or not (pid_text.isdigit() and start_text.isdigit()):
+            ident = _parse_name(name, "json")
+            if ident is None:
                 continue
-            ident = ProcessIdentity(int(pid_text), int(start_text))
             if not procinfo.is_alive(ident):
                 self.remove(ident)
                 continue
@@ -188,6 +191,35 @@ class Journal:
             if entry is not None:
                 found.append(entry)
         return found
+
+
+def _parse_name(name: str, suffix: str) -> ProcessIdentity | None:
+    """The process a ``<pid>-<start_time>.<suffix>`` file is for; None for any other name."""
+    stem, _, found = name.partition(".")
+    pid_text, _, start_text = stem.partition("-")
+    if found != suffix or not (pid_text.isdigit() and start_text.isdigit()):
+        return None
+    return ProcessIdentity(int(pid_text), int(start_text))
+
+
+def _open_quietly(path: Path) -> int | None:
+    """A directory to tidy, or None when it is missing, unreadable or not safely reachable.
+
+    Tidying runs on every exit path of an operation, failed ones too: it must
+    never raise over the error being reported.
+    """
+    try:
+        return open_existing_dir(path)
+    except (OSError, HibernateError):
+        return None
+
+
+def _foreign_lock(path: Path, uid: int) -> PermissionDeniedError:
+    return PermissionDeniedError(
+        f"lock file {path} belongs to uid {uid}, not to you; it was left by a hibernate command "
+        "of that user (an older hibernate run as root leaves one)",
+        hint=f"if no hibernate command of uid {uid} is running on this process, remove it: rm {path}",
+    )
 
 
 class TargetLock:
@@ -200,17 +232,32 @@ class TargetLock:
         self._fd: int | None = None
 
     def acquire(self, description: str) -> None:
-        ensure_private_dir(self.directory, owner_uid=self._owner_uid)
-        dir_fd = open_dir(self.directory)
+        name = _name(self.ident, "lock")
+        dir_fd = open_private_dir(self.directory, owner_uid=self._owner_uid)
         try:
             fd = os.open(
-                _name(self.ident, "lock"),
-                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                name,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                 0o600,
                 dir_fd=dir_fd,
             )
+        except PermissionError:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            raise _foreign_lock(self.directory / name, info.st_uid) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PermissionDeniedError(
+                    f"{self.directory / name} is a symbolic link; refusing to use it",
+                    hint=f"remove it: rm {self.directory / name}",
+                ) from None
+            raise
         finally:
             os.close(dir_fd)
+        try:
+            self._own(fd, name)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -224,16 +271,41 @@ class TargetLock:
         os.pwrite(fd, description.encode(), 0)
         self._fd = fd
 
+    def _own(self, fd: int, name: str) -> None:
+        """Check the opened lock file is a plain file of its own, and that it belongs to the process's user.
+
+        A hard link to another file (where the kernel allows linking files one
+        does not own) would otherwise be truncated and written by root.
+        """
+        info = os.fstat(fd)
+        shown = self.directory / name
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise PermissionDeniedError(
+                f"{shown} is not a plain file of its own ({info.st_nlink} links); refusing to use it",
+                hint=f"remove it: rm {shown}",
+            )
+        expected = os.getuid() if self._owner_uid is None else self._owner_uid
+        if info.st_uid != expected:
+            if os.getuid() != 0 or self._owner_uid is None or info.st_uid != 0:
+                raise _foreign_lock(shown, info.st_uid)
+            os.fchown(fd, self._owner_uid, -1)  # root's: just created, or left by an older version
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+
     def holder(self) -> str | None:
         """Who holds the lock now, or None if nobody does (the lock is not taken)."""
         try:
-            dir_fd = open_dir(self.directory)
-        except (FileNotFoundError, OSError):
+            dir_fd = open_existing_dir(self.directory)
+        except OSError:
             return None
+        name = _name(self.ident, "lock")
         try:
-            fd = os.open(_name(self.ident, "lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
+        except PermissionError:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            raise _foreign_lock(self.directory / name, info.st_uid) from None
         finally:
             os.close(dir_fd)
         try:

@@ -36,10 +36,13 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.fsutil import ensure_private_dir
+from hibernate.fsutil import ensure_private_dir, open_private_dir
 from hibernate.journal import Entry, Journal, TargetLock
 from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef, Target, resolve
+
+# A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
+SHARED_DIR_MODE = 0o1777
 
 # Phase boundaries, in order; each is journaled and is a fault point ("sleep.after-<phase>").
 SLEEP_PHASES = ("lock", "connect", "quiesce", "spill", "release", "cuda-lock", "cuda")
@@ -107,6 +110,8 @@ class Options:
     # lists them, as a wake skips those awake: "everything of mine" should end asleep, not fail because
     # part of it already is. Pids named one by one are refused instead (the user meant those).
     skip_asleep: bool = False
+    # Agents of several users in one command (root only): --all-users, or a --job/--cgroup selection.
+    all_users: bool = False
     _chosen: bool = field(default=False, repr=False)
     _passed_over: list[str] = field(default_factory=list, repr=False)
     _skipped: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -323,8 +328,17 @@ def prepare_directory(directory: Path, targets: Sequence[Target]) -> Path:
         raise UsageError(f"--to {directory} is a file, not a directory")
     if not directory.exists():
         owners = {procinfo.owner_uid(a.pid) for t in targets for a in t.agents}
-        owner = owners.pop() if len(owners) == 1 else None
-        ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
+        if os.getuid() == 0 and len(owners) > 1:
+            # Root for several users (--all-users): each user's agent makes its own 0700
+            # directory in DIR, so DIR is shared the way /tmp is (sticky, world-writable).
+            fd = open_private_dir(directory)
+            try:
+                os.fchmod(fd, SHARED_DIR_MODE)
+            finally:
+                os.close(fd)
+        else:
+            owner = owners.pop() if len(owners) == 1 else None
+            ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise StorageError(
             f"--to {directory} is not writable by you", hint="choose a directory you can write to"
@@ -509,7 +523,7 @@ def sleep(
     sink = sink or ProgressSink()
     started = time.perf_counter()
     sink.phase("connect")
-    targets = resolve(pids)
+    targets = resolve(pids, all_users=options.all_users)
     skipped: list[dict[str, Any]] = []
     if options.skip_asleep:
         targets, skipped = _skip_asleep(targets)
@@ -713,7 +727,7 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
     sink = sink or ProgressSink()
     started = time.perf_counter()
     sink.phase("connect")
-    targets = resolve(pids)
+    targets = resolve(pids, all_users=options.all_users)
     if _vllm(targets, options):
         from hibernate.integrations import vllm_flow
 
@@ -878,11 +892,11 @@ def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
     }
 
 
-def status(pids: Sequence[int] | None) -> list[dict[str, Any]]:
+def status(pids: Sequence[int] | None, *, all_users: bool = False) -> list[dict[str, Any]]:
     """Status of the agents of ``pids`` (all of ours when None), with any interrupted operation."""
     from hibernate.targets import all_agents
 
-    refs = [a for t in resolve(pids) for a in t.agents] if pids else all_agents()
+    refs = [a for t in resolve(pids, all_users=all_users) for a in t.agents] if pids else all_agents()
     out = []
     for ref in refs:
         entry = dict(ref.status)
@@ -904,7 +918,7 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
     ``release`` nothing was lost, and after it the snapshot holds every byte.
     """
     sink = sink or ProgressSink()
-    targets = resolve(pids)
+    targets = resolve(pids, all_users=options.all_users)
     if _vllm(targets, options):
         from hibernate.integrations import vllm_flow
 

@@ -120,8 +120,49 @@ def find_agent(pid: int, timeout: float = 5.0) -> AgentRef | None:
     return None
 
 
-def resolve(pids: Iterable[int], timeout: float = 5.0) -> list[Target]:
-    """One Target per requested pid, each with its agents; errors name the pid and a fix."""
+ALL_USERS_HINT = (
+    "name a process of one user, or pass --all-users to act on the agents of every user found "
+    "(or select them with --job ID or --cgroup PATH)"
+)
+
+
+def check_one_user(targets: Sequence[Target], all_users: bool) -> None:
+    """Refuse a command whose targets hold agents of several users, unless that was asked for.
+
+    Root may act on anyone's process, and a process tree it names is walked to
+    the end: ``hibernate sleep 1``, or the pid of a shell or of a scheduler's
+    daemon, would reach every user's agents on the machine. Root acting on one
+    user's process (``sudo hibernate sleep PID``, a launcher of root's running a
+    user's server) is the common case and needs nothing more; several users'
+    agents at once take ``--all-users`` (or a ``--job``/``--cgroup`` selection,
+    which names exactly the processes meant). Checked before anything is touched.
+    """
+    if all_users:
+        return
+    by_owner: dict[int, list[int]] = {}
+    for target in targets:
+        for agent in target.agents:
+            owner = procinfo.owner_uid(agent.pid)
+            if owner is not None:
+                by_owner.setdefault(owner, []).append(agent.pid)
+    if len(by_owner) <= 1:
+        return
+    named = " ".join(str(t.requested_pid) for t in targets)
+    users = "; ".join(
+        f"{_user_name(uid)} (uid {uid}): pid{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))}"
+        for uid, pids in sorted(by_owner.items())
+    )
+    raise UsageError(
+        f"process(es) {named} hold hibernate agents of {len(by_owner)} users ({users}); nothing was changed",
+        hint=ALL_USERS_HINT,
+    )
+
+
+def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = False) -> list[Target]:
+    """One Target per requested pid, each with its agents; errors name the pid and a fix.
+
+    Without ``all_users`` the agents must all belong to one user (check_one_user).
+    """
     targets: list[Target] = []
     claimed: set[ProcessIdentity] = set()
     for pid in pids:
@@ -142,6 +183,7 @@ def resolve(pids: Iterable[int], timeout: float = 5.0) -> list[Target]:
             described = f"process {pid}" + (f" or its {len(tree) - 1} descendants" if len(tree) > 1 else "")
             raise NothingToHibernateError(f"no hibernate agent in {described}", hint=NO_AGENT_HINT)
         targets.append(target)
+    check_one_user(targets, all_users)
     return targets
 
 
