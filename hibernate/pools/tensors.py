@@ -21,6 +21,12 @@ operation. Where torch exposes it (CUDA builds), the storage itself is also made
 to raise on data-pointer access, which turns an access through an untracked view
 made before the sleep into a RuntimeError rather than a crash.
 
+Not used, and why: ``TorchFunctionMode``/``TorchDispatchMode`` are
+thread-local (a mode entered in one thread does not see another thread's ops,
+checked on torch 2.13); the storage flag above is bound only in CUDA builds
+(``torch/csrc/cuda/Module.cpp``), and ``_set_throw_on_mutable_data_ptr`` cannot
+be undone and misses reads.
+
 Tracked objects are enumerated when a sleep starts, so a module whose
 parameters were replaced since ``track`` is hibernated as it is now.
 """
