@@ -8,6 +8,25 @@ reference the program holds stays valid) and reallocated by resizing it back.
 On CPU the freed pages go back to the OS (``malloc_trim``); on CUDA the caching
 allocator's cache is emptied.
 
+A storage of zero bytes has a null data pointer, and torch's kernels do not
+check it: ``t.sum()`` on a released tensor reads address 0 and the process dies
+with SIGSEGV. So while its memory is away, every tracked tensor object is put
+*to sleep* as well: its ``__class__`` is swapped for a subclass whose
+``__torch_function__`` raises :class:`HibernatingError` (naming the tensor, the
+operation and the thread) for anything but metadata (shape, dtype, device...).
+``__torch_function__`` is looked up on the argument's type in every thread, so
+no thread-local mode or global hook is involved, and the swap is undone when the
+memory comes back: an awake tensor is its own class again, at no cost to any
+operation. Where torch exposes it (CUDA builds), the storage itself is also made
+to raise on data-pointer access, which turns an access through an untracked view
+made before the sleep into a RuntimeError rather than a crash.
+
+Not used, and why: ``TorchFunctionMode``/``TorchDispatchMode`` are
+thread-local (a mode entered in one thread does not see another thread's ops,
+checked on torch 2.13); the storage flag above is bound only in CUDA builds
+(``torch/csrc/cuda/Module.cpp``), and ``_set_throw_on_mutable_data_ptr`` cannot
+be undone and misses reads.
+
 Tracked objects are enumerated when a sleep starts, so a module whose
 parameters were replaced since ``track`` is hibernated as it is now.
 """
@@ -18,13 +37,13 @@ import ctypes
 import ctypes.util
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hibernate.errors import UsageError
+from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools.base import SpillableRegion
 
 
@@ -34,6 +53,119 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+# -- tensors put to sleep ------------------------------------------------------
+
+# Tensor attributes and methods that read only metadata, never the memory: allowed while asleep.
+# ``untyped_storage`` hands out the zero-byte storage, whose own accessors are bounds-checked.
+_METADATA_ATTRIBUTES = (
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "nbytes", "itemsize",
+)  # fmt: skip
+_METADATA_METHODS = (
+    "size", "dim", "numel", "nelement", "stride", "storage_offset", "element_size", "is_contiguous",
+    "is_floating_point", "is_complex", "get_device", "__len__", "untyped_storage",
+)  # fmt: skip
+_metadata_funcs: set[Any] | None = None
+
+
+def _metadata_only(func: Any) -> bool:
+    global _metadata_funcs
+    if _metadata_funcs is None:
+        funcs: set[Any] = {getattr(torch.Tensor, name) for name in _METADATA_METHODS}
+        descriptors = [vars(torch._C.TensorBase)[name] for name in _METADATA_ATTRIBUTES]
+        funcs.update(d.__get__ for d in descriptors)
+        funcs.add(vars(torch._C.TensorBase)["grad"].__set__)  # zero_grad(set_to_none=True) is harmless
+        _metadata_funcs = funcs
+    try:
+        return func in _metadata_funcs
+    except TypeError:  # an unhashable callable is no metadata accessor
+        return False
+
+
+# id(tensor) -> its name, for the tensors now asleep; the tensors themselves are held by their regions.
+_asleep_names: dict[int, str] = {}
+_asleep_classes: dict[type, type] = {}
+_asleep_lock = threading.Lock()
+
+
+def _asleep_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor) and getattr(type(value), "_hibernate_awake_class", None):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _asleep_tensors(value)
+        elif isinstance(value, Mapping):
+            yield from _asleep_tensors(value.values())
+
+
+def _refuse_while_asleep(
+    cls: type, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+) -> Any:
+    """``__torch_function__`` of a tensor put to sleep: a clear error instead of a null dereference."""
+    kwargs = kwargs or {}
+    if _metadata_only(func):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    tensor = next(_asleep_tensors((*args, *kwargs.values())), None)
+    name = _asleep_names.get(id(tensor), "?") if tensor is not None else "?"
+    try:
+        op = torch.overrides.resolve_name(func) or repr(func)
+    except Exception:  # resolve_name is best effort; the message must still be built
+        op = repr(func)
+    raise HibernatingError(
+        f"tensor {name!r} is asleep (its memory is released): {op} was called on it by thread "
+        f"{threading.current_thread().name!r} outside hibernate.guard()",
+        hint="hold hibernate.guard() around code that touches tracked tensors; "
+        "it waits for the wake instead of failing",
+    )
+
+
+def _asleep_class(awake: type) -> type:
+    with _asleep_lock:
+        cls = _asleep_classes.get(awake)
+        if cls is None:
+            cls = type(
+                f"Asleep{awake.__name__}",
+                (awake,),
+                {
+                    "__torch_function__": classmethod(_refuse_while_asleep),
+                    "_hibernate_awake_class": awake,
+                    "__module__": __name__,
+                    "__doc__": f"A {awake.__name__} whose memory hibernate released (see {__name__}).",
+                },
+            )
+            _asleep_classes[awake] = cls
+        return cls
+
+
+def _put_to_sleep(tensor: torch.Tensor, name: str) -> bool:
+    """Swap the tensor's class for its asleep twin; False if this object's class cannot be swapped."""
+    awake = type(tensor)
+    if getattr(awake, "_hibernate_awake_class", None) is not None:
+        return True
+    try:
+        _asleep_names[id(tensor)] = name
+        tensor.__class__ = _asleep_class(awake)
+    except TypeError:  # a class whose layout differs from its subclass's; left as it is
+        _asleep_names.pop(id(tensor), None)
+        return False
+    return True
+
+
+def _wake_up(tensor: torch.Tensor) -> None:
+    awake = getattr(type(tensor), "_hibernate_awake_class", None)
+    if awake is not None:
+        tensor.__class__ = awake
+    _asleep_names.pop(id(tensor), None)
+
+
+# Present in CUDA builds of torch (torch/csrc/cuda/Module.cpp), absent from CPU-only ones.
+_poison_storage = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+_unpoison_storage = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+if _poison_storage is None or _unpoison_storage is None:
+    _poison_storage = _unpoison_storage = None
 
 
 @dataclass
@@ -54,6 +186,7 @@ class StorageRegion:
         keep: bool,
         storage: torch.UntypedStorage,
         views: list[dict[str, Any]],
+        tensors: Sequence[tuple[torch.Tensor, str]] = (),
     ) -> None:
         self._key = key
         self._tag = tag
@@ -62,6 +195,8 @@ class StorageRegion:
         self._nbytes = storage.nbytes()
         self._device = storage.device
         self._meta = {"device": str(self._device), "views": views}
+        self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
+        self._storage_poisoned = False
         self.released = False
 
     @property
@@ -116,14 +251,51 @@ class StorageRegion:
         return memoryview((ctypes.c_char * length).from_address(self._storage.data_ptr() + offset)).cast("B")
 
     def release(self) -> None:
-        if self._nbytes and not self.released:
-            self._storage.resize_(0)
+        """Free the memory; first put its tensors to sleep, so that new uses raise, not crash."""
+        if self.released:
+            return
+        for tensor, name in self._tensors:
+            _put_to_sleep(tensor, name)
+        try:
+            if self._nbytes:
+                self._storage.resize_(0)
+                self._poison()
+        except BaseException:
+            self._wake_tensors()  # the memory is still there
+            raise
         self.released = True
 
     def reallocate(self) -> None:
-        if self.released and self._nbytes:
-            self._storage.resize_(self._nbytes)
+        """Memory back, and the tensors usable again (refilled before guard() reopens)."""
+        if not self.released:
+            return
+        if self._nbytes:
+            self._unpoison()
+            try:
+                self._storage.resize_(self._nbytes)
+            except BaseException:
+                self._poison()  # still released: keep views raising
+                raise
+        self._wake_tensors()
         self.released = False
+
+    def _poison(self) -> None:
+        if _poison_storage is not None and not self._storage_poisoned:
+            _poison_storage(
+                self._storage._cdata,
+                f"the memory of {self._key!r} is released while the process hibernates; "
+                "a view of it was used outside hibernate.guard()",
+            )
+            self._storage_poisoned = True
+
+    def _unpoison(self) -> None:
+        if _unpoison_storage is not None and self._storage_poisoned:
+            _unpoison_storage(self._storage._cdata)
+            self._storage_poisoned = False
+
+    def _wake_tensors(self) -> None:
+        for tensor, _ in self._tensors:
+            _wake_up(tensor)
 
     def zero(self) -> None:
         with torch.no_grad():
@@ -160,6 +332,12 @@ def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _check_trackable(name: str, tensor: torch.Tensor) -> None:
+    # A tensor asleep (tracked again while the process sleeps) answers these metadata questions.
+    with torch._C.DisableTorchFunctionSubclass():
+        _check_layout(name, tensor)
+
+
+def _check_layout(name: str, tensor: torch.Tensor) -> None:
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise UsageError(
             f"tensor {name!r} has layout {tensor.layout}; only strided tensors can be hibernated"
@@ -206,8 +384,8 @@ class TensorPool:
     def regions(self) -> Sequence[SpillableRegion]:
         with self._lock:
             tracked = list(self._tracked.values())
-        # storage identity -> [owning entry, first name, storage, views]; a storage shared
-        # with a kept tensor is kept, under that tensor's tag.
+        # storage identity -> [owning entry, first name, storage, views, {id: (tensor, name)}];
+        # a storage shared with a kept tensor is kept, under that tensor's tag.
         by_storage: dict[int, list[Any]] = {}
         for entry in tracked:
             for name, tensor in _named_tensors(entry):
@@ -220,21 +398,22 @@ class TensorPool:
                     "strides": list(tensor.stride()),
                     "storage_offset": tensor.storage_offset(),
                 }
-                slot = by_storage.setdefault(storage._cdata, [entry, name, storage, []])
+                slot = by_storage.setdefault(storage._cdata, [entry, name, storage, [], {}])
                 if view not in slot[3]:
                     slot[3].append(view)
+                slot[4].setdefault(id(tensor), (tensor, name))
                 if entry.keep and not slot[0].keep:
                     slot[0], slot[1] = entry, name
         regions: list[SpillableRegion] = []
         keys: set[str] = set()
-        for owner, first_name, storage, views in by_storage.values():
+        for owner, first_name, storage, views, tensors in by_storage.values():
             key = f"{owner.tag}/{first_name}"
             suffix = 2
             while key in keys:
                 key = f"{owner.tag}/{first_name}#{suffix}"
                 suffix += 1
             keys.add(key)
-            regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views))
+            regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
         return regions
 
     def after_release(self) -> None:
