@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -280,8 +281,9 @@ def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
         [sys.executable, "-c", LONG_NAME_TARGET, str(ready)], env={**os.environ, "PYTHONPATH": str(REPO)}
     )
     try:
-        while not ready.exists() or not ready.read_text():
+        while not ready.exists() or not ready.read_text():  # the target wrote its pid: it is tracked
             assert target.poll() is None, "the target died"
+            time.sleep(0.05)
         result = cli("sleep", str(target.pid), "--to", str(work_dir), "--json")
         assert result.returncode == ExitCode.UNSUPPORTED, result.stdout + result.stderr
         assert "longer than 1024 characters" in result.json()["error"]["message"]
