@@ -21,6 +21,7 @@ from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snaps
 from hibernate.store.format import parse_manifest
 from hibernate.store.owner import Owner, liveness
 from tests.conftest import NOBODY, REPO, is_root, spill_root_of
+from tests.test_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
@@ -338,9 +339,8 @@ def test_gc_reclaims_dead_and_awake_processes_snapshots_never_an_asleep_ones(
     }
     dead.stop()
 
-    planned = cli("gc", str(work_dir), "--dry-run", "--json")
-    assert planned.returncode == 0, planned.stderr
-    by_root = {r["path"]: r for r in planned.json()["roots"]}
+    planned = valid("gc", cli("gc", str(work_dir), "--dry-run", "--json"))
+    by_root = {r["path"]: r for r in planned["roots"]}
     assert by_root[str(roots["dead"])]["removed"] is True
     assert "is gone: it has exited" in by_root[str(roots["dead"])]["actions"][0]["reason"]
     assert [a["delete"] for a in by_root[str(roots["asleep"])]["actions"]] == [False]
@@ -348,8 +348,8 @@ def test_gc_reclaims_dead_and_awake_processes_snapshots_never_an_asleep_ones(
     assert "--awake reclaims it" in by_root[str(roots["awake"])]["actions"][0]["reason"]
     assert all(root.exists() for root in roots.values()), "a dry run deletes nothing"
 
-    collected = cli("gc", str(work_dir), "--json")
-    assert collected.returncode == 0 and collected.json()["freed_bytes"] >= 8 << 20
+    collected = valid("gc", cli("gc", str(work_dir), "--json"))
+    assert collected["freed_bytes"] >= 8 << 20
     assert not roots["dead"].exists()
     assert roots["asleep"].exists() and any(roots["awake"].glob("snap-*"))
 
