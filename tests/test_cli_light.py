@@ -1,4 +1,8 @@
-"""The CLI starts on machines without torch: importing it and --help never import torch."""
+"""The CLI starts on machines without torch: importing it and --help never import torch.
+
+Nor does it load the in-process side (the agent's controller, the pools, the
+store): a command on a login node or in a scheduler hook only talks to agents.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,15 @@ try:
 except SystemExit:
     pass
 heavy = sorted(m for m in ("torch", "vllm", "numpy") if m in sys.modules)
+print("IN-PROCESS:", ",".join(sorted(
+    m for m in sys.modules
+    if m in ("hibernate.agent.controller", "xxhash") or m.startswith(("hibernate.store", "hibernate.pools"))
+)))
 print("HEAVY:", ",".join(heavy))
 """
 
 
-def run_probe(*args: str) -> str:
+def run_probe(*args: str, line: int = -1) -> str:
     out = subprocess.run(
         [sys.executable, "-c", PROBE.format(args=list(args))],
         capture_output=True,
@@ -28,7 +36,7 @@ def run_probe(*args: str) -> str:
         cwd=REPO,
         check=True,
     ).stdout
-    return out.strip().splitlines()[-1]
+    return out.strip().splitlines()[line].rstrip()
 
 
 def test_import_does_not_import_torch() -> None:
@@ -53,6 +61,12 @@ def test_help_of_every_command_does_not_import_torch() -> None:
 
 def test_ls_does_not_import_torch(runtime_dir) -> None:
     assert run_probe("ls") == "HEAVY:"
+
+
+def test_status_of_a_live_agent_loads_neither_torch_nor_the_in_process_side(start_demo) -> None:
+    demo = start_demo(size_mb=8)
+    assert run_probe("status", str(demo.pid), "--json", line=-2) == "IN-PROCESS:"
+    assert run_probe("status", str(demo.pid), "--json") == "HEAVY:"
 
 
 def test_version() -> None:
