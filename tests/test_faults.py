@@ -26,6 +26,7 @@ from hibernate import faults, orchestrator
 from hibernate.errors import ExitCode
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader
+from tests.conftest import wait_until
 from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -222,20 +223,28 @@ def test_fault_switch_actions() -> None:
 
 
 def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
-    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import threading
-    import time
 
+    trace = tmp_path / "points"
+    trace.touch()
+    monkeypatch.setenv(faults.TRACE_ENV, str(trace))  # the demo's agent appends the points it reaches
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
-    demo.hold(3)  # the sleep waits in quiesce...
+    # The sleep waits in quiesce... (the demo's step lasts a fixed time: longer than the sleep
+    # takes to get there, even on a loaded machine)
+    demo.hold(8)
     outcome: list[Any] = []
     sleeper = threading.Thread(
         target=lambda: outcome.append(cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "1"))
     )
     sleeper.start()
-    time.sleep(0.5)
+    wait_until(lambda: "agent.quiesce" in trace.read_text().split(), 60, "the agent to start quiescing")
     os.kill(demo.pid, signal.SIGSTOP)  # ...and the process stops answering altogether
     try:
         sleeper.join(timeout=60)
@@ -245,10 +254,12 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
         assert "goes back to running by itself" in result.stderr
     finally:
         os.kill(demo.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 30
-    while cli("status", str(demo.pid), "--json").json()["agents"][0]["busy"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_until(
+        lambda: not cli("status", str(demo.pid), "--json").json()["agents"][0]["busy"],
+        30,
+        "the agent to roll back and end the sleep's session by itself",
+        interval=0.2,
+    )
     assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "running"
     assert cli("recover", str(demo.pid), "-q").returncode == 0
     assert demo.infer()["digest"] == reference
