@@ -19,7 +19,7 @@ from hibernate.errors import ExitCode, UnsupportedError
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import parse_manifest
 from hibernate.store.owner import Owner, liveness
-from tests.conftest import NOBODY, REPO, is_root, spill_root_of
+from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
@@ -279,9 +279,13 @@ def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
     target = subprocess.Popen(
         [sys.executable, "-c", LONG_NAME_TARGET, str(ready)], env={**os.environ, "PYTHONPATH": str(REPO)}
     )
+
+    def started() -> bool:
+        return bool(ready.exists() and ready.read_text()) or target.poll() is not None
+
     try:
-        while not ready.exists() or not ready.read_text():
-            assert target.poll() is None, "the target died"
+        wait_until(started, 120, "the target to write its pid")
+        assert target.poll() is None, "the target died"
         result = cli("sleep", str(target.pid), "--to", str(work_dir), "--json")
         assert result.returncode == ExitCode.UNSUPPORTED, result.stdout + result.stderr
         assert "longer than 1024 characters" in result.json()["error"]["message"]
