@@ -55,6 +55,7 @@ def test_pid_without_agent_says_what_to_do(cli, runtime_dir: Path, work_dir: Pat
         plain.kill()
 
 
+@pytest.mark.slow
 def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> None:
     if is_root():
         demo = start_demo(size_mb=16)
@@ -100,6 +101,7 @@ def test_to_is_a_file(start_demo, cli, work_dir: Path) -> None:
     assert_untouched(demo, cli, reference)
 
 
+@pytest.mark.slow
 def test_to_not_writable(start_demo, cli, work_dir: Path) -> None:
     # As root every directory is writable, so both the target and the CLI run as nobody.
     uid = NOBODY if is_root() else None
@@ -133,6 +135,7 @@ def test_to_on_a_full_filesystem(start_demo, cli, work_dir: Path) -> None:
         subprocess.run(["umount", str(small)], check=True)
 
 
+@pytest.mark.slow
 def test_two_sleeps_at_once_one_wins_the_other_is_busy(
     start_demo, cli, work_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,6 +199,7 @@ def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
     assert "--io-mode must be auto, direct or buffered" in result.stderr
 
 
+@pytest.mark.slow
 def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cli, work_dir: Path) -> None:
     """inf, 1e10, NaN, negatives, a TiB of staging: refused at once (exit 2), never a traceback."""
     demo = start_demo(size_mb=16)
@@ -250,6 +254,7 @@ def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, 
     assert_untouched(demo, cli, reference)
 
 
+@pytest.mark.slow
 def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, work_dir: Path) -> None:
     """As ``wake --all`` skips those awake; pids named one by one are still refused (above)."""
     first, second = start_demo(size_mb=16), start_demo(size_mb=16)

@@ -84,6 +84,7 @@ def test_auto_takes_the_driver_api_and_falls_back_to_the_binary(
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 
+@pytest.mark.slow
 def test_a_tree_of_three_processes_locks_all_then_checkpoints_all_and_undoes_a_failure(
     world: World,
     start_tree: Callable[..., Tree],
@@ -150,6 +151,7 @@ def test_lock_timeout_exits_timeout_and_leaves_everything_running(
     assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
 
 
+@pytest.mark.slow
 def test_missing_checkpointers_and_old_drivers_are_refused_before_anything_changes(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
@@ -221,6 +223,7 @@ def test_failed_state_is_refused_by_sleep_and_wake(
     assert woken.returncode == ExitCode.NEEDS_RECOVERY and "only restarting" in woken.stderr
 
 
+@pytest.mark.slow
 def test_restore_without_enough_gpu_memory(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
@@ -246,6 +249,7 @@ def test_restore_without_enough_gpu_memory(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_wake_decides_from_real_states_whatever_the_agent_says(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:

@@ -14,6 +14,7 @@ def kept_bytes(report: dict) -> int:
     return sum(p["total_bytes"] for p in report["processes"])
 
 
+@pytest.mark.slow
 def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=256)
     reference = demo.infer()
@@ -41,6 +42,7 @@ def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir
     assert demo.infer()["digest"] == reference["digest"]
 
 
+@pytest.mark.slow
 def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=48)
     reference = demo.infer()["digest"]

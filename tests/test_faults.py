@@ -110,6 +110,7 @@ def resolve_and_check(
     assert interrupted(cli, pid) is None, point
 
 
+@pytest.mark.slow
 def test_the_cli_killed_at_every_point_of_sleep_and_wake(
     world: World,
     start_demo: Callable[..., Any],
@@ -130,6 +131,7 @@ def test_the_cli_killed_at_every_point_of_sleep_and_wake(
         resolve_and_check(cli, demo.pid, point, reference, demo, world, (work_dir, runtime_dir))
 
 
+@pytest.mark.slow
 def test_a_failure_at_every_point_is_undone_cleanly(
     world: World,
     start_demo: Callable[..., Any],
@@ -152,6 +154,7 @@ def test_a_failure_at_every_point_is_undone_cleanly(
     published_snapshots_are_whole(work_dir)
 
 
+@pytest.mark.slow
 def test_the_agent_killed_during_a_wake(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
 ) -> None:
@@ -168,6 +171,7 @@ def test_the_agent_killed_during_a_wake(
     published_snapshots_are_whole(work_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.getuid() != 0, reason="choosing the next pid (ns_last_pid) needs root")
 def test_a_reused_pid_is_never_mistaken_for_the_hibernated_process(
     start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
@@ -222,6 +226,7 @@ def test_fault_switch_actions() -> None:
         )
 
 
+@pytest.mark.slow
 def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
     start_demo: Callable[..., Any],
     cli: Callable[..., Any],
@@ -280,6 +285,7 @@ def test_status_tells_a_person_how_to_resolve_an_interrupted_sleep(
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", faults.STORE_POINTS)
 def test_the_store_failing_before_publishing_leaves_the_process_running(
     point: str, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
@@ -294,6 +300,7 @@ def test_the_store_failing_before_publishing_leaves_the_process_running(
     published_snapshots_are_whole(work_dir)  # and the unfinished one was removed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", faults.STORE_POINTS)
 def test_the_target_killed_while_writing_leaves_only_what_gc_removes(
     point: str, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path

@@ -95,6 +95,7 @@ def test_sleep_and_wake_without_cuda_and_with_a_selector(start_demo, cli, work_d
     valid("gc", cli("gc", str(work_dir), "--json"))
 
 
+@pytest.mark.slow
 def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
     start_demo, cli, work_dir: Path
 ) -> None:

@@ -40,6 +40,7 @@ def signal_pending(pid: int, sig: int) -> bool:
     return bool(pending >> (sig - 1) & 1)
 
 
+@pytest.mark.slow
 def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path, runtime_dir: Path) -> None:
     from hibernate.demo import request
 
@@ -109,6 +110,7 @@ def test_run_without_a_command_is_a_usage_error(cli) -> None:
     assert cli("run", "--to", "/tmp/unused").returncode == ExitCode.USAGE
 
 
+@pytest.mark.slow
 def test_the_agent_sleeps_on_its_own_signal(start_demo, cli, work_dir: Path) -> None:
     snap = work_dir / "snap"
     demo = start_demo(

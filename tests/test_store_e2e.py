@@ -45,6 +45,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_snapshot_keeps_the_process_asleep_until_repaired(
     start_demo: Any, cli: Any, work_dir: Path, damage: str

@@ -272,6 +272,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
     cli: Any, work_dir: Path, tmp_path: Path, runtime_dir: Path
 ) -> None:
@@ -374,6 +375,7 @@ def test_liveness_is_judged_by_identity_not_by_pid() -> None:
 # -- 9. permission problems inside a snapshot tree are IO errors with the path ------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs root to run the target and the CLI as another user")
 @pytest.mark.parametrize("what", ["root", "lock"])
 def test_an_unreadable_snapshot_tree_is_an_io_error_naming_the_path(
