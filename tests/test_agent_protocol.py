@@ -206,6 +206,7 @@ def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
     assert not stale.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs a second user")
 def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
     _, server = agent

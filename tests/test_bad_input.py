@@ -70,6 +70,7 @@ def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> No
         assert "process 1 belongs to" in result.stderr
 
 
+@pytest.mark.slow
 def test_sleep_of_a_sleeping_process(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0

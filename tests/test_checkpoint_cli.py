@@ -29,6 +29,7 @@ def agent_state(cli: Callable[..., Any], pid: int) -> str:
     return state
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_of_a_demo_with_each_checkpointer(
     world: World,
     start_demo: Callable[..., Any],
@@ -67,6 +68,7 @@ def test_sleep_and_wake_of_a_demo_with_each_checkpointer(
     ]
 
 
+@pytest.mark.slow
 def test_auto_takes_the_driver_api_and_falls_back_to_the_binary(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
@@ -274,6 +276,7 @@ def test_wake_decides_from_real_states_whatever_the_agent_says(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_when_cuda_cannot_be_undone_the_agents_stay_asleep_for_a_later_wake(
     world: World,
     start_demo: Callable[..., Any],
@@ -311,6 +314,7 @@ def test_when_cuda_cannot_be_undone_the_agents_stay_asleep_for_a_later_wake(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_wake_without_a_checkpointer_after_a_cuda_sleep_is_refused(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:

@@ -70,6 +70,7 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
     assert disk[-1] == disk[1], f"disk use grew: {disk}"
 
 
+@pytest.mark.slow
 def test_infer_during_sleep_waits_for_wake(start_demo, cli, work_dir: Path) -> None:
     import threading
 

@@ -197,6 +197,7 @@ def test_a_reused_pid_is_never_mistaken_for_the_hibernated_process(
     assert len(list(runtime_dir.glob(f"agent-{old_pid}-*.sock"))) == 1
 
 
+@pytest.mark.slow
 def test_fault_switch_actions() -> None:
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); from hibernate import faults; faults.point('x.y');"
@@ -270,6 +271,7 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_status_tells_a_person_how_to_resolve_an_interrupted_sleep(
     start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:

@@ -100,6 +100,7 @@ os.pwritev = _pwritev
 """
 
 
+@pytest.mark.slow
 def test_a_disk_filling_up_during_sleep_leaves_the_process_running(
     start_demo: Any, cli: Any, work_dir: Path, tmp_path: Path
 ) -> None:

@@ -51,6 +51,7 @@ def flip_one_byte(path: Path, *, keep_mtime: bool = False) -> None:
 # -- 1. a corrupted previous snapshot is never reused --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["plain-write", "mtime-put-back"])
 def test_a_corrupted_previous_snapshot_is_rewritten_not_reused(
     start_demo: Any, cli: Any, work_dir: Path, keep_mtime: bool
@@ -214,6 +215,7 @@ def tree(directory: Path) -> list[tuple[str, int, int, bytes]]:
     return found
 
 
+@pytest.mark.slow
 def test_gc_changes_nothing_in_a_tree_hibernate_did_not_make(cli: Any, work_dir: Path) -> None:
     for name in ("backups/snap-20240101", "backups/.tmp-export", "cache/snap-000001", "proc-42/.tmp-x"):
         (work_dir / name).mkdir(parents=True)
@@ -300,6 +302,7 @@ def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
 # -- 6. every snapshot is self-contained --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_deleting_the_older_snapshot_after_a_re_sleep_leaves_the_process_wakeable(
     start_demo: Any, cli: Any, work_dir: Path
 ) -> None:
