@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,23 @@ def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:
     assert started is not None, f"process {pid} is gone"
     owner = Owner(procinfo.boot_id(), procinfo.pid_namespace(pid) or 0, pid, started)
     return base / spill_root_name(label or f"proc-{pid}", owner)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something true, and return that.
+
+    Tests order events by waiting for a real state (a file written, an agent's
+    reported state, a thread's event), never by sleeping a guessed duration.
+    On timeout it fails naming ``what`` was awaited.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
 
 
 def as_user_prefix(uid: int | None) -> list[str]:

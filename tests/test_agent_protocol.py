@@ -10,7 +10,6 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name
 from hibernate.agent.server import AgentServer
 from hibernate.errors import BusyError, ProtocolError
 from hibernate.pools.tensors import TensorPool
-from tests.conftest import NOBODY, is_root, source_root_for
+from tests.conftest import NOBODY, is_root, source_root_for, wait_until
 
 
 @pytest.fixture
@@ -129,9 +128,7 @@ def test_a_vanished_client_rolls_back_a_half_done_sleep(agent, work_dir: Path) -
     client.call("spill", {"dir": str(work_dir)})
     assert hibernator.state.value == "spilled"
     client.close()
-    deadline = time.monotonic() + 5
-    while hibernator.state.value != "running" and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: hibernator.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
     assert hibernator.state.value == "running"
     assert not hibernator.guard.closed
     with AgentClient(server.path) as again:
@@ -143,7 +140,7 @@ def test_asleep_outlives_its_client(agent, work_dir: Path) -> None:
     with AgentClient(server.path) as client:
         for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
             client.call(op, args)
-    time.sleep(0.2)
+    wait_until(lambda: hibernator.status()["busy"] is None, 5, "the agent to end the client's session")
     assert hibernator.state.value == "asleep"
     with AgentClient(server.path) as client:
         client.call("begin")
@@ -209,6 +206,7 @@ def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
     assert not stale.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs a second user")
 def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
     _, server = agent

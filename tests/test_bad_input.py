@@ -6,13 +6,26 @@ import os
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from hibernate import faults
 from hibernate.errors import ExitCode
-from tests.conftest import NOBODY, is_root, run_cli
+from tests.conftest import NOBODY, is_root, run_cli, wait_until
+
+
+def reached_points(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[], list[str]]:
+    """Trace the fault points that targets started from now on, and the CLI, reach.
+
+    Returns a function giving the points reached so far: tests wait on it to know
+    where a concurrent sleep is, instead of sleeping and hoping it got there.
+    """
+    trace = tmp_path / "points"
+    trace.touch()
+    monkeypatch.setenv(faults.TRACE_ENV, str(trace))
+    return lambda: trace.read_text().split()
 
 
 def assert_untouched(demo, cli, reference: str) -> None:
@@ -42,6 +55,7 @@ def test_pid_without_agent_says_what_to_do(cli, runtime_dir: Path, work_dir: Pat
         plain.kill()
 
 
+@pytest.mark.slow
 def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> None:
     if is_root():
         demo = start_demo(size_mb=16)
@@ -56,6 +70,7 @@ def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> No
         assert "process 1 belongs to" in result.stderr
 
 
+@pytest.mark.slow
 def test_sleep_of_a_sleeping_process(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
@@ -87,6 +102,7 @@ def test_to_is_a_file(start_demo, cli, work_dir: Path) -> None:
     assert_untouched(demo, cli, reference)
 
 
+@pytest.mark.slow
 def test_to_not_writable(start_demo, cli, work_dir: Path) -> None:
     # As root every directory is writable, so both the target and the CLI run as nobody.
     uid = NOBODY if is_root() else None
@@ -120,14 +136,20 @@ def test_to_on_a_full_filesystem(start_demo, cli, work_dir: Path) -> None:
         subprocess.run(["umount", str(small)], check=True)
 
 
-def test_two_sleeps_at_once_one_wins_the_other_is_busy(start_demo, cli, work_dir: Path) -> None:
+@pytest.mark.slow
+def test_two_sleeps_at_once_one_wins_the_other_is_busy(
+    start_demo, cli, work_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = reached_points(monkeypatch, tmp_path)
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
-    demo.hold(3)  # the first sleep waits in quiesce for this step to finish
+    # The first sleep waits in quiesce for this step to finish. The demo's step lasts a fixed
+    # time: long enough for the second sleep to start while the first still waits.
+    demo.hold(6)
     first: list = []
     winner = threading.Thread(target=lambda: first.append(cli("sleep", str(demo.pid), "--to", str(work_dir))))
     winner.start()
-    time.sleep(1.0)
+    wait_until(lambda: "agent.quiesce" in trace(), 60, "the first sleep to reach quiesce in the target")
     second = cli("sleep", str(demo.pid), "--to", str(work_dir))
     winner.join(timeout=60)
     assert second.returncode == ExitCode.BUSY, second.stderr
@@ -148,15 +170,18 @@ def test_guard_held_past_timeout_leaves_target_untouched(start_demo, cli, work_d
     assert_untouched(demo, cli, reference)
 
 
-def test_target_dying_in_the_middle_of_a_sleep(start_demo, cli, work_dir: Path, runtime_dir: Path) -> None:
+def test_target_dying_in_the_middle_of_a_sleep(
+    start_demo, cli, work_dir: Path, runtime_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = reached_points(monkeypatch, tmp_path)
     demo = start_demo(size_mb=16)
-    demo.hold(5)
+    demo.hold(60)  # killed long before it ends: the sleep is still in quiesce then
     outcome: list = []
     sleeper = threading.Thread(
         target=lambda: outcome.append(cli("sleep", str(demo.pid), "--to", str(work_dir)))
     )
     sleeper.start()
-    time.sleep(1.0)
+    wait_until(lambda: "agent.quiesce" in trace(), 60, "the sleep to reach quiesce in the target")
     demo.proc.kill()
     demo.proc.wait()
     sleeper.join(timeout=60)
@@ -175,6 +200,7 @@ def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
     assert "--io-mode must be auto, direct or buffered" in result.stderr
 
 
+@pytest.mark.slow
 def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cli, work_dir: Path) -> None:
     """inf, 1e10, NaN, negatives, a TiB of staging: refused at once (exit 2), never a traceback."""
     demo = start_demo(size_mb=16)
@@ -229,6 +255,7 @@ def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, 
     assert_untouched(demo, cli, reference)
 
 
+@pytest.mark.slow
 def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, work_dir: Path) -> None:
     """As ``wake --all`` skips those awake; pids named one by one are still refused (above)."""
     first, second = start_demo(size_mb=16), start_demo(size_mb=16)

@@ -29,6 +29,7 @@ def agent_state(cli: Callable[..., Any], pid: int) -> str:
     return state
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_of_a_demo_with_each_checkpointer(
     world: World,
     start_demo: Callable[..., Any],
@@ -67,6 +68,7 @@ def test_sleep_and_wake_of_a_demo_with_each_checkpointer(
     ]
 
 
+@pytest.mark.slow
 def test_auto_takes_the_driver_api_and_falls_back_to_the_binary(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
@@ -84,6 +86,7 @@ def test_auto_takes_the_driver_api_and_falls_back_to_the_binary(
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 
+@pytest.mark.slow
 def test_a_tree_of_three_processes_locks_all_then_checkpoints_all_and_undoes_a_failure(
     world: World,
     start_tree: Callable[..., Tree],
@@ -150,6 +153,7 @@ def test_lock_timeout_exits_timeout_and_leaves_everything_running(
     assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
 
 
+@pytest.mark.slow
 def test_missing_checkpointers_and_old_drivers_are_refused_before_anything_changes(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
@@ -221,6 +225,7 @@ def test_failed_state_is_refused_by_sleep_and_wake(
     assert woken.returncode == ExitCode.NEEDS_RECOVERY and "only restarting" in woken.stderr
 
 
+@pytest.mark.slow
 def test_restore_without_enough_gpu_memory(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
@@ -246,6 +251,7 @@ def test_restore_without_enough_gpu_memory(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_wake_decides_from_real_states_whatever_the_agent_says(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
@@ -270,6 +276,7 @@ def test_wake_decides_from_real_states_whatever_the_agent_says(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_when_cuda_cannot_be_undone_the_agents_stay_asleep_for_a_later_wake(
     world: World,
     start_demo: Callable[..., Any],
@@ -307,6 +314,7 @@ def test_when_cuda_cannot_be_undone_the_agents_stay_asleep_for_a_later_wake(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_wake_without_a_checkpointer_after_a_cuda_sleep_is_refused(
     world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 PROBE = """
@@ -54,6 +56,7 @@ def test_import_does_not_import_torch() -> None:
     assert out.strip() == "False False"
 
 
+@pytest.mark.slow
 def test_help_of_every_command_does_not_import_torch() -> None:
     for command in ([], ["sleep"], ["wake"], ["status"], ["ls"], ["gc"]):
         assert run_probe(*command, "--help") == "HEAVY:", command

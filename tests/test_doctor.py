@@ -82,6 +82,7 @@ def test_doctor_sees_an_old_driver(world: World, cli: Callable[..., Any]) -> Non
     )
 
 
+@pytest.mark.slow
 def test_doctor_of_a_multi_process_target(
     world: World, start_tree: Callable[..., Tree], cli: Callable[..., Any], work_dir: Path
 ) -> None:
@@ -159,6 +160,7 @@ def test_doctor_bad_input(cli: Callable[..., Any], tmp_path: Path) -> None:
     assert missing.returncode == ExitCode.UNSUPPORTED and checks(missing)["checkpointer"]["status"] == "fail"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs root to run as another user")
 def test_doctor_as_another_user(cli: Callable[..., Any], tmp_path: Path) -> None:
     os.chmod(tmp_path, 0o755)

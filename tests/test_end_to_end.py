@@ -14,6 +14,7 @@ def kept_bytes(report: dict) -> int:
     return sum(p["total_bytes"] for p in report["processes"])
 
 
+@pytest.mark.slow
 def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=256)
     reference = demo.infer()
@@ -41,6 +42,7 @@ def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir
     assert demo.infer()["digest"] == reference["digest"]
 
 
+@pytest.mark.slow
 def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=48)
     reference = demo.infer()["digest"]
@@ -68,6 +70,7 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
     assert disk[-1] == disk[1], f"disk use grew: {disk}"
 
 
+@pytest.mark.slow
 def test_infer_during_sleep_waits_for_wake(start_demo, cli, work_dir: Path) -> None:
     import threading
 

@@ -2,30 +2,43 @@
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import hibernate
+from hibernate.agent import guard as guard_module
 from hibernate.agent.guard import Guard
 from hibernate.errors import HibernateTimeoutError, HibernatingError, UsageError
+from tests.conftest import wait_until
+
+
+def waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is now inside the guard's ``function`` (waiting there, as it cannot go on)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_code.co_filename == guard_module.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_close_waits_for_holders_then_blocks_new_entries() -> None:
     guard = Guard()
-    left = threading.Event()
+    entered, left = threading.Event(), threading.Event()
 
-    def hold_briefly() -> None:
+    def hold_until_a_sleep_waits() -> None:
         with guard.hold():
-            time.sleep(0.3)
+            entered.set()
+            wait_until(lambda: guard._closing, 5, "close() to start waiting for the holder", interval=0.01)
         left.set()
 
-    holder = threading.Thread(target=hold_briefly)
+    holder = threading.Thread(target=hold_until_a_sleep_waits)
     holder.start()
-    time.sleep(0.05)
+    assert entered.wait(5)
     guard.close(timeout=5)
     assert left.is_set() and guard.closed
     with pytest.raises(HibernatingError):
@@ -76,7 +89,7 @@ def test_a_waiting_sleep_stops_new_holders_but_not_reentry() -> None:
     entered.wait()
     closer = threading.Thread(target=lambda: guard.close(timeout=5))
     closer.start()
-    time.sleep(0.1)
+    wait_until(lambda: guard._closing, 5, "close() to start waiting for the holder", interval=0.01)
     with pytest.raises(HibernatingError):
         guard.enter(wait=False)  # a new holder is held back while the sleep waits
     proceed.set()
@@ -107,7 +120,7 @@ def test_guard_blocks_until_wake(fresh_agent, work_dir: Path) -> None:
 
     user = threading.Thread(target=use)
     user.start()
-    time.sleep(0.2)
+    wait_until(lambda: waiting_in(user, "enter"), 5, "the user to wait at the guard")
     assert not seen
     hibernate.wake()
     user.join(5)
@@ -118,10 +131,12 @@ def test_in_process_sleep_waits_for_a_holder(fresh_agent, work_dir: Path) -> Non
     weights = hibernate.track(torch.full((1024,), 7.0), name="w")
     started = threading.Event()
 
+    sleeper = threading.current_thread()
+
     def step() -> None:
         with hibernate.guard():
             started.set()
-            time.sleep(0.3)
+            wait_until(lambda: waiting_in(sleeper, "close"), 5, "the sleep to wait for this step")
             weights.add_(1)
 
     worker = threading.Thread(target=step)

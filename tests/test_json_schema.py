@@ -65,6 +65,7 @@ def test_the_error_schema_knows_every_exit_code() -> None:
     assert sorted(names) == sorted(code.name for code in ExitCode if code != ExitCode.OK)
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_with_cuda_have_a_timing_per_phase_and_per_step(
     world: World, start_demo, cli, work_dir: Path, checkpointer_kind: str
 ) -> None:
@@ -95,6 +96,7 @@ def test_sleep_and_wake_without_cuda_and_with_a_selector(start_demo, cli, work_d
     valid("gc", cli("gc", str(work_dir), "--json"))
 
 
+@pytest.mark.slow
 def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
     start_demo, cli, work_dir: Path
 ) -> None:

@@ -252,6 +252,7 @@ def test_a_journal_entry_root_leaves_belongs_to_the_user_who_can_recover(
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_root_owned_lock_file_tells_the_user_how_to_clear_it(runtime_dir: Path) -> None:
     """A lock file an older root-run hibernate left is refused with exit 5 and the command to remove it,

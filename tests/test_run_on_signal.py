@@ -14,7 +14,7 @@ import pytest
 
 from hibernate.agent.signals import parse_signal
 from hibernate.errors import ExitCode, UsageError
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 
 def wait_for_state(cli, pid: int, state: str, timeout: float = 60) -> None:
@@ -27,6 +27,20 @@ def wait_for_state(cli, pid: int, state: str, timeout: float = 60) -> None:
     raise AssertionError(f"process {pid} did not become {state}")
 
 
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether ``sig``, sent to process ``pid``, is still waiting to be delivered (/proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return bool(pending >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
 def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path, runtime_dir: Path) -> None:
     from hibernate.demo import request
 
@@ -74,7 +88,7 @@ def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path,
         assert asleep["snapshot"]["path"].startswith(str(work_dir / "snap"))
 
         os.kill(child, signal.SIGUSR1)  # sent to every process of the step: must not kill the child
-        time.sleep(0.3)
+        wait_until(lambda: not signal_pending(child, signal.SIGUSR1), 30, "the child to take its SIGUSR1")
         assert cli("wake", str(child), "-q").returncode == 0
         assert request(str(control), "infer")["digest"] == reference
 
@@ -96,6 +110,7 @@ def test_run_without_a_command_is_a_usage_error(cli) -> None:
     assert cli("run", "--to", "/tmp/unused").returncode == ExitCode.USAGE
 
 
+@pytest.mark.slow
 def test_the_agent_sleeps_on_its_own_signal(start_demo, cli, work_dir: Path) -> None:
     snap = work_dir / "snap"
     demo = start_demo(

@@ -63,6 +63,7 @@ def assert_serving(demos: list[Demo]) -> None:
         assert demo.infer()["digest"] == demo.extra["reference"], demo.extra["node"]
 
 
+@pytest.mark.slow
 def test_every_node_sleeps_and_wakes_as_one(cluster, work_dir: Path) -> None:
     slurm, job, demos, bystander = cluster
     asleep = hibernate_job(slurm, job, "sleep", "--to", str(work_dir), "--json")
@@ -88,6 +89,7 @@ def test_every_node_sleeps_and_wakes_as_one(cluster, work_dir: Path) -> None:
     assert_serving(demos)
 
 
+@pytest.mark.slow
 def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> None:
     slurm, job, demos, _ = cluster
     demos[1].hold(6)  # node1's program is in a long step: its sleep times out after 1 s
@@ -105,6 +107,7 @@ def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> No
     assert "each node's result is in" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_node_late_past_the_barrier_timeout_wakes_with_the_others(cluster, work_dir: Path) -> None:
     slurm, job, demos, _ = cluster
     demos[2].hold(8)  # node2's sleep waits for the step to end: it reports after the others gave up
@@ -118,6 +121,7 @@ def test_a_node_late_past_the_barrier_timeout_wakes_with_the_others(cluster, wor
     assert_serving(demos)
 
 
+@pytest.mark.slow
 def test_a_node_that_dies_times_out_and_the_others_wake(cluster, work_dir: Path) -> None:
     slurm, job, demos, _ = cluster
     dying = broken_hibernate(slurm, 1, "kill -9 $$")
@@ -137,6 +141,7 @@ def test_the_script_refuses_to_run_outside_a_job(cluster, work_dir: Path) -> Non
     assert result.returncode == 2 and "SLURM_JOB_ID is unset" in result.stderr
 
 
+@pytest.mark.slow
 def test_from_outside_the_job_it_attaches_with_jobid(cluster, work_dir: Path) -> None:
     slurm, job, demos, _ = cluster
     outside = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_")}
@@ -158,6 +163,7 @@ def test_a_second_wake_agrees_that_everything_is_awake(cluster) -> None:
     ] * 3
 
 
+@pytest.mark.slow
 def test_without_overlap_the_step_would_wait_for_the_running_one(cluster) -> None:
     """The stand-in refuses a second step without --overlap, as real srun holds it back."""
     slurm, job, _, _ = cluster
@@ -180,6 +186,7 @@ def broken_hibernate(slurm: Cluster, node_index: int, how: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", [{"KillOnBadExit": 1}, {"WaitTime": 1}])
 def test_a_strict_site_configuration_does_not_cut_the_agreement_short(cluster, work_dir: Path, site) -> None:
     """With KillOnBadExit=1 or a short WaitTime, srun would kill the nodes still waiting at the barrier
@@ -199,6 +206,7 @@ def test_a_strict_site_configuration_does_not_cut_the_agreement_short(cluster, w
     assert states(slurm, demos) == ["running"] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", [{"KillOnBadExit": 1}, {"WaitTime": 1}])
 def test_the_stand_in_applies_the_site_configuration(cluster, site) -> None:
     """Without the script's flags the stand-in srun does cut a step short (so the test above can fail)."""

@@ -114,6 +114,7 @@ def ready_demo(slurm: Cluster, name: str, node: str) -> ScriptDemo:
     return ScriptDemo(info["pid"], str(slurm.scratch / f"{name}.sock"), {"node": node})
 
 
+@pytest.mark.slow
 def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, work_dir: Path) -> None:
     slurm.world.configure(suspend_grace_time=8)  # the site gives a sleep this long before SIGSTOP
     job_id, output = submit(
@@ -139,6 +140,7 @@ def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, w
     assert server.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_a_training_job_sleeps_between_phases_on_every_node(slurm: Cluster) -> None:
     evals = slurm.scratch / "evals"
     evals.mkdir()
@@ -169,6 +171,7 @@ def test_a_training_job_sleeps_between_phases_on_every_node(slurm: Cluster) -> N
     assert sorted(p.name for p in (slurm.scratch / "snapshots").iterdir()) == ["node0", "node1"]
 
 
+@pytest.mark.slow
 def test_the_site_pair_frees_the_gpus_before_suspending_and_wakes_after_resuming(
     slurm: Cluster, work_dir: Path
 ) -> None:
@@ -194,6 +197,7 @@ def test_the_site_pair_frees_the_gpus_before_suspending_and_wakes_after_resuming
     assert [d.infer()["digest"] for d in demos] == reference
 
 
+@pytest.mark.slow
 def test_the_site_pair_does_not_suspend_a_job_that_cannot_sleep(slurm: Cluster, work_dir: Path) -> None:
     job = slurm.allocate(2, "serving")
     demos = slurm.start_demos([("node0", job["job_id"]), ("node1", job["job_id"])])

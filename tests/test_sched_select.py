@@ -228,6 +228,7 @@ def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> N
     assert selected(hibernate(node, cgroups, "status", "--job", "4200", "--json")) == [a.pid]
 
 
+@pytest.mark.slow
 def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path) -> None:
     cluster, _ = node
     (tagged,) = cluster.start_demos([("node0", None)], env={"SLURM_JOB_ID": "777"})
@@ -249,6 +250,7 @@ def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path)
     assert selected(hibernate(node, cgroups, "status", "--cgroup", absolute, "--json")) == [b.pid]
 
 
+@pytest.mark.slow
 def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgroups: Path) -> None:
     cluster, demos = node
     result = hibernate(node, cgroups, "status", "--all", "--json")
@@ -302,6 +304,7 @@ def test_no_targets_at_all_is_a_usage_error(cgroups: Path) -> None:
 # -- one unit: all asleep, or none ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path) -> None:
     _, (a, b, c) = node
     reference = {d.pid: d.infer()["digest"] for d in (a, b)}
@@ -317,6 +320,7 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
     assert {d.pid: d.infer()["digest"] for d in (a, b)} == reference
 
 
+@pytest.mark.slow
 def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
     _, (a, b, c) = node
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])

@@ -23,6 +23,7 @@ def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+@pytest.mark.slow
 @pytest.mark.soak
 def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=64)

@@ -45,6 +45,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_snapshot_keeps_the_process_asleep_until_repaired(
     start_demo: Any, cli: Any, work_dir: Path, damage: str
@@ -99,6 +100,7 @@ os.pwritev = _pwritev
 """
 
 
+@pytest.mark.slow
 def test_a_disk_filling_up_during_sleep_leaves_the_process_running(
     start_demo: Any, cli: Any, work_dir: Path, tmp_path: Path
 ) -> None:

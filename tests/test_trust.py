@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from hibernate.errors import ExitCode, UnsupportedError
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import parse_manifest
 from hibernate.store.owner import Owner, liveness
-from tests.conftest import NOBODY, REPO, is_root, spill_root_of
+from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
 from tests.test_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
 
@@ -53,6 +52,7 @@ def flip_one_byte(path: Path, *, keep_mtime: bool = False) -> None:
 # -- 1. a corrupted previous snapshot is never reused --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["plain-write", "mtime-put-back"])
 def test_a_corrupted_previous_snapshot_is_rewritten_not_reused(
     start_demo: Any, cli: Any, work_dir: Path, keep_mtime: bool
@@ -216,6 +216,7 @@ def tree(directory: Path) -> list[tuple[str, int, int, bytes]]:
     return found
 
 
+@pytest.mark.slow
 def test_gc_changes_nothing_in_a_tree_hibernate_did_not_make(cli: Any, work_dir: Path) -> None:
     for name in ("backups/snap-20240101", "backups/.tmp-export", "cache/snap-000001", "proc-42/.tmp-x"):
         (work_dir / name).mkdir(parents=True)
@@ -274,6 +275,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
     cli: Any, work_dir: Path, tmp_path: Path, runtime_dir: Path
 ) -> None:
@@ -281,10 +283,13 @@ def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
     target = subprocess.Popen(
         [sys.executable, "-c", LONG_NAME_TARGET, str(ready)], env={**os.environ, "PYTHONPATH": str(REPO)}
     )
+
+    def started() -> bool:
+        return bool(ready.exists() and ready.read_text()) or target.poll() is not None
+
     try:
-        while not ready.exists() or not ready.read_text():  # the target wrote its pid: it is tracked
-            assert target.poll() is None, "the target died"
-            time.sleep(0.05)
+        wait_until(started, 120, "the target to write its pid")
+        assert target.poll() is None, "the target died"
         result = cli("sleep", str(target.pid), "--to", str(work_dir), "--json")
         assert result.returncode == ExitCode.UNSUPPORTED, result.stdout + result.stderr
         assert "longer than 1024 characters" in result.json()["error"]["message"]
@@ -298,6 +303,7 @@ def test_a_key_no_wake_could_read_is_refused_before_anything_is_written(
 # -- 6. every snapshot is self-contained --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_deleting_the_older_snapshot_after_a_re_sleep_leaves_the_process_wakeable(
     start_demo: Any, cli: Any, work_dir: Path
 ) -> None:
@@ -372,6 +378,7 @@ def test_liveness_is_judged_by_identity_not_by_pid() -> None:
 # -- 9. permission problems inside a snapshot tree are IO errors with the path ------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs root to run the target and the CLI as another user")
 @pytest.mark.parametrize("what", ["root", "lock"])
 def test_an_unreadable_snapshot_tree_is_an_io_error_naming_the_path(

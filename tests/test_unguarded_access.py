@@ -132,6 +132,7 @@ def _check(report: dict[str, Any]) -> None:
     assert report["works_again"] == [1, 4]
 
 
+@pytest.mark.slow
 def test_in_process_sleep_unguarded_access_raises_and_wake_is_bit_exact(
     tmp_path: Path, work_dir: Path, runtime_dir: Path
 ) -> None:
@@ -141,6 +142,7 @@ def test_in_process_sleep_unguarded_access_raises_and_wake_is_bit_exact(
     _check(json.loads(out.read_text()))
 
 
+@pytest.mark.slow
 def test_cli_sleep_unguarded_access_raises_and_wake_is_bit_exact(
     tmp_path: Path, work_dir: Path, runtime_dir: Path, cli: Any
 ) -> None:

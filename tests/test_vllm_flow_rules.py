@@ -209,6 +209,7 @@ def test_a_failing_request_carries_the_servers_own_words(
         server.is_sleeping()
 
 
+@pytest.mark.slow
 def test_silence_and_a_dropped_connection_are_told_apart(
     scripted: Scripted,
 ) -> None:

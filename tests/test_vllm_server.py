@@ -240,6 +240,7 @@ def test_vllm_phases_have_fault_points() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_through_the_servers_own_endpoints(
     world: World,
     start_server: Callable[..., FakeServer],
@@ -300,6 +301,7 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     assert states(cli, server) == ["running", "running"] and not server.is_sleeping()
 
 
+@pytest.mark.slow
 def test_a_server_without_its_development_endpoints_is_refused_with_how_to_start_it(
     world: World,
     start_server: Callable[..., FakeServer],
@@ -335,6 +337,7 @@ def test_a_server_without_its_development_endpoints_is_refused_with_how_to_start
     nothing_left_to_clean(runtime_dir)
 
 
+@pytest.mark.slow
 def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_asleep(
     world: World,
     start_server: Callable[..., FakeServer],
@@ -379,6 +382,7 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     nothing_left_to_clean(runtime_dir)
 
 
+@pytest.mark.slow
 def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left_to_recover(
     world: World,
     start_server: Callable[..., FakeServer],
@@ -423,6 +427,7 @@ def test_timeouts_a_drain_is_called_off_abort_does_not_wait_a_hung_sleep_is_left
     assert world.calls() == []
 
 
+@pytest.mark.slow
 def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovered(
     world: World,
     start_server: Callable[..., FakeServer],
@@ -468,6 +473,7 @@ def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovere
         resolve(point)
 
 
+@pytest.mark.slow
 def test_self_checkpoint_through_plain_sleep_and_wake_up(
     world: World,
     start_server: Callable[..., FakeServer],

@@ -103,6 +103,7 @@ def start_worker(
                 worker.proc.wait()
 
 
+@pytest.mark.slow
 def test_hibernate_ls_shows_the_worker_and_a_sleep_without_its_server_changes_nothing(
     start_worker: Callable[..., WorkerProcess], cli: Any, work_dir: Path
 ) -> None:
@@ -141,6 +142,7 @@ def test_hibernate_ls_shows_the_worker_and_a_sleep_without_its_server_changes_no
     assert status["state"] == "running" and status["default_dir"] is None and status["interrupted"] is None
 
 
+@pytest.mark.slow
 def test_a_sleep_through_the_backend_spills_where_a_client_configured_and_wakes_in_two_steps(
     start_worker: Callable[..., WorkerProcess], cli: Any, tmp_path: Path
 ) -> None:
@@ -174,6 +176,7 @@ def test_a_sleep_through_the_backend_spills_where_a_client_configured_and_wakes_
     assert cli("status", str(worker.pid), "--json").json()["agents"][0]["state"] == "running"
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_of_a_pool_far_larger_than_the_staging_budget_stay_within_it(
     start_worker: Callable[..., WorkerProcess],
 ) -> None:
@@ -194,6 +197,7 @@ def test_sleep_and_wake_of_a_pool_far_larger_than_the_staging_budget_stay_within
     assert woken["peak_after"] - baseline_peak <= 2 * STAGING_MB * MIB + slack, woken
 
 
+@pytest.mark.slow
 def test_a_process_forked_after_the_plugins_loaded_answers_for_itself(
     start_worker: Callable[..., WorkerProcess],
 ) -> None:
