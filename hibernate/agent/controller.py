@@ -52,7 +52,7 @@ from hibernate.pools.base import Pool, SpillableRegion, summarize
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
-from hibernate.store.reader import SnapshotReader, verify_snapshot
+from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
 from hibernate.store.writer import WriteOptions, write_snapshot
 
 
@@ -154,42 +154,6 @@ class _Sleep:
 
     def pending(self) -> list[bool]:
         return [i not in self.restored for i in range(len(self.all_regions))]
-
-
-class _NotNow:
-    """A kept region a partial restore leaves for later: read and verified, not copied in.
-
-    The reader wants every record of the snapshot; this stands for one whose
-    bytes must not land yet (its memory is not even mapped).
-    """
-
-    def __init__(self, region: SpillableRegion) -> None:
-        self._region = region
-
-    @property
-    def key(self) -> str:
-        return self._region.key
-
-    @property
-    def tag(self) -> str:
-        return self._region.tag
-
-    @property
-    def nbytes(self) -> int:
-        return self._region.nbytes
-
-    @property
-    def meta(self) -> Any:
-        return self._region.meta
-
-    def copy_out(self, offset: int, dst: memoryview) -> None:
-        raise AssertionError("a region left for later is never written")
-
-    def copy_in(self, offset: int, src: memoryview) -> None:
-        pass
-
-    def host_view(self, offset: int, length: int) -> memoryview | None:
-        return None
 
 
 def _bytes_option(args: dict[str, Any], name: str, default: int) -> int:
@@ -457,7 +421,7 @@ class Hibernator:
         chosen = [regions[i] for i in indices]
         fill = {i for i in indices if regions[i].keep}
         # The reader walks every record; those not chosen now are read, verified and skipped.
-        targets: list[Any] = [r if i in fill else _NotNow(r) for i, r in enumerate(regions) if r.keep]
+        targets: list[Any] = [r if i in fill else Discard(r) for i, r in enumerate(regions) if r.keep]
         with contextlib.ExitStack() as stack:
             reader: SnapshotReader | None = None
             if fill:  # refuse what can be found wrong before any memory is touched

@@ -411,11 +411,16 @@ class SnapshotReader:
         regions[piece.region].copy_in(piece.region_offset, view)
 
 
-class _Discard:
-    """A record read back only to be verified: its bytes go nowhere."""
+class Discard:
+    """A region read back only to be verified: its bytes go nowhere.
 
-    def __init__(self, record: Record) -> None:
-        self.key, self.tag, self.nbytes, self.meta = record.key, record.tag, record.nbytes, record.meta
+    The reader wants every record of a snapshot; this stands for one whose
+    bytes must not land (a ``--verify`` read, or a region a partial wake
+    leaves for later, whose memory is not even mapped).
+    """
+
+    def __init__(self, region: Region | Record) -> None:
+        self.key, self.tag, self.nbytes, self.meta = region.key, region.tag, region.nbytes, region.meta
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
         raise AssertionError("a verification never writes")
@@ -439,7 +444,7 @@ def verify_snapshot(
     """
     try:
         with SnapshotReader(root, name, io_mode=io_mode) as reader:
-            records = [_Discard(record) for record in reader.manifest.records]
+            records = [Discard(record) for record in reader.manifest.records]
             return reader.read_into(records, buffer_bytes=buffer_bytes)
     except (SnapshotInvalidError, StorageError) as exc:
         if root.lock(exclusive=True):
