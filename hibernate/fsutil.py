@@ -109,17 +109,22 @@ def _trusted_link(dir_fd: int, name: str, shown: Path) -> str:
         os.close(link_fd)
 
 
-def _make_component(parent_fd: int, name: str, shown: Path, owner_uid: int | None) -> int:
-    """Create one missing parent directory (umask applies, as with ``mkdir -p``) and open it."""
+def _mkdir(parent_fd: int, name: str, mode: int, shown: Path) -> bool:
+    """Create directory ``name``; False if it exists already (open it with the same checks)."""
     try:
-        os.mkdir(name, 0o777, dir_fd=parent_fd)
-        made = True
+        os.mkdir(name, mode, dir_fd=parent_fd)
     except FileExistsError:
-        made = False  # somebody else just made it: open what is there, with the same checks
+        return False
     except PermissionError as exc:
         raise StorageError(f"cannot create directory {shown}: permission denied") from exc
     except OSError as exc:
         raise StorageError(f"cannot create directory {shown}: {exc.strerror}") from exc
+    return True
+
+
+def _make_component(parent_fd: int, name: str, shown: Path, owner_uid: int | None) -> int:
+    """Create one missing parent directory (umask applies, as with ``mkdir -p``) and open it."""
+    made = _mkdir(parent_fd, name, 0o777, shown)
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
@@ -138,15 +143,7 @@ def open_private_dir(path: Path, *, owner_uid: int | None = None) -> int:
     """
     parent_fd, leaf = _walk_to_parent(Path(path), create=True, owner_uid=owner_uid)
     try:
-        try:
-            os.mkdir(leaf, PRIVATE_DIR_MODE, dir_fd=parent_fd)
-            created = True
-        except FileExistsError:
-            created = False
-        except PermissionError as exc:
-            raise StorageError(f"cannot create directory {path}: permission denied") from exc
-        except OSError as exc:
-            raise StorageError(f"cannot create directory {path}: {exc.strerror}") from exc
+        created = _mkdir(parent_fd, leaf, PRIVATE_DIR_MODE, Path(path))
         try:
             fd = os.open(leaf, _DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
