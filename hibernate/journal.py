@@ -170,8 +170,8 @@ class Journal:
         finally:
             os.close(fd)
 
-    def entries(self) -> list[Entry]:
-        """Every entry whose process still lives; entries of dead processes are deleted."""
+    def _identities(self) -> list[ProcessIdentity]:
+        """The processes this journal holds an entry for, live or not."""
         fd = _open_quietly(self.directory)
         if fd is None:
             return []
@@ -179,18 +179,22 @@ class Journal:
             names = sorted(os.listdir(fd))
         finally:
             os.close(fd)
+        return [ident for name in names if (ident := _parse_name(name, "json")) is not None]
+
+    def entries(self) -> list[Entry]:
+        """Every entry whose process still lives."""
         found = []
-        for name in names:
-            ident = _parse_name(name, "json")
-            if ident is None:
-                continue
-            if not procinfo.is_alive(ident):
-                self.remove(ident)
-                continue
-            entry = self.load(ident)
+        for ident in self._identities():
+            entry = self.load(ident) if procinfo.is_alive(ident) else None
             if entry is not None:
                 found.append(entry)
         return found
+
+    def sweep_dead_entries(self) -> None:
+        """Delete the entries of processes that are gone: nothing can be resumed for them."""
+        for ident in self._identities():
+            if not procinfo.is_alive(ident):
+                self.remove(ident)
 
 
 def _parse_name(name: str, suffix: str) -> ProcessIdentity | None:

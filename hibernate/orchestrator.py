@@ -24,7 +24,7 @@ from typing import Any
 
 from hibernate import faults, procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
-from hibernate.agent.paths import live_sockets, runtime_dir
+from hibernate.agent.paths import runtime_dir, sweep_stale_sockets
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import (
     HibernateError,
@@ -297,9 +297,9 @@ class _Operation:
 
 def _sweep_dead(directory: Path) -> None:
     """Sockets, journal entries and lock files of processes that no longer exist go."""
-    live_sockets(directory)
+    sweep_stale_sockets(directory)
     journal = Journal(directory)
-    journal.entries()
+    journal.sweep_dead_entries()
     journal.sweep_locks()
 
 

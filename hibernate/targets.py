@@ -18,7 +18,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
-from hibernate.agent.paths import live_sockets, runtime_dir, socket_name
+from hibernate.agent.paths import live_sockets, runtime_dir, socket_name, sweep_stale_sockets
 from hibernate.checkpoint.detect import holds_cuda_context
 from hibernate.errors import (
     HibernateError,
@@ -188,7 +188,8 @@ def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = Fals
 
 
 def all_agents(timeout: float = 5.0) -> list[AgentRef]:
-    """Every live agent in our runtime directory (``hibernate ls``)."""
+    """Every live agent in our runtime directory (``hibernate ls``); stale sockets are swept first."""
+    sweep_stale_sockets(runtime_dir())
     found = []
     for ident, sock in live_sockets(runtime_dir()):
         try:

@@ -22,7 +22,7 @@ from hibernate import procinfo
 from hibernate.agent import protocol
 from hibernate.agent.client import AgentClient
 from hibernate.agent.controller import Hibernator
-from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name
+from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name, sweep_stale_sockets
 from hibernate.agent.server import AgentServer
 from hibernate.errors import BusyError, ProtocolError
 from hibernate.pools.tensors import TensorPool
@@ -202,7 +202,9 @@ def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(stale))
     assert stale.exists()
-    assert live_sockets(runtime_dir) == []
+    assert live_sockets(runtime_dir) == [], "a stale socket is never taken for an agent"
+    assert stale.exists(), "listing deletes nothing"
+    sweep_stale_sockets(runtime_dir)
     assert not stale.exists()
 
 

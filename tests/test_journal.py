@@ -57,6 +57,9 @@ def test_entries_of_dead_processes_are_dropped(runtime_dir: Path) -> None:
     journal.record(entry_for(dead))
     journal.record(entry_for(this_process()))
     assert [e.pid for e in journal.entries()] == [os.getpid()]
+    assert len(list((runtime_dir / "journal").iterdir())) == 2, "listing deletes nothing"
+    journal.sweep_dead_entries()
+    assert [e.pid for e in journal.entries()] == [os.getpid()]
     assert len(list((runtime_dir / "journal").iterdir())) == 1
 
 

@@ -55,20 +55,28 @@ def parse_socket_name(name: str) -> ProcessIdentity | None:
     return ProcessIdentity(int(match.group(1)), int(match.group(2))) if match else None
 
 
-def live_sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
-    """Sockets in ``directory`` whose process still lives; stale ones are deleted."""
-    found = []
+def _sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
+    """Every agent socket in ``directory``, live or stale, with the process its name claims."""
     try:
         names = sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
+    found = []
     for name in names:
         ident = parse_socket_name(name)
-        if ident is None:
-            continue
-        if procinfo.is_alive(ident):
+        if ident is not None:
             found.append((ident, directory / name))
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(directory / name)
     return found
+
+
+def live_sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
+    """Sockets in ``directory`` whose process (pid and start time) still lives."""
+    return [(ident, path) for ident, path in _sockets(directory) if procinfo.is_alive(ident)]
+
+
+def sweep_stale_sockets(directory: Path) -> None:
+    """Delete the sockets of processes that are gone: nobody will ever answer there."""
+    for ident, path in _sockets(directory):
+        if not procinfo.is_alive(ident):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
