@@ -550,7 +550,7 @@ def _sleep_targets(
         directory = prepare_directory(directory, targets)
         holders = [h for t in targets for h in t.cuda_holders]
         checkpointer = options.checkpointer
-        operation.record(directory, holders, getattr(checkpointer, "name", None))
+        operation.record(directory, holders, checkpointer.name if checkpointer is not None else None)
         operation.passed("lock")
         members.extend(_connect(targets, options.agent_timeout))
         not_running = [m for m in members if m.phases["begin"].get("state") != "running"]

@@ -22,8 +22,6 @@ from typing import Any, Protocol
 from hibernate.checkpoint.curesult import CuError
 from hibernate.errors import CudaCheckpointError
 
-STEPS = ("state", "lock", "checkpoint", "restore", "unlock", "restore-tid")
-
 
 class CudaState(str, Enum):
     RUNNING = "running"

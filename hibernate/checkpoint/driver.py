@@ -35,7 +35,6 @@ from hibernate.errors import UnsupportedError, UsageError
 
 LIBCUDA_ENV = "HIBERNATE_LIBCUDA"
 DEFAULT_LIBCUDA = "libcuda.so.1"
-API_MIN_VERSION = 12080  # cuCheckpointProcess* in cuda.h from 12.8 (driver 570)
 GPU_MAP_MIN_VERSION = 13000  # CUcheckpointRestoreArgs.gpuPairs from 13.0 (driver 580)
 # step -> the entry point that does it, each called as f(pid, &argument).
 SYMBOL_BY_STEP = {

@@ -724,7 +724,11 @@ def sleep(targets: Sequence[Target], directory: Path, options: Options, sink: Pr
         _require_checkpointer(server.targets, options)
         directory = prepare_directory(directory, server.targets)
         checkpointer = options.checkpointer
-        operation.record(directory, list(server.target.cuda_holders), getattr(checkpointer, "name", None))
+        operation.record(
+            directory,
+            list(server.target.cuda_holders),
+            checkpointer.name if checkpointer is not None else None,
+        )
         operation.passed("lock")
         found = statuses(server.target.agents)
         _check_ready(server, found)
