@@ -46,6 +46,21 @@ class HibernateError(Exception):
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
 
+    def add_context(
+        self, context: str, *, unless: str | tuple[str, ...] | None = None, hint: str | None = None
+    ) -> HibernateError:
+        """Put where the failure happened in front of the message, as the error travels up.
+
+        Each layer knows a little more (which process, which phase) than the one
+        that raised; ``unless`` skips the prefix where an inner layer already
+        named it, and ``hint`` is used only where the error has none.
+        """
+        if unless is None or not self.message.startswith(unless):
+            self.message = f"{context}: {self.message}"
+        if self.hint is None:
+            self.hint = hint
+        return self
+
     def to_wire(self) -> dict[str, str | None]:
         return {"code": self.wire_name, "message": self.message, "hint": self.hint}
 

@@ -449,9 +449,7 @@ def _require_checkpointer(targets: Sequence[Target], options: Options) -> None:
 
 
 def _annotate(exc: HibernateError, member: _Member, phase: str) -> HibernateError:
-    if not exc.message.startswith(f"process {member.pid}"):
-        exc.message = f"process {member.pid} ({phase}): {exc.message}"
-    return exc
+    return exc.add_context(f"process {member.pid} ({phase})", unless=f"process {member.pid}")
 
 
 def _undo_sleep(members: Sequence[_Member], error: BaseException) -> None:
@@ -786,9 +784,10 @@ def _wake_phases(
             member.call("resume")
     if failures:
         member, exc = failures[0]
-        exc.message = f"process {member.pid} stays asleep: {exc.message}"
-        exc.hint = exc.hint or f"fix the cause, then run `hibernate wake {member.pid}` again"
-        raise exc
+        raise exc.add_context(
+            f"process {member.pid} stays asleep",
+            hint=f"fix the cause, then run `hibernate wake {member.pid}` again",
+        )
     operation.passed("resume")
     return _wake_report(sleeping, cuda, time.perf_counter() - started)
 

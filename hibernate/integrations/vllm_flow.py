@@ -533,10 +533,10 @@ class _Sleep(_Run):
             if self.cuda_done:
                 _undo_cuda(self.server.targets, self.options, self.operation, exc)
             self.undo(exc)
-            if isinstance(exc, HibernateError) and not exc.message.startswith(
-                f"vLLM server {self.server.pid}"
-            ):
-                exc.message = f"vLLM server {self.server.pid} ({phase}): {exc.message}"
+            if isinstance(exc, HibernateError):
+                exc.add_context(
+                    f"vLLM server {self.server.pid} ({phase})", unless=f"vLLM server {self.server.pid}"
+                )
             raise
 
     def undo(self, error: BaseException) -> None:
@@ -755,8 +755,7 @@ def _naming(server: Server, op: str) -> Iterator[None]:
     except NeedsRecoveryError:
         raise  # its message is the recovery's, worded whole
     except HibernateError as exc:
-        if not exc.message.startswith(("nothing to wake", "vLLM server")):
-            exc.message = f"vLLM server {server.pid} ({op}): {exc.message}"
+        exc.add_context(f"vLLM server {server.pid} ({op})", unless=("nothing to wake", "vLLM server"))
         raise
 
 
@@ -884,8 +883,7 @@ def _woken_directly(
     failures: list[HibernateError] = []
     for pid, outcome in _in_parallel(refs, lambda ref: wake_directly(ref, options)).items():
         if isinstance(outcome, HibernateError):
-            outcome.message = f"process {pid} stays asleep: {outcome.message}"
-            failures.append(outcome)
+            failures.append(outcome.add_context(f"process {pid} stays asleep"))
         elif isinstance(outcome, BaseException):
             raise outcome
         else:
