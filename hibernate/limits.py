@@ -23,8 +23,9 @@ MIB = 1 << 20
 # One day. A wait longer than that is a hang, not a wait; and every timeout must fit the driver's
 # cuCheckpointProcessLock timeoutMs (a 32-bit count of milliseconds: at most ~49.7 days).
 MAX_SECONDS = 86400.0
-# The CLI's floor for staging: room for two arenas of a few chunks. The store's own floor
-# (hibernate.store.writer.MIN_BUFFER_BYTES, 32 KiB) is lower; whichever is higher applies.
+# The CLI's floor for staging: room for two arenas of a few chunks, far above the store's own
+# floor (hibernate.store.writer.MIN_BUFFER_BYTES, 32 KiB; a test keeps it so). Not imported
+# from the store: the CLI stays light.
 MIN_BUFFER_MB = 16
 # More nodes than one job spans on any cluster we know of; a bound that keeps a typo from
 # sizing the barrier's bookkeeping.
@@ -34,13 +35,6 @@ MAX_NODES = 65536
 def physical_memory_bytes() -> int:
     """This machine's RAM: the staging of a sleep or wake lives in the target, on this machine."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def min_buffer_mb() -> int:
-    """The smallest --buffer-mb: the CLI's floor, or the store's if that is higher."""
-    from hibernate.store.writer import MIN_BUFFER_BYTES  # no torch: the store is plain Python
-
-    return max(MIN_BUFFER_MB, -(-MIN_BUFFER_BYTES // MIB))
 
 
 def max_buffer_mb() -> int:
@@ -96,7 +90,7 @@ BOUNDS: dict[str, Bound] = {
     "barrier_timeout": Bound(
         "--barrier-timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")
     ),
-    "buffer_mb": Bound("--buffer-mb", min_buffer_mb, max_buffer_mb, "MiB", _half_ram_words),
+    "buffer_mb": Bound("--buffer-mb", _const(MIN_BUFFER_MB), max_buffer_mb, "MiB", _half_ram_words),
     "nodes": Bound("--nodes", _const(1), _const(MAX_NODES)),
     "node_index": Bound("--node-index", _const(0), _const(MAX_NODES - 1)),
 }

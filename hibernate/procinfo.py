@@ -21,8 +21,8 @@ class ProcessIdentity:
         return {"pid": self.pid, "start_time": self.start_time}
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """Fields of /proc/<pid>/stat after the command name (which may hold spaces)."""
+def _stat_fields(pid: int | str) -> list[str]:
+    """Fields of /proc/<pid>/stat (or /proc/self/stat) after the command name (which may hold spaces)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         raw = f.read().decode("ascii", "replace")
     return raw[raw.rindex(")") + 2 :].split()
@@ -144,9 +144,7 @@ def own_start_time() -> int:
     Unlike ``start_time(os.getpid())`` it is right inside a pid namespace whose
     /proc was not remounted, where /proc/<our pid> is some other process.
     """
-    with open("/proc/self/stat", "rb") as f:
-        raw = f.read().decode("ascii", "replace")
-    return int(raw[raw.rindex(")") + 2 :].split()[19])
+    return int(_stat_fields("self")[19])
 
 
 def namespaced_pid(pid: int) -> int | None:

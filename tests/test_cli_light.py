@@ -72,6 +72,19 @@ def test_status_of_a_live_agent_loads_neither_torch_nor_the_in_process_side(star
     assert run_probe("status", str(demo.pid), "--json") == "HEAVY:"
 
 
+def test_a_sleep_checks_its_numbers_without_loading_the_in_process_side(tmp_path) -> None:
+    # pid 999999999 is above any pid_max: the command ends after its option checks ran.
+    args = ("sleep", "999999999", "--to", str(tmp_path), "--buffer-mb", "64", "--timeout", "5")
+    assert run_probe(*args, line=-2) == "IN-PROCESS:"
+
+
+def test_the_cli_floor_for_staging_is_above_the_store_s() -> None:
+    from hibernate import limits
+    from hibernate.store import writer
+
+    assert limits.MIN_BUFFER_MB * limits.MIB >= writer.MIN_BUFFER_BYTES
+
+
 def test_version() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hibernate", "--version"], capture_output=True, text=True, cwd=REPO
