@@ -6,7 +6,8 @@ Detaches at once (double fork), so the task is not a child of srun or sbatch,
 as on a real cluster where it runs on another machine. Then it starts the
 task, keeps the step's ``cgroup.procs`` equal to the task's process tree (a
 real cgroup gets a forked child by itself; here it is listed within 50 ms),
-forwards SIGTERM/SIGINT to every process of the step, and when the task ends
+forwards SIGTERM/SIGINT to every process of the step, kills the whole step
+when srun leaves a kill request (however early), and when the task ends
 kills what is left of the step, removes the step's cgroup and writes the exit
 status (128+N for a signal, as srun reports it) for the launcher to collect.
 """
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
     world.stepd_pid_path(job_id, step, index).write_text(str(os.getpid()))
     cgroup = world.task_cgroup(node, job_id, step)
     cgroup.mkdir(parents=True, exist_ok=True)
+    kill_request = world.kill_request_path(node, job_id, step)
     try:
         task = subprocess.Popen(command, env=dict(os.environ))
     except OSError as exc:
@@ -79,6 +81,10 @@ def main(argv: list[str]) -> int:
     listed: list[int] = []
     while task.poll() is None:
         tree = [p for p in step_processes() if alive(p)]
+        if kill_request.exists():  # srun ended the step before (or while) the tree was listed
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         if tree != listed:
             tmp = cgroup / ".cgroup.procs.tmp"
             tmp.write_text("".join(f"{p}\n" for p in tree))
@@ -97,6 +103,7 @@ def main(argv: list[str]) -> int:
         time.sleep(0.02)
         reap(None)
     shutil.rmtree(cgroup.parent.parent, ignore_errors=True)
+    kill_request.unlink(missing_ok=True)
     signalled = task.returncode < 0
     write_json(world.status_path(job_id, step, index), {"exit_code": code, "signalled": signalled})
     if step == "batch":  # the batch script is the job: when it ends, so does everything else of the job

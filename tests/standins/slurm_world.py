@@ -352,7 +352,17 @@ class World:
             )
         return env
 
+    def kill_request_path(self, node: str, job_id: int, step: str) -> Path:
+        return self.root / "steps" / f"{job_id}.{step}.{node}.kill"
+
     def kill_step(self, node: str, job_id: int, step: str) -> None:
+        """SIGKILL every process of a step on ``node``, as slurmstepd does when srun ends a step.
+
+        The request is also left for the step's daemon: a task it has not yet
+        listed in ``cgroup.procs`` (or not yet started) is killed by the daemon
+        itself, so the kill never depends on how far the daemon had got.
+        """
+        self.kill_request_path(node, job_id, step).touch()
         for pid in cgroup_pids(self.task_cgroup(node, job_id, step)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
