@@ -16,12 +16,12 @@ Importing this package does not import torch; ``track`` does, on first use.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from hibernate.version import __version__
 
 __all__ = ["__version__", "guard", "sleep", "state", "track", "untrack", "wake"]
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from hibernate import __version__
 from hibernate.errors import HibernateError
+from hibernate.version import __version__
 
 app = typer.Typer(
     name="hibernate",
@@ -170,6 +170,11 @@ def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = N
     }
 
 
+def _kind_options(**given: Any) -> dict[str, Any]:
+    """Options of one kind of target (a vLLM server's --level, --drain, --vllm-url), only those given."""
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | None) -> Any:
     """The targets of a command: its pids and the processes its selectors find (targets.select)."""
     from hibernate.targets import select
@@ -258,7 +263,7 @@ def sleep(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode), verify=verify),
-        vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
+        kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
         all_users=_all_users(all_users, job, cgroup),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
     )
@@ -267,7 +272,7 @@ def sleep(
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.sleep(selection.pids, to, options, progress)
     if as_json:
-        render.print_json(_with_selection({"ok": True, **report}, selection))
+        render.print_json(_with_selection({"ok": True, **report.to_wire()}, selection))
     elif not quiet:
         render.sleep_report(report)
 
@@ -296,7 +301,7 @@ def wake(
         quiesce_timeout=timeout,
         agent_timeout=max(timeout, 5.0),
         io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
-        vllm=orchestrator.VllmOptions(url=vllm_url),
+        kind_options=_kind_options(vllm_url=vllm_url),
         all_users=_all_users(all_users, job, cgroup),
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
@@ -304,7 +309,7 @@ def wake(
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.wake(selection.pids, options, progress)
     if as_json:
-        render.print_json(_with_selection({"ok": True, **report}, selection))
+        render.print_json(_with_selection({"ok": True, **report.to_wire()}, selection))
     elif not quiet:
         render.wake_report(report)
 
@@ -324,19 +329,16 @@ def recover(
     from hibernate import orchestrator, render
 
     options = orchestrator.Options(
-        vllm=orchestrator.VllmOptions(url=vllm_url),
+        kind_options=_kind_options(vllm_url=vllm_url),
         all_users=all_users,
         **_cuda_options(checkpointer, cuda_checkpoint),
     )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.recover(pids, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report})
+        render.print_json({"ok": True, **report.to_wire()})
     elif not quiet:
-        render.out.print(f"recover: {report.get('message') or report['action']}", markup=False)
-        inner = report.get("report")
-        if inner and inner.get("operation") == "wake":
-            render.wake_report(inner)
+        render.recover_report(report)
 
 
 @app.command()
@@ -530,11 +532,11 @@ def node_step(
         with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
             if operation == "sleep":
                 assert to is not None
-                return orchestrator.sleep(selection.pids, to / name, options, progress), wire
-            return orchestrator.wake(selection.pids, options, progress), wire
+                return orchestrator.sleep(selection.pids, to / name, options, progress).to_wire(), wire
+            return orchestrator.wake(selection.pids, options, progress).to_wire(), wire
 
     def undo() -> dict[str, Any]:
-        return orchestrator.wake(chosen, options)
+        return orchestrator.wake(chosen, options).to_wire()
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -37,6 +37,9 @@ class HibernateError(Exception):
 
     exit_code: ExitCode = ExitCode.FAILURE
     wire_name = "failure"
+    # An operation that fails with this error keeps its journal entry: what it left cannot be
+    # judged now, and `hibernate recover` finishes or undoes it from the journal later.
+    keeps_journal: bool = False
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -131,6 +134,7 @@ class UnsupportedError(HibernateError):
 class NeedsRecoveryError(HibernateError):
     exit_code = ExitCode.NEEDS_RECOVERY
     wire_name = "needs-recovery"
+    keeps_journal = True
 
 
 class ServerFailedError(HibernateError):

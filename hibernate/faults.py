@@ -7,10 +7,12 @@ Actions: ``fail`` (raise InjectedFault, the default), ``hang`` (sleep for an
 hour: a step that never returns), ``kill`` (SIGKILL ourselves: a process that
 dies with no chance to clean up). Unset, a point costs one environment lookup.
 
-Every phase boundary of sleep and wake is a point (see SLEEP_POINTS and
-WAKE_POINTS, and VLLM_SLEEP_POINTS and VLLM_WAKE_POINTS for a vLLM server,
-whose flow has phases of its own); tests check that each orchestrator phase
-has one, so a new phase cannot be added without a way to break it on purpose.
+Every step boundary of sleep and wake is a point, ``sleep.after-<step>`` (and
+``.during-<step>`` inside a transfer), derived from the declared step lists
+(``hibernate.operation.engine.sleep_points``), so a new step cannot be added
+without a way to break it on purpose. ``NAME#N`` acts only the Nth time the
+point is reached in this process (``sleep.after-drain#2``: the second vLLM
+server's drain of one command).
 """
 
 from __future__ import annotations
@@ -24,46 +26,6 @@ from hibernate.errors import HibernateError
 ENV = "HIBERNATE_FAULT"
 TRACE_ENV = "HIBERNATE_FAULT_TRACE"  # a file: every point reached is appended to it (tests)
 
-# Orchestrator (CLI side) boundaries, in the order a sleep and a wake pass them.
-SLEEP_POINTS = (
-    "sleep.after-lock",
-    "sleep.after-connect",
-    "sleep.after-quiesce",
-    "sleep.during-spill",
-    "sleep.after-spill",
-    "sleep.after-release",
-    "sleep.after-cuda-lock",
-    "sleep.after-cuda",
-)
-WAKE_POINTS = (
-    "wake.after-lock",
-    "wake.after-connect",
-    "wake.after-cuda-restore",
-    "wake.after-cuda",
-    "wake.during-restore",
-    "wake.after-restore",
-    "wake.after-resume",
-)
-# The same for a vLLM server (hibernate/integrations/vllm_flow.py): the server's own
-# /sleep and /wake_up move the workers' memory.
-VLLM_SLEEP_POINTS = (
-    "sleep.after-lock",
-    "sleep.after-connect",
-    "sleep.after-configure",
-    "sleep.after-drain",
-    "sleep.during-vllm-sleep",
-    "sleep.after-vllm-sleep",
-    "sleep.after-cuda-lock",
-    "sleep.after-cuda",
-)
-VLLM_WAKE_POINTS = (
-    "wake.after-lock",
-    "wake.after-connect",
-    "wake.after-cuda-restore",
-    "wake.after-cuda",
-    "wake.during-vllm-wake",
-    "wake.after-vllm-wake",
-)
 # Inside the target: its agent, at the start of each operation it runs for a client, and the
 # store, between writing a snapshot's data and publishing it.
 AGENT_POINTS = ("agent.quiesce", "agent.spill", "agent.release", "agent.restore")
@@ -74,6 +36,9 @@ class InjectedFault(HibernateError):
     """A failure asked for by HIBERNATE_FAULT."""
 
     wire_name = "injected-fault"
+
+
+_reached: dict[str, int] = {}
 
 
 def _actions() -> dict[str, str]:
@@ -94,7 +59,9 @@ def point(name: str) -> None:
             log.write(name + "\n")
     if ENV not in os.environ:
         return
-    action = _actions().get(name)
+    _reached[name] = _reached.get(name, 0) + 1
+    actions = _actions()
+    action = actions.get(f"{name}#{_reached[name]}", actions.get(name))
     if action is None:
         return
     if action == "kill":

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -24,7 +25,8 @@ from rich.progress import (
 from rich.table import Table
 
 from hibernate.errors import ExitCode, HibernateError
-from hibernate.orchestrator import ProgressSink
+from hibernate.operation.progress import ProgressSink
+from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.units import human_bytes
 
 out = Console(highlight=False, soft_wrap=True)
@@ -89,6 +91,14 @@ class TerminalProgress(ProgressSink):
         else:
             err.print(f"phase: {name}", markup=False)
 
+    def note(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(f"[yellow]note:[/] {escape(message)}", markup=True, highlight=False)
+        else:
+            err.print(f"note: {message}", markup=False)
+
     def transfer(self, phase: str, done: int, total: int) -> None:
         if not self.enabled:
             return
@@ -115,38 +125,32 @@ def _rss_change(before: int | None, after: int | None) -> str:
     return f"RSS {human_bytes(before)} → {human_bytes(after)} ({verb} {human_bytes(abs(change))})"
 
 
-def sleep_report(report: dict[str, Any]) -> None:
-    for p in report["processes"]:
-        out.print(
-            f"asleep: pid {p['pid']} ({p['name']}) in {p['phases'].get('spill', 0):.2f}s of spill",
-            markup=False,
-        )
-        _line("snapshot", str(p["snapshot"]))
+def sleep_report(report: SleepReport) -> None:
+    for p in report.processes:
+        out.print(f"asleep: pid {p.pid} ({p.name}) in {p.phases.get('spill', 0):.2f}s of spill", markup=False)
+        _line("snapshot", str(p.snapshot))
         wrote = (
-            f"wrote {human_bytes(p['written_bytes'])} at {p['gb_per_s']:.2f} GB/s ({p['io_mode']} I/O)"
-            if p["written_bytes"]
+            f"wrote {human_bytes(p.written_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O)"
+            if p.written_bytes
             else "nothing new to write"
         )
-        _line(
-            "kept",
-            f"{human_bytes(p['total_bytes'])}: {wrote}, reused {human_bytes(p['reused_bytes'])}",
-        )
-        dropped_tags = sorted({pool["tag"] for pool in p["pools"] if not pool["keep"]})
+        _line("kept", f"{human_bytes(p.total_bytes)}: {wrote}, reused {human_bytes(p.reused_bytes)}")
+        dropped_tags = sorted({pool["tag"] for pool in p.pools if not pool["keep"]})
         _line(
             "dropped",
-            f"{human_bytes(p['dropped_bytes'])}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
+            f"{human_bytes(p.dropped_bytes)}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
         )
-        _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
-    for s in report.get("skipped", []):
+        _line("memory", _rss_change(p.rss_before, p.rss_after))
+    for s in report.skipped:
         where = f" (snapshot {s['snapshot']})" if s.get("snapshot") else ""
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already asleep{where}", markup=False)
-    if report.get("vllm"):
-        out.print(vllm_summary(report["vllm"]), markup=False)
-    out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
+    for server in report.extras.get("vllm_all", []):
+        out.print(vllm_summary(server), markup=False)
+    out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
 
 
 def vllm_summary(vllm: dict[str, Any]) -> str:
-    """One line on the vLLM server a sleep or wake went through."""
+    """One line on a vLLM server a sleep or wake went through."""
     seconds = ", ".join(f"{name} {value:.2f}s" for name, value in (vllm.get("seconds") or {}).items())
     how = f"level {vllm['level']}, drain {vllm['mode']}; " if "level" in vllm else ""
     return f"vllm: server pid {vllm['server_pid']} at {vllm['url']} ({vllm['url_from']}); {how}" + (
@@ -154,19 +158,25 @@ def vllm_summary(vllm: dict[str, Any]) -> str:
     )
 
 
-def wake_report(report: dict[str, Any]) -> None:
-    for p in report["processes"]:
-        out.print(f"awake: pid {p['pid']} ({p['name']})", markup=False)
-        _line("snapshot", str(p["snapshot"]))
+def wake_report(report: WakeReport) -> None:
+    for p in report.processes:
+        out.print(f"awake: pid {p.pid} ({p.name})", markup=False)
+        _line("snapshot", str(p.snapshot))
         _line(
             "restored",
-            f"{human_bytes(p['restored_bytes'])} at {p['gb_per_s']:.2f} GB/s ({p['io_mode']} I/O), "
-            f"verified; {human_bytes(p['zeroed_bytes'])} zero-filled",
+            f"{human_bytes(p.restored_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O), "
+            f"verified; {human_bytes(p.zeroed_bytes)} zero-filled",
         )
-        _line("memory", _rss_change(p["rss_before"], p["rss_after"]))
-    if report.get("vllm"):
-        out.print(vllm_summary(report["vllm"]), markup=False)
-    out.print(f"cuda: {cuda_summary(report['cuda'])}; total {report['seconds']:.2f}s", markup=False)
+        _line("memory", _rss_change(p.rss_before, p.rss_after))
+    for server in report.extras.get("vllm_all", []):
+        out.print(vllm_summary(server), markup=False)
+    out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
+
+
+def recover_report(report: RecoverReport) -> None:
+    out.print(f"recover: {report.message or report.action}", markup=False)
+    if isinstance(report.report, WakeReport):
+        wake_report(report.report)
 
 
 def cuda_summary(cuda: dict[str, Any]) -> str:
@@ -244,7 +254,10 @@ def node_step_report(document: dict[str, Any]) -> None:
     """One node's part of a job-wide operation: its own report, every node's result, the verdict."""
     report = document.get("report")
     if report and report.get("processes"):
-        (sleep_report if document["operation"] == "sleep" else wake_report)(report)
+        if document["operation"] == "sleep":
+            sleep_report(SleepReport.from_wire(report))
+        else:
+            wake_report(WakeReport.from_wire(report))
     for result in document["results"]:
         state = "ok" if result["ok"] else f"failed (exit {result['exit_code']})"
         note = f": {result['message']}" if result.get("message") else ""

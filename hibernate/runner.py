@@ -101,13 +101,14 @@ def _act(
     on_report: Callable[[str, dict[str, object]], None] | None,
 ) -> None:
     try:
-        if kind == "sleep":
-            report = orchestrator.sleep([pid], directory, options)
-        else:
-            report = orchestrator.wake([pid], options)
+        report: orchestrator.SleepReport | orchestrator.WakeReport = (
+            orchestrator.sleep([pid], directory, options)
+            if kind == "sleep"
+            else orchestrator.wake([pid], options)
+        )
     except HibernateError as exc:
         _log(f"{kind} of pid {pid} failed (exit code {int(exc.exit_code)}): {exc}")
         return
-    _log(f"{'asleep' if kind == 'sleep' else 'awake'}: pid {pid} in {report['seconds']:.2f}s")
+    _log(f"{'asleep' if kind == 'sleep' else 'awake'}: pid {pid} in {report.seconds:.2f}s")
     if on_report is not None:
-        on_report(kind, report)
+        on_report(kind, report.to_wire())

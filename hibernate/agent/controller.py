@@ -45,7 +45,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hibernate import __version__, faults, procinfo
+from hibernate import faults, procinfo
 from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, summarize
@@ -54,6 +54,7 @@ from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
 from hibernate.store.writer import WriteOptions, write_snapshot
+from hibernate.version import __version__
 
 
 class AgentState(str, Enum):
@@ -110,7 +111,7 @@ def plan_restore(pending: Sequence[bool], wanted: Sequence[bool]) -> tuple[list[
 class SleepDriver:
     """A program inside the process that puts its memory to sleep (see the module docstring)."""
 
-    name: str  # e.g. "vLLM"
+    name: str  # the kind of target its process is (hibernate.operation.registry.kind_of)
     hint: str  # how to put this process to sleep instead
     checkpoints_itself: bool = False  # its CUDA state is checkpointed by a helper of its own
 

@@ -7,3 +7,6 @@ the program, loaded through its plugin mechanism; the CLI never imports them.
 only: they drive a running vLLM server through its HTTP endpoints and its
 processes' agents.
 """
+
+# The kind of target a vLLM process's agent names (its sleep driver); hibernate/flows registers it.
+VLLM_KIND = "vLLM"

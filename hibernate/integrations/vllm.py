@@ -55,6 +55,7 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 from hibernate.agent import AgentState, Hibernator, hibernator
 from hibernate.agent.controller import SleepDriver, write_options
 from hibernate.errors import HibernateError, UsageError
+from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
 from hibernate.pools.device import DeviceMemory
 from hibernate.pools.vllm import (
@@ -86,8 +87,8 @@ _DRIVER_HINT = (
     "`hibernate sleep PID --to DIR` asks the vLLM server to sleep and then checkpoints its CUDA state; "
     "or POST /sleep?level=1 to the server yourself (served with VLLM_SERVER_DEV_MODE=1)"
 )
-VLLM_DRIVER = SleepDriver(name="vLLM", hint=_DRIVER_HINT)
-VLLM_SELF_CHECKPOINT_DRIVER = SleepDriver(name="vLLM", hint=_DRIVER_HINT, checkpoints_itself=True)
+VLLM_DRIVER = SleepDriver(name=VLLM_KIND, hint=_DRIVER_HINT)
+VLLM_SELF_CHECKPOINT_DRIVER = SleepDriver(name=VLLM_KIND, hint=_DRIVER_HINT, checkpoints_itself=True)
 
 
 # -- small pure rules --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``hibernate sleep/wake/recover`` on a vLLM server: its own endpoints move the workers' memory.
+"""The flow of a vLLM server: its own endpoints move the workers' memory (one unit per server).
 
 A vLLM worker's memory must not be released behind its scheduler's back, so
 the CLI does not quiesce it; it asks the server, then does what the server
@@ -11,8 +11,8 @@ cannot: take the CUDA state off the GPU from another process.
                       or are aborted; within --timeout, else undone (scheduling resumes)
            vllm-sleep POST /sleep?level=L&mode=wait: each worker spills and releases its pools; the
                       workers' agents are watched meanwhile (progress, server alive)
-           cuda-lock, cuda   lock every CUDA holder, then checkpoint every one
-    wake:  lock, connect, cuda-restore, cuda (restore all, unlock all), then
+           then the engine's CUDA stage: lock every CUDA holder, then checkpoint every one
+    wake:  lock, connect, the CUDA stage (restore all, unlock all), then
            vllm-wake  POST /wake_up (every tag): the workers read their pools back;
                       then GET /is_sleeping must say false
 
@@ -40,17 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
 from hibernate.errors import (
     BusyError,
-    CudaCheckpointError,
     HibernateError,
     HibernateTimeoutError,
     NeedsRecoveryError,
@@ -60,6 +58,7 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
+from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.vllm_server import (
     DRAIN_MODES,
     START_HINT,
@@ -72,26 +71,15 @@ from hibernate.integrations.vllm_server import (
     parse_url,
     read_argv,
 )
-from hibernate.orchestrator import (
-    Options,
-    ProgressSink,
-    _checkpointer,
-    _cuda_changed,
-    _cuda_sleep,
-    _cuda_wake,
-    _Operation,
-    _require_checkpointer,
-    _undo_cuda,
-    exits,
-    interrupted_operation,
-    prepare_directory,
-    sleep_entry,
-    wake_entry,
-)
+from hibernate.operation.ledger import interrupted_operation
+from hibernate.operation.members import exits
+from hibernate.operation.options import Options
+from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
+from hibernate.operation.steps import Step
+from hibernate.operation.unit import Context, Unit
 from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef, Target, find_agent, resolve
 
-DRIVER = "vLLM"  # the sleep driver a vLLM process's agent names
 POOL = "vllm-cumem"  # the pool of a worker's CuMemAllocator allocations
 LEVELS = (1, 2)
 POLL_S = 0.05
@@ -102,7 +90,7 @@ STATUS_TIMEOUT_S = 10.0
 
 
 def is_vllm(status: Mapping[str, Any]) -> bool:
-    return status.get("sleep_driver") == DRIVER
+    return status.get("sleep_driver") == VLLM_KIND
 
 
 def holds_pools(status: Mapping[str, Any]) -> bool:
@@ -193,20 +181,8 @@ class Server:
     http: VllmServer
     workers: list[AgentRef] = field(default_factory=list)
 
-    @property
-    def targets(self) -> list[Target]:
-        return [self.target]
-
     def alive(self) -> bool:
         return procinfo.is_alive(self.identity)
-
-    def operation(self, op: str) -> _Operation:
-        """Locks and journal entries for the workers: the processes an operation changes.
-
-        The API server's own process is never changed (only its endpoints are
-        called), so it needs neither; every journal write is an fsync.
-        """
-        return _Operation(op, [Target(self.pid, list(self.target.processes), list(self.workers))])
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -239,36 +215,34 @@ def server_root(pid: int, timeout: float = 5.0) -> int:
     return root
 
 
-def locate(targets: Sequence[Target], options: Options) -> Server:
-    """The one vLLM server the requested pids belong to, with its whole tree (never several at once)."""
-    others = sorted({a.pid for t in targets for a in t.agents if not is_vllm(a.status)})
-    roots = sorted({server_root(a.pid) for t in targets for a in t.agents if is_vllm(a.status)})
-    if others:
+def locate(ctx: Context, agents: Sequence[AgentRef]) -> list[Server]:
+    """The vLLM servers ``agents`` belong to (any pid of a server names it), each with its whole tree."""
+    roots = sorted({server_root(a.pid) for a in agents})
+    url = ctx.options.kind_options.get("vllm_url")
+    if url and len(roots) > 1:
         raise UsageError(
-            f"process(es) {', '.join(map(str, others))} are not part of a vLLM server, and a vLLM server "
-            "is put to sleep by a command of its own; nothing was changed",
-            hint="run one hibernate command for the vLLM server and another for the other targets",
+            f"--vllm-url names one server, and the selection holds {len(roots)} vLLM servers "
+            f"(pids {', '.join(map(str, roots))}); nothing was changed",
+            hint="leave --vllm-url out (each server's URL is read from its command line), "
+            "or select one server",
         )
-    if len(roots) != 1:
-        raise UsageError(
-            f"the pids belong to {len(roots)} vLLM servers (pids {', '.join(map(str, roots))}); "
-            "put one to sleep per command; nothing was changed"
-        )
-    root = roots[0]
-    (target,) = resolve([root])
-    strays = sorted({a.pid for a in target.agents if not is_vllm(a.status)})
-    if strays:
-        raise UsageError(
-            f"vLLM server {root} has processes with other hibernate agents ({', '.join(map(str, strays))}); "
-            "nothing was changed"
-        )
-    identity = procinfo.identity(root)
-    if identity is None:
-        raise NoSuchProcessError(f"the vLLM server (pid {root}) exited")
-    address = parse_url(options.vllm.url) if options.vllm.url else address_from_argv(read_argv(root), root)
-    workers = [a for a in target.agents if holds_pools(a.status)]
-    http = VllmServer(address, timeout=max(options.quiesce_timeout, 0.1))
-    return Server(root, identity, target, address, http, workers)
+    servers = []
+    for root in roots:
+        (target,) = resolve([root], all_users=ctx.options.all_users)
+        strays = sorted({a.pid for a in target.agents if not is_vllm(a.status)})
+        if strays:
+            raise UsageError(
+                f"vLLM server {root} has processes with other hibernate agents "
+                f"({', '.join(map(str, strays))}); nothing was changed"
+            )
+        identity = procinfo.identity(root)
+        if identity is None:
+            raise NoSuchProcessError(f"the vLLM server (pid {root}) exited")
+        address = parse_url(url) if url else address_from_argv(read_argv(root), root)
+        workers = [a for a in target.agents if holds_pools(a.status)]
+        http = VllmServer(address, timeout=max(ctx.options.quiesce_timeout, 0.1))
+        servers.append(Server(root, identity, target, address, http, workers))
+    return servers
 
 
 def _status(ref: AgentRef, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any] | None:
@@ -380,383 +354,10 @@ def _check_ready(server: Server, found: Mapping[int, dict[str, Any] | None]) -> 
         )
 
 
-# -- watching a long request ------------------------------------------------------------------
-
-
-class _Run:
-    """State shared by the phases of one operation: the server, the journal, the options, the sink."""
-
-    def __init__(self, server: Server, operation: _Operation, options: Options, sink: ProgressSink) -> None:
-        self.server = server
-        self.operation = operation
-        self.options = options
-        self.sink = sink
-        self.last_statuses: dict[int, dict[str, Any] | None] = {}
-
-    def answer(self, flight: InFlight) -> dict[str, Any]:
-        """The server's checked answer; a dropped connection of a server that died says so."""
-        try:
-            return self.server.http.answer(flight)
-        except ServerConnectionLost as exc:
-            if not self.server.alive():
-                raise NoSuchProcessError(
-                    f"the vLLM server (pid {self.server.pid}) exited during {flight.description}"
-                ) from exc
-            raise
-
-    def watch(self, flight: InFlight, during: str | None, transfer: str) -> None:
-        """Wait for ``flight`` while the workers visibly move; give up on silence or on the server's death.
-
-        Silence is judged from the workers' agents (state, owner, bytes moved),
-        so a sleep of 100 GB takes as long as it takes while a hung one is
-        given up after ``agent_timeout`` seconds without change.
-        """
-        monitor = _Monitor(self.server.workers)
-        began = time.time()
-        first = None
-        watch = SilenceWatch(self.options.agent_timeout, time.monotonic())
-        try:
-            while True:
-                finished = flight.wait(POLL_S)
-                found = monitor.poll()
-                self.last_statuses = found
-                now = time.monotonic()
-                current = signature(found)
-                watch.observe(current, now)
-                first = current if first is None else first
-                done, total = progress(found, transfer, began)
-                if total:
-                    self.sink.transfer(transfer, done, total)
-                if during is not None and (finished or current != first):
-                    self.operation.during(during)
-                    during = None
-                if finished:
-                    return
-                if not self.server.alive():
-                    flight.abort()
-                    raise NoSuchProcessError(
-                        f"the vLLM server (pid {self.server.pid}) exited during {flight.description}"
-                    )
-                if watch.expired(now):
-                    flight.abort()
-                    states = ", ".join(
-                        f"{pid} {(s or {}).get('state', 'gone')}" for pid, s in sorted(found.items())
-                    )
-                    raise HibernateTimeoutError(
-                        f"the vLLM server (pid {self.server.pid}) showed no progress on {flight.description} "
-                        f"for {watch.silent_for(now):.0f}s (workers: {states})",
-                        hint="raise --timeout if the disk is slow; `hibernate status PID` shows the workers",
-                    )
-        finally:
-            monitor.close()
-
-
 class _LeftInFlight(HibernateTimeoutError):
     """The server is still carrying a request out: nothing can be undone behind its back."""
 
-
-# -- sleep ------------------------------------------------------------------------------------
-
-
-class _Sleep(_Run):
-    def __init__(
-        self,
-        server: Server,
-        operation: _Operation,
-        options: Options,
-        sink: ProgressSink,
-        directory: Path,
-        level: int,
-        drain: str,
-    ) -> None:
-        super().__init__(server, operation, options, sink)
-        self.directory = directory
-        self.level = level
-        self.drain = drain
-        self.configured: dict[int, str | None] = {}  # worker pid -> the directory it had before
-        self.paused = False  # a /sleep was sent: scheduling may be paused
-        self.flight: InFlight | None = None
-        self.slept = False  # the server answered the sleep: vLLM's executor knows its workers sleep
-        self.cuda_done = False
-        self.seconds: dict[str, float] = {}
-        self.response: dict[str, Any] = {}
-
-    def run(self, found: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
-        phase = "configure"
-        try:
-            self.sink.phase("configure")
-            for ref in self.server.workers:
-                with ref.connect(self.options.agent_timeout) as client:
-                    client.call("configure", {"dir": str(self.directory)})
-                self.configured[ref.pid] = (found.get(ref.pid) or {}).get("default_dir")
-            self.operation.passed("configure")
-
-            phase = "drain"
-            self.sink.phase(f"drain ({self.drain})")
-            started = time.perf_counter()
-            self.paused = True
-            self.server.http.sleep(0, self.drain)
-            self.seconds["drain"] = round(time.perf_counter() - started, 6)
-            self.operation.passed("drain")
-
-            phase = "vllm-sleep"
-            self.sink.phase(f"sleep (level {self.level})")
-            started = time.perf_counter()
-            self.flight = self.server.http.start_sleep(self.level, "wait")
-            self.watch(self.flight, "vllm-sleep", "spill")
-            self.response = self.answer(self.flight)
-            self.slept = True
-            self.seconds["sleep"] = round(time.perf_counter() - started, 6)
-            after = statuses(self.server.workers)
-            self.last_statuses = after
-            awake = [pid for pid, s in after.items() if (s or {}).get("state") != "asleep"]
-            if awake:
-                raise UnsupportedError(
-                    f"vLLM server {self.server.pid} reports sleeping, but worker(s) "
-                    f"{', '.join(map(str, awake))} did not go to sleep through hibernate: the server uses "
-                    "another sleep-mode backend",
-                    hint=START_HINT,
-                )
-            self.operation.passed("vllm-sleep")
-
-            phase = "cuda"
-            self.sink.phase("cuda")
-            started = time.perf_counter()
-            cuda = _cuda_phase(self.server, self.options, self.operation, after)
-            self.cuda_done = True
-            self.seconds["cuda"] = round(time.perf_counter() - started, 6)
-            self.operation.passed("cuda")
-            return cuda
-        except BaseException as exc:
-            if phase == "cuda" and isinstance(exc, NeedsRecoveryError):
-                raise  # CUDA could not be brought back: the workers stay asleep; `hibernate wake` finishes
-            if self.cuda_done:
-                _undo_cuda(self.server.targets, self.options, self.operation, exc)
-            self.undo(exc)
-            if isinstance(exc, HibernateError):
-                exc.add_context(
-                    f"vLLM server {self.server.pid} ({phase})", unless=f"vLLM server {self.server.pid}"
-                )
-            raise
-
-    def undo(self, error: BaseException) -> None:
-        """Back to awake and serving, from what was reached; NeedsRecoveryError if that fails too."""
-        failures: list[str] = []
-        if self.flight is not None and not self.flight.done:
-            # Stopped while the server works on the sleep (an interrupt): let it finish first.
-            try:
-                self.watch(self.flight, None, "spill")
-                self.response = self.answer(self.flight)
-                self.slept = True
-            except HibernateError:
-                pass  # it failed, its server died or went silent: decided below from the real states
-        if (
-            isinstance(error, HibernateTimeoutError)
-            and self.flight is not None
-            and not self.slept
-            and self.server.alive()
-            and any((s or {}).get("busy") for s in statuses(self.server.workers).values())
-        ):
-            raise _LeftInFlight(
-                f"{error.message}; the server is still carrying out the sleep, so nothing was undone",
-                hint=f"once it finishes, `hibernate recover {self.server.pid}` brings the server back "
-                f"(or `hibernate wake {self.server.pid}`)",
-            ) from error
-        alive = self.server.alive()
-        if alive and self.slept:
-            failures += self._wake_up()
-        failures += _wake_leftovers(self.server, self.options)
-        if alive and self.paused and not self.slept:
-            failures += self._wake_up()  # resumes scheduling (vLLM's executor was not asleep)
-        if alive and not failures:
-            with contextlib.suppress(HibernateError):
-                if self.server.http.is_sleeping():
-                    failures.append(
-                        f"the server at {self.server.address.url} still reports is_sleeping: true"
-                    )
-        for ref in self.server.workers:
-            if ref.pid in self.configured:
-                with contextlib.suppress(HibernateError), ref.connect(STATUS_TIMEOUT_S) as client:
-                    client.call("configure", {"dir": self.configured[ref.pid]})
-        if failures:
-            raise NeedsRecoveryError(
-                f"{error}; undoing it failed too: {'; '.join(failures)}",
-                hint=f"run `hibernate recover {self.server.pid}` once the cause is fixed",
-            ) from error
-
-    def _wake_up(self) -> list[str]:
-        try:
-            flight = self.server.http.start_wake_up()
-            self.watch(flight, None, "restore")
-            self.answer(flight)
-        except HibernateError as exc:
-            return [f"POST /wake_up: {exc.message}"]
-        return []
-
-    def report(self, cuda: dict[str, Any], seconds: float) -> dict[str, Any]:
-        processes = []
-        for ref in self.server.workers:
-            status = self.last_statuses.get(ref.pid) or {}
-            operation = status.get("last_operation") or {}
-            phases = {k: v for k, v in operation.items() if isinstance(v, dict)}
-            processes.append(sleep_entry(ref.pid, status.get("name"), phases))
-        return {
-            "operation": "sleep",
-            "directory": str(self.directory),
-            "seconds": round(seconds, 6),
-            "processes": processes,
-            "cuda": cuda,
-            "vllm": {
-                **self.server.describe(),
-                "level": self.level,
-                "mode": self.drain,
-                "seconds": self.seconds,
-                "response": self.response,
-            },
-        }
-
-
-def _wake_leftovers(server: Server, options: Options) -> list[str]:
-    """Workers still asleep (that vLLM will not wake) woken through their agents; failures in words.
-
-    A worker that exits meanwhile (its server died, and vLLM's workers end with
-    it) is no failure: nothing of it is left to bring back.
-    """
-    alive = [ref for ref in server.workers if procinfo.is_alive(ref.identity)]
-    asleep = [ref for ref in alive if (_status(ref) or {}).get("state") == "asleep"]
-    failures = []
-    for pid, outcome in _in_parallel(asleep, lambda ref: wake_directly(ref, options)).items():
-        if isinstance(outcome, BaseException):
-            ref = next(r for r in asleep if r.pid == pid)
-            if isinstance(outcome, (AgentConnectionLost, NoSuchProcessError)) and exits(ref.identity):
-                continue
-            words = outcome.message if isinstance(outcome, HibernateError) else repr(outcome)
-            failures.append(f"process {pid}: {words}")
-    return failures
-
-
-def _cuda_phase(
-    server: Server, options: Options, operation: _Operation, found: Mapping[int, dict[str, Any] | None]
-) -> dict[str, Any]:
-    """Lock all, then checkpoint all CUDA holders; workers that checkpoint themselves are waited for."""
-    own = {ref.pid for ref in server.workers if (found.get(ref.pid) or {}).get("self_checkpoint")}
-    everyone = server.target.cuda_holders
-    themselves = [h for h in everyone if h.pid in own]
-    others = replace(server.target, cuda_holders=[h for h in everyone if h.pid not in own])
-    report = _cuda_sleep([others], options, operation)
-    if themselves:
-        report = _await_self_checkpoint(themselves, options, report)
-    return report
-
-
-def _await_self_checkpoint(
-    holders: Sequence[ProcessIdentity], options: Options, report: dict[str, Any]
-) -> dict[str, Any]:
-    """Wait for workers that checkpoint themselves (HIBERNATE_SELF_CHECKPOINT=1) to be checkpointed."""
-    from hibernate.checkpoint.base import CheckpointStepError, CudaState
-
-    checkpointer = _checkpointer(options)
-    if checkpointer is None:  # guarded by _require_checkpointer
-        raise UnsupportedError("the CUDA phase needs a checkpointer")
-    started = time.monotonic()
-    running_limit = options.agent_timeout + options.cuda_timeouts.lock
-    overall_limit = running_limit + options.cuda_timeouts.checkpoint
-    pending = {h.pid for h in holders}
-    states: dict[int, str] = {}
-    while pending:
-        for pid in sorted(pending):
-            try:
-                state = checkpointer.state(pid)
-            except CheckpointStepError as exc:
-                raise CudaCheckpointError(f"process {pid}: {exc.message}") from exc
-            states[pid] = state.value
-            if state is CudaState.CHECKPOINTED:
-                pending.discard(pid)
-            elif state is CudaState.FAILED:
-                raise CudaCheckpointError(
-                    f"process {pid} is in the driver's failed state after checkpointing itself"
-                )
-        waited = time.monotonic() - started
-        stuck = [p for p in pending if states.get(p) == "running" and waited > running_limit]
-        if stuck or (pending and waited > overall_limit):
-            late = stuck or sorted(pending)
-            raise HibernateTimeoutError(
-                f"worker(s) {', '.join(map(str, late))} did not checkpoint themselves within {waited:.0f}s "
-                f"(HIBERNATE_SELF_CHECKPOINT=1; state {', '.join(states[p] for p in late)})",
-                hint="their vLLM log says why (lines with 'hibernate:')",
-            )
-        if pending:
-            time.sleep(POLL_S)
-    seconds = round(time.monotonic() - started, 6)
-    merged = dict(report)
-    merged["processes"] = [
-        *report.get("processes", []),
-        *(
-            {"pid": h.pid, "state": "checkpointed", "by": "itself", "seconds": seconds, "steps": {}}
-            for h in holders
-        ),
-    ]
-    # "checkpointed" alone means hibernate locked and checkpointed every holder itself.
-    merged["status"] = (
-        "checkpointed (by the workers themselves)"
-        if not report.get("processes")
-        else f"checkpointed ({len(holders)} by the workers themselves)"
-    )
-    return merged
-
-
-def sleep(targets: Sequence[Target], directory: Path, options: Options, sink: ProgressSink) -> dict[str, Any]:
-    """Put a vLLM server to sleep through its endpoints, then take its CUDA state off the GPU."""
-    started = time.perf_counter()
-    level = check_level(options.vllm.level)
-    drain = check_drain(options.vllm.drain)
-    if options.io.verify:
-        raise UsageError(
-            "--verify does not reach a vLLM server's workers: they sleep through the server's own /sleep, "
-            "with the settings of their environment; nothing was changed",
-            hint="start the server with HIBERNATE_VERIFY=1 in its environment",
-        )
-    server = locate(targets, options)
-    _refuse_other_backend(server)
-    operation = server.operation("sleep")
-    operation.lock()
-    with operation.concluding(_LeftInFlight):  # a sleep left in flight: `hibernate recover` reads the journal
-        _require_checkpointer(server.targets, options)
-        directory = prepare_directory(directory, server.targets)
-        checkpointer = options.checkpointer
-        operation.record(
-            directory,
-            list(server.target.cuda_holders),
-            checkpointer.name if checkpointer is not None else None,
-        )
-        operation.passed("lock")
-        found = statuses(server.target.agents)
-        _check_ready(server, found)
-        if server.http.probe():
-            raise WrongStateError(
-                f"the vLLM server at {server.address.url} (pid {server.pid}) reports is_sleeping: true "
-                "(asleep, or its scheduling paused); nothing was changed",
-                hint=f"wake it first: hibernate wake {server.pid}",
-            )
-        operation.passed("connect")
-        run = _Sleep(server, operation, options, sink, directory, level, drain)
-        cuda = run.run(found)
-    return run.report(cuda, time.perf_counter() - started)
-
-
-# -- wake -------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _naming(server: Server, op: str) -> Iterator[None]:
-    """An error of ``op`` says which server and which operation, unless it already names the server."""
-    try:
-        yield
-    except NeedsRecoveryError:
-        raise  # its message is the recovery's, worded whole
-    except HibernateError as exc:
-        exc.add_context(f"vLLM server {server.pid} ({op})", unless=("nothing to wake", "vLLM server"))
-        raise
+    keeps_journal = True  # `hibernate recover` reads the journal once the server is done
 
 
 def _interrupted_sleep(server: Server) -> bool:
@@ -789,92 +390,23 @@ def _settle(server: Server, options: Options) -> dict[int, dict[str, Any] | None
         time.sleep(POLL_S)
 
 
-def wake(
-    targets: Sequence[Target], options: Options, sink: ProgressSink, *, recovering: bool = False
-) -> dict[str, Any]:
-    """Restore and unlock the CUDA state, then POST /wake_up; the server must then say it is awake."""
-    started = time.perf_counter()
-    server = locate(targets, options)
-    agent_first = recovering or _interrupted_sleep(server)
-    operation = server.operation("wake")
-    operation.lock()
-    run = _Run(server, operation, options, sink)
-    with operation.concluding(), _naming(server, "wake"):
-        operation.record(None, list(server.target.cuda_holders), None)
-        operation.passed("lock")
-        found = _settle(server, options)
-        alive = server.alive()
-        sleeping = server.http.probe() if alive else None
-        operation.passed("connect")
-        sink.phase("cuda")
-        cuda = _cuda_wake(server.targets, options, operation)
-        operation.passed("cuda")
-        asleep = [ref for ref in server.workers if (found.get(ref.pid) or {}).get("state") == "asleep"]
-        if not asleep and not sleeping and not _cuda_changed(cuda):
-            raise WrongStateError(
-                f"nothing to wake: vLLM server {server.pid} is awake "
-                "(is_sleeping: false, every worker running)"
-            )
-        sink.phase("wake_up")
-        seconds: dict[str, float] = {}
-        response: dict[str, Any] = {}
-        woken: dict[int, dict[str, Any]] = {}
-        began = time.time()
-        if asleep and (agent_first or not sleeping):
-            # vLLM may not know these sleep (an interrupted or failed /sleep): woken through their
-            # agents before scheduling resumes; vLLM's own wake_up then finds them awake.
-            failures = _woken_directly(asleep, options, woken)
-            if failures:
-                raise failures[0]
-        if sleeping:
-            clock = time.perf_counter()
-            flight = server.http.start_wake_up()
-            run.watch(flight, "vllm-wake", "restore")
-            response = run.answer(flight)
-            seconds["wake_up"] = round(time.perf_counter() - clock, 6)
-        # A worker vLLM did not wake (its executor never recorded that sleep): only after a failed
-        # sleep whose journal is gone; scheduling has resumed, so wake it at once.
-        after = statuses(server.workers)
-        leftovers = [ref for ref in server.workers if (after.get(ref.pid) or {}).get("state") == "asleep"]
-        if leftovers:
-            failures = _woken_directly(leftovers, options, woken)
-            if failures:
-                raise failures[0]
-            after = statuses(server.workers)
-        if alive and server.http.is_sleeping():
-            raise ServerFailedError(
-                f"the vLLM server at {server.address.url} still reports is_sleeping: true "
-                "after POST /wake_up",
-                hint=f"see the server's log; then run `hibernate wake {server.pid}` again",
-            )
-        operation.passed("vllm-wake")
-    processes = []
-    for ref in asleep:
-        status = after.get(ref.pid) or {}
-        if ref.pid in woken:
-            phases = woken[ref.pid]
-        else:
-            last = status.get("last_operation") or {}
-            phases = (
-                {k: v for k, v in last.items() if isinstance(v, dict)} if last.get("op") == "wake" else {}
-            )
-            if float(last.get("finished_unix", 0.0)) < began:
-                phases = {}
-        snapshot = (status.get("snapshot") or {}).get("path")
-        processes.append(wake_entry(ref.pid, status.get("name"), snapshot, phases))
-    return {
-        "operation": "wake",
-        "seconds": round(time.perf_counter() - started, 6),
-        "processes": processes,
-        "cuda": cuda,
-        "vllm": {
-            **server.describe(),
-            "seconds": seconds,
-            "response": response,
-            "woken_directly": sorted(woken),
-            "server_alive": alive,
-        },
-    }
+def _wake_leftovers(server: Server, options: Options) -> list[str]:
+    """Workers still asleep (that vLLM will not wake) woken through their agents; failures in words.
+
+    A worker that exits meanwhile (its server died, and vLLM's workers end with
+    it) is no failure: nothing of it is left to bring back.
+    """
+    alive = [ref for ref in server.workers if procinfo.is_alive(ref.identity)]
+    asleep = [ref for ref in alive if (_status(ref) or {}).get("state") == "asleep"]
+    failures = []
+    for pid, outcome in _in_parallel(asleep, lambda ref: wake_directly(ref, options)).items():
+        if isinstance(outcome, BaseException):
+            ref = next(r for r in asleep if r.pid == pid)
+            if isinstance(outcome, (AgentConnectionLost, NoSuchProcessError)) and exits(ref.identity):
+                continue
+            words = outcome.message if isinstance(outcome, HibernateError) else repr(outcome)
+            failures.append(f"process {pid}: {words}")
+    return failures
 
 
 def _woken_directly(
@@ -891,55 +423,343 @@ def _woken_directly(
     return failures
 
 
-# -- recover ----------------------------------------------------------------------------------
+class VllmServerUnit(Unit):
+    """One vLLM server. Its workers are the processes it changes (locked, journaled); the API
+    server's own process is never changed, only its endpoints are called."""
 
+    def __init__(self, ctx: Context, server: Server) -> None:
+        super().__init__(ctx, server.workers, server.target.processes)
+        self.server = server
+        self.level = 1
+        self.drain = "wait"
+        self.last_statuses: dict[int, dict[str, Any] | None] = {}
+        self.seconds: dict[str, float] = {}
+        self.response: dict[str, Any] = {}
+        # sleep: what has been done, for the undo
+        self.configured: dict[int, str | None] = {}  # worker pid -> the directory it had before
+        self.paused = False  # a /sleep was sent: scheduling may be paused
+        self.flight: InFlight | None = None
+        self.slept = False  # the server answered the sleep: vLLM's executor knows its workers sleep
+        # wake: what connect found
+        self.agent_first = False
+        self.alive = True
+        self.sleeping: bool | None = None
+        self.asleep_workers: list[AgentRef] = []
+        self.woken: dict[int, dict[str, Any]] = {}
+        self.began = 0.0
 
-def _finish_sleep(server: Server, options: Options, sink: ProgressSink) -> dict[str, Any]:
-    """The CUDA phase of a sleep whose workers are all asleep already."""
-    operation = server.operation("sleep")
-    operation.lock()
-    with operation.concluding():
-        _require_checkpointer(server.targets, options)  # refuses holders that are not all running
-        sink.phase("cuda")
-        cuda = _cuda_phase(server, options, operation, statuses(server.workers))
-    return {"operation": "sleep", "cuda": cuda}
+    @classmethod
+    def plan(cls, ctx: Context, agents: Sequence[AgentRef], targets: Sequence[Target]) -> list[Unit]:
+        return [cls(ctx, server) for server in locate(ctx, agents)]
 
+    # -- before anything changes --------------------------------------------------------
 
-def recover(targets: Sequence[Target], options: Options, sink: ProgressSink) -> dict[str, Any]:
-    """Finish or undo what an interrupted sleep or wake of a vLLM server left, from the journal and states.
+    def check(self) -> None:
+        if self.ctx.op == "wake":
+            self.agent_first = self.ctx.recovering or _interrupted_sleep(self.server)
+            return
+        options = self.ctx.options
+        self.level = check_level(options.kind_options.get("level"))
+        self.drain = check_drain(options.kind_options.get("drain"))
+        if options.io.verify:
+            raise UsageError(
+                "--verify does not reach a vLLM server's workers: they sleep through the server's own "
+                "/sleep, with the settings of their environment; nothing was changed",
+                hint="start the server with HIBERNATE_VERIFY=1 in its environment",
+            )
+        _refuse_other_backend(self.server)
 
-    A sleep the server had carried out, with every CUDA holder still running,
-    is finished (only the CUDA phase was left). Anything else is brought back
-    to awake: CUDA restored, sleeping workers woken (through their agents
-    first: vLLM may not know they sleep), scheduling resumed.
-    """
-    server = locate(targets, options)
-    found = [(ref, interrupted_operation(ref)) for ref in server.target.agents]
-    busy = [(ref, i) for ref, i in found if i and "in_progress" in i]
-    if busy:
-        ref, info = busy[0]
-        raise BusyError(f"process {ref.pid} is busy: {info['in_progress']} is operating on it")
-    pending = [i for _, i in found if i]
-    if not pending:
-        states = ", ".join(f"{r.pid}: {r.status.get('state')}" for r in server.target.agents)
-        return {"operation": "recover", "action": "none", "message": f"nothing to recover ({states})"}
-    op, phases = pending[0]["op"], pending[0]["phases"]
-    now = _settle(server, options)
-    all_asleep = all((now.get(w.pid) or {}).get("state") == "asleep" for w in server.workers)
-    if op == "sleep" and phases and phases[-1] == "cuda" and all_asleep:
-        operation = server.operation("sleep")
-        operation.lock()
-        operation.finish()
-        return {"operation": "recover", "action": "the interrupted sleep had completed", "report": None}
-    if op == "sleep" and "vllm-sleep" in phases and all_asleep:
+    def connect(self) -> None:
+        server = self.server
+        if self.ctx.op == "wake":
+            self.last_statuses = _settle(server, self.ctx.options)
+            self.alive = server.alive()
+            self.sleeping = server.http.probe() if self.alive else None
+            self.asleep_workers = [
+                ref
+                for ref in server.workers
+                if (self.last_statuses.get(ref.pid) or {}).get("state") == "asleep"
+            ]
+            return
+        found = statuses(server.target.agents)
+        self.last_statuses = found
+        _check_ready(server, found)
+        if server.http.probe():
+            raise WrongStateError(
+                f"the vLLM server at {server.address.url} (pid {server.pid}) reports is_sleeping: true "
+                "(asleep, or its scheduling paused); nothing was changed",
+                hint=f"wake it first: hibernate wake {server.pid}",
+            )
+
+    def label(self, step: str) -> str:
+        return {"drain": f"drain ({self.drain})", "vllm-sleep": f"sleep (level {self.level})"}.get(
+            step, "wake_up" if step == "vllm-wake" else step
+        )
+
+    def annotate(self, step: str, error: HibernateError) -> None:
+        if isinstance(error, NeedsRecoveryError) and self.ctx.op == "wake":
+            return  # its message is the recovery's, worded whole
+        if self.ctx.op == "sleep":
+            error.add_context(
+                f"vLLM server {self.server.pid} ({step})", unless=f"vLLM server {self.server.pid}"
+            )
+        else:
+            error.add_context(
+                f"vLLM server {self.server.pid} (wake)", unless=("nothing to wake", "vLLM server")
+            )
+
+    # -- watching a long request ----------------------------------------------------------
+
+    def answer(self, flight: InFlight) -> dict[str, Any]:
+        """The server's checked answer; a dropped connection of a server that died says so."""
         try:
-            report = _finish_sleep(server, options, sink)
-            return {"operation": "recover", "action": "finished the interrupted sleep", "report": report}
+            return self.server.http.answer(flight)
+        except ServerConnectionLost as exc:
+            if not self.server.alive():
+                raise NoSuchProcessError(
+                    f"the vLLM server (pid {self.server.pid}) exited during {flight.description}"
+                ) from exc
+            raise
+
+    def watch(self, flight: InFlight, during: str | None, transfer: str) -> None:
+        """Wait for ``flight`` while the workers visibly move; give up on silence or on the server's death.
+
+        Silence is judged from the workers' agents (state, owner, bytes moved),
+        so a sleep of 100 GB takes as long as it takes while a hung one is
+        given up after ``agent_timeout`` seconds without change.
+        """
+        monitor = _Monitor(self.server.workers)
+        began = time.time()
+        first = None
+        watch = SilenceWatch(self.ctx.options.agent_timeout, time.monotonic())
+        try:
+            while True:
+                finished = flight.wait(POLL_S)
+                found = monitor.poll()
+                self.last_statuses = found
+                now = time.monotonic()
+                current = signature(found)
+                watch.observe(current, now)
+                first = current if first is None else first
+                done, total = progress(found, transfer, began)
+                if total:
+                    self.ctx.sink.transfer(transfer, done, total)
+                if during is not None and (finished or current != first):
+                    self.ctx.journal.during(during)
+                    during = None
+                if finished:
+                    return
+                if not self.server.alive():
+                    flight.abort()
+                    raise NoSuchProcessError(
+                        f"the vLLM server (pid {self.server.pid}) exited during {flight.description}"
+                    )
+                if watch.expired(now):
+                    flight.abort()
+                    states = ", ".join(
+                        f"{pid} {(s or {}).get('state', 'gone')}" for pid, s in sorted(found.items())
+                    )
+                    raise HibernateTimeoutError(
+                        f"the vLLM server (pid {self.server.pid}) showed no progress on {flight.description} "
+                        f"for {watch.silent_for(now):.0f}s (workers: {states})",
+                        hint="raise --timeout if the disk is slow; `hibernate status PID` shows the workers",
+                    )
+        finally:
+            monitor.close()
+
+    # -- sleep ------------------------------------------------------------------------------
+
+    def configure(self) -> None:
+        """Tell each worker's agent the spill directory (--to)."""
+        for ref in self.server.workers:
+            with ref.connect(self.ctx.options.agent_timeout) as client:
+                client.call("configure", {"dir": str(self.ctx.spill_dir)})
+            self.configured[ref.pid] = (self.last_statuses.get(ref.pid) or {}).get("default_dir")
+
+    def drain_requests(self) -> None:
+        """POST /sleep?level=0: scheduling stops; running requests finish or are aborted."""
+        started = time.perf_counter()
+        self.paused = True
+        self.server.http.sleep(0, self.drain)
+        self.seconds["drain"] = round(time.perf_counter() - started, 6)
+
+    def vllm_sleep(self) -> None:
+        """POST /sleep?level=L: each worker spills and releases its pools, watched meanwhile."""
+        started = time.perf_counter()
+        self.flight = self.server.http.start_sleep(self.level, "wait")
+        self.watch(self.flight, "vllm-sleep", "spill")
+        self.response = self.answer(self.flight)
+        self.slept = True
+        self.seconds["sleep"] = round(time.perf_counter() - started, 6)
+        after = statuses(self.server.workers)
+        self.last_statuses = after
+        awake = [pid for pid, s in after.items() if (s or {}).get("state") != "asleep"]
+        if awake:
+            raise UnsupportedError(
+                f"vLLM server {self.server.pid} reports sleeping, but worker(s) "
+                f"{', '.join(map(str, awake))} did not go to sleep through hibernate: the server uses "
+                "another sleep-mode backend",
+                hint=START_HINT,
+            )
+
+    def checkpoints_itself(self) -> list[int]:
+        found = self.last_statuses or statuses(self.server.workers)
+        return [ref.pid for ref in self.server.workers if (found.get(ref.pid) or {}).get("self_checkpoint")]
+
+    def undo_sleep(self, error: BaseException) -> None:
+        """Back to awake and serving, from what was reached; NeedsRecoveryError if that fails too."""
+        failures: list[str] = []
+        server = self.server
+        if self.flight is not None and not self.flight.done:
+            # Stopped while the server works on the sleep (an interrupt): let it finish first.
+            try:
+                self.watch(self.flight, None, "spill")
+                self.response = self.answer(self.flight)
+                self.slept = True
+            except HibernateError:
+                pass  # it failed, its server died or went silent: decided below from the real states
+        if (
+            isinstance(error, HibernateTimeoutError)
+            and self.flight is not None
+            and not self.slept
+            and server.alive()
+            and any((s or {}).get("busy") for s in statuses(server.workers).values())
+        ):
+            raise _LeftInFlight(
+                f"{error.message}; the server is still carrying out the sleep, so nothing was undone",
+                hint=f"once it finishes, `hibernate recover {server.pid}` brings the server back "
+                f"(or `hibernate wake {server.pid}`)",
+            ) from error
+        alive = server.alive()
+        if alive and self.slept:
+            failures += self._wake_up()
+        failures += _wake_leftovers(server, self.ctx.options)
+        if alive and self.paused and not self.slept:
+            failures += self._wake_up()  # resumes scheduling (vLLM's executor was not asleep)
+        if alive and not failures:
+            with contextlib.suppress(HibernateError):
+                if server.http.is_sleeping():
+                    failures.append(f"the server at {server.address.url} still reports is_sleeping: true")
+        for ref in server.workers:
+            if ref.pid in self.configured:
+                with contextlib.suppress(HibernateError), ref.connect(STATUS_TIMEOUT_S) as client:
+                    client.call("configure", {"dir": self.configured[ref.pid]})
+        if failures:
+            raise NeedsRecoveryError(
+                f"{error}; undoing it failed too: {'; '.join(failures)}",
+                hint=f"run `hibernate recover {server.pid}` once the cause is fixed",
+            ) from error
+
+    def _wake_up(self) -> list[str]:
+        try:
+            flight = self.server.http.start_wake_up()
+            self.watch(flight, None, "restore")
+            self.answer(flight)
         except HibernateError as exc:
-            sink.phase(f"cannot finish the sleep ({exc.message}); waking instead")
-    try:
-        report = wake(targets, options, sink, recovering=True)
-    except WrongStateError:
-        return {"operation": "recover", "action": f"the interrupted {op} had changed nothing", "report": None}
-    action = "finished the interrupted wake" if op == "wake" else "undid the interrupted sleep"
-    return {"operation": "recover", "action": action, "report": report}
+            return [f"POST /wake_up: {exc.message}"]
+        return []
+
+    # -- wake ---------------------------------------------------------------------------------
+
+    def has_sleeping(self) -> bool:
+        return bool(self.asleep_workers or self.sleeping)
+
+    def describe_state(self) -> str:
+        return f"vLLM server {self.server.pid} is awake (is_sleeping: false, every worker running)"
+
+    def vllm_wake(self) -> None:
+        """POST /wake_up (every tag): the workers read their pools back; then is_sleeping must say false."""
+        server = self.server
+        self.began = time.time()
+        if not self.has_sleeping():
+            return  # awake already, while other targets of the command slept
+        options = self.ctx.options
+        if self.asleep_workers and (self.agent_first or not self.sleeping):
+            # vLLM may not know these sleep (an interrupted or failed /sleep): woken through their
+            # agents before scheduling resumes; vLLM's own wake_up then finds them awake.
+            failures = _woken_directly(self.asleep_workers, options, self.woken)
+            if failures:
+                raise failures[0]
+        if self.sleeping:
+            clock = time.perf_counter()
+            flight = server.http.start_wake_up()
+            self.watch(flight, "vllm-wake", "restore")
+            self.response = self.answer(flight)
+            self.seconds["wake_up"] = round(time.perf_counter() - clock, 6)
+        # A worker vLLM did not wake (its executor never recorded that sleep): only after a failed
+        # sleep whose journal is gone; scheduling has resumed, so wake it at once.
+        after = statuses(server.workers)
+        leftovers = [ref for ref in server.workers if (after.get(ref.pid) or {}).get("state") == "asleep"]
+        if leftovers:
+            failures = _woken_directly(leftovers, options, self.woken)
+            if failures:
+                raise failures[0]
+            after = statuses(server.workers)
+        self.last_statuses = after
+        if self.alive and server.http.is_sleeping():
+            raise ServerFailedError(
+                f"the vLLM server at {server.address.url} still reports is_sleeping: true "
+                "after POST /wake_up",
+                hint=f"see the server's log; then run `hibernate wake {server.pid}` again",
+            )
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def asleep_now(self) -> bool:
+        now = _settle(self.server, self.ctx.options)
+        return all((now.get(w.pid) or {}).get("state") == "asleep" for w in self.server.workers)
+
+    # -- report ---------------------------------------------------------------------------------
+
+    def report(self) -> UnitReport:
+        if self.ctx.op == "sleep":
+            return UnitReport(
+                sleeps=[self._sleep_entry(ref) for ref in self.server.workers],
+                extra_key="vllm",
+                extra={
+                    **self.server.describe(),
+                    "level": self.level,
+                    "mode": self.drain,
+                    "seconds": self.seconds,
+                    "response": self.response,
+                },
+            )
+        return UnitReport(
+            wakes=[self._wake_entry(ref) for ref in self.asleep_workers],
+            extra_key="vllm",
+            extra={
+                **self.server.describe(),
+                "seconds": self.seconds,
+                "response": self.response,
+                "woken_directly": sorted(self.woken),
+                "server_alive": self.alive,
+            },
+        )
+
+    def _sleep_entry(self, ref: AgentRef) -> ProcessSleep:
+        status = self.last_statuses.get(ref.pid) or {}
+        operation = status.get("last_operation") or {}
+        phases = {k: v for k, v in operation.items() if isinstance(v, dict)}
+        return ProcessSleep.from_phases(ref.pid, status.get("name"), phases)
+
+    def _wake_entry(self, ref: AgentRef) -> ProcessWake:
+        status = self.last_statuses.get(ref.pid) or {}
+        if ref.pid in self.woken:
+            phases = self.woken[ref.pid]
+        else:
+            last = status.get("last_operation") or {}
+            phases = (
+                {k: v for k, v in last.items() if isinstance(v, dict)} if last.get("op") == "wake" else {}
+            )
+            if float(last.get("finished_unix", 0.0)) < self.began:
+                phases = {}
+        snapshot = (status.get("snapshot") or {}).get("path")
+        return ProcessWake.from_phases(ref.pid, status.get("name"), snapshot, phases)
+
+
+VllmServerUnit.sleep_steps = (
+    Step("configure", VllmServerUnit.configure, undo=VllmServerUnit.undo_sleep),
+    Step("drain", VllmServerUnit.drain_requests),
+    Step("vllm-sleep", VllmServerUnit.vllm_sleep, during=True),
+)
+VllmServerUnit.wake_steps = (Step("vllm-wake", VllmServerUnit.vllm_wake, during=True),)

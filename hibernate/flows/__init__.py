@@ -1,0 +1,17 @@
+"""The kinds of target this hibernate knows: one registration line each.
+
+A flow is a :class:`hibernate.operation.unit.Unit` subclass in a module of its
+own, loaded only when a target of its kind is met. Adding a kind is that
+module plus one line here.
+"""
+
+from hibernate.integrations import VLLM_KIND
+from hibernate.operation.registry import PLAIN, register_flow
+
+register_flow(PLAIN, "hibernate.flows.agents:AgentsUnit")
+register_flow(
+    VLLM_KIND,
+    "hibernate.integrations.vllm_flow:VllmServerUnit",
+    options=("level", "drain", "vllm_url"),
+    noun="a vLLM server",
+)

@@ -1,0 +1,205 @@
+"""Plain agents: processes whose own agent moves their tagged pools (``hibernate.track``, ``run``).
+
+    sleep: quiesce (every member) -> spill (all at once) -> release (every member)
+    wake:  restore (all at once) -> resume (every member)
+
+All plain agents of an operation form one unit, so their spills and restores
+run in parallel. Nothing is lost before ``release``, and after it the
+published snapshot holds every kept byte, so the undo can always restore.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hibernate import procinfo
+from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
+from hibernate.operation.members import Member, connect_all, hang_up, parallel
+from hibernate.operation.progress import ByteCounter
+from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
+from hibernate.operation.steps import Step
+from hibernate.operation.unit import Context, Unit, skipped_entry
+from hibernate.targets import AgentRef, Target
+
+
+def describe_state(member: Member) -> str:
+    status = member.phases["begin"]
+    state = status.get("state")
+    if state == "asleep":
+        where = (status.get("snapshot") or {}).get("path")
+        return f"process {member.pid} is already asleep" + (f" (snapshot {where})" if where else "")
+    return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
+
+
+class AgentsUnit(Unit):
+    def __init__(self, ctx: Context, groups: Sequence[list[AgentRef]], processes: Sequence[int]) -> None:
+        super().__init__(ctx, [ref for group in groups for ref in group], processes)
+        self.groups = [list(group) for group in groups]  # by requested target: skipped as a whole
+        self.members: list[Member] = []
+
+    @classmethod
+    def plan(cls, ctx: Context, agents: Sequence[AgentRef], targets: Sequence[Target]) -> list[Unit]:
+        mine = {ref.identity for ref in agents}
+        groups: list[list[AgentRef]] = []
+        processes: list[int] = []
+        for target in targets:
+            group = [ref for ref in target.agents if ref.identity in mine]
+            if group:
+                groups.append(group)
+                processes.extend(target.processes)
+        return [cls(ctx, groups, processes)]
+
+    def skip_asleep(self) -> list[dict[str, object]]:
+        """Targets asleep as a whole are left out; a target half asleep stays (and connect refuses it)."""
+        skipped: list[dict[str, object]] = []
+        kept: list[list[AgentRef]] = []
+        for group in self.groups:
+            if all(ref.status.get("state") == "asleep" for ref in group):
+                skipped.extend(skipped_entry(ref) for ref in group)
+            else:
+                kept.append(group)
+        self.groups = kept
+        self.refs = [ref for group in kept for ref in group]
+        return skipped
+
+    # -- connect ------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        self.members.extend(connect_all(self.refs, self.ctx.options.agent_timeout))
+        if self.ctx.op != "sleep":
+            return
+        not_running = [m for m in self.members if m.state != "running"]
+        if not_running:
+            raise WrongStateError(
+                "; ".join(describe_state(m) for m in not_running) + "; nothing was changed",
+                hint=f"wake it first: hibernate wake {' '.join(str(m.pid) for m in not_running)}",
+            )
+
+    def close(self) -> None:
+        hang_up(self.members)
+
+    # -- sleep ----------------------------------------------------------------------------
+
+    def quiesce(self) -> None:
+        timeout = self.ctx.options.quiesce_timeout
+        for member in self.members:
+            member.call(
+                "quiesce", {"timeout": timeout}, idle_timeout=timeout + self.ctx.options.agent_timeout
+            )
+
+    def spill(self) -> None:
+        ledger = self.ctx.journal
+        counter = ByteCounter(self.ctx.sink, "spill", lambda: ledger.during("spill"))
+        args = {"dir": str(self.ctx.spill_dir), **self.ctx.options.io.to_args()}
+        timeout = self.ctx.options.agent_timeout
+        parallel(
+            self.members,
+            lambda m: m.call("spill", args, progress=counter.for_member(m.pid), idle_timeout=timeout),
+        )
+
+    def release(self) -> None:
+        for member in self.members:
+            member.call("release")
+
+    def undo_sleep(self, error: BaseException) -> None:
+        """Put every member back to running; NeedsRecoveryError if that fails too."""
+        failures = []
+        for member in reversed(self.members):
+            if member.unresponsive or not procinfo.is_alive(member.ref.identity):
+                continue  # left to roll back by itself, or gone: nothing of it to put back
+            try:
+                if member.reached == "release":
+                    member.call("restore", idle_timeout=None)
+                if member.reached in ("quiesce", "spill", "release", "restore"):
+                    member.call("resume")
+            except HibernateError as undo_error:
+                failures.append(f"process {member.pid}: {undo_error.message}")
+        if failures:
+            raise NeedsRecoveryError(
+                f"{error}; undoing it failed too: {'; '.join(failures)}",
+                hint="run `hibernate wake PID` (or `hibernate status`) once the cause is fixed",
+            ) from error
+
+    def annotate(self, step: str, error: HibernateError) -> None:
+        if self.ctx.op != "sleep" or not self.members:
+            return
+        failed = next((m for m in self.members if m.reached != step), self.members[0])
+        error.add_context(f"process {failed.pid} ({step})", unless=f"process {failed.pid}")
+
+    # -- wake -----------------------------------------------------------------------------
+
+    @property
+    def sleeping(self) -> list[Member]:
+        return [m for m in self.members if m.state == "asleep"]
+
+    def has_sleeping(self) -> bool:
+        return bool(self.sleeping)
+
+    def describe_state(self) -> str:
+        return "; ".join(describe_state(m) for m in self.members)
+
+    def restore(self) -> None:
+        """Every sleeping member reads its snapshot back; one that fails stays asleep, the rest resume."""
+        sleeping = self.sleeping
+        ledger = self.ctx.journal
+        counter = ByteCounter(self.ctx.sink, "restore", lambda: ledger.during("restore"))
+        failures: list[tuple[Member, HibernateError]] = []
+        lock = threading.Lock()
+        args = self.ctx.options.io.to_args()
+
+        def restore(member: Member) -> None:
+            try:
+                member.call(
+                    "restore",
+                    args,
+                    progress=counter.for_member(member.pid),
+                    idle_timeout=self.ctx.options.agent_timeout,
+                )
+            except HibernateError as exc:
+                with lock:
+                    failures.append((member, exc))
+
+        if sleeping:
+            parallel(sleeping, restore)
+        if failures:
+            self.resume()
+            member, exc = failures[0]
+            raise exc.add_context(
+                f"process {member.pid} stays asleep",
+                hint=f"fix the cause, then run `hibernate wake {member.pid}` again",
+            )
+
+    def resume(self) -> None:
+        for member in self.sleeping:
+            if member.reached == "restore":
+                member.call("resume")
+
+    # -- report ---------------------------------------------------------------------------
+
+    def report(self) -> UnitReport:
+        if self.ctx.op == "sleep":
+            return UnitReport(
+                sleeps=[
+                    ProcessSleep.from_phases(m.pid, m.ref.status.get("name"), m.phases) for m in self.members
+                ]
+            )
+        return UnitReport(wakes=[_wake_entry(m) for m in self.sleeping])
+
+
+def _wake_entry(member: Member) -> ProcessWake:
+    status: dict[str, Any] = member.ref.status
+    snapshot = (status.get("snapshot") or {}).get("path")
+    return ProcessWake.from_phases(member.pid, status.get("name"), snapshot, member.phases)
+
+
+AgentsUnit.sleep_steps = (
+    Step("quiesce", AgentsUnit.quiesce, undo=AgentsUnit.undo_sleep),
+    Step("spill", AgentsUnit.spill, during=True),
+    Step("release", AgentsUnit.release),
+)
+AgentsUnit.wake_steps = (
+    Step("restore", AgentsUnit.restore, during=True),
+    Step("resume", AgentsUnit.resume),
+)

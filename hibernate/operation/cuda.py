@@ -1,0 +1,244 @@
+"""The CUDA stage: one for every target of an operation, whatever their kinds.
+
+    sleep: survey and refuse (before anything changes), then lock ALL -> checkpoint ALL
+    wake:  survey (from the real states) -> restore ALL -> unlock ALL
+
+Every holder of every target is locked before any is checkpointed, so no
+process is copied out while another of the same job still runs kernels. The
+stage chooses the checkpointer once, lazily, and keeps what it found (holders,
+processes set aside, why no checkpointer) as its own state. Processes that
+checkpoint themselves (a vLLM worker with HIBERNATE_SELF_CHECKPOINT=1) are
+waited for instead of driven.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hibernate import procinfo
+from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState
+from hibernate.errors import (
+    CudaCheckpointError,
+    HibernateError,
+    HibernateTimeoutError,
+    NeedsRecoveryError,
+    NoSuchProcessError,
+    UnsupportedError,
+)
+from hibernate.operation.options import Options
+from hibernate.procinfo import ProcessIdentity
+
+POLL_S = 0.05
+
+
+def changed(report: dict[str, Any]) -> bool:
+    """Whether a CUDA wake report says some process's state was changed."""
+    return any(p.get("steps") for p in report.get("processes", []))
+
+
+class CudaStage:
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self._checkpointer = options.checkpointer
+        self._chosen = options.checkpointer is not None
+        self.passed_over: list[str] = []  # why each checkpointer kind could not be used
+        self.skipped: list[dict[str, Any]] = []  # processes with device files but no CUDA state
+        self.holders: list[ProcessIdentity] = []
+        self.slept = False  # every holder locked and checkpointed by this stage
+
+    # -- what there is ------------------------------------------------------------
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """Chosen on first use (an explicit kind that is missing raises UnsupportedError)."""
+        if not self._chosen:
+            from hibernate.checkpoint.selection import choose
+
+            options = self.options
+            self._checkpointer, self.passed_over = choose(
+                options.checkpointer_kind, options.cuda_checkpoint, options.cuda_timeouts
+            )
+            self._chosen = True
+        return self._checkpointer
+
+    @property
+    def checkpointer_name(self) -> str | None:
+        return self._checkpointer.name if self._checkpointer is not None else None
+
+    def survey(self, processes: Sequence[int]) -> Any:
+        """Find every CUDA holder among ``processes`` (device files, or the driver answering for the pid)."""
+        from hibernate.checkpoint.detect import survey
+
+        found = survey(list(dict.fromkeys(processes)), self.checkpointer)
+        self.skipped = found.skipped
+        self.holders = list(dict.fromkeys(h.identity for h in found.holders))
+        return found
+
+    def require(self, processes: Sequence[int]) -> None:
+        """Before anything changes: find the holders; refuse unless every one can be checkpointed."""
+        from hibernate.checkpoint.phase import check_sleepable
+
+        found = self.survey(processes)
+        if found.holders and self.checkpointer is None:
+            raise UnsupportedError(
+                f"process(es) {', '.join(str(h.pid) for h in found.holders)} hold a CUDA context and "
+                "neither the driver's checkpoint API nor the cuda-checkpoint binary is available to take "
+                "it off the GPU" + self._why_none() + "; nothing was changed",
+                hint="install an NVIDIA driver >= 570, or cuda-checkpoint (see `hibernate doctor`)",
+            )
+        check_sleepable(found.holders)
+
+    def _why_none(self) -> str:
+        return f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
+
+    def _skipped_report(self) -> dict[str, Any]:
+        return self._with_skipped({"status": "none (skipped)", "processes": []})
+
+    def _with_skipped(self, report: dict[str, Any]) -> dict[str, Any]:
+        if self.skipped:
+            report["skipped"] = self.skipped
+        return report
+
+    # -- sleep ----------------------------------------------------------------------
+
+    def sleep(self, themselves: Sequence[int], after_lock: Callable[[], None]) -> dict[str, Any]:
+        """Lock, then checkpoint, every holder found by :meth:`require`; wait for those in ``themselves``.
+
+        ``after_lock`` runs once every driven holder is locked (the journal's
+        ``cuda-lock``; not reached when no holder is driven); if it raises, the
+        stage is undone like any failure.
+        """
+        from hibernate.checkpoint.detect import Holder, nvidia_device_files
+        from hibernate.checkpoint.phase import CudaPhase
+
+        if not self.holders:
+            self.slept = True
+            return self._skipped_report()
+        checkpointer = self.checkpointer
+        if checkpointer is None:  # refused by require()
+            raise UnsupportedError("the CUDA stage needs a checkpointer")
+        gone = [ident.pid for ident in self.holders if not procinfo.is_alive(ident)]
+        if gone:
+            raise NoSuchProcessError(f"process(es) {', '.join(map(str, gone))} exited during the sleep")
+        driven = [ident for ident in self.holders if ident.pid not in themselves]
+        waited = [ident for ident in self.holders if ident.pid in themselves]
+        report: dict[str, Any] = {"status": "none (skipped)", "processes": []}
+        if driven:
+            holders = [Holder(ident, nvidia_device_files(ident.pid), None) for ident in driven]
+
+            def after_step(step: str) -> None:
+                if step == "lock":
+                    after_lock()
+
+            report = CudaPhase(checkpointer, self.options.cuda_timeouts, after_step=after_step).sleep(holders)
+        if waited:
+            report = self._await_themselves(checkpointer, waited, report)
+        self.slept = True
+        return self._with_skipped(report)
+
+    def _await_themselves(
+        self, checkpointer: Checkpointer, holders: Sequence[ProcessIdentity], report: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Wait for the processes that checkpoint themselves to be checkpointed."""
+        started = time.monotonic()
+        options = self.options
+        running_limit = options.agent_timeout + options.cuda_timeouts.lock
+        overall_limit = running_limit + options.cuda_timeouts.checkpoint
+        pending = {h.pid for h in holders}
+        states: dict[int, str] = {}
+        while pending:
+            for pid in sorted(pending):
+                try:
+                    state = checkpointer.state(pid)
+                except CheckpointStepError as exc:
+                    raise CudaCheckpointError(f"process {pid}: {exc.message}") from exc
+                states[pid] = state.value
+                if state is CudaState.CHECKPOINTED:
+                    pending.discard(pid)
+                elif state is CudaState.FAILED:
+                    raise CudaCheckpointError(
+                        f"process {pid} is in the driver's failed state after checkpointing itself"
+                    )
+            waited = time.monotonic() - started
+            stuck = [p for p in pending if states.get(p) == "running" and waited > running_limit]
+            if stuck or (pending and waited > overall_limit):
+                late = stuck or sorted(pending)
+                raise HibernateTimeoutError(
+                    f"worker(s) {', '.join(map(str, late))} did not checkpoint themselves within "
+                    f"{waited:.0f}s (HIBERNATE_SELF_CHECKPOINT=1; "
+                    f"state {', '.join(states[p] for p in late)})",
+                    hint="their vLLM log says why (lines with 'hibernate:')",
+                )
+            if pending:
+                time.sleep(POLL_S)
+        seconds = round(time.monotonic() - started, 6)
+        merged = dict(report)
+        merged["processes"] = [
+            *report.get("processes", []),
+            *(
+                {"pid": h.pid, "state": "checkpointed", "by": "itself", "seconds": seconds, "steps": {}}
+                for h in holders
+            ),
+        ]
+        # "checkpointed" alone means hibernate locked and checkpointed every holder itself.
+        merged["status"] = (
+            "checkpointed (by the workers themselves)"
+            if not report.get("processes")
+            else f"checkpointed ({len(holders)} by the workers themselves)"
+        )
+        return merged
+
+    def undo_sleep(self, processes: Sequence[int], error: BaseException) -> None:
+        """Bring a completed stage back (restore, unlock) before any agent touches memory again."""
+        if not self.slept:
+            return  # a failure inside the stage was undone by the stage itself
+        try:
+            self.wake(processes, after_restore=lambda: None)
+        except HibernateError as undo_error:
+            raise NeedsRecoveryError(
+                f"{error}; bringing the CUDA state back failed too: {undo_error.message}",
+                hint="run `hibernate wake PID` once the cause is fixed",
+            ) from error
+        self.slept = False
+
+    # -- wake -----------------------------------------------------------------------
+
+    def wake(self, processes: Sequence[int], after_restore: Callable[[], None]) -> dict[str, Any]:
+        """Restore every checkpointed holder, then unlock every locked one, deciding from their real states.
+
+        A checkpointed process has closed its device files, so it is found by
+        asking the driver; without a checkpointer nothing can be asked, and a
+        process that an earlier sleep checkpointed (its record says so) is
+        refused rather than left blocked in its first CUDA call.
+        """
+        from hibernate.checkpoint import records
+        from hibernate.checkpoint.phase import CudaPhase
+
+        checkpointer = self.checkpointer
+        if checkpointer is None:
+            pending = [
+                ident.pid
+                for ident in (procinfo.identity(p) for p in dict.fromkeys(processes))
+                if ident is not None and records.load(ident) is not None
+            ]
+            if pending:
+                raise UnsupportedError(
+                    f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
+                    "`hibernate sleep`, and neither the driver's checkpoint API nor the cuda-checkpoint "
+                    "binary is available to restore it" + self._why_none() + "; nothing was changed",
+                    hint="run the wake where the sleep ran (same driver), or pass --cuda-checkpoint PATH",
+                )
+        found = self.survey(processes)
+        if not found.holders or checkpointer is None:
+            return self._skipped_report()
+
+        def after_step(step: str) -> None:
+            if step == "restore":
+                after_restore()
+
+        report = CudaPhase(checkpointer, self.options.cuda_timeouts, after_step=after_step).wake(
+            found.holders
+        )
+        return self._with_skipped(report)

@@ -1,0 +1,342 @@
+"""Sleep, wake, recover and status over any set of targets, as one unit.
+
+    sleep: lock, connect (everyone) -> every unit's memory steps -> cuda-lock, cuda (one CUDA stage)
+    wake:  lock, connect (everyone) -> cuda-restore, cuda (one CUDA stage) -> every unit's wake steps
+
+The targets are grouped into units by the kind their agents name (a flow
+registered for each kind); any mix of kinds moves together, and a failure
+anywhere undoes everything, in reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from hibernate import procinfo
+from hibernate.agent.paths import runtime_dir
+from hibernate.errors import BusyError, HibernateError, StorageError, UsageError, WrongStateError
+from hibernate.fsutil import ensure_private_dir, open_private_dir
+from hibernate.operation import cuda as cuda_stage
+from hibernate.operation import registry
+from hibernate.operation.cuda import CudaStage
+from hibernate.operation.ledger import Ledger, interrupted_operation, sweep_dead
+from hibernate.operation.options import Options
+from hibernate.operation.progress import ProgressSink
+from hibernate.operation.recovery import Action, UnitRecord, decide
+from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+from hibernate.operation.steps import Step, fault_points, run_steps
+from hibernate.operation.unit import Context, Unit
+from hibernate.targets import AgentRef, Target, all_agents, resolve
+
+# A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
+SHARED_DIR_MODE = 0o1777
+
+
+# -- planning ------------------------------------------------------------------------------
+
+
+def _check_kind_options(options: Options, kinds: set[str], targets: Sequence[Target]) -> None:
+    """Options of a kind of target given for a selection with no target of that kind are refused."""
+    for registration in registry.registrations():
+        given = [name for name in registration.options if name in options.kind_options]
+        if given and registration.kind not in kinds:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            pids = ", ".join(str(t.requested_pid) for t in targets)
+            raise UsageError(
+                f"{flags} apply to {registration.noun}, and process(es) {pids} are not one; "
+                "nothing was changed"
+            )
+
+
+def plan_units(ctx: Context, targets: Sequence[Target]) -> list[Unit]:
+    """The units of ``targets``: their agents grouped by kind, each kind's flow loaded and asked."""
+    agents = list({a.identity: a for t in targets for a in t.agents}.values())
+    by_kind: dict[str, list[AgentRef]] = {registry.PLAIN: []}
+    for ref in agents:
+        by_kind.setdefault(registry.kind_of(ref.status), []).append(ref)
+    kinds = {kind for kind, refs in by_kind.items() if refs}
+    _check_kind_options(ctx.options, kinds, targets)
+    units: list[Unit] = []
+    for kind, refs in by_kind.items():
+        if refs:
+            units.extend(registry.load(kind).plan(ctx, refs, targets))
+    return units
+
+
+def _processes(units: Sequence[Unit]) -> list[int]:
+    return list(dict.fromkeys(p for u in units for p in u.processes))
+
+
+def prepare_directory(directory: Path, refs: Sequence[AgentRef]) -> Path:
+    """Resolve ``--to``; create it 0700 if missing; refuse a file or an unwritable directory.
+
+    An existing directory is used as it is (a shared scratch area may belong to
+    someone else): privacy comes from the 0700 per-process directories inside.
+    """
+    directory = Path(directory).expanduser().absolute()
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--to {directory} is a file, not a directory")
+    if not directory.exists():
+        owners = {procinfo.owner_uid(ref.pid) for ref in refs}
+        if os.getuid() == 0 and len(owners) > 1:
+            # Root for several users (--all-users): each user's agent makes its own 0700
+            # directory in DIR, so DIR is shared the way /tmp is (sticky, world-writable).
+            fd = open_private_dir(directory)
+            try:
+                os.fchmod(fd, SHARED_DIR_MODE)
+            finally:
+                os.close(fd)
+        else:
+            owner = owners.pop() if len(owners) == 1 else None
+            ensure_private_dir(directory, owner_uid=owner if os.getuid() == 0 else None)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageError(
+            f"--to {directory} is not writable by you", hint="choose a directory you can write to"
+        )
+    return directory
+
+
+# -- one operation -----------------------------------------------------------------------------
+
+
+class Operation:
+    """The engine's own steps (lock, connect, the CUDA stage) around the units' steps."""
+
+    scope: Sequence[AgentRef] | None = None  # the engine's steps are journaled for everyone
+
+    def __init__(self, ctx: Context, units: Sequence[Unit], directory: Path | None = None) -> None:
+        self.ctx = ctx
+        self.units = list(units)
+        self.directory = directory
+        self.cuda = CudaStage(ctx.options)
+        self.cuda_report: dict[str, Any] = {}
+        self.ledger = Ledger(ctx.op, [ref for u in self.units for ref in u.refs])
+        ctx.ledger = self.ledger
+
+    def label(self, step: str) -> str:
+        return step
+
+    def annotate(self, step: str, error: HibernateError) -> None:
+        """The engine's steps name the processes in their own errors."""
+
+    # -- the steps ----------------------------------------------------------------
+
+    def lock_for_sleep(self) -> None:
+        """Refuse what the CUDA stage cannot do, then journal the operation (nothing changed yet)."""
+        self.cuda.require(_processes(self.units))
+        if self.directory is not None:
+            self.ctx.directory = prepare_directory(self.directory, self.ledger.refs)
+        self.ledger.record(self.ctx.directory, self.cuda.holders, self.cuda.checkpointer_name)
+
+    def lock_for_wake(self) -> None:
+        self.ledger.record(None, [], None)
+
+    def connect(self) -> None:
+        for unit in self.units:
+            unit.connect()
+
+    def cuda_sleep(self) -> None:
+        themselves = [pid for u in self.units for pid in u.checkpoints_itself()]
+        self.cuda_report = self.cuda.sleep(themselves, after_lock=lambda: self.ledger.passed("cuda-lock"))
+
+    def undo_cuda_sleep(self, error: BaseException) -> None:
+        self.cuda.undo_sleep(_processes(self.units), error)
+
+    def cuda_wake(self) -> None:
+        self.cuda_report = self.cuda.wake(
+            _processes(self.units), after_restore=lambda: self.ledger.passed("cuda-restore")
+        )
+
+    def steps(
+        self, opening: Sequence[Step], per_unit: str | None = None, closing: Sequence[Step] = ()
+    ) -> list[tuple[Step, Any]]:
+        """The engine's ``opening`` steps, then each unit's ``per_unit`` steps in turn, then ``closing``."""
+        plan: list[tuple[Step, Any]] = [(step, self) for step in opening]
+        for unit in self.units if per_unit else ():
+            plan.extend((step, unit) for step in getattr(unit, per_unit or ""))
+        plan.extend((step, self) for step in closing)
+        return plan
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Locks for the block; the journal concluded and every unit's connections closed at its end."""
+        self.ledger.lock()
+        try:
+            with self.ledger.concluding():
+                yield
+        finally:
+            for unit in self.units:
+                unit.close()
+
+
+SLEEP_OPENING = (
+    Step("lock", Operation.lock_for_sleep, shown=False),
+    Step("connect", Operation.connect, shown=False),
+)
+SLEEP_CLOSING = (Step("cuda", Operation.cuda_sleep, undo=Operation.undo_cuda_sleep, inner=("cuda-lock",)),)
+WAKE_OPENING = (
+    Step("lock", Operation.lock_for_wake, shown=False),
+    Step("connect", Operation.connect, shown=False),
+)
+WAKE_CUDA = (Step("cuda", Operation.cuda_wake, inner=("cuda-restore",)),)
+
+
+def sleep_points(unit_class: type[Unit]) -> list[str]:
+    """Every fault point of a sleep of one unit of ``unit_class``, in order (README, tests)."""
+    return fault_points("sleep", [*SLEEP_OPENING, *unit_class.sleep_steps, *SLEEP_CLOSING])
+
+
+def wake_points(unit_class: type[Unit]) -> list[str]:
+    return fault_points("wake", [*WAKE_OPENING, *WAKE_CUDA, *unit_class.wake_steps])
+
+
+# -- the public operations -----------------------------------------------------------------
+
+
+def sleep(
+    pids: Sequence[int], directory: Path, options: Options, sink: ProgressSink | None = None
+) -> SleepReport:
+    """Put every target to sleep as one: memory to ``directory``, then the CUDA state off the GPU."""
+    sink = sink or ProgressSink()
+    started = time.perf_counter()
+    sink.phase("connect")
+    ctx = Context("sleep", options, sink)
+    targets = resolve(pids, all_users=options.all_users)
+    units = plan_units(ctx, targets)
+    skipped: list[dict[str, Any]] = []
+    if options.skip_asleep:
+        for unit in units:
+            skipped.extend(unit.skip_asleep())
+        units = [u for u in units if u.refs]
+        if not units:
+            raise WrongStateError(
+                "nothing to put to sleep: " + "; ".join(_describe_skipped(s) for s in skipped)
+            )
+    for unit in units:
+        unit.check()
+    operation = Operation(ctx, units, directory)
+    with operation.held():
+        run_steps(operation.steps(SLEEP_OPENING, "sleep_steps", SLEEP_CLOSING), operation.ledger, sink)
+    reports = [u.report() for u in units]
+    return SleepReport(
+        directory=str(ctx.directory) if ctx.directory else None,
+        seconds=time.perf_counter() - started,
+        processes=[p for r in reports for p in r.sleeps],
+        cuda=operation.cuda_report,
+        units=reports,
+        skipped=skipped,
+    )
+
+
+def _describe_skipped(entry: dict[str, Any]) -> str:
+    where = entry.get("snapshot")
+    return f"process {entry['pid']} is already asleep" + (f" (snapshot {where})" if where else "")
+
+
+def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> WakeReport:
+    """Bring every target back, deciding from the real states: this also finishes or undoes
+    whatever an interrupted sleep or wake left behind."""
+    return _wake(pids, options, sink or ProgressSink(), recovering=False)
+
+
+def _wake(pids: Sequence[int], options: Options, sink: ProgressSink, *, recovering: bool) -> WakeReport:
+    started = time.perf_counter()
+    sink.phase("connect")
+    ctx = Context("wake", options, sink, recovering=recovering)
+    units = plan_units(ctx, resolve(pids, all_users=options.all_users))
+    for unit in units:
+        unit.check()
+    operation = Operation(ctx, units)
+    with operation.held():
+        run_steps(operation.steps([*WAKE_OPENING, *WAKE_CUDA]), operation.ledger, sink)
+        if not any(u.has_sleeping() for u in units) and not cuda_stage.changed(operation.cuda_report):
+            raise WrongStateError("nothing to wake: " + "; ".join(u.describe_state() for u in units))
+        run_steps(operation.steps((), "wake_steps"), operation.ledger, sink)
+    reports = [u.report() for u in units]
+    return WakeReport(
+        seconds=time.perf_counter() - started,
+        processes=[p for r in reports for p in r.wakes],
+        cuda=operation.cuda_report,
+        units=reports,
+    )
+
+
+def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> RecoverReport:
+    """Finish or undo what an interrupted sleep or wake left, from the journal and the real states
+    (the table in :mod:`hibernate.operation.recovery`)."""
+    sink = sink or ProgressSink()
+    ctx = Context("recover", options, sink)
+    units = plan_units(ctx, resolve(pids, all_users=options.all_users))
+    found = [(ref, interrupted_operation(ref)) for u in units for ref in u.refs]
+    busy = [(ref, info) for ref, info in found if info and "in_progress" in info]
+    if busy:
+        ref, info = busy[0]
+        raise BusyError(f"process {ref.pid} is busy: {info['in_progress']} is operating on it")
+    if not any(info for _, info in found):
+        states = ", ".join(f"{ref.pid}: {ref.status.get('state')}" for u in units for ref in u.refs)
+        return RecoverReport("none", message=f"nothing to recover ({states})")
+    records = []
+    for unit in units:
+        entry: dict[str, Any] | None = next((i for ref, i in found if i and ref in unit.refs), None)
+        last = unit.sleep_steps[-1].name if unit.sleep_steps else "connect"
+        records.append(
+            UnitRecord(
+                op=entry["op"] if entry else None,
+                phases=tuple(entry["phases"]) if entry else (),
+                last_memory_step=last,
+                asleep=unit.asleep_now(),
+            )
+        )
+    action, op = decide(records)
+    if action is Action.CLEAR:
+        operation = Operation(Context("sleep", options, sink), units)
+        operation.ledger.lock()
+        operation.ledger.finish()  # every step had completed; only the journal was left
+        return RecoverReport(action.value)
+    if action is Action.FINISH_SLEEP:
+        try:
+            return RecoverReport("finished the interrupted sleep", _finish_sleep(units, options, sink))
+        except HibernateError as exc:
+            sink.note(f"cannot finish the sleep ({exc.message}); waking instead")
+    try:
+        report = _wake(pids, options, sink, recovering=True)
+    except WrongStateError:
+        # Nothing was asleep or checkpointed: the operation died before changing anything,
+        # and the wake's bookkeeping has cleared its journal.
+        return RecoverReport(f"the interrupted {op} had changed nothing")
+    return RecoverReport(
+        "finished the interrupted wake" if op == "wake" else "undid the interrupted sleep", report
+    )
+
+
+def _finish_sleep(units: Sequence[Unit], options: Options, sink: ProgressSink) -> SleepReport:
+    """The CUDA stage of a sleep whose units are all asleep already."""
+    started = time.perf_counter()
+    ctx = Context("sleep", options, sink)
+    for unit in units:
+        unit.ctx = ctx
+    operation = Operation(ctx, units)
+    with operation.held():
+        operation.cuda.require(_processes(units))  # refuses holders that are not all running
+        run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)
+    return SleepReport(None, time.perf_counter() - started, [], operation.cuda_report)
+
+
+def status(pids: Sequence[int] | None, *, all_users: bool = False) -> list[dict[str, Any]]:
+    """Status of the agents of ``pids`` (all of ours when None), with any interrupted operation."""
+    refs = [a for t in resolve(pids, all_users=all_users) for a in t.agents] if pids else all_agents()
+    out = []
+    for ref in refs:
+        entry = dict(ref.status)
+        entry["rss"] = procinfo.resident_bytes(ref.pid)
+        entry["command"] = procinfo.command_line(ref.pid)[:200]
+        entry["interrupted"] = interrupted_operation(ref)
+        out.append(entry)
+    for directory in {runtime_dir(), *(ref.socket.parent for ref in refs)}:
+        sweep_dead(directory)
+    return out

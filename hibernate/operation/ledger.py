@@ -1,0 +1,146 @@
+"""The locks and the journal of one operation: who else may act, and what a recovery will find.
+
+The locks keep a second command off the same processes (the kernel drops them
+if this command is killed). The journal says, durably and before the command
+moves on, which steps are complete, so that ``hibernate status`` can show an
+interrupted operation and ``hibernate recover`` can finish or undo it. A
+completed (or cleanly undone) operation leaves no entry behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from hibernate import faults, procinfo
+from hibernate.agent.paths import sweep_stale_sockets
+from hibernate.errors import HibernateError
+from hibernate.journal import Entry, Journal, TargetLock
+from hibernate.procinfo import ProcessIdentity
+from hibernate.targets import AgentRef
+
+
+def _owner(ref: AgentRef) -> int | None:
+    """Root acts for other users: their journal entries and lock files stay theirs."""
+    return procinfo.owner_uid(ref.pid) if os.getuid() == 0 else None
+
+
+class Ledger:
+    """A lock and a journal entry per process an operation changes, and a fault point per step."""
+
+    def __init__(self, op: str, refs: Sequence[AgentRef]) -> None:
+        self.op = op
+        self.refs = list({ref.identity: ref for ref in refs}.values())
+        self._locks: list[TargetLock] = []
+        self._entries: dict[ProcessIdentity, tuple[Journal, Entry]] = {}
+        self._fired: set[str] = set()
+
+    def lock(self) -> None:
+        description = f"hibernate {self.op} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})"
+        try:
+            for ref in self.refs:
+                lock = TargetLock(ref.socket.parent, ref.identity, _owner(ref))
+                lock.acquire(description)
+                self._locks.append(lock)
+        except BaseException:
+            self.release()
+            raise
+
+    def record(
+        self, directory: Path | None, holders: Sequence[ProcessIdentity], checkpointer: str | None
+    ) -> None:
+        members = [[r.pid, r.identity.start_time] for r in self.refs]
+        cuda = [[h.pid, h.start_time] for h in holders]
+        for ref in self.refs:
+            journal = Journal(ref.socket.parent, _owner(ref))
+            entry = Entry(
+                op=self.op,
+                pid=ref.pid,
+                start_time=ref.identity.start_time,
+                cli_pid=os.getpid(),
+                directory=str(directory) if directory else None,
+                members=members,
+                cuda_holders=cuda,
+                checkpointer=checkpointer,
+            )
+            journal.record(entry)
+            self._entries[ref.identity] = (journal, entry)
+
+    def passed(self, boundary: str, scope: Sequence[AgentRef] | None = None) -> None:
+        """``boundary`` is complete for ``scope`` (everyone: None): journal it, then fire its fault point."""
+        wanted = None if scope is None else {ref.identity for ref in scope}
+        for identity, (journal, entry) in self._entries.items():
+            if wanted is not None and identity not in wanted:
+                continue
+            journal.mark(entry, boundary)
+        faults.point(f"{self.op}.after-{boundary}")
+
+    def during(self, step: str) -> None:
+        """Inside a long step (the first progress report of a transfer): its fault point, once."""
+        if step not in self._fired:
+            self._fired.add(step)
+            faults.point(f"{self.op}.during-{step}")
+
+    def finish(self) -> None:
+        """Done, or cleanly undone: nothing to recover; earlier entries of these processes go too."""
+        for ref in self.refs:
+            Journal(ref.socket.parent, _owner(ref)).remove(ref.identity)
+        self._entries.clear()
+        self.release()
+
+    @contextlib.contextmanager
+    def concluding(self) -> Iterator[None]:
+        """End the operation with the block that runs its steps.
+
+        Success and a clean undo leave nothing to recover (``finish``); an
+        error that ``keeps_journal`` keeps the entries for ``hibernate
+        recover`` and only lets go of the locks.
+        """
+        try:
+            yield
+        except HibernateError as exc:
+            if exc.keeps_journal:
+                self.release()
+            else:
+                self.finish()
+            raise
+        except BaseException:
+            self.finish()
+            raise
+        self.finish()
+
+    def release(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
+        for directory in {ref.socket.parent for ref in self.refs}:
+            sweep_dead(directory)
+
+
+def sweep_dead(directory: Path) -> None:
+    """Sockets, journal entries and lock files of processes that no longer exist go."""
+    sweep_stale_sockets(directory)
+    journal = Journal(directory)
+    journal.sweep_dead_entries()
+    journal.sweep_locks()
+
+
+def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
+    """An operation on ``ref`` that stopped half-way (its command died), and how to resolve it."""
+    entry = Journal(ref.socket.parent, _owner(ref)).load(ref.identity)
+    if entry is None:
+        return None
+    holder = TargetLock(ref.socket.parent, ref.identity).holder()
+    if holder is not None:
+        return {"op": entry.op, "phases": entry.phases, "in_progress": holder}
+    return {
+        "op": entry.op,
+        "phases": entry.phases,
+        "cli_pid": entry.cli_pid,
+        "since_unix": entry.started_unix,
+        "resolve": f"hibernate recover {ref.pid}",
+    }

@@ -1,0 +1,47 @@
+"""What a caller may choose about one operation; run state lives elsewhere (the CUDA stage, the units)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hibernate.checkpoint.base import Checkpointer, StepTimeouts
+
+
+@dataclass
+class IoOptions:
+    buffer_mb: int = 256
+    chunk_mb: int = 32
+    io_mode: str = "auto"
+    verify: bool = False  # read each snapshot back before its memory is released
+
+    def to_args(self) -> dict[str, Any]:
+        return {
+            "buffer_mb": self.buffer_mb,
+            "chunk_mb": self.chunk_mb,
+            "io_mode": self.io_mode,
+            "verify": self.verify,
+        }
+
+
+@dataclass
+class Options:
+    quiesce_timeout: float = 30.0
+    agent_timeout: float = 60.0  # longest silence from an agent before giving up
+    io: IoOptions = field(default_factory=IoOptions)
+    # The CUDA stage: an explicit checkpointer, else one chosen (once, lazily) by kind:
+    # "auto" (driver API, else the cuda-checkpoint binary, else none), "driver" or "binary".
+    checkpointer: Checkpointer | None = None
+    checkpointer_kind: str = "auto"
+    cuda_checkpoint: str | None = None  # path of the cuda-checkpoint binary (--cuda-checkpoint)
+    cuda_timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    # Options of one kind of target, by the name its registration declares (a vLLM server's
+    # "level", "drain", "vllm_url"); only those the user gave, so that the engine can refuse
+    # them for a selection with no target of that kind.
+    kind_options: dict[str, Any] = field(default_factory=dict)
+    # A sleep of targets chosen by a selector (--all, --job, --cgroup) skips those already asleep and
+    # lists them, as a wake skips those awake: "everything of mine" should end asleep, not fail because
+    # part of it already is. Pids named one by one are refused instead (the user meant those).
+    skip_asleep: bool = False
+    # Agents of several users in one command (root only): --all-users, or a --job/--cgroup selection.
+    all_users: bool = False

@@ -1,0 +1,43 @@
+"""Where an operation tells its caller what it does: phases, bytes moved, and notes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class ProgressSink:
+    """Receives phase changes, byte counts and notes; the CLI renders them, the default ignores them."""
+
+    def phase(self, name: str) -> None:
+        """A new phase begins."""
+
+    def transfer(self, phase: str, done: int, total: int) -> None:
+        """Bytes moved so far in a spill or restore, summed over every process."""
+
+    def note(self, message: str) -> None:
+        """Something the user should know that is not a phase (a change of plan, a warning)."""
+
+
+class ByteCounter:
+    """Sums the progress of several agents transferring at once."""
+
+    def __init__(self, sink: ProgressSink, phase: str, on_first: Callable[[], None] = lambda: None) -> None:
+        self._sink = sink
+        self._phase = phase
+        self._on_first = on_first
+        self._lock = threading.Lock()
+        self._done: dict[int, int] = {}
+        self._total: dict[int, int] = {}
+
+    def for_member(self, pid: int) -> Callable[[dict[str, Any]], None]:
+        def update(event: dict[str, Any]) -> None:
+            with self._lock:
+                self._done[pid] = int(event.get("done", 0))
+                self._total[pid] = int(event.get("total", 0))
+                done, total = sum(self._done.values()), sum(self._total.values())
+            self._sink.transfer(self._phase, done, total)
+            self._on_first()
+
+        return update

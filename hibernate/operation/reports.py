@@ -1,0 +1,231 @@
+"""What a sleep, wake or recover reports: typed here, JSON through ``to_wire()`` (docs/json-schema)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def _io_seconds(phase: dict[str, Any]) -> float | None:
+    """The store's own transfer time within a spill or restore; None where the agent did not say."""
+    value = phase.get("io_seconds")
+    return round(float(value), 6) if isinstance(value, (int, float)) else None
+
+
+def _phase_seconds(phases: dict[str, Any]) -> dict[str, float]:
+    return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)}
+
+
+@dataclass
+class ProcessSleep:
+    """One process of a sleep, from what its agent's quiesce, spill and release returned."""
+
+    pid: int
+    name: Any
+    snapshot: Any
+    total_bytes: int
+    written_bytes: int
+    reused_bytes: int
+    dropped_bytes: int
+    released_bytes: int
+    io_mode: Any
+    gb_per_s: float
+    io_seconds: float | None
+    verify_seconds: Any
+    rss_before: Any
+    rss_after: Any
+    pools: list[Any]
+    phases: dict[str, float]
+
+    @classmethod
+    def from_phases(cls, pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> ProcessSleep:
+        """GB/s is the bytes written over the whole spill phase (``seconds``), not over the store's
+        transfer alone (``io_seconds``): with many small tensors the work around the writes is most of
+        the phase, and a rate that left it out would promise what no sleep delivers.
+        """
+        spill = phases.get("spill", {})
+        release = phases.get("release", {})
+        written = int(spill.get("written_bytes", 0))
+        spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
+        return cls(
+            pid=pid,
+            name=name,
+            snapshot=spill.get("path"),
+            total_bytes=spill.get("total_bytes", 0),
+            written_bytes=written,
+            reused_bytes=spill.get("reused_bytes", 0),
+            dropped_bytes=spill.get("dropped_bytes", 0),
+            released_bytes=release.get("released_bytes", 0),
+            io_mode=spill.get("io_mode"),
+            gb_per_s=round(written / spill_seconds / 1e9, 3),
+            io_seconds=_io_seconds(spill),
+            verify_seconds=spill.get("verify_seconds"),
+            rss_before=release.get("rss_before"),
+            rss_after=release.get("rss_after"),
+            pools=spill.get("pools", []),
+            phases=_phase_seconds(phases),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ProcessWake:
+    """One process of a wake, from what its agent's restore and resume returned."""
+
+    pid: int
+    name: Any
+    snapshot: Any
+    restored_bytes: int
+    zeroed_bytes: int
+    io_mode: Any
+    gb_per_s: float
+    io_seconds: float | None
+    rss_before: Any
+    rss_after: Any
+    phases: dict[str, float]
+
+    @classmethod
+    def from_phases(
+        cls, pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, Any]]
+    ) -> ProcessWake:
+        """GB/s is over the whole restore phase, as in :meth:`ProcessSleep.from_phases`."""
+        restore = phases.get("restore", {})
+        total = int(restore.get("total_bytes", 0))
+        restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
+        return cls(
+            pid=pid,
+            name=name,
+            snapshot=snapshot,
+            restored_bytes=total,
+            zeroed_bytes=restore.get("zeroed_bytes", 0),
+            io_mode=restore.get("io_mode"),
+            gb_per_s=round(total / restore_seconds / 1e9, 3),
+            io_seconds=_io_seconds(restore),
+            rss_before=restore.get("rss_before"),
+            rss_after=restore.get("rss_after"),
+            phases=_phase_seconds(phases),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class UnitReport:
+    """What one unit adds to a report: its processes, and anything of its kind (a vLLM server's URL)."""
+
+    sleeps: list[ProcessSleep] = field(default_factory=list)
+    wakes: list[ProcessWake] = field(default_factory=list)
+    extra_key: str | None = None  # the report's key for ``extra`` (one per kind: "vllm")
+    extra: dict[str, Any] | None = None
+
+
+def _units_from_wire(wire: dict[str, Any]) -> list[UnitReport]:
+    """The kinds' extras of a report read back (the processes are the report's own)."""
+    return [
+        UnitReport(extra_key=key.removesuffix("_all"), extra=extra)
+        for key, values in wire.items()
+        if key.endswith("_all") and isinstance(values, list)
+        for extra in values
+    ]
+
+
+def _extras(units: list[UnitReport]) -> dict[str, Any]:
+    """Each kind's extras: under its key when one unit of it (as ever), and as a list under ``<key>_all``."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for unit in units:
+        if unit.extra_key is not None and unit.extra is not None:
+            grouped.setdefault(unit.extra_key, []).append(unit.extra)
+    wire: dict[str, Any] = {}
+    for key, values in grouped.items():
+        if len(values) == 1:
+            wire[key] = values[0]
+        wire[f"{key}_all"] = values
+    return wire
+
+
+@dataclass
+class SleepReport:
+    directory: str | None
+    seconds: float
+    processes: list[ProcessSleep]
+    cuda: dict[str, Any]
+    units: list[UnitReport] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return _extras(self.units)
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> SleepReport:
+        """A report read back from its JSON (a node-step's document)."""
+        return cls(
+            directory=wire.get("directory"),
+            seconds=float(wire.get("seconds", 0.0)),
+            processes=[ProcessSleep(**p) for p in wire.get("processes", [])],
+            cuda=wire.get("cuda", {}),
+            units=_units_from_wire(wire),
+            skipped=wire.get("skipped", []),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "operation": "sleep",
+            "directory": self.directory,
+            "seconds": round(self.seconds, 6),
+            "processes": [p.to_wire() for p in self.processes],
+            "cuda": self.cuda,
+        }
+        wire.update(self.extras)
+        if self.skipped:
+            wire["skipped"] = self.skipped
+        return wire
+
+
+@dataclass
+class WakeReport:
+    seconds: float
+    processes: list[ProcessWake]
+    cuda: dict[str, Any]
+    units: list[UnitReport] = field(default_factory=list)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return _extras(self.units)
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> WakeReport:
+        return cls(
+            seconds=float(wire.get("seconds", 0.0)),
+            processes=[ProcessWake(**p) for p in wire.get("processes", [])],
+            cuda=wire.get("cuda", {}),
+            units=_units_from_wire(wire),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "operation": "wake",
+            "seconds": round(self.seconds, 6),
+            "processes": [p.to_wire() for p in self.processes],
+            "cuda": self.cuda,
+        }
+        wire.update(self.extras)
+        return wire
+
+
+@dataclass
+class RecoverReport:
+    action: str
+    report: SleepReport | WakeReport | None = None
+    message: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"operation": "recover", "action": self.action}
+        if self.message is not None:
+            wire["message"] = self.message
+        else:
+            wire["report"] = self.report.to_wire() if self.report is not None else None
+        return wire

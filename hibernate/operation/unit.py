@@ -1,0 +1,142 @@
+"""A unit: agents of one kind that move as one, and what every kind must say about itself.
+
+A flow (one kind of target) is a Unit subclass, registered by kind. Its
+``plan`` groups the agents of its kind into units (all plain agents are one
+unit; each vLLM server is one), and each unit declares its own memory steps.
+The engine runs, for a sleep, ``lock`` and ``connect`` over everyone, then every
+unit's ``sleep_steps`` in turn, then one CUDA stage; for a wake, ``lock``,
+``connect``, the CUDA stage, then every unit's ``wake_steps``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from hibernate.errors import HibernateError
+from hibernate.operation.ledger import Ledger
+from hibernate.operation.options import Options
+from hibernate.operation.progress import ProgressSink
+from hibernate.operation.reports import UnitReport
+from hibernate.operation.steps import Step
+from hibernate.targets import AgentRef, Target
+
+
+@dataclass
+class Context:
+    """One operation as its units see it; ``ledger`` and ``directory`` are set once the locks are held."""
+
+    op: str
+    options: Options
+    sink: ProgressSink
+    ledger: Ledger | None = None
+    directory: Path | None = None
+    recovering: bool = False  # a wake that recover runs: anything asleep may be unknown to its server
+
+    @property
+    def journal(self) -> Ledger:
+        if self.ledger is None:
+            raise RuntimeError("the operation's ledger is set before any step runs")
+        return self.ledger
+
+    @property
+    def spill_dir(self) -> Path:
+        if self.directory is None:
+            raise RuntimeError("a sleep's directory is set before any step runs")
+        return self.directory
+
+
+class Unit(ABC):
+    """Agents of one kind that move as one through the steps their class declares."""
+
+    sleep_steps: ClassVar[tuple[Step, ...]] = ()
+    wake_steps: ClassVar[tuple[Step, ...]] = ()
+
+    def __init__(self, ctx: Context, refs: Sequence[AgentRef], processes: Sequence[int]) -> None:
+        self.ctx = ctx
+        self.refs = list(refs)  # the processes it changes: locked and journaled
+        self.processes = list(dict.fromkeys(processes))  # where its CUDA holders are looked for
+
+    @classmethod
+    @abstractmethod
+    def plan(cls, ctx: Context, agents: Sequence[AgentRef], targets: Sequence[Target]) -> list[Unit]:
+        """The units the agents of this kind form (``targets``: every resolved target, for their trees)."""
+
+    # -- before anything changes ------------------------------------------------------
+
+    def asleep(self) -> bool:
+        """Asleep as a whole, as its agents answered when resolved (a selector's sleep skips it)."""
+        holders = self.memory_holders()
+        return bool(holders) and all(a.status.get("state") == "asleep" for a in holders)
+
+    def memory_holders(self) -> list[AgentRef]:
+        """The agents whose state says whether the unit sleeps."""
+        return self.refs
+
+    def check(self) -> None:  # noqa: B027  (a hook: most kinds need nothing)
+        """Refuse what this unit cannot do in ``ctx.op``, before any lock; nothing is changed."""
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Reach every agent and check each is in the state ``ctx.op`` needs (after the locks)."""
+
+    def close(self) -> None:  # noqa: B027  (a hook: most kinds need nothing)
+        """Let go of connections when the operation ends, whatever happened."""
+
+    # -- during the operation ---------------------------------------------------------
+
+    @property
+    def scope(self) -> Sequence[AgentRef] | None:
+        return self.refs
+
+    def label(self, step: str) -> str:
+        return step
+
+    def annotate(self, step: str, error: HibernateError) -> None:  # noqa: B027  (a hook: most kinds need nothing)
+        """Say where ``error`` happened (which process or server, which step)."""
+
+    def checkpoints_itself(self) -> list[int]:
+        """Pids of CUDA holders that checkpoint themselves after the unit's sleep (waited for, not driven)."""
+        return []
+
+    @abstractmethod
+    def has_sleeping(self) -> bool:
+        """A wake: whether anything of the unit is asleep (known after connect)."""
+
+    @abstractmethod
+    def describe_state(self) -> str:
+        """Why there is nothing to wake in this unit, in words."""
+
+    @abstractmethod
+    def report(self) -> UnitReport:
+        """Its part of the report of the operation that just ended."""
+
+    # -- recovery -------------------------------------------------------------------
+
+    def asleep_now(self) -> bool:
+        """Whether the unit sleeps as a whole now, once nothing of it moves by itself (recover)."""
+        return self.asleep()
+
+    def skip_asleep(self) -> list[dict[str, object]]:
+        """Leave out what already sleeps (a selector's sleep); what was left out, one entry per process.
+
+        A unit asleep as a whole is left out entirely (its ``refs`` emptied);
+        one half asleep is kept, and its connect refuses it.
+        """
+        if not self.asleep():
+            return []
+        skipped = [skipped_entry(ref) for ref in self.memory_holders()]
+        self.refs = []
+        return skipped
+
+
+def skipped_entry(ref: AgentRef) -> dict[str, object]:
+    return {
+        "pid": ref.pid,
+        "name": ref.status.get("name"),
+        "state": ref.status.get("state"),
+        "snapshot": (ref.status.get("snapshot") or {}).get("path"),
+    }
