@@ -18,7 +18,7 @@ import pytest
 from hibernate import orchestrator
 from hibernate.checkpoint import detect
 from hibernate.errors import ExitCode, UnsupportedError
-from hibernate.targets import Target
+from hibernate.operation.cuda import CudaStage
 from tests.standins.world import GIB, Tree, World, spec
 
 pytest_plugins = ["tests.standins.fixtures"]
@@ -194,9 +194,8 @@ def test_neither_checkpointer_with_a_cuda_holder_is_a_clear_error(
     monkeypatch.setattr(detect, "nvidia_device_files", lambda pid: ["/dev/nvidia0"])
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        target = Target(requested_pid=holder.pid, processes=[holder.pid])
         with pytest.raises(UnsupportedError) as neither:
-            orchestrator._require_checkpointer([target], orchestrator.Options())
+            CudaStage(orchestrator.Options()).require([holder.pid])
     finally:
         holder.kill()
         holder.wait()

@@ -22,8 +22,11 @@ from typing import Any
 
 import pytest
 
-from hibernate import faults, orchestrator
+from hibernate import faults
 from hibernate.errors import ExitCode
+from hibernate.flows.agents import AgentsUnit
+from hibernate.integrations.vllm_flow import VllmServerUnit
+from hibernate.operation.engine import sleep_points, wake_points
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader
 from tests.conftest import wait_until
@@ -31,16 +34,37 @@ from tests.standins.world import GIB, World
 
 pytest_plugins = ["tests.standins.fixtures"]
 
+SLEEP_POINTS = sleep_points(AgentsUnit)
+WAKE_POINTS = wake_points(AgentsUnit)
 
-def test_every_phase_has_a_fault_point() -> None:
-    """A new phase without its fault point fails here."""
-    assert [f"sleep.after-{p}" for p in orchestrator.SLEEP_PHASES] == [
-        p for p in faults.SLEEP_POINTS if ".after-" in p
+
+def test_every_step_boundary_is_a_fault_point_and_the_readme_counts_them() -> None:
+    """The points come from the declared steps; the README's figures are regenerated from them."""
+    assert SLEEP_POINTS == [
+        "sleep.after-lock",
+        "sleep.after-connect",
+        "sleep.after-quiesce",
+        "sleep.during-spill",
+        "sleep.after-spill",
+        "sleep.after-release",
+        "sleep.after-cuda-lock",
+        "sleep.after-cuda",
     ]
-    assert [f"wake.after-{p}" for p in orchestrator.WAKE_PHASES] == [
-        p for p in faults.WAKE_POINTS if ".after-" in p
+    assert WAKE_POINTS == [
+        "wake.after-lock",
+        "wake.after-connect",
+        "wake.after-cuda-restore",
+        "wake.after-cuda",
+        "wake.during-restore",
+        "wake.after-restore",
+        "wake.after-resume",
     ]
-    assert len(faults.SLEEP_POINTS) + len(faults.WAKE_POINTS) >= 12
+    vllm = len(sleep_points(VllmServerUnit)) + len(wake_points(VllmServerUnit))
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert (
+        f"{len(SLEEP_POINTS) + len(WAKE_POINTS)} step boundaries ({len(SLEEP_POINTS)} of sleep, "
+        f"{len(WAKE_POINTS)} of wake), {vllm} of a vLLM server's sleep and wake"
+    ) in readme
 
 
 def test_a_sleep_and_a_wake_pass_every_point_in_order(
@@ -52,7 +76,7 @@ def test_a_sleep_and_a_wake_pass_every_point_in_order(
     env = {faults.TRACE_ENV: str(trace)}
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q", env=env).returncode == 0
     assert cli("wake", str(demo.pid), "-q", env=env).returncode == 0
-    assert trace.read_text().split() == [*faults.SLEEP_POINTS, *faults.WAKE_POINTS]
+    assert trace.read_text().split() == [*SLEEP_POINTS, *WAKE_POINTS]
 
 
 def published_snapshots_are_whole(directory: Path) -> None:
@@ -122,10 +146,10 @@ def test_the_cli_killed_at_every_point_of_sleep_and_wake(
     world.register(demo.pid, nbytes=2 * GIB)
     reference = demo.infer()["digest"]
     pid = str(demo.pid)
-    for point in faults.SLEEP_POINTS:
+    for point in SLEEP_POINTS:
         kill_at(cli, point, "sleep", pid, "--to", str(work_dir), "-q")
         resolve_and_check(cli, demo.pid, point, reference, demo, world, (work_dir, runtime_dir))
-    for point in faults.WAKE_POINTS:
+    for point in WAKE_POINTS:
         assert cli("sleep", pid, "--to", str(work_dir), "-q").returncode == 0
         kill_at(cli, point, "wake", pid, "-q")
         resolve_and_check(cli, demo.pid, point, reference, demo, world, (work_dir, runtime_dir))
@@ -143,7 +167,7 @@ def test_a_failure_at_every_point_is_undone_cleanly(
     world.register(demo.pid, nbytes=GIB)
     reference = demo.infer()["digest"]
     pid = str(demo.pid)
-    for point in faults.SLEEP_POINTS:
+    for point in SLEEP_POINTS:
         result = cli("sleep", pid, "--to", str(work_dir), "-q", env={faults.ENV: point})
         assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
         assert f"fault injected at {point}" in result.stderr

@@ -152,12 +152,24 @@ def test_verification_is_asked_for_through_the_environment() -> None:
 
 
 def test_sleep_verify_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach(tmp_path: Path) -> None:
-    from hibernate import orchestrator
-    from hibernate.integrations import vllm_flow
+    import os
+
+    from hibernate import orchestrator, procinfo
+    from hibernate.integrations.vllm_flow import Server, VllmServerUnit
+    from hibernate.integrations.vllm_server import VllmServer, parse_url
+    from hibernate.operation.unit import Context
+    from hibernate.targets import Target
 
     options = orchestrator.Options(io=orchestrator.IoOptions(verify=True))
+    address = parse_url("http://127.0.0.1:9")
+    identity = procinfo.identity(os.getpid())
+    assert identity is not None
+    server = Server(
+        os.getpid(), identity, Target(os.getpid(), [os.getpid()]), address, VllmServer(address, 1.0)
+    )
+    unit = VllmServerUnit(Context("sleep", options, orchestrator.ProgressSink()), server)
     with pytest.raises(UsageError, match="--verify does not reach a vLLM server's workers") as caught:
-        vllm_flow.sleep([], tmp_path, options, orchestrator.ProgressSink())
+        unit.check()  # before any lock, any request to the server
     assert caught.value.hint == "start the server with HIBERNATE_VERIFY=1 in its environment"
 
 

@@ -32,8 +32,13 @@ import pytest
 
 from hibernate import faults, orchestrator, procinfo
 from hibernate.errors import ExitCode
+from hibernate.integrations.vllm_flow import VllmServerUnit
+from hibernate.operation.engine import sleep_points, wake_points
 from tests.conftest import spill_root_of
 from tests.standins.world import GIB, World
+
+VLLM_SLEEP_POINTS = sleep_points(VllmServerUnit)
+VLLM_WAKE_POINTS = wake_points(VllmServerUnit)
 
 pytest_plugins = ["tests.standins.fixtures"]
 
@@ -230,13 +235,25 @@ def awake_and_whole(
     assert all(w["cuda"]["calls_while_suspended"] == 0 for w in server.workers_info()), how
 
 
-def test_vllm_phases_have_fault_points() -> None:
-    """A new phase of the vLLM flow without its fault point fails here."""
-    assert [f"sleep.after-{p}" for p in orchestrator.VLLM_SLEEP_PHASES] == [
-        p for p in faults.VLLM_SLEEP_POINTS if ".after-" in p
+def test_vllm_steps_have_fault_points() -> None:
+    """The vLLM flow's declared steps give its fault points (and its journal phases)."""
+    assert VLLM_SLEEP_POINTS == [
+        "sleep.after-lock",
+        "sleep.after-connect",
+        "sleep.after-configure",
+        "sleep.after-drain",
+        "sleep.during-vllm-sleep",
+        "sleep.after-vllm-sleep",
+        "sleep.after-cuda-lock",
+        "sleep.after-cuda",
     ]
-    assert [f"wake.after-{p}" for p in orchestrator.VLLM_WAKE_PHASES] == [
-        p for p in faults.VLLM_WAKE_POINTS if ".after-" in p
+    assert VLLM_WAKE_POINTS == [
+        "wake.after-lock",
+        "wake.after-connect",
+        "wake.after-cuda-restore",
+        "wake.after-cuda",
+        "wake.during-vllm-wake",
+        "wake.after-vllm-wake",
     ]
 
 
@@ -290,7 +307,7 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     assert all(p["restored_bytes"] > 0 and p["zeroed_bytes"] > 0 for p in report["processes"])
     assert [s for _, s, _, _ in world.calls()][4:] == ["restore", "restore", "unlock", "unlock"]
     awake_and_whole(cli, server, world, before, "after the wake")
-    assert trace.read_text().split() == [*faults.VLLM_SLEEP_POINTS, *faults.VLLM_WAKE_POINTS]
+    assert trace.read_text().split() == [*VLLM_SLEEP_POINTS, *VLLM_WAKE_POINTS]
     nothing_left_to_clean(runtime_dir)
 
     human = cli("sleep", str(server.pid), "--to", str(work_dir), "--level", "2", "--drain", "abort")
@@ -438,7 +455,7 @@ def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovere
     server = start_server(workers=1)
     before = server.digests()
     pid = str(server.pid)
-    for point in faults.VLLM_SLEEP_POINTS:
+    for point in VLLM_SLEEP_POINTS:
         result = cli("sleep", str(server.pid), "--to", str(work_dir), "-q", env={faults.ENV: point})
         assert result.returncode == ExitCode.FAILURE, f"{point}: {result.stderr}"
         assert f"fault injected at {point}" in result.stderr, point
@@ -462,11 +479,11 @@ def test_every_vllm_point_failing_is_undone_and_the_cli_killed_there_is_recovere
         nothing_left_to_clean(runtime_dir)
         assert agents(cli, server.pid)[server.workers[0]]["interrupted"] is None, point
 
-    for point in faults.VLLM_SLEEP_POINTS:
+    for point in VLLM_SLEEP_POINTS:
         killed = cli("sleep", pid, "--to", str(work_dir), "-q", env={faults.ENV: f"{point}:kill"})
         assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode} {killed.stderr}"
         resolve(point)
-    for point in faults.VLLM_WAKE_POINTS:
+    for point in VLLM_WAKE_POINTS:
         assert cli("sleep", pid, "--to", str(work_dir), "-q").returncode == 0
         killed = cli("wake", pid, "-q", env={faults.ENV: f"{point}:kill"})
         assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode} {killed.stderr}"
@@ -552,3 +569,112 @@ def test_sleep_all_skips_a_vllm_server_already_asleep_and_sleeps_the_rest(
     assert cli("wake", str(demo.pid), "-q").returncode == 0
     assert cli("wake", str(server.pid), "-q").returncode == 0
     assert demo.infer()["digest"] == reference and not server.is_sleeping()
+
+
+def selection_args(how: str, first: FakeServer, second: FakeServer, demo: Any, job: str) -> list[str]:
+    """Three ways to name the same targets: pids (any pid of a server), every agent, a Slurm job."""
+    return {
+        "pids": [str(first.pid), str(second.workers[0]), str(demo.pid)],
+        "all": ["--all"],
+        "job": ["--job", job],
+    }[how]
+
+
+@pytest.fixture
+def two_servers_and_a_trainer(
+    world: World, start_server: Callable[..., FakeServer], start_demo: Callable[..., Any]
+) -> Callable[[str], tuple[FakeServer, FakeServer, Any, str]]:
+    def start(how: str) -> tuple[FakeServer, FakeServer, Any, str]:
+        job = str(700000 + os.getpid() % 100000)
+        env = {"SLURM_JOB_ID": job} if how == "job" else None
+        first = start_server(workers=2, env=env)
+        second = start_server(workers=1, env=env)
+        demo = start_demo(size_mb=16, env=env)
+        world.register(demo.pid, nbytes=GIB)
+        return first, second, demo, job
+
+    return start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["pids", "all", "job"])
+def test_two_servers_and_a_plain_agent_sleep_and_wake_as_one(
+    how: str,
+    two_servers_and_a_trainer: Callable[[str], tuple[FakeServer, FakeServer, Any, str]],
+    world: World,
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    first, second, demo, job = two_servers_and_a_trainer(how)
+    before = {first.pid: first.digests(), second.pid: second.digests()}
+    reference = demo.infer()["digest"]
+    holders = sorted([*first.workers, *second.workers, demo.pid])
+    targets = selection_args(how, first, second, demo, job)
+
+    asleep = cli("sleep", *targets, "--to", str(work_dir), "--json")
+    assert asleep.returncode == 0, asleep.stderr
+    report = valid("sleep", asleep.json())
+    assert sorted(p["pid"] for p in report["processes"]) == holders
+    assert sorted(s["server_pid"] for s in report["vllm_all"]) == sorted([first.pid, second.pid])
+    assert "vllm" not in report  # one object only when one server took part
+    assert first.is_sleeping() and second.is_sleeping()
+    assert states(cli, first) == ["asleep"] * 2 and states(cli, second) == ["asleep"]
+    assert agents(cli, demo.pid)[demo.pid]["state"] == "asleep"
+    # One CUDA stage over every holder of every target: every lock before any checkpoint.
+    steps = [step for _, step, _, _ in world.calls(("lock", "checkpoint"))]
+    assert steps == ["lock"] * len(holders) + ["checkpoint"] * len(holders)
+    assert [world.state(pid) for pid in holders] == ["checkpointed"] * len(holders)
+    nothing_left_to_clean(runtime_dir)
+
+    woken = cli("wake", *targets, "--json")
+    assert woken.returncode == 0, woken.stderr
+    report = valid("wake", woken.json())
+    assert sorted(p["pid"] for p in report["processes"]) == holders
+    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server")
+    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server")
+    assert demo.infer()["digest"] == reference and world.state(demo.pid) == "running"
+    nothing_left_to_clean(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["pids", "all", "job"])
+def test_a_failure_in_the_second_servers_drain_leaves_all_three_running(
+    how: str,
+    two_servers_and_a_trainer: Callable[[str], tuple[FakeServer, FakeServer, Any, str]],
+    world: World,
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    """The trainer and the first server were asleep when the second failed: all are undone."""
+    first, second, demo, job = two_servers_and_a_trainer(how)
+    before = {first.pid: first.digests(), second.pid: second.digests()}
+    reference = demo.infer()["digest"]
+    targets = selection_args(how, first, second, demo, job)
+
+    failed = cli(
+        "sleep", *targets, "--to", str(work_dir), "--json", env={faults.ENV: "sleep.after-drain#2"}
+    )  # fmt: skip
+    assert failed.returncode == ExitCode.FAILURE, failed.stderr
+    message = failed.json()["error"]["message"]
+    second_root = max(first.pid, second.pid)  # servers go in pid order: the second is the younger
+    assert message.startswith(f"vLLM server {second_root} (drain): fault injected"), message
+    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server")
+    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server")
+    assert agents(cli, demo.pid)[demo.pid]["state"] == "running"
+    assert demo.infer()["digest"] == reference and world.state(demo.pid) == "running"
+    assert not [step for _, step, _, _ in world.calls(("lock", "checkpoint"))]
+    nothing_left_to_clean(runtime_dir)
+
+
+def test_vllm_url_is_refused_for_several_servers_at_once(
+    start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    first, second = start_server(workers=1), start_server(workers=1)
+    refused = cli(
+        "sleep", str(first.pid), str(second.pid), "--to", str(work_dir), "--vllm-url", first.url, "--json"
+    )  # fmt: skip
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert "--vllm-url names one server" in refused.json()["error"]["message"]
+    assert not first.is_sleeping() and not second.is_sleeping()
