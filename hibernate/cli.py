@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from hibernate import __version__
-from hibernate.errors import HibernateError
+from hibernate.errors import ExitCode, HibernateError, UsageError
 
 app = typer.Typer(
     name="hibernate",
@@ -156,7 +156,6 @@ def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = N
     """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
     from hibernate.checkpoint.base import StepTimeouts
     from hibernate.checkpoint.selection import KINDS
-    from hibernate.errors import UsageError
 
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -196,8 +195,6 @@ def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
 
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
-        from hibernate.errors import UsageError
-
         raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
     return value
 
@@ -497,7 +494,6 @@ def node_step(
     import time
 
     from hibernate import multinode, orchestrator, render
-    from hibernate.errors import UsageError
 
     started = time.monotonic()
     if operation not in multinode.OPERATIONS:
@@ -598,7 +594,6 @@ def doctor(
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
     from hibernate import doctor as diagnosis
     from hibernate import render
-    from hibernate.errors import ExitCode
 
     cuda = _cuda_options(checkpointer, cuda_checkpoint)
     report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])
