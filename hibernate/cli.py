@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from hibernate import __version__
 from hibernate.errors import ExitCode, HibernateError, UsageError
+
+if TYPE_CHECKING:  # for annotations only: the commands import it when they run, --help never does
+    from hibernate import orchestrator
 
 app = typer.Typer(
     name="hibernate",
@@ -199,6 +202,49 @@ def _io_mode(value: str) -> str:
     return value
 
 
+def options_from_flags(
+    *,
+    timeout: float | None = None,
+    buffer_mb: int | None = None,
+    io_mode: str = "auto",
+    verify: bool = False,
+    checkpointer: str = "auto",
+    cuda_checkpoint: Path | None = None,
+    lock_timeout: float | None = None,
+    level: int | None = None,
+    drain: str | None = None,
+    vllm_url: str | None = None,
+    all_users: bool = False,
+    job: str | None = None,
+    cgroup: str | None = None,
+) -> orchestrator.Options:
+    """The orchestrator's Options from a command's flags; what a command has no flag for stays default.
+
+    One constructor, so every command maps ``--timeout``, ``--buffer-mb``, ``--io-mode``, the CUDA
+    and vLLM flags and the user scope the same way, and refuses a bad value with the same words, in
+    the same order (``--io-mode`` before ``--checkpointer``), before anything is touched.
+
+    ``timeout`` (``--timeout``) bounds the quiesce; an agent is allowed at least 5 s to answer even
+    with ``--timeout 0``. None (a command without ``--timeout``) keeps the Options defaults, as does
+    a None ``buffer_mb``. ``lock_timeout`` bounds cuda-checkpoint's lock (a sleep's), None for its
+    default. ``job`` or ``cgroup`` imply ``all_users``, as their selection names the processes exactly.
+    """
+    from hibernate import orchestrator
+
+    options = orchestrator.Options(
+        io=orchestrator.IoOptions(io_mode=_io_mode(io_mode), verify=verify),
+        vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
+        all_users=_all_users(all_users, job, cgroup),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout),
+    )
+    if timeout is not None:
+        options.quiesce_timeout = timeout
+        options.agent_timeout = max(timeout, 5.0)
+    if buffer_mb is not None:
+        options.io.buffer_mb = buffer_mb
+    return options
+
+
 @app.command()
 @_handles_errors
 def sleep(
@@ -251,13 +297,20 @@ def sleep(
     """
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode), verify=verify),
-        vllm=orchestrator.VllmOptions(level=level, drain=drain, url=vllm_url),
-        all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        verify=verify,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        lock_timeout=timeout,
+        level=level,
+        drain=drain,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
     )
     selection = _select(pids, every, job, cgroup)
     options.skip_asleep = _by_selector(selection)  # as a wake skips those awake
@@ -289,13 +342,16 @@ def wake(
     """Bring each target back where it was put to sleep, verified byte for byte."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
-        vllm=orchestrator.VllmOptions(url=vllm_url),
-        all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
     )
     selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
@@ -320,10 +376,8 @@ def recover(
     """Finish or undo a sleep or wake whose hibernate command was killed half-way."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        vllm=orchestrator.VllmOptions(url=vllm_url),
-        all_users=all_users,
-        **_cuda_options(checkpointer, cuda_checkpoint),
+    options = options_from_flags(
+        checkpointer=checkpointer, cuda_checkpoint=cuda_checkpoint, vllm_url=vllm_url, all_users=all_users
     )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.recover(pids, options, progress)
@@ -419,13 +473,14 @@ def run(
     cuda_checkpoint: CudaCheckpointOption = None,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
-    from hibernate import orchestrator, runner
+    from hibernate import runner
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        lock_timeout=timeout,
     )
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
 
@@ -508,14 +563,15 @@ def node_step(
     )
     index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
     gate = multinode.Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
-        all_users=_all_users(False, job, cgroup),
-        **_cuda_options(
-            checkpointer, cuda_checkpoint, lock_timeout=timeout if operation == "sleep" else None
-        ),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        lock_timeout=timeout if operation == "sleep" else None,
+        job=job,
+        cgroup=cgroup,
     )
     chosen: list[int] = []
 
