@@ -545,79 +545,42 @@ def node_step(
     quiet: QuietOption = False,
 ) -> None:
     """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
-    import signal
-    import time
+    from hibernate import multinode, render
 
-    from hibernate import multinode, orchestrator, render
-
-    started = time.monotonic()
-    if operation not in multinode.OPERATIONS:
-        raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
-    if operation == "sleep" and to is None:
-        raise UsageError("node-step sleep needs --to DIR")
-    name = node or multinode.node_name()
-    if "/" in name or not name.strip("."):
-        raise UsageError(f"--node-name {name!r} cannot name a file")
-    count = (
-        nodes if nodes is not None else multinode.env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
-    )
-    index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
-    gate = multinode.Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
-    options = options_from_flags(
-        timeout=timeout,
-        buffer_mb=buffer_mb,
-        io_mode=io_mode,
-        checkpointer=checkpointer,
-        cuda_checkpoint=cuda_checkpoint,
-        lock_timeout=timeout if operation == "sleep" else None,
+    document, error = multinode.node_step(
+        operation,
+        barrier,
+        pids=pids,
+        every=every,
         job=job,
         cgroup=cgroup,
+        to=to,
+        nodes=nodes,
+        node_index=node_index,
+        node=node,
+        barrier_timeout=barrier_timeout,
+        allow_empty=allow_empty,
+        options=lambda: options_from_flags(
+            timeout=timeout,
+            buffer_mb=buffer_mb,
+            io_mode=io_mode,
+            checkpointer=checkpointer,
+            cuda_checkpoint=cuda_checkpoint,
+            lock_timeout=timeout if operation == "sleep" else None,
+            job=job,
+            cgroup=cgroup,
+        ),
+        progress=lambda: render.TerminalProgress(enabled=not (as_json or quiet)),
     )
-    chosen: list[int] = []
-
-    def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
-        selection = _select(pids, every, job, cgroup)
-        chosen.extend(selection.pids)
-        wire = selection.to_wire()
-        with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-            if operation == "sleep":
-                assert to is not None
-                return orchestrator.sleep(selection.pids, to / name, options, progress), wire
-            return orchestrator.wake(selection.pids, options, progress), wire
-
-    def undo() -> dict[str, Any]:
-        return orchestrator.wake(chosen, options)
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)  # srun passes a cancel on as SIGTERM
-    try:
-        outcome = multinode.run_step(
-            operation,
-            gate,
-            act,
-            undo,
-            deadline=started + barrier_timeout,
-            timeout=barrier_timeout,
-            allow_empty=allow_empty,
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    document = outcome.to_wire(gate)
-    if outcome.error is not None:
-        code = int(outcome.error.exit_code)
+    if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
+        code = int(error.exit_code)
         if as_json:
-            document["error"] = {
-                **outcome.error.to_wire(),
-                "exit_code": code,
-                "exit_name": outcome.error.exit_code.name,
-            }
+            document["error"] = {**error.to_wire(), "exit_code": code, "exit_name": error.exit_code.name}
             render.print_json(document)
         else:
             if not quiet:
                 render.node_step_report(document)
-            render.error(outcome.error, False)
+            render.error(error, False)
         raise typer.Exit(code)
     if as_json:
         render.print_json(document)
