@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from hibernate.errors import HibernateError
+from hibernate.errors import ExitCode, HibernateError, UsageError
 from hibernate.version import __version__
+
+if TYPE_CHECKING:  # for annotations only: the commands import it when they run, --help never does
+    from hibernate import orchestrator
 
 app = typer.Typer(
     name="hibernate",
@@ -156,7 +159,6 @@ def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = N
     """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
     from hibernate.checkpoint.base import StepTimeouts
     from hibernate.checkpoint.selection import KINDS
-    from hibernate.errors import UsageError
 
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -201,10 +203,51 @@ def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
 
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
-        from hibernate.errors import UsageError
-
         raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
     return value
+
+
+def options_from_flags(
+    *,
+    timeout: float | None = None,
+    buffer_mb: int | None = None,
+    io_mode: str = "auto",
+    verify: bool = False,
+    checkpointer: str = "auto",
+    cuda_checkpoint: Path | None = None,
+    lock_timeout: float | None = None,
+    level: int | None = None,
+    drain: str | None = None,
+    vllm_url: str | None = None,
+    all_users: bool = False,
+    job: str | None = None,
+    cgroup: str | None = None,
+) -> orchestrator.Options:
+    """The orchestrator's Options from a command's flags; what a command has no flag for stays default.
+
+    One constructor, so every command maps ``--timeout``, ``--buffer-mb``, ``--io-mode``, the CUDA
+    and vLLM flags and the user scope the same way, and refuses a bad value with the same words, in
+    the same order (``--io-mode`` before ``--checkpointer``), before anything is touched.
+
+    ``timeout`` (``--timeout``) bounds the quiesce; an agent is allowed at least 5 s to answer even
+    with ``--timeout 0``. None (a command without ``--timeout``) keeps the Options defaults, as does
+    a None ``buffer_mb``. ``lock_timeout`` bounds cuda-checkpoint's lock (a sleep's), None for its
+    default. ``job`` or ``cgroup`` imply ``all_users``, as their selection names the processes exactly.
+    """
+    from hibernate import orchestrator
+
+    options = orchestrator.Options(
+        io=orchestrator.IoOptions(io_mode=_io_mode(io_mode), verify=verify),
+        kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
+        all_users=_all_users(all_users, job, cgroup),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout),
+    )
+    if timeout is not None:
+        options.quiesce_timeout = timeout
+        options.agent_timeout = max(timeout, 5.0)
+    if buffer_mb is not None:
+        options.io.buffer_mb = buffer_mb
+    return options
 
 
 @app.command()
@@ -259,13 +302,20 @@ def sleep(
     """
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode), verify=verify),
-        kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
-        all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        verify=verify,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        lock_timeout=timeout,
+        level=level,
+        drain=drain,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
     )
     selection = _select(pids, every, job, cgroup)
     options.skip_asleep = _by_selector(selection)  # as a wake skips those awake
@@ -297,13 +347,16 @@ def wake(
     """Bring each target back where it was put to sleep, verified byte for byte."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
-        kind_options=_kind_options(vllm_url=vllm_url),
-        all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
     )
     selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
@@ -328,10 +381,8 @@ def recover(
     """Finish or undo a sleep or wake whose hibernate command was killed half-way."""
     from hibernate import orchestrator, render
 
-    options = orchestrator.Options(
-        kind_options=_kind_options(vllm_url=vllm_url),
-        all_users=all_users,
-        **_cuda_options(checkpointer, cuda_checkpoint),
+    options = options_from_flags(
+        checkpointer=checkpointer, cuda_checkpoint=cuda_checkpoint, vllm_url=vllm_url, all_users=all_users
     )
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.recover(pids, options, progress)
@@ -424,13 +475,14 @@ def run(
     cuda_checkpoint: CudaCheckpointOption = None,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
-    from hibernate import orchestrator, runner
+    from hibernate import runner
 
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=timeout),
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        lock_timeout=timeout,
     )
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
 
@@ -495,79 +547,42 @@ def node_step(
     quiet: QuietOption = False,
 ) -> None:
     """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
-    import signal
-    import time
+    from hibernate import multinode, render
 
-    from hibernate import multinode, orchestrator, render
-    from hibernate.errors import UsageError
-
-    started = time.monotonic()
-    if operation not in multinode.OPERATIONS:
-        raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
-    if operation == "sleep" and to is None:
-        raise UsageError("node-step sleep needs --to DIR")
-    name = node or multinode.node_name()
-    if "/" in name or not name.strip("."):
-        raise UsageError(f"--node-name {name!r} cannot name a file")
-    count = (
-        nodes if nodes is not None else multinode.env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
-    )
-    index = node_index if node_index is not None else multinode.env_int(("SLURM_NODEID",), "--node-index")
-    gate = multinode.Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
-    options = orchestrator.Options(
-        quiesce_timeout=timeout,
-        agent_timeout=max(timeout, 5.0),
-        io=orchestrator.IoOptions(buffer_mb=buffer_mb, io_mode=_io_mode(io_mode)),
-        all_users=_all_users(False, job, cgroup),
-        **_cuda_options(
-            checkpointer, cuda_checkpoint, lock_timeout=timeout if operation == "sleep" else None
+    document, error = multinode.node_step(
+        operation,
+        barrier,
+        pids=pids,
+        every=every,
+        job=job,
+        cgroup=cgroup,
+        to=to,
+        nodes=nodes,
+        node_index=node_index,
+        node=node,
+        barrier_timeout=barrier_timeout,
+        allow_empty=allow_empty,
+        options=lambda: options_from_flags(
+            timeout=timeout,
+            buffer_mb=buffer_mb,
+            io_mode=io_mode,
+            checkpointer=checkpointer,
+            cuda_checkpoint=cuda_checkpoint,
+            lock_timeout=timeout if operation == "sleep" else None,
+            job=job,
+            cgroup=cgroup,
         ),
+        progress=lambda: render.TerminalProgress(enabled=not (as_json or quiet)),
     )
-    chosen: list[int] = []
-
-    def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
-        selection = _select(pids, every, job, cgroup)
-        chosen.extend(selection.pids)
-        wire = selection.to_wire()
-        with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-            if operation == "sleep":
-                assert to is not None
-                return orchestrator.sleep(selection.pids, to / name, options, progress).to_wire(), wire
-            return orchestrator.wake(selection.pids, options, progress).to_wire(), wire
-
-    def undo() -> dict[str, Any]:
-        return orchestrator.wake(chosen, options).to_wire()
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)  # srun passes a cancel on as SIGTERM
-    try:
-        outcome = multinode.run_step(
-            operation,
-            gate,
-            act,
-            undo,
-            deadline=started + barrier_timeout,
-            timeout=barrier_timeout,
-            allow_empty=allow_empty,
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    document = outcome.to_wire(gate)
-    if outcome.error is not None:
-        code = int(outcome.error.exit_code)
+    if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
+        code = int(error.exit_code)
         if as_json:
-            document["error"] = {
-                **outcome.error.to_wire(),
-                "exit_code": code,
-                "exit_name": outcome.error.exit_code.name,
-            }
+            document["error"] = {**error.to_wire(), "exit_code": code, "exit_name": error.exit_code.name}
             render.print_json(document)
         else:
             if not quiet:
                 render.node_step_report(document)
-            render.error(outcome.error, False)
+            render.error(error, False)
         raise typer.Exit(code)
     if as_json:
         render.print_json(document)
@@ -600,7 +615,6 @@ def doctor(
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
     from hibernate import doctor as diagnosis
     from hibernate import render
-    from hibernate.errors import ExitCode
 
     cuda = _cuda_options(checkpointer, cuda_checkpoint)
     report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])

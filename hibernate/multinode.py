@@ -31,13 +31,16 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hibernate import orchestrator, targets
 from hibernate.errors import (
     ExitCode,
     HibernateError,
@@ -362,6 +365,98 @@ def env_int(names: tuple[str, ...], what: str, environ: Mapping[str, str] | None
         f"{what} is not known here (none of ${', $'.join(names)} is set)",
         hint="run under srun (scripts/slurm/hibernate-job does), or pass it explicitly",
     )
+
+
+def _no_progress() -> AbstractContextManager[orchestrator.ProgressSink]:
+    return contextlib.nullcontext(orchestrator.ProgressSink())
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while this lasts, restoring the previous handler after.
+
+    srun passes a cancel (scancel, a time limit) on to its tasks as SIGTERM; as an interrupt,
+    run_step posts it as this node's failure, settles an abort and undoes this node's sleep.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def node_step(
+    operation: str,
+    barrier: Path,
+    *,
+    options: Callable[[], orchestrator.Options],
+    pids: list[int] | None = None,
+    every: bool = False,
+    job: str | None = None,
+    cgroup: str | None = None,
+    to: Path | None = None,
+    nodes: int | None = None,
+    node_index: int | None = None,
+    node: str | None = None,
+    barrier_timeout: float = 600.0,
+    allow_empty: bool = False,
+    progress: Callable[[], AbstractContextManager[orchestrator.ProgressSink]] = _no_progress,
+) -> tuple[dict[str, Any], HibernateError | None]:
+    """``hibernate node-step``: this node's part of a job-wide sleep or wake, start to verdict.
+
+    Checks the request first (operation, ``--to`` for a sleep, this node's name, count and index,
+    those two from srun's environment when not given), then selects this node's targets (``pids``
+    and the selectors, as ``targets.select``), acts on them and follows the barrier's verdict
+    (run_step). Returns the node-step document and, when the nodes agreed to abort, the error
+    whose exit code every node exits with: the caller prints the whole picture before exiting.
+
+    ``options`` is called once the node's place is known to be valid, so bad node arguments are
+    refused before bad I/O or CUDA flags, as the command always did. ``progress`` makes the sink
+    (entered around the local sleep or wake). ``barrier_timeout`` counts from this call: after it,
+    silent nodes count as failed.
+    """
+    started = time.monotonic()
+    if operation not in OPERATIONS:
+        raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
+    if operation == "sleep" and to is None:
+        raise UsageError("node-step sleep needs --to DIR")
+    name = node or node_name()
+    if "/" in name or not name.strip("."):
+        raise UsageError(f"--node-name {name!r} cannot name a file")
+    count = nodes if nodes is not None else env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
+    index = node_index if node_index is not None else env_int(("SLURM_NODEID",), "--node-index")
+    gate = Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
+    settings = options()
+    chosen: list[int] = []
+
+    def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        selection = targets.select(pids, every=every, job=job, cgroup=cgroup)
+        chosen.extend(selection.pids)
+        wire = selection.to_wire()
+        with progress() as sink:
+            if operation == "sleep":
+                assert to is not None
+                return orchestrator.sleep(selection.pids, to / name, settings, sink).to_wire(), wire
+            return orchestrator.wake(selection.pids, settings, sink).to_wire(), wire
+
+    def undo() -> dict[str, Any]:
+        return orchestrator.wake(chosen, settings).to_wire()
+
+    with _sigterm_interrupts():
+        outcome = run_step(
+            operation,
+            gate,
+            act,
+            undo,
+            deadline=started + barrier_timeout,
+            timeout=barrier_timeout,
+            allow_empty=allow_empty,
+        )
+    return outcome.to_wire(gate), outcome.error
 
 
 def _summary(report: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode, NothingToHibernateError, StorageError, UsageError, WrongStateError
-from hibernate.multinode import ABORT, COMMIT, Barrier, Decision, NodeResult, decide, run_step
+from hibernate.multinode import ABORT, COMMIT, Barrier, Decision, NodeResult, decide, node_step, run_step
+from hibernate.orchestrator import Options
 
 
 def ok(index: int) -> NodeResult:
@@ -289,3 +291,49 @@ def test_a_barrier_made_on_another_node_a_moment_ago_is_waited_for(tmp_path: Pat
     missing = Barrier(tmp_path / "never", 1, 0, "n0", clock=clock, pause=clock.pause, appear_timeout=5)
     with pytest.raises(UsageError, match="not a directory"):
         missing.check()
+
+
+# -- node_step: the node-step command's logic ---------------------------------------
+
+
+def no_options() -> Any:
+    raise AssertionError("options were built before the node's place was checked")
+
+
+@pytest.mark.parametrize(
+    "operation, extra, words",
+    [
+        ("hover", {}, "must be sleep or wake"),
+        ("sleep", {}, "needs --to DIR"),
+        ("wake", {"node": "a/b"}, "cannot name a file"),
+        ("wake", {"nodes": None}, "--nodes is not known here"),
+        ("wake", {"node_index": None}, "--node-index is not known here"),
+    ],
+)
+def test_node_step_checks_its_place_before_building_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str, extra: dict[str, Any], words: str
+) -> None:
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    place: dict[str, Any] = {"nodes": 1, "node_index": 0, "node": "n0", **extra}
+    with pytest.raises(UsageError, match=words):
+        node_step(operation, tmp_path, options=no_options, pids=[1], **place)
+
+
+def test_node_step_reports_a_local_failure_as_the_job_s_abort(tmp_path: Path) -> None:
+    built: list[Options] = []
+
+    def options() -> Options:
+        built.append(Options())
+        return built[-1]
+
+    before = signal.getsignal(signal.SIGTERM)
+    # pid 999999999 is above any pid_max: the selection fails, so this node fails and the job aborts.
+    document, error = node_step(
+        "wake", tmp_path, options=options, pids=[999999999], nodes=1, node_index=0, node="n0"
+    )
+    assert len(built) == 1 and signal.getsignal(signal.SIGTERM) == before
+    assert error is not None and document["ok"] is False
+    assert document["decision"]["verdict"] == ABORT and document["node"] == "n0"
+    assert [r["ok"] for r in document["results"]] == [False]
+    assert int(error.exit_code) == document["decision"]["exit_code"]

@@ -8,7 +8,7 @@ released and come back zero-filled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,43 @@ class SpillableRegion(Region, Protocol):
         ...
 
     def zero(self) -> None: ...
+
+
+class RegionAttributes:
+    """The five read-only attributes of a pool's region (SpillableRegion): key, tag, keep, nbytes, meta.
+
+    Each pool's region class held the same five as private fields behind the same five properties;
+    they live here once. Read-only, because the agent keeps the regions from a sleep to its wake and
+    matches the snapshot to them by these values: they are fixed when the pool enumerates a region.
+    A subclass adds the copies and the release; it may read ``self._key`` and the others directly.
+    """
+
+    def __init__(self, key: str, tag: str, keep: bool, nbytes: int, meta: Mapping[str, Any]) -> None:
+        self._key = key
+        self._tag = tag
+        self._keep = keep
+        self._nbytes = nbytes
+        self._meta = meta
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def tag(self) -> str:
+        return self._tag
+
+    @property
+    def keep(self) -> bool:
+        return self._keep
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        return self._meta
 
 
 class Pool(Protocol):

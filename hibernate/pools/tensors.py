@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hibernate.errors import HibernatingError, UsageError
-from hibernate.pools.base import SpillableRegion
+from hibernate.pools.base import RegionAttributes, SpillableRegion
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -176,7 +176,7 @@ class _Tracked:
     name: str
 
 
-class StorageRegion:
+class StorageRegion(RegionAttributes):
     """One torch storage and every tracked view of it."""
 
     def __init__(
@@ -188,36 +188,12 @@ class StorageRegion:
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
     ) -> None:
-        self._key = key
-        self._tag = tag
-        self._keep = keep
+        super().__init__(key, tag, keep, storage.nbytes(), {"device": str(storage.device), "views": views})
         self._storage = storage
-        self._nbytes = storage.nbytes()
         self._device = storage.device
-        self._meta = {"device": str(self._device), "views": views}
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False
         self.released = False
-
-    @property
-    def key(self) -> str:
-        return self._key
-
-    @property
-    def tag(self) -> str:
-        return self._tag
-
-    @property
-    def keep(self) -> bool:
-        return self._keep
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def meta(self) -> Mapping[str, Any]:
-        return self._meta
 
     def _bytes(self) -> torch.Tensor:
         flat = torch.empty(0, dtype=torch.uint8, device=self._device)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from hibernate.errors import UnsupportedError, UsageError
-from hibernate.pools.base import SpillableRegion
+from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _attempt(
     return None
 
 
-class CuMemRegion:
+class CuMemRegion(RegionAttributes):
     """One CuMemAllocator allocation: its whole aligned size, at its fixed address."""
 
     def __init__(self, pool: CuMemPool, allocator: AllocatorLike, data: AllocationLike, keep: bool) -> None:
@@ -156,31 +156,8 @@ class CuMemRegion:
         self._data = data
         self._device = int(device)
         self._address = int(address)
-        self._nbytes = int(nbytes)
-        self._keep = keep
-        self._tag = data.tag
-        self._key = f"{data.tag}/{self._address:#x}"
-        self._meta = {"device": self._device, "address": self._address}
-
-    @property
-    def key(self) -> str:
-        return self._key
-
-    @property
-    def tag(self) -> str:
-        return self._tag
-
-    @property
-    def keep(self) -> bool:
-        return self._keep
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def meta(self) -> Mapping[str, Any]:
-        return self._meta
+        meta = {"device": self._device, "address": self._address}
+        super().__init__(f"{data.tag}/{self._address:#x}", data.tag, keep, int(nbytes), meta)
 
     @property
     def address(self) -> int:
