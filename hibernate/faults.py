@@ -26,9 +26,9 @@ from hibernate.errors import HibernateError
 ENV = "HIBERNATE_FAULT"
 TRACE_ENV = "HIBERNATE_FAULT_TRACE"  # a file: every point reached is appended to it (tests)
 
-# Inside the target: its agent, at the start of each operation it runs for a client, and the
-# store, between writing a snapshot's data and publishing it.
-AGENT_POINTS = ("agent.quiesce", "agent.spill", "agent.release", "agent.restore")
+# Inside the target: its agent, at the start of each transition (``agent.<op>``, derived from
+# its transition table: hibernate.agent.controller.AGENT_POINTS), and the store, between writing
+# a snapshot's data and publishing it.
 STORE_POINTS = ("store.write", "store.publish")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from hibernate import faults
+from hibernate.agent.controller import AGENT_POINTS
 from hibernate.errors import ExitCode
 from hibernate.flows.agents import AgentsUnit
 from hibernate.integrations.vllm_flow import VllmServerUnit
@@ -63,7 +64,9 @@ def test_every_step_boundary_is_a_fault_point_and_the_readme_counts_them() -> No
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert (
         f"{len(SLEEP_POINTS) + len(WAKE_POINTS)} step boundaries ({len(SLEEP_POINTS)} of sleep, "
-        f"{len(WAKE_POINTS)} of wake), {vllm} of a vLLM server's sleep and wake"
+        f"{len(WAKE_POINTS)} of wake), {vllm} of a vLLM server's sleep and wake, "
+        f"plus {len(AGENT_POINTS)} inside the agent (one per transition) "
+        f"and {len(faults.STORE_POINTS)} in the store"
     ) in readme
 
 

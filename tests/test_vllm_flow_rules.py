@@ -285,6 +285,14 @@ def test_levels_and_drains_are_checked_with_what_each_means() -> None:
         check_drain("keep")
 
 
+def test_the_cli_accepts_exactly_the_levels_the_workers_know() -> None:
+    """The CLI's rule (light, no store) and the workers' tag rules (in-process) name the same levels."""
+    from hibernate.integrations.vllm_flow import LEVELS
+    from hibernate.pools.vllm import SLEEP_LEVELS
+
+    assert LEVELS == SLEEP_LEVELS
+
+
 def test_a_worker_is_a_process_whose_agent_lists_cumem_allocations() -> None:
     assert holds_pools({"pools": [{"pool": "vllm-cumem", "bytes": 10}]})
     assert not holds_pools({"pools": []}) and not holds_pools({"pools": None})

@@ -76,6 +76,9 @@ _TRANSITIONS: dict[str, tuple[frozenset[AgentState], AgentState]] = {
     ),
 }
 
+# A fault point at the start of each transition (a partial restore is a restore).
+AGENT_POINTS = tuple(dict.fromkeys(f"agent.{op.removesuffix('_part')}" for op in _TRANSITIONS))
+
 # States a vanished client leaves behind are rolled back to running; asleep stays.
 ROLLED_BACK_ON_DISCONNECT = frozenset({AgentState.QUIESCED, AgentState.SPILLED})
 

@@ -81,7 +81,10 @@ from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef, Target, find_agent, resolve
 
 POOL = "vllm-cumem"  # the pool of a worker's CuMemAllocator allocations
-LEVELS = (1, 2)
+LEVELS = (
+    1,
+    2,
+)  # the CLI's copy of hibernate.pools.vllm.SLEEP_LEVELS, which loads the store; a test pins them
 POLL_S = 0.05
 STATUS_TIMEOUT_S = 10.0
 
