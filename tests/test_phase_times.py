@@ -90,7 +90,7 @@ def test_spill_and_restore_times_cover_the_whole_phase(many_tensors: int, work_d
     options = orchestrator.Options()
     asleep_clock = PhaseClock()
     asleep = orchestrator.sleep([many_tensors], work_dir, options, asleep_clock)
-    (process,) = asleep["processes"]
+    (process,) = asleep.to_wire()["processes"]
     spill_wall = asleep_clock.wall("spill")
     assert covers(process["phases"]["spill"], spill_wall), (process["phases"], spill_wall)
     assert process["io_seconds"] <= process["phases"]["spill"]
@@ -98,7 +98,7 @@ def test_spill_and_restore_times_cover_the_whole_phase(many_tensors: int, work_d
 
     woken_clock = PhaseClock()
     woken = orchestrator.wake([many_tensors], options, woken_clock)
-    (process,) = woken["processes"]
+    (process,) = woken.to_wire()["processes"]
     restore_wall = woken_clock.wall("restore")
     assert covers(process["phases"]["restore"], restore_wall), (process["phases"], restore_wall)
     assert process["io_seconds"] <= process["phases"]["restore"]

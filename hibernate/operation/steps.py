@@ -7,9 +7,10 @@ journals it as passed (for its owner's processes) and fires its fault point
 ``<op>.during-<name>``. Fault points and journal phases are therefore derived
 from the step lists (:func:`fault_points`), never written out by hand.
 
-On a failure the runner calls the undo of the failed step and then of every
-completed step, in reverse. An undo decides from the real state what to put
-back (a step that failed half-way is undone as far as it got), so a flow
+On a failure the runner lets the step's owner say where it happened, then
+calls the undo of the failed step and of every completed step, in reverse.
+An undo decides from the real state what to put back (a step that failed
+half-way is undone as far as it got), so a flow
 attaches one undo to the first step that changes anything. An error that
 ``keeps_journal`` (NeedsRecoveryError) is not undone: its state could not be
 judged, and ``hibernate recover`` decides later from the journal.
@@ -77,11 +78,11 @@ def run_steps(plan: Sequence[tuple[Step, StepOwner]], ledger: Ledger, sink: Sink
             step.run(owner)
             ledger.passed(step.name, owner.scope)
         except BaseException as exc:
+            if isinstance(exc, HibernateError):
+                owner.annotate(step.name, exc)  # before the undo changes what each process reached
             if not (isinstance(exc, HibernateError) and exc.keeps_journal):
                 for undone, by in reversed([*done, (step, owner)]):
                     if undone.undo is not None:
                         undone.undo(by, exc)
-            if isinstance(exc, HibernateError):
-                owner.annotate(step.name, exc)
             raise
         done.append((step, owner))
