@@ -64,6 +64,11 @@ class HibernateError(Exception):
             self.hint = hint
         return self
 
+    def add_consequence(self, consequence: str) -> HibernateError:
+        """Say after the message what the failure led to, where a layer above did something about it."""
+        self.message = f"{self.message}; {consequence}"
+        return self
+
     def to_wire(self) -> dict[str, str | None]:
         return {"code": self.wire_name, "message": self.message, "hint": self.hint}
 

@@ -45,7 +45,7 @@ def _check_kind_options(options: Options, kinds: set[str], targets: Sequence[Tar
     for registration in registry.registrations():
         given = [name for name in registration.options if name in options.kind_options]
         if given and registration.kind not in kinds:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)  # vllm_url: --vllm-url
             pids = ", ".join(str(t.requested_pid) for t in targets)
             raise UsageError(
                 f"{flags} apply to {registration.noun}, and process(es) {pids} are not one; "

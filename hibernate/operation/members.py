@@ -66,8 +66,8 @@ class Member:
             self.unresponsive = True
             self.client.close()
             if self.reached in ROLLS_BACK_BY_ITSELF:
-                exc.message += (
-                    "; the connection was closed, so the process goes back to running by itself "
+                exc.add_consequence(
+                    "the connection was closed, so the process goes back to running by itself "
                     "as soon as it answers again"
                 )
             raise

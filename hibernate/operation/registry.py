@@ -28,9 +28,6 @@ class Registration:
     options: tuple[str, ...] = ()  # Options.kind_options names only this kind takes
     noun: str = "a target of this kind"  # in messages: "--level applies to <noun>"
 
-    def flags(self) -> list[str]:
-        return ["--" + name.replace("_", "-") for name in self.options]
-
 
 _REGISTRY: dict[str, Registration] = {}
 
@@ -43,10 +40,6 @@ def register_flow(
     if not module or not attribute:
         raise ValueError(f"a flow is registered as 'package.module:Class', not {where!r}")
     _REGISTRY[kind] = Registration(kind, module, attribute, options, noun)
-
-
-def unregister_flow(kind: str) -> None:
-    _REGISTRY.pop(kind, None)
 
 
 def registrations() -> list[Registration]:
