@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+# Every fixture plugin, registered once for the whole suite (stand-ins of hardware and of Slurm).
+pytest_plugins = ["tests.standins.fixtures", "tests.standins.slurm_fixtures"]
+
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
 
@@ -102,7 +105,7 @@ def source_root_for(uid: int | None) -> Path:
 @pytest.fixture(scope="session")
 def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The stand-in CUDA runtime behind vLLM's device seam (tests/standins/vllm_cumem.py), built once."""
-    from standins.vllm_cumem import build_fake_cudart
+    from tests.standins.vllm_cumem import build_fake_cudart
 
     try:
         return build_fake_cudart(tmp_path_factory.mktemp("cudart"))

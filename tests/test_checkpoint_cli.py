@@ -21,8 +21,6 @@ from hibernate.errors import ExitCode, UnsupportedError
 from hibernate.operation.cuda import CudaStage
 from tests.standins.world import GIB, Tree, World, spec
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 
 def agent_state(cli: Callable[..., Any], pid: int) -> str:
     state: str = cli("status", str(pid), "--json").json()["agents"][0]["state"]

@@ -33,8 +33,6 @@ from hibernate.errors import (
 from hibernate.procinfo import ProcessIdentity
 from tests.standins.world import GIB, Tree, World, spec
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 
 def make(kind: str, timeouts: StepTimeouts | None = None) -> Checkpointer:
     return (

@@ -22,8 +22,6 @@ from hibernate.checkpoint.binary import BinaryCheckpointer, BinaryUnavailable
 from hibernate.checkpoint.driver import DriverCheckpointer, DriverUnavailable
 from tests.standins.world import GIB, World, spec
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 
 def make(kind: str, timeouts: StepTimeouts | None = None) -> Checkpointer:
     return (

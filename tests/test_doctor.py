@@ -14,8 +14,6 @@ from hibernate.errors import ExitCode
 from tests.conftest import NOBODY, is_root
 from tests.standins.world import GIB, Tree, World
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 
 def checks(result: Any) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in result.json()["checks"]}

@@ -29,8 +29,6 @@ from tests import toy_flow
 from tests.conftest import CliResult
 from tests.standins.world import GIB, World
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "hibernate"
 

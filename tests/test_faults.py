@@ -33,8 +33,6 @@ from hibernate.store.reader import SnapshotReader
 from tests.conftest import wait_until
 from tests.standins.world import GIB, World
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 SLEEP_POINTS = sleep_points(AgentsUnit)
 WAKE_POINTS = wake_points(AgentsUnit)
 

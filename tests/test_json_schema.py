@@ -21,8 +21,6 @@ from hibernate.errors import ExitCode
 from tests.conftest import REPO, spill_root_of
 from tests.standins.world import GIB, World
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 SCHEMAS = REPO / "docs" / "json-schema"
 EXPECTED = {"sleep", "wake", "status", "ls", "doctor", "error", "gc", "node-step"}
 

@@ -22,7 +22,6 @@ import pytest
 
 from hibernate.errors import ExitCode
 from tests.standins.slurm_fixtures import SCRIPTS, Cluster
-from tests.standins.slurm_fixtures import slurm as slurm  # the fixture
 
 SHELL_SCRIPTS = sorted(p for p in SCRIPTS.iterdir() if p.is_file())
 

@@ -24,7 +24,8 @@ from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import DeviceMemoryError
 from hibernate.pools.vllm import keeps
 from hibernate.store.layout import SpillRoot
-from standins.vllm_memory import (
+from tests.conftest import spill_root_of
+from tests.standins.vllm_memory import (
     LAYOUT,
     HostDeviceMemory,
     HostReservations,
@@ -34,7 +35,6 @@ from standins.vllm_memory import (
     reference_sleep,
     reference_wake_up,
 )
-from tests.conftest import spill_root_of
 
 STAGING = {"HIBERNATE_BUFFER_MB": "2", "HIBERNATE_CHUNK_MB": "1"}
 AGENT_NAME = "vllm-test"

@@ -21,8 +21,8 @@ from hibernate.agent import Hibernator
 from hibernate.errors import UnsupportedError
 from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import CudaDeviceMemory, CudaRuntime, DeviceMemoryError
-from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
-from standins.vllm_memory import (
+from tests.standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
+from tests.standins.vllm_memory import (
     LAYOUT,
     HostReservations,
     StandInCuMemAllocator,

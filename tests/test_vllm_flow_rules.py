@@ -59,9 +59,6 @@ from hibernate.integrations.vllm_server import (
 )
 from tests.standins.world import World
 
-pytest_plugins = ["tests.standins.fixtures"]
-
-
 # -- where the server listens --------------------------------------------------------------
 
 

@@ -17,8 +17,8 @@ import hibernate.integrations.vllm as integration
 from hibernate.agent import hibernator
 from hibernate.integrations.vllm import HibernateBackend, register
 from hibernate.pools.vllm import CuMemPool
-from standins.vllm_cumem import MODULE_NAME, make_module
-from standins.vllm_memory import HostReservations, StandInCuMemAllocator
+from tests.standins.vllm_cumem import MODULE_NAME, make_module
+from tests.standins.vllm_memory import HostReservations, StandInCuMemAllocator
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = SimpleNamespace(sleep_mode_backend="hibernate")  # what create_backend reads of ModelConfig

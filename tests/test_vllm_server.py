@@ -40,8 +40,6 @@ from tests.standins.world import GIB, World
 VLLM_SLEEP_POINTS = sleep_points(VllmServerUnit)
 VLLM_WAKE_POINTS = wake_points(VllmServerUnit)
 
-pytest_plugins = ["tests.standins.fixtures"]
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -138,7 +136,7 @@ def start_server(
             environment.pop(name, None)
         environment.update(
             {
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+                "PYTHONPATH": str(REPO),
                 "HIBERNATE_BUFFER_MB": "8",
                 "HIBERNATE_CHUNK_MB": "2",
                 "VLLM_SERVER_DEV_MODE": "1" if dev else "0",
@@ -150,7 +148,7 @@ def start_server(
             "-W",
             "ignore",
             "-m",
-            "standins.vllm_server",
+            "tests.standins.vllm_server",
             "--cudart",
             str(cudart_path),
             "--workers",

@@ -67,7 +67,7 @@ def start_worker(
     def start(mb: int = 0) -> WorkerProcess:
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+            "PYTHONPATH": str(REPO),
             "HIBERNATE_DIR": str(work_dir),
             "HIBERNATE_BUFFER_MB": str(STAGING_MB),
             "HIBERNATE_CHUNK_MB": "2",
@@ -75,7 +75,15 @@ def start_worker(
         env.pop("VLLM_PLUGINS", None)
         env.pop("HIBERNATE_AGENT", None)
         log = tmp_path / f"worker{len(started)}.log"
-        command = [sys.executable, "-W", "ignore", "-m", "standins.vllm_worker", "--cudart", str(cudart_path)]
+        command = [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "tests.standins.vllm_worker",
+            "--cudart",
+            str(cudart_path),
+        ]
         with open(log, "w") as stderr:
             proc = subprocess.Popen(
                 [*command, "--mb", str(mb)],

@@ -7,7 +7,7 @@ CUDA runtime). Here it cannot even be imported, so the tests put this stand-in
 in ``sys.modules`` under that name, with the same public names over host
 memory:
 
-* ``CuMemAllocator`` is :class:`~standins.vllm_memory.StandInCuMemAllocator`;
+* ``CuMemAllocator`` is :class:`~tests.standins.vllm_memory.StandInCuMemAllocator`;
 * ``create_and_map`` / ``unmap_and_release`` act on host reservations;
 * ``libcudart.lib`` is the fake CUDA runtime built from ``vllm_fake_cudart.c``,
   so hibernate's real CUDA seam (ctypes bindings, streams, pinning) runs.
@@ -22,7 +22,7 @@ import subprocess
 import types
 from pathlib import Path
 
-from standins.vllm_memory import (
+from tests.standins.vllm_memory import (
     HostReservations,
     StandInCuMemAllocator,
     create_and_map,

@@ -1,10 +1,10 @@
 """STAND-IN for a vLLM 0.33 API server (tests only): its sleep endpoints, over stand-in workers.
 
-    python -m standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
+    python -m tests.standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
                                    [--enable-sleep-mode] [--sleep-mode-backend NAME]
 
 Like ``vllm serve`` it is the parent of its workers: each is a real
-``standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
+``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
 over host memory, hibernate's backend created by vLLM's factory), driven over
 its stdin as vLLM's executor drives its workers (every worker, then gather).
 The server loads vLLM's general plugins too, so it has a hibernate agent with
@@ -79,7 +79,7 @@ class WorkerHandle:
                 "-W",
                 "ignore",
                 "-m",
-                "standins.vllm_worker",
+                "tests.standins.vllm_worker",
                 "--cudart",
                 cudart,
                 "--mb",

@@ -7,7 +7,7 @@ through a stand-in ``vllm.device_allocator.cumem`` module whose ``libcudart``
 is the fake CUDA runtime), and has vLLM's own factory create the sleep-mode
 backend, which then runs hibernate's real CUDA seam.
 
-    python -m standins.vllm_worker --cudart LIB [--mb N]
+    python -m tests.standins.vllm_worker --cudart LIB [--mb N]
 
 It prints one JSON line when ready, then answers commands on stdin, one JSON
 line each: ``suspend LEVEL``, ``resume [TAG...]``, ``digests``, ``memory``,
@@ -38,8 +38,8 @@ from typing import Any
 
 import xxhash
 
-from standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
-from standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
+from tests.standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
+from tests.standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
 
 
 def layout(total_mb: int) -> list[tuple[str, int]]:
