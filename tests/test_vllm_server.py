@@ -636,7 +636,7 @@ def test_two_servers_and_a_plain_agent_sleep_and_wake_as_one(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["pids", "all", "job"])
+@pytest.mark.parametrize("how", ["job"])  # the engine does not know how targets were named (see above)
 def test_a_failure_in_the_second_servers_drain_leaves_all_three_running(
     how: str,
     two_servers_and_a_trainer: Callable[[str], tuple[FakeServer, FakeServer, Any, str]],
