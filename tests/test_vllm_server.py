@@ -637,7 +637,7 @@ def test_two_servers_and_a_plain_agent_sleep_and_wake_as_one(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["job"])  # the engine does not know how targets were named (see above)
-def test_a_failure_in_the_second_servers_drain_leaves_all_three_running(
+def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_kill_is_recovered(
     how: str,
     two_servers_and_a_trainer: Callable[[str], tuple[FakeServer, FakeServer, Any, str]],
     world: World,
@@ -645,7 +645,8 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running(
     work_dir: Path,
     runtime_dir: Path,
 ) -> None:
-    """The trainer and the first server were asleep when the second failed: all are undone."""
+    """The trainer and the first server were asleep when the second failed: all are undone. Killed
+    later, after every memory step, the same command is finished by `hibernate recover`."""
     first, second, demo, job = two_servers_and_a_trainer(how)
     before = {first.pid: first.digests(), second.pid: second.digests()}
     reference = demo.infer()["digest"]
@@ -664,6 +665,23 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running(
     assert demo.infer()["digest"] == reference and world.state(demo.pid) == "running"
     assert not [step for _, step, _, _ in world.calls(("lock", "checkpoint"))]
     nothing_left_to_clean(runtime_dir)
+
+    # The CLI killed once every target had slept, before the CUDA stage: recover finishes the sleep
+    # of all three (the journal says every unit passed its memory steps), and a wake brings all back.
+    killed = cli("sleep", *targets, "--to", str(work_dir), env={faults.ENV: "sleep.after-vllm-sleep#2:kill"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    holders = [*first.workers, *second.workers, demo.pid]
+    assert [world.state(pid) for pid in holders] == ["running"] * len(holders)
+    recovered = cli("recover", str(first.pid), str(second.pid), str(demo.pid), "--json")
+    assert recovered.returncode == 0, recovered.stderr
+    assert recovered.json()["action"] == "finished the interrupted sleep"
+    assert [world.state(pid) for pid in holders] == ["checkpointed"] * len(holders)
+    assert first.is_sleeping() and second.is_sleeping()
+    nothing_left_to_clean(runtime_dir)
+    assert cli("wake", *targets, "-q").returncode == 0
+    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server, recovered")
+    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server, recovered")
+    assert demo.infer()["digest"] == reference
 
 
 def test_vllm_url_is_refused_for_several_servers_at_once(
