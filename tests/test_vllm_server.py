@@ -684,6 +684,7 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     assert demo.infer()["digest"] == reference
 
 
+@pytest.mark.slow
 def test_vllm_url_is_refused_for_several_servers_at_once(
     start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
 ) -> None:
