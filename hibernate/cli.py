@@ -370,7 +370,10 @@ def wake(
 @app.command()
 @_handles_errors
 def recover(
-    pids: PidsArgument,
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
     all_users: AllUsersOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
@@ -378,16 +381,26 @@ def recover(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """Finish or undo a sleep or wake whose hibernate command was killed half-way."""
+    """Finish or undo a sleep or wake whose hibernate command was killed half-way.
+
+    A batch script that lost its `hibernate sleep --job ID` recovers the same set with
+    `hibernate recover --job ID`.
+    """
     from hibernate import orchestrator, render
 
     options = options_from_flags(
-        checkpointer=checkpointer, cuda_checkpoint=cuda_checkpoint, vllm_url=vllm_url, all_users=all_users
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
     )
+    selection = _select(pids, every, job, cgroup)
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.recover(pids, options, progress)
+        report = orchestrator.recover(selection.pids, options, progress)
     if as_json:
-        render.print_json({"ok": True, **report.to_wire()})
+        render.print_json(_with_selection({"ok": True, **report.to_wire()}, selection))
     elif not quiet:
         render.recover_report(report)
 

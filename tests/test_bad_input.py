@@ -198,6 +198,8 @@ def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
     result = run_cli("sleep", "1", "--to", "/tmp/x", "--io-mode", "sideways")
     assert result.returncode == ExitCode.USAGE
     assert "--io-mode must be auto, direct or buffered" in result.stderr
+    unnamed = run_cli("recover")
+    assert unnamed.returncode == ExitCode.USAGE and "no targets named" in unnamed.stderr
 
 
 @pytest.mark.slow

@@ -672,7 +672,7 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     holders = [*first.workers, *second.workers, demo.pid]
     assert [world.state(pid) for pid in holders] == ["running"] * len(holders)
-    recovered = cli("recover", str(first.pid), str(second.pid), str(demo.pid), "--json")
+    recovered = cli("recover", *targets, "--json")  # the same selection as the lost command
     assert recovered.returncode == 0, recovered.stderr
     assert recovered.json()["action"] == "finished the interrupted sleep"
     assert [world.state(pid) for pid in holders] == ["checkpointed"] * len(holders)
