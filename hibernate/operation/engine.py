@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +153,15 @@ class Operation:
         )
 
     def steps(
-        self, opening: Sequence[Step], per_unit: str | None = None, closing: Sequence[Step] = ()
+        self,
+        opening: Sequence[Step],
+        of_unit: Callable[[Unit], Sequence[Step]] = lambda unit: (),
+        closing: Sequence[Step] = (),
     ) -> list[tuple[Step, Any]]:
-        """The engine's ``opening`` steps, then each unit's ``per_unit`` steps in turn, then ``closing``."""
+        """The engine's ``opening`` steps, then each unit's own steps in turn, then ``closing``."""
         plan: list[tuple[Step, Any]] = [(step, self) for step in opening]
-        for unit in self.units if per_unit else ():
-            plan.extend((step, unit) for step in getattr(unit, per_unit or ""))
+        for unit in self.units:
+            plan.extend((step, unit) for step in of_unit(unit))
         plan.extend((step, self) for step in closing)
         return plan
 
@@ -221,7 +224,11 @@ def sleep(
         unit.check()
     operation = Operation(ctx, units, directory)
     with operation.held():
-        run_steps(operation.steps(SLEEP_OPENING, "sleep_steps", SLEEP_CLOSING), operation.ledger, sink)
+        run_steps(
+            operation.steps(SLEEP_OPENING, lambda unit: unit.sleep_steps, SLEEP_CLOSING),
+            operation.ledger,
+            sink,
+        )
     reports = [u.report() for u in units]
     return SleepReport(
         directory=str(ctx.directory) if ctx.directory else None,
@@ -256,7 +263,7 @@ def _wake(pids: Sequence[int], options: Options, sink: ProgressSink, *, recoveri
         run_steps(operation.steps([*WAKE_OPENING, *WAKE_CUDA]), operation.ledger, sink)
         if not any(u.has_sleeping() for u in units) and not cuda_stage.changed(operation.cuda_report):
             raise WrongStateError("nothing to wake: " + "; ".join(u.describe_state() for u in units))
-        run_steps(operation.steps((), "wake_steps"), operation.ledger, sink)
+        run_steps(operation.steps((), lambda unit: unit.wake_steps), operation.ledger, sink)
     reports = [u.report() for u in units]
     return WakeReport(
         seconds=time.perf_counter() - started,
