@@ -273,7 +273,15 @@ def _is_plain(value: object, depth: int = 0) -> bool:
         if depth + 1 > MAX_META_DEPTH and value:
             return False
         for key, item in value.items():  # type: ignore[attr-defined]
-            if type(key) is not str or (type(item) not in _PLAIN_SCALARS and not _is_plain(item, depth + 1)):
+            if type(key) is not str:
+                return False
+            kind = type(item)
+            if kind in _PLAIN_SCALARS:
+                continue
+            # A list of scalars (a shape, strides) without a call, if it may nest one more level.
+            if kind is list and depth + 2 <= MAX_META_DEPTH and set(map(type, item)) <= _PLAIN_SCALARS:
+                continue
+            if not _is_plain(item, depth + 1):
                 return False
         return True
     if kind is list or kind is tuple:
@@ -294,7 +302,7 @@ def keys_plain(keys: list[str]) -> bool:
     """
     if not keys:
         return True
-    if any(type(key) is not str for key in keys):
+    if set(map(type, keys)) != {str}:
         return False
     joined = "/" + "/".join(keys) + "/"
     return not (
@@ -311,7 +319,7 @@ def regions_plain(keys: list[str], tags: list[object], metas: list[object]) -> b
     """True if every region certainly passes :func:`check_region` and the keys are unique."""
     return (
         keys_plain(keys)
-        and all(type(tag) is str and tag for tag in tags)
+        and (not tags or (set(map(type, tags)) == {str} and "" not in set(tags)))
         and all(type(meta) is dict and _is_plain(meta) for meta in metas)
     )
 
