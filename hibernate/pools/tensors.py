@@ -45,6 +45,8 @@ import torch
 
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.store.format import gc_paused
+from hibernate.store.regions import memory_at
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -226,15 +228,15 @@ class StorageRegion(RegionAttributes):
     def host_view(self, offset: int, length: int) -> memoryview | None:
         """A slice of one view of the whole storage, made once per allocation.
 
-        Building a ctypes view per call cost 1.8 us, more than hashing a small
-        tensor; the view is dropped on release and rebuilt if the storage
-        moved (torch may reallocate it at a new address).
+        Building a view per call cost more than hashing a small tensor; the
+        view is dropped on release and rebuilt if the storage moved (torch may
+        reallocate it at a new address). See memory_at for how it is built.
         """
         if self._device.type != "cpu" or self.released:
             return None
         address = self._storage.data_ptr()
         if self._view is None or self._view_address != address:
-            self._view = memoryview((ctypes.c_char * self._nbytes).from_address(address)).cast("B")
+            self._view = memory_at(address, self._nbytes)
             self._view_address = address
         return self._view[offset : offset + length]
 
@@ -371,6 +373,11 @@ class TensorPool:
             return self._tracked.pop(id(obj), None) is not None
 
     def regions(self) -> Sequence[SpillableRegion]:
+        """Every tracked storage as a region; the collector is held off meanwhile (see gc_paused)."""
+        with gc_paused():
+            return self._regions()
+
+    def _regions(self) -> Sequence[SpillableRegion]:
         with self._lock:
             tracked = list(self._tracked.values())
         # storage identity -> [owning entry, first name, storage, views, {id: (tensor, name)}];

@@ -70,6 +70,15 @@ def gc_paused() -> Iterator[None]:
     100,000 records ``json.loads`` took 1.3 s with it and 0.4 s without. The
     collector is only deferred (and re-enabled as it was), never skipped:
     nothing made here needs it.
+
+    On the way out, what was allocated meanwhile is moved to the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``, which also zeroes the
+    young generation's count) instead of being left young: otherwise the
+    first allocation after re-enabling walks it all, then promotes it, and
+    soon a full collection walks the whole heap again (0.7 s at 100,000
+    tensors). The objects made here live until the wake anyway; any garbage
+    cycle among them (or the program's) is still found, by the next full
+    collection.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -77,6 +86,8 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 

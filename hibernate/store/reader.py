@@ -56,7 +56,7 @@ from hibernate.store.format import (
 from hibernate.store.layout import SpillRoot
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
-from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
+from hibernate.store.writer import _SMALL_COPY, ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
 
 # One read request and one staging buffer (or the largest chunk, if larger). With
 # huge-page staging (see StagingBuffer) the disk gets its largest requests whatever
@@ -69,7 +69,7 @@ _READ_BUFFER_BYTES = 32 << 20
 # chunk is a group of its own): handing them out one by one cost more than verifying them.
 _GROUP_BYTES = 4 << 20
 # Regions smaller than this are not faulted in ahead of the copies (see fault_in).
-_POPULATE_MIN_BYTES = 1 << 20
+_POPULATE_MIN_BYTES = 64 << 10
 
 
 def _groups(pieces: list[_Piece]) -> list[list[_Piece]]:
@@ -481,7 +481,13 @@ class SnapshotReader:
             raise SnapshotInvalidError(
                 f"{self._where(piece)}: checksum mismatch; the data on disk is corrupted"
             )
-        regions[piece.region].copy_in(piece.region_offset, view)
+        region = regions[piece.region]
+        if chunk.length <= _SMALL_COPY:
+            target = region.host_view(piece.region_offset, chunk.length)
+            if target is not None and not target.readonly:
+                target[:] = view  # as in the writer: a small copy costs less than the region's call
+                return
+        region.copy_in(piece.region_offset, view)
 
     def _where(self, piece: _Piece) -> str:
         """A chunk named for a refusal (built only then: a wake verifies one chunk per tensor)."""

@@ -26,7 +26,6 @@ Prints a table, the targets (PASS/FAIL) and a JSON document; exits 1 if a target
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import mmap
@@ -50,6 +49,7 @@ import xxhash
 
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.regions import memory_at
 from hibernate.store.writer import MAX_REQUEST_BYTES, arena_bytes
 
 MiB = 1 << 20
@@ -251,7 +251,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's memory as bytes, without a copy."""
-    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+    return memory_at(tensor.data_ptr(), tensor.nbytes)
 
 
 # -- the paths measured --------------------------------------------------------
