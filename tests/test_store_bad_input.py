@@ -140,7 +140,7 @@ def test_a_fifo_planted_as_a_data_file_is_refused_without_blocking(spilled: Spil
 
 def test_an_edited_length_is_refused(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["records"][0]["chunks"][0]["length"] -= 8
+    document["chunks"]["length"][0] -= 8  # record 0's first chunk
     spilled.rewrite_manifest(document, resign=False)
     refused(
         spilled, r"record 0 \('weights/model\.\w'\): chunk lengths add up to \d+ bytes but the record has \d+"
@@ -149,9 +149,9 @@ def test_an_edited_length_is_refused(spilled: Spilled) -> None:
 
 def test_an_edited_length_and_size_that_agree_still_do_not_match_the_process(spilled: Spilled) -> None:
     document = spilled.manifest()
-    record = document["records"][0]
-    record["chunks"][-1]["length"] -= 8
-    record["nbytes"] -= 8
+    assert document["records"]["chunks"][0] == 2, "record 0 has chunks 0 and 1"
+    document["chunks"]["length"][1] -= 8
+    document["records"]["nbytes"][0] -= 8
     spilled.rewrite_manifest(document, resign=True)
     refused(
         spilled,
@@ -161,7 +161,7 @@ def test_an_edited_length_and_size_that_agree_still_do_not_match_the_process(spi
 
 def test_an_edited_offset_is_refused_by_the_manifest_checksum(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["records"][0]["chunks"][0]["offset"] += 4096
+    document["chunks"]["offset"][0] += 4096
     spilled.rewrite_manifest(document, resign=False)
     error = refused(spilled, r"manifest checksum does not match its contents; it was edited or corrupted")
     assert error.message.startswith(str(spilled.manifest_path))
@@ -169,8 +169,8 @@ def test_an_edited_offset_is_refused_by_the_manifest_checksum(spilled: Spilled) 
 
 def test_a_resigned_offset_pointing_elsewhere_fails_the_data_checksum(spilled: Spilled) -> None:
     document = spilled.manifest()
-    chunks = document["records"][0]["chunks"]
-    chunks[0]["offset"], chunks[1]["offset"] = chunks[1]["offset"], chunks[0]["offset"]
+    offsets = document["chunks"]["offset"]  # record 0's two chunks are the first two
+    offsets[0], offsets[1] = offsets[1], offsets[0]
     spilled.rewrite_manifest(document, resign=True)
     # Chunks are read in file order: the first one checked is the one now said to lie at offset 0.
     refused(spilled, r"record 'weights/model\.w' bytes 8192\.\.16000 \(file offset 0\): checksum mismatch")
@@ -178,14 +178,14 @@ def test_a_resigned_offset_pointing_elsewhere_fails_the_data_checksum(spilled: S
 
 def test_a_resigned_offset_beyond_the_file_is_refused_as_truncated(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["records"][0]["chunks"][0]["offset"] = 1 << 30
+    document["chunks"]["offset"][0] = 1 << 30
     spilled.rewrite_manifest(document, resign=True)
     refused(spilled, r"data-000\.bin is truncated: \d+ bytes, but 'weights/model\.\w' needs \d+")
 
 
 def test_an_unaligned_offset_is_refused(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["records"][0]["chunks"][0]["offset"] = 100
+    document["chunks"]["offset"][0] = 100
     spilled.rewrite_manifest(document, resign=True)
     refused(spilled, r"chunk 0: offset 100 is not 4096-byte aligned")
 
@@ -202,8 +202,8 @@ def test_an_edited_dtype_shape_or_stride_does_not_match_the_process(
     spilled: Spilled, field: str, value: Any, message: str
 ) -> None:
     document = spilled.manifest()
-    record = next(r for r in document["records"] if r["key"] == "weights/model.w")
-    record["meta"]["views"][0][field] = value
+    records = document["records"]
+    records["meta"][records["key"].index("weights/model.w")]["views"][0][field] = value
     spilled.rewrite_manifest(document, resign=False)
     refused(spilled, "manifest checksum does not match")
     spilled.rewrite_manifest(document, resign=True)
@@ -221,9 +221,9 @@ def test_a_truncated_manifest_is_refused(spilled: Spilled) -> None:
 
 def test_an_unknown_major_version_is_refused_with_a_hint(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["version"] = "3.0"
+    document["version"] = "4.0"
     spilled.rewrite_manifest(document, resign=True)
-    error = refused(spilled, r"format version 3\.0 is not supported \(this hibernate reads 2\.x\)")
+    error = refused(spilled, r"format version 4\.0 is not supported \(this hibernate reads 3\.x\)")
     assert error.hint is not None and "wake it with the version that wrote it" in error.hint
 
 
@@ -231,12 +231,39 @@ def test_a_format_1_snapshot_is_refused_with_a_hint(spilled: Spilled) -> None:
     document = spilled.manifest()
     document["version"] = "1.0"
     spilled.rewrite_manifest(document, resign=True)
-    refused(spilled, r"format version 1\.0 is not supported \(this hibernate reads 2\.x\)")
+    refused(spilled, r"format version 1\.0 is not supported \(this hibernate reads 3\.x\)")
+
+
+def test_a_format_2_snapshot_is_refused_with_a_hint(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["version"] = "2.0"
+    spilled.rewrite_manifest(document, resign=True)
+    error = refused(spilled, r"format version 2\.0 is not supported \(this hibernate reads 3\.x\)")
+    assert error.hint is not None and "wake it with the version that wrote it" in error.hint
+
+
+def test_columns_of_different_lengths_are_refused(spilled: Spilled) -> None:
+    original = spilled.manifest()
+    document = spilled.manifest()
+    document["records"]["tag"].append("weights")
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"the records' columns differ in length")
+    document = original
+    document["chunks"]["checksum"] = document["chunks"]["checksum"][:-1]
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"chunks\.checksum must hold 16 hex digits for each chunk")
+
+
+def test_an_edited_checksum_digit_is_refused_by_record_and_chunk(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["chunks"]["checksum"] = "X" + document["chunks"]["checksum"][1:]
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"record 0 \('weights/model\.w'\) chunk 0: checksum 'X\w{15}' is not 16 hex digits")
 
 
 def test_a_newer_minor_version_with_unknown_fields_is_read(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["version"] = "2.9"
+    document["version"] = "3.9"
     document["a_field_from_the_future"] = {"ignored": True}
     spilled.rewrite_manifest(document, resign=True)
     spilled.read()
@@ -261,9 +288,9 @@ def test_names_with_dot_dot_or_absolute_paths_are_refused(
 ) -> None:
     document = spilled.manifest()
     if where == "file":
-        document["records"][0]["chunks"][0]["file"] = value
+        document["chunks"]["file"][0] = value
     else:
-        document["records"][0]["key"] = value
+        document["records"]["key"][0] = value
     spilled.rewrite_manifest(document, resign=True)
     error = refused(spilled, message)
     assert error.message.startswith(str(spilled.manifest_path))

@@ -41,7 +41,7 @@ def test_every_field_written_is_documented_and_nothing_else() -> None:
 
 def test_the_documented_constants_are_the_code_s() -> None:
     assert format.FORMAT_NAME == "hibernate-snapshot" and f'`"{format.FORMAT_NAME}"`' in DOC
-    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (2, 0) and "this document is `2.0`" in DOC
+    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (3, 0) and "this document is `3.0`" in DOC
     assert format.CHECKSUM_ALGORITHM == "xxh3-64" and f'`"{format.CHECKSUM_ALGORITHM}"`' in DOC
     assert format.ALIGNMENT == 4096 and "multiple of **4096**" in DOC
     assert format.MAX_CHUNK_BYTES == 1 << 30 and "at most 1 GiB" in DOC
@@ -63,5 +63,5 @@ def test_the_example_manifest_is_valid() -> None:
     assert example is not None
     manifest = parse_manifest(example.group(1).encode(), "docs/format.md example")
     assert manifest.snapshot == "snap-000001"
-    assert json.loads(example.group(1))["version"] == "2.0"
+    assert json.loads(example.group(1))["version"] == "3.0"
     assert [r.nbytes for r in manifest.records] == [8388608, 8192]

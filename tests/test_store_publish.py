@@ -278,5 +278,5 @@ def test_the_next_write_cleans_what_a_crash_left(tmp_path: Path) -> None:
     assert not paths["tmp"].exists() and not paths["retired"].exists()
     assert_clean(root_path)
     manifest = json.loads((result.path / "manifest.json").read_text())
-    used = {c["file"] for r in manifest["records"] for c in r["chunks"]}
+    used = set(manifest["chunks"]["file"])
     assert used == set(manifest["files"]) and all((result.path / f).is_file() for f in used)

@@ -45,6 +45,8 @@ import torch
 
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.store.format import gc_paused
+from hibernate.store.regions import memory_at
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -194,6 +196,8 @@ class StorageRegion(RegionAttributes):
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False
         self.released = False
+        self._view: memoryview | None = None  # see host_view
+        self._view_address = 0
 
     def _bytes(self) -> torch.Tensor:
         flat = torch.empty(0, dtype=torch.uint8, device=self._device)
@@ -222,9 +226,19 @@ class StorageRegion(RegionAttributes):
             self._bytes()[offset : offset + len(src)].copy_(torch.frombuffer(src, dtype=torch.uint8))
 
     def host_view(self, offset: int, length: int) -> memoryview | None:
+        """A slice of one view of the whole storage, made once per allocation.
+
+        Building a view per call cost more than hashing a small tensor; the
+        view is dropped on release and rebuilt if the storage moved (torch may
+        reallocate it at a new address). See memory_at for how it is built.
+        """
         if self._device.type != "cpu" or self.released:
             return None
-        return memoryview((ctypes.c_char * length).from_address(self._storage.data_ptr() + offset)).cast("B")
+        address = self._storage.data_ptr()
+        if self._view is None or self._view_address != address:
+            self._view = memory_at(address, self._nbytes)
+            self._view_address = address
+        return self._view[offset : offset + length]
 
     def release(self) -> None:
         """Free the memory; first put its tensors to sleep, so that new uses raise, not crash."""
@@ -232,6 +246,7 @@ class StorageRegion(RegionAttributes):
             return
         for tensor, name in self._tensors:
             _put_to_sleep(tensor, name)
+        self._view = None  # its memory is about to go
         try:
             if self._nbytes:
                 self._storage.resize_(0)
@@ -358,6 +373,11 @@ class TensorPool:
             return self._tracked.pop(id(obj), None) is not None
 
     def regions(self) -> Sequence[SpillableRegion]:
+        """Every tracked storage as a region; the collector is held off meanwhile (see gc_paused)."""
+        with gc_paused():
+            return self._regions()
+
+    def _regions(self) -> Sequence[SpillableRegion]:
         with self._lock:
             tracked = list(self._tracked.values())
         # storage identity -> [owning entry, first name, storage, views, {id: (tensor, name)}];

@@ -21,7 +21,6 @@ constants into.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import sys
 import threading
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 from hibernate.errors import UnsupportedError, UsageError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn
+from hibernate.store.regions import memory_at
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _records(allocator: AllocatorLike | None) -> list[tuple[int, AllocationLike]
 
 def _backup_view(tensor: Any, nbytes: int) -> memoryview:
     """The bytes of a host tensor vLLM's own sleep left as a backup."""
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    return memory_at(tensor.data_ptr(), nbytes)
 
 
 # -- regions -----------------------------------------------------------------------

@@ -8,8 +8,29 @@ unchanged chunk in place and skip both the copy and the write.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_PyMemoryView_FromMemory.restype = ctypes.py_object
+_PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PyBUF_WRITE = 0x200
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of host memory at ``address``; it does not own the memory.
+
+    Not ``(ctypes.c_char * nbytes).from_address(...)``: ctypes makes, and
+    caches for good, one array type per distinct length, at 13 us and about
+    3 KiB each; a model of 100,000 tensors of varied sizes spent 1.3 s and
+    300 MiB on them. ``PyMemoryView_FromMemory`` makes the view directly
+    (0.6 us), whatever the length.
+    """
+    if nbytes == 0:
+        return memoryview(bytearray())
+    view: memoryview = _PyMemoryView_FromMemory(address, nbytes, _PyBUF_WRITE)
+    return view
 
 
 class Region(Protocol):
@@ -41,7 +62,8 @@ class Region(Protocol):
         """A view of the range's host memory, or None (device memory).
 
         The writer hashes it in place (an unchanged chunk is then neither copied
-        nor written); the reader faults it in (MADV_POPULATE_WRITE) ahead of
-        copying into it. Neither changes its contents.
+        nor written) and copies small chunks out of it; the reader faults it in
+        (MADV_POPULATE_WRITE) ahead of copying into it, and copies small
+        verified chunks into it (a writable view), bypassing copy_in.
         """
         ...

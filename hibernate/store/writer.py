@@ -73,6 +73,8 @@ from hibernate.store.format import (
     align_up,
     check_region,
     checksum,
+    gc_paused,
+    regions_plain,
     snapshot_name,
 )
 from hibernate.store.layout import SpillRoot, punch_unused
@@ -88,6 +90,12 @@ ARENAS = 2  # staging is split in two arenas: one is written while the other is 
 MAX_REQUEST_BYTES = 128 << 20  # one I/O request; requests cost a fixed latency, so fewer is faster
 MIN_BUFFER_BYTES = 4 * ARENAS * ALIGNMENT
 FREE_SPACE_MARGIN = 1 << 20  # the manifest and the filesystem's own bookkeeping
+_BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see _Stream._take_tasks)
+_BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
+# Host chunks up to this size are copied by a slice assignment (which holds the GIL, but takes
+# less time than the region's call); larger ones through copy_out, which releases it.
+_SMALL_COPY = 256 << 10
+_ZEROS = memoryview(bytes(ALIGNMENT))  # padding: a chunk's last page, past its end
 
 
 def arena_bytes(buffer_bytes: int) -> int:
@@ -267,6 +275,9 @@ def check_regions(regions: Sequence[Region]) -> None:
             "nothing was written and the process keeps its memory",
             hint="track fewer, larger tensors",
         )
+    keys = [region.key for region in regions]
+    if regions_plain(keys, [region.tag for region in regions], [region.meta for region in regions]):
+        return  # all good, checked in bulk; otherwise each region is checked below, to say which
     seen: set[str] = set()
     for index, region in enumerate(regions):
         try:
@@ -334,20 +345,22 @@ class _Segments:
         self.files.clear()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
-    """One chunk's place in an arena; ``live`` is False once it turned out to be reusable."""
+    """One chunk's place in an arena; ``live`` is False once it turned out to be reusable.
+
+    ``padded`` (the length rounded up to the alignment) is a field, not a
+    property: it is read three times per chunk, and a model of 100,000
+    tensors has as many chunks.
+    """
 
     task: int
     position: int
     length: int
+    padded: int
     digest: str = ""
     live: bool = True
     done: bool = False
-
-    @property
-    def padded(self) -> int:
-        return align_up(self.length)
 
 
 @dataclass
@@ -404,7 +417,7 @@ class _Packer:
             with self._lock:
                 arena = self._current
                 if arena is not None and self._fits(arena, padded):
-                    slot = _Slot(task, arena.used, length)
+                    slot = _Slot(task, arena.used, length, padded)
                     arena.used += padded
                     arena.pending += 1
                     arena.slots.append(slot)
@@ -489,8 +502,9 @@ def write_snapshot(
     started = time.perf_counter()
     root.lock_for_write()
     try:
-        check_regions(regions)
-        return _write_locked(root, regions, producer, options, progress, cancelled, pin, started)
+        with gc_paused():  # a few objects per region and per chunk: see gc_paused
+            check_regions(regions)
+            return _write_locked(root, regions, producer, options, progress, cancelled, pin, started)
     except BaseException:
         with contextlib.suppress(OSError):
             if root.is_empty():
@@ -688,65 +702,93 @@ class _Stream:
             chunks[index].append(placed)
         return chunks
 
-    def _advance(self, length: int, *, wrote: bool) -> None:
+    def _advance(self, wrote: int, reused: int) -> None:
         with self._lock:
-            self._done += length
-            if wrote:
-                self.written += length
-            else:
-                self.reused += length
+            self._done += wrote + reused
+            self.written += wrote
+            self.reused += reused
             done = self._done
         if self._progress is not None:
             self._progress(done, self._total)
 
-    def _take_task(self, abort: threading.Event) -> int | None:
+    def _take_tasks(self, abort: threading.Event) -> range:
+        """The next run of tasks for one stager: up to _BATCH_TASKS chunks or _BATCH_BYTES bytes.
+
+        Taken in runs, not one by one: with many small regions, a lock, a
+        cancellation check and a progress report per chunk cost more than
+        the chunk's copy and hash.
+        """
         with self._lock:
-            if self._next >= len(self._tasks) or abort.is_set():
-                return None
-            self._next += 1
-            return self._next - 1
+            first = self._next
+            if first >= len(self._tasks) or abort.is_set():
+                return range(0)
+            last = min(len(self._tasks), first + _BATCH_TASKS)
+            nbytes = 0
+            for task in range(first, last):
+                nbytes += self._tasks[task][2]
+                if nbytes >= _BATCH_BYTES:
+                    last = task + 1
+                    break
+            self._next = last
+            return range(first, last)
 
     def _reuse(self, task: int, key: tuple[str, int], *, claim: bool) -> bool:
-        """Refer ``task`` to a chunk with these bytes if there is one; else maybe claim the bytes."""
-        with self._lock:
-            previous = self._previous.get(key)
-            if previous is not None:
-                self._placed[task] = previous
-            else:
-                owner = self._owners.get(key)
-                if owner is None:
-                    if claim:
-                        self._owners[key] = task
-                    return False
-                self._placed[task] = owner
-        self._advance(key[1], wrote=False)
+        """Refer ``task`` to a chunk with these bytes if there is one; else maybe claim the bytes.
+
+        Without a lock: the index is only read, and ``setdefault`` claims
+        atomically (one dict operation), so two stagers with the same bytes
+        agree on which of them writes them.
+        """
+        previous = self._previous.get(key)
+        if previous is not None:
+            self._placed[task] = previous
+            return True
+        owner = self._owners.setdefault(key, task) if claim else self._owners.get(key)
+        if owner is None or owner == task:
+            return False
+        self._placed[task] = owner
         return True
 
     def _stage(self, packer: _Packer, abort: threading.Event) -> None:
-        while (task := self._take_task(abort)) is not None:
-            if self._cancelled is not None and self._cancelled():
-                raise AbortedError("the spill was called off before it finished; nothing was published")
-            index, offset, length = self._tasks[task]
-            region = self._regions[index]
-            if self._hash_in_place:
-                in_place = region.host_view(offset, length)
-                if in_place is not None:
-                    found = self._reuse(task, (checksum(in_place), length), claim=False)
-                    del in_place
-                    if found:
-                        continue
-            arena, slot = packer.reserve(task, length)
-            digest, live = "", False
-            try:
-                target = arena.buffer.view[slot.position : slot.position + slot.padded]
+        cancelled = self._cancelled
+        while tasks := self._take_tasks(abort):
+            reused = 0
+            for task in tasks:
+                if cancelled is not None and cancelled():
+                    raise AbortedError("the spill was called off before it finished; nothing was published")
+                if not self._stage_one(packer, task):
+                    reused += self._tasks[task][2]
+            if reused:
+                self._advance(0, reused)  # written bytes count once the writer has written them
+
+    def _stage_one(self, packer: _Packer, task: int) -> bool:
+        """Stage one chunk (or find its bytes already written); True if it will be written."""
+        index, offset, length = self._tasks[task]
+        region = self._regions[index]
+        in_place = region.host_view(offset, length) if self._hash_in_place or length <= _SMALL_COPY else None
+        if (
+            in_place is not None
+            and self._hash_in_place
+            and self._reuse(task, (checksum(in_place), length), claim=False)
+        ):
+            return False
+        arena, slot = packer.reserve(task, length)
+        digest, live = "", False
+        try:
+            target = arena.buffer.view[slot.position : slot.position + slot.padded]
+            if in_place is not None and length <= _SMALL_COPY:
+                target[:length] = in_place  # a small copy: cheaper here than through the region's call
+            else:
                 region.copy_out(offset, target[:length])
-                if slot.padded > length:
-                    target[length:] = bytes(slot.padded - length)
-                digest = checksum(target[:length])
-                del target
-                live = not self._reuse(task, (digest, length), claim=True)
-            finally:
-                packer.finish(arena, slot, digest, live)
+            if slot.padded > length:
+                target[length:] = _ZEROS[: slot.padded - length]
+            digest = checksum(target[:length])
+            del target
+            live = not self._reuse(task, (digest, length), claim=True)
+        finally:
+            del in_place
+            packer.finish(arena, slot, digest, live)
+        return live
 
     def _write(self, packer: _Packer, pool: StagingPool, abort: threading.Event) -> None:
         while True:
@@ -786,4 +828,4 @@ class _Stream:
         for slot in live:
             self._placed[slot.task] = ChunkRef(name, position, slot.length, slot.digest)
             position += slot.padded
-        self._advance(sum(slot.length for slot in live), wrote=True)
+        self._advance(sum(slot.length for slot in live), 0)
