@@ -578,6 +578,25 @@ def selection_args(how: str, first: FakeServer, second: FakeServer, demo: Any, j
     }[how]
 
 
+def all_three_awake_and_whole(
+    cli: Callable[..., Any],
+    world: World,
+    servers: tuple[FakeServer, FakeServer],
+    demo: Any,
+    before: Any,
+    how: str,
+) -> None:
+    """Both servers serving with every allocation as before, and the trainer's output as before."""
+    for name, server in zip(("first", "second"), servers, strict=True):
+        awake_and_whole(cli, server, world, before[server.pid], f"{how}: {name} server")
+    assert agents(cli, demo.pid)[demo.pid]["state"] == "running"
+    assert demo.infer()["digest"] == before["demo"] and world.state(demo.pid) == "running"
+
+
+def as_before(first: FakeServer, second: FakeServer, demo: Any) -> dict[Any, Any]:
+    return {first.pid: first.digests(), second.pid: second.digests(), "demo": demo.infer()["digest"]}
+
+
 @pytest.fixture
 def two_servers_and_a_trainer(
     world: World, start_server: Callable[..., FakeServer], start_demo: Callable[..., Any]
@@ -605,8 +624,7 @@ def test_two_servers_and_a_plain_agent_sleep_and_wake_as_one(
     runtime_dir: Path,
 ) -> None:
     first, second, demo, job = two_servers_and_a_trainer(how)
-    before = {first.pid: first.digests(), second.pid: second.digests()}
-    reference = demo.infer()["digest"]
+    before = as_before(first, second, demo)
     holders = sorted([*first.workers, *second.workers, demo.pid])
     targets = selection_args(how, first, second, demo, job)
 
@@ -629,9 +647,7 @@ def test_two_servers_and_a_plain_agent_sleep_and_wake_as_one(
     assert woken.returncode == 0, woken.stderr
     report = valid("wake", woken.json())
     assert sorted(p["pid"] for p in report["processes"]) == holders
-    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server")
-    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server")
-    assert demo.infer()["digest"] == reference and world.state(demo.pid) == "running"
+    all_three_awake_and_whole(cli, world, (first, second), demo, before, how)
     nothing_left_to_clean(runtime_dir)
 
 
@@ -648,8 +664,7 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     """The trainer and the first server were asleep when the second failed: all are undone. Killed
     later, after every memory step, the same command is finished by `hibernate recover`."""
     first, second, demo, job = two_servers_and_a_trainer(how)
-    before = {first.pid: first.digests(), second.pid: second.digests()}
-    reference = demo.infer()["digest"]
+    before = as_before(first, second, demo)
     targets = selection_args(how, first, second, demo, job)
 
     failed = cli(
@@ -659,10 +674,7 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     message = failed.json()["error"]["message"]
     second_root = max(first.pid, second.pid)  # servers go in pid order: the second is the younger
     assert message.startswith(f"vLLM server {second_root} (drain): fault injected"), message
-    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server")
-    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server")
-    assert agents(cli, demo.pid)[demo.pid]["state"] == "running"
-    assert demo.infer()["digest"] == reference and world.state(demo.pid) == "running"
+    all_three_awake_and_whole(cli, world, (first, second), demo, before, how)
     assert not [step for _, step, _, _ in world.calls(("lock", "checkpoint"))]
     nothing_left_to_clean(runtime_dir)
 
@@ -679,9 +691,7 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     assert first.is_sleeping() and second.is_sleeping()
     nothing_left_to_clean(runtime_dir)
     assert cli("wake", *targets, "-q").returncode == 0
-    awake_and_whole(cli, first, world, before[first.pid], f"{how}: first server, recovered")
-    awake_and_whole(cli, second, world, before[second.pid], f"{how}: second server, recovered")
-    assert demo.infer()["digest"] == reference
+    all_three_awake_and_whole(cli, world, (first, second), demo, before, f"{how}, recovered")
 
 
 @pytest.mark.slow
