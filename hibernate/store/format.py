@@ -349,11 +349,6 @@ def regions_plain(keys: list[str], tags: list[object], metas: list[object]) -> b
     )
 
 
-def check_meta(meta: object, where: str) -> None:
-    """Meta is plain JSON nested at most MAX_META_DEPTH deep, or this refuses it naming ``where``."""
-    _validate_meta(meta, where)
-
-
 def plain_meta(value: Any) -> Any:
     """Live meta as the manifest holds it: tuples become lists, keys strings."""
     if isinstance(value, Mapping):
@@ -608,10 +603,7 @@ def _columns_plain(
     if not (
         set(map(type, sizes)) == {int}
         and min(sizes) >= 0
-        and set(map(type, metas)) == {dict}
-        and set(map(type, tags)) == {str}
-        and "" not in set(tags)
-        and keys_plain(keys)
+        and regions_plain(keys, tags, metas)  # the writer's own test: keys, tags and meta in bulk
         and _CHECKSUMS_RE.fullmatch(digests)
     ):
         return False
