@@ -324,10 +324,7 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
 def _finish_sleep(units: Sequence[Unit], options: Options, sink: ProgressSink) -> SleepReport:
     """The CUDA stage of a sleep whose units are all asleep already."""
     started = time.perf_counter()
-    ctx = Context("sleep", options, sink)
-    for unit in units:
-        unit.ctx = ctx
-    operation = Operation(ctx, units)
+    operation = Operation(Context("sleep", options, sink), units)
     with operation.held():
         operation.cuda.require(_processes(units))  # refuses holders that are not all running
         run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hibernate.errors import HibernateError
+from hibernate.operation.ledger import Ledger
+from hibernate.operation.progress import ProgressSink
 from hibernate.targets import AgentRef
 
 
@@ -60,15 +62,7 @@ class StepOwner(Protocol):
     def annotate(self, step: str, error: HibernateError) -> None: ...
 
 
-class Ledger(Protocol):
-    def passed(self, boundary: str, scope: Sequence[AgentRef] | None = None) -> None: ...
-
-
-class Sink(Protocol):
-    def phase(self, name: str) -> None: ...
-
-
-def run_steps(plan: Sequence[tuple[Step, StepOwner]], ledger: Ledger, sink: Sink) -> None:
+def run_steps(plan: Sequence[tuple[Step, StepOwner]], ledger: Ledger, sink: ProgressSink) -> None:
     """Run ``plan`` in order; on failure undo the failed step and every completed one, in reverse."""
     done: list[tuple[Step, StepOwner]] = []
     for step, owner in plan:
