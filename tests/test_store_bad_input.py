@@ -442,3 +442,31 @@ def test_io_mode_direct_refuses_a_filesystem_without_odirect_instead_of_falling_
         snapshot = write_snapshot(root, list(pool.regions()), producer={}).snapshot
         with pytest.raises(StorageError, match=r"data-000\.bin refuses direct I/O \(O_DIRECT\)"):
             SnapshotReader(root, snapshot, io_mode="direct")
+
+
+def test_meta_nested_past_the_limit_is_refused_on_read_as_the_writer_refuses_it() -> None:
+    """The fast (columnar) parse applies the same meta bound as the writer: nothing deeper is read."""
+    from hibernate.store.format import (
+        MAX_META_DEPTH,
+        ChunkRef,
+        FileIdentity,
+        Manifest,
+        Record,
+        parse_manifest,
+    )
+    from hibernate.store.owner import Owner
+
+    deep: dict[str, Any] = {"leaf": 1}
+    for _ in range(MAX_META_DEPTH + 1):
+        deep = {"inner": deep}
+    chunk = ChunkRef("data-000.bin", 0, 4096, "0123456789abcdef")
+    manifest = Manifest(
+        "snap-000001",
+        {"name": "hibernate"},
+        1 << 20,
+        (Record("weight", "weights", 4096, deep, (chunk,)),),
+        Owner.current(),
+        {"data-000.bin": FileIdentity(4096, 1, 2, 3, 4)},
+    )
+    with pytest.raises(SnapshotInvalidError, match="meta is nested too deeply"):
+        parse_manifest(manifest.encode())
