@@ -397,7 +397,8 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     """Workers still asleep (that vLLM will not wake) woken through their agents; failures in words.
 
     A worker that exits meanwhile (its server died, and vLLM's workers end with
-    it) is no failure: nothing of it is left to bring back.
+    it) is no failure: nothing of it is left to bring back. On a loaded machine
+    its exit can take seconds after its agent stopped answering.
     """
     alive = [ref for ref in server.workers if procinfo.is_alive(ref.identity)]
     asleep = [ref for ref in alive if (_status(ref) or {}).get("state") == "asleep"]
@@ -405,7 +406,10 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     for pid, outcome in _in_parallel(asleep, lambda ref: wake_directly(ref, options)).items():
         if isinstance(outcome, BaseException):
             ref = next(r for r in asleep if r.pid == pid)
-            if isinstance(outcome, (AgentConnectionLost, NoSuchProcessError)) and exits(ref.identity):
+            # A worker whose server died is on its way out (its agent goes first): give it as long
+            # as a status call gets before calling its lost connection a failure.
+            gone = isinstance(outcome, (AgentConnectionLost, NoSuchProcessError))
+            if gone and exits(ref.identity, within=STATUS_TIMEOUT_S):
                 continue
             words = outcome.message if isinstance(outcome, HibernateError) else repr(outcome)
             failures.append(f"process {pid}: {words}")
