@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hibernate.store import directio
+from hibernate.store import directio, hugepages
 from hibernate.store.directio import PipelineAborted, StagingBuffer, StagingPool
 
 MiB = 1 << 20
@@ -85,3 +85,49 @@ def test_a_failed_allocation_leaves_the_pool_able_to_allocate(monkeypatch: pytes
     finally:
         timer.cancel()
         pool.close()
+
+
+# -- huge pages for the memory a wake refills (hibernate.store.hugepages) --------------
+
+BUDDYINFO = """\
+Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3
+Node 0, zone    DMA32      2      2      3      1      2      2      1      4      4      2    752
+Node 0, zone   Normal   1702   1102   4167   8406   2957   3862   1127    962    271    214    549
+"""
+
+
+def test_free_huge_blocks_count_only_blocks_of_2_mib_and_more() -> None:
+    # order 9 (2 MiB) and order 10 (4 MiB) blocks, with 4 KiB pages: (1+2+214) x 2 MiB + (3+752+549) x 4 MiB
+    expected = (1 + 2 + 214) * (2 << 20) + (3 + 752 + 549) * (4 << 20)
+    assert hugepages.free_huge_block_bytes(BUDDYINFO, page_bytes=4096) == expected
+
+
+def test_a_buddyinfo_line_that_does_not_parse_counts_nothing() -> None:
+    text = "Node 0, zone Normal 1 2 x\ngarbage\nNode 0, zone DMA " + " ".join(["0"] * 10 + ["1"])
+    assert hugepages.free_huge_block_bytes(text, page_bytes=4096) == 4 << 20
+
+
+def test_free_page_reporting_is_seen_on_a_balloon_device_only() -> None:
+    reporting = "0110010100000000000000000000000010000000"
+    assert hugepages.reports_free_pages({0x0005: reporting, 0x0002: "0" * 40})
+    assert not hugepages.reports_free_pages({0x0005: "0110000100000000", 0x0001: reporting})
+    assert not hugepages.reports_free_pages({})
+
+
+def test_the_environment_overrides_the_huge_page_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIBERNATE_HUGE_PAGES", "1")
+    assert hugepages.huge_pages_pay_off(1)
+    monkeypatch.setenv("HIBERNATE_HUGE_PAGES", "0")
+    assert not hugepages.huge_pages_pay_off(1 << 40)
+
+
+def test_populate_with_huge_pages_keeps_the_contents() -> None:
+    size = 8 << 20
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory[: 1 << 20] = bytes(range(256)) * 4096
+    view = memoryview(memory)[4096 + 64 :]  # not aligned, as a tensor's storage is not
+    directio.populate(view, threading.Event(), huge=True)
+    assert memory[: 1 << 20] == bytes(range(256)) * 4096
+    assert memory[1 << 20 :] == bytes(size - (1 << 20))
+    view.release()
+    memory.close()

@@ -52,6 +52,7 @@ from hibernate.store.format import (
     gc_paused,
     plain_meta,
 )
+from hibernate.store.hugepages import huge_pages_pay_off
 from hibernate.store.layout import SpillRoot
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
@@ -63,7 +64,7 @@ from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena
 # what a restore faults in small: the workers keep up with the disk, so three were
 # allocated (96 MiB of a 256 MiB budget) where 2 x 128 MiB used to be. Paired with
 # raw reads, 32 MiB restored at 1.90 GB/s (median of 8), 64 MiB at 1.70.
-_READ_BUFFER_BYTES = 32 << 20
+READ_REQUEST_BYTES = 32 << 20
 # A worker takes the small chunks of a request in groups of about this many bytes (a large
 # chunk is a group of its own): handing them out one by one cost more than verifying them.
 _GROUP_BYTES = 4 << 20
@@ -361,8 +362,8 @@ class SnapshotReader:
         largest = max(padded, default=ALIGNMENT)
         arena = arena_bytes_for(buffer_bytes, sum(padded), largest)
         # The writer's staging budget (two arenas), as smaller buffers allocated only when
-        # none is free: see _READ_BUFFER_BYTES.
-        size = max(largest, min(_READ_BUFFER_BYTES, arena))
+        # none is free: see READ_REQUEST_BYTES.
+        size = max(largest, min(READ_REQUEST_BYTES, arena))
         requests = self._requests(size)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)
@@ -428,17 +429,19 @@ class SnapshotReader:
                 if pipeline.abort.is_set():
                     return
             pool.prefill(workers)
-            seen: set[int] = set()
+            # Small regions are left to fault as they are copied into: one system call
+            # each would cost more than the faults it saves (a wake of 100,000 tensors).
+            order: dict[int, memoryview] = {}
             for request in requests:
                 for piece in request.pieces:
                     region = regions[piece.region]
-                    # Small regions are left to fault as they are copied into: one system call
-                    # each would cost more than the faults it saves (a wake of 100,000 tensors).
-                    if region.nbytes >= _POPULATE_MIN_BYTES and piece.region not in seen:
-                        seen.add(piece.region)
+                    if region.nbytes >= _POPULATE_MIN_BYTES and piece.region not in order:
                         view = region.host_view(0, region.nbytes)
-                        if view is not None:
-                            populate(view, pipeline.abort)
+                        if view is not None and not view.readonly:
+                            order[piece.region] = view
+            huge = huge_pages_pay_off(sum(len(view) for view in order.values()))
+            for view in order.values():
+                populate(view, pipeline.abort, huge=huge)
 
         try:
             pipeline.start("fault-in", fault_in)
