@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.errors import ExitCode
+from hibernate.operation.options import share_staging
 from tests.conftest import spill_root_of
 
 
@@ -145,3 +146,40 @@ def test_exit_codes_are_stable(exit_code: ExitCode) -> None:
         "SERVER_FAILED": 14,
     }
     assert documented[exit_code.name] == exit_code.value
+
+
+@pytest.mark.parametrize(
+    ("budget_mb", "processes", "each_mb", "at_once"),
+    [
+        (256, 1, 256, 1),  # one process has the whole budget, as before
+        (256, 8, 32, 8),  # eight workers of one node share it
+        (256, 3, 85, 3),
+        (64, 8, 16, 4),  # shares below the floor: fewer at once, never more than the budget
+        (16, 5, 16, 1),
+    ],
+)
+def test_one_staging_budget_is_shared_by_the_processes_moving_together(
+    budget_mb: int, processes: int, each_mb: int, at_once: int
+) -> None:
+    share = share_staging(budget_mb, processes)
+    assert (share.buffer_mb, share.at_once) == (each_mb, at_once)
+    assert share.buffer_mb * share.at_once <= budget_mb
+
+
+@pytest.mark.slow
+def test_processes_sleeping_together_stage_within_one_budget(start_demo, cli, work_dir: Path) -> None:
+    demos = [start_demo(size_mb=64) for _ in range(3)]
+    references = [demo.infer()["digest"] for demo in demos]
+    pids = [str(demo.pid) for demo in demos]
+
+    slept = cli("sleep", *pids, "--to", str(work_dir), "--buffer-mb", "48", "--json")
+    assert slept.returncode == 0, slept.stderr
+    spills = slept.json()["processes"]
+    assert sorted(p["pid"] for p in spills) == sorted(demo.pid for demo in demos)
+    assert all(0 < p["staging_bytes"] <= 16 << 20 for p in spills), [p["staging_bytes"] for p in spills]
+
+    woken = cli("wake", *pids, "--buffer-mb", "48", "--json")
+    assert woken.returncode == 0, woken.stderr
+    restores = woken.json()["processes"]
+    assert all(0 < p["staging_bytes"] <= 16 << 20 for p in restores), [p["staging_bytes"] for p in restores]
+    assert [demo.infer()["digest"] for demo in demos] == references

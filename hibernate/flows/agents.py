@@ -17,6 +17,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
 from hibernate.operation.members import Member, connect_all, hang_up, parallel
+from hibernate.operation.options import share_staging
 from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
@@ -92,11 +93,13 @@ class AgentsUnit(Unit):
     def spill(self) -> None:
         ledger = self.ctx.journal
         counter = ByteCounter(self.ctx.sink, "spill", lambda: ledger.during("spill"))
-        args = {"dir": str(self.ctx.spill_dir), **self.ctx.options.io.to_args()}
+        share = share_staging(self.ctx.options.io.buffer_mb, len(self.members))
+        args = {"dir": str(self.ctx.spill_dir), **self.ctx.options.io.to_args(), "buffer_mb": share.buffer_mb}
         timeout = self.ctx.options.agent_timeout
         parallel(
             self.members,
             lambda m: m.call("spill", args, progress=counter.for_member(m.pid), idle_timeout=timeout),
+            at_once=share.at_once,
         )
 
     def release(self) -> None:
@@ -147,7 +150,8 @@ class AgentsUnit(Unit):
         counter = ByteCounter(self.ctx.sink, "restore", lambda: ledger.during("restore"))
         failures: list[tuple[Member, HibernateError]] = []
         lock = threading.Lock()
-        args = self.ctx.options.io.to_args()
+        share = share_staging(self.ctx.options.io.buffer_mb, len(sleeping))
+        args = {**self.ctx.options.io.to_args(), "buffer_mb": share.buffer_mb}
 
         def restore(member: Member) -> None:
             try:
@@ -162,7 +166,7 @@ class AgentsUnit(Unit):
                     failures.append((member, exc))
 
         if sleeping:
-            parallel(sleeping, restore)
+            parallel(sleeping, restore, at_once=share.at_once)
         if failures:
             self.resume()
             member, exc = failures[0]

@@ -98,13 +98,14 @@ def hang_up(members: Sequence[Member]) -> None:
         member.client.close()
 
 
-def parallel(members: Sequence[Member], work: Callable[[Member], object]) -> None:
-    """Run ``work`` on every member at once; re-raise the first failure after all finish."""
+def parallel(members: Sequence[Member], work: Callable[[Member], object], at_once: int | None = None) -> None:
+    """Run ``work`` on every member, ``at_once`` at a time (default: all); re-raise the first failure
+    after all finish."""
     if len(members) == 1:
         work(members[0])
         return
     errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(members), at_once or len(members)))) as pool:
         for future in [pool.submit(work, m) for m in members]:
             exc = future.exception()
             if exc is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
+from hibernate.limits import MIN_BUFFER_MB
 
 
 @dataclass
@@ -22,6 +23,29 @@ class IoOptions:
             "io_mode": self.io_mode,
             "verify": self.verify,
         }
+
+
+@dataclass(frozen=True)
+class StagingShare:
+    """How one staging budget (``--buffer-mb``) is shared by the processes of one transfer."""
+
+    buffer_mb: int  # each process's staging
+    at_once: int  # processes transferring at the same time
+
+
+def share_staging(budget_mb: int, processes: int, floor_mb: int = MIN_BUFFER_MB) -> StagingShare:
+    """Divide a node-wide staging budget among ``processes`` moving at once.
+
+    ``--buffer-mb`` is what the whole operation may stage, not each process:
+    eight workers of one node sleeping together with 256 MiB each held 2 GiB
+    of staging where one budget was asked for. Each process gets an equal
+    share; where shares would fall below ``floor_mb`` (staging that small makes
+    chunks so small the disk slows), fewer processes move at once, each with
+    ``floor_mb`` or more, so the total never passes the budget.
+    """
+    processes = max(1, processes)
+    at_once = max(1, min(processes, budget_mb // floor_mb))
+    return StagingShare(buffer_mb=budget_mb // at_once, at_once=at_once)
 
 
 @dataclass

@@ -12,6 +12,12 @@ def _io_seconds(phase: dict[str, Any]) -> float | None:
     return round(float(value), 6) if isinstance(value, (int, float)) else None
 
 
+def _staging_bytes(phase: dict[str, Any]) -> int | None:
+    """The staging memory a spill or restore allocated (its share of --buffer-mb, or less)."""
+    value = phase.get("staging_bytes")
+    return int(value) if isinstance(value, int) else None
+
+
 def _phase_seconds(phases: dict[str, Any]) -> dict[str, float]:
     return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)}
 
@@ -31,6 +37,7 @@ class ProcessSleep:
     io_mode: Any
     gb_per_s: float
     io_seconds: float | None
+    staging_bytes: int | None
     verify_seconds: Any
     rss_before: Any
     rss_after: Any
@@ -59,6 +66,7 @@ class ProcessSleep:
             io_mode=spill.get("io_mode"),
             gb_per_s=round(written / spill_seconds / 1e9, 3),
             io_seconds=_io_seconds(spill),
+            staging_bytes=_staging_bytes(spill),
             verify_seconds=spill.get("verify_seconds"),
             rss_before=release.get("rss_before"),
             rss_after=release.get("rss_after"),
@@ -82,6 +90,7 @@ class ProcessWake:
     io_mode: Any
     gb_per_s: float
     io_seconds: float | None
+    staging_bytes: int | None
     rss_before: Any
     rss_after: Any
     phases: dict[str, float]
@@ -103,6 +112,7 @@ class ProcessWake:
             io_mode=restore.get("io_mode"),
             gb_per_s=round(total / restore_seconds / 1e9, 3),
             io_seconds=_io_seconds(restore),
+            staging_bytes=_staging_bytes(restore),
             rss_before=restore.get("rss_before"),
             rss_after=restore.get("rss_after"),
             phases=_phase_seconds(phases),
