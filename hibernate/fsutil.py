@@ -228,12 +228,16 @@ def fsync_dir(dir_fd: int) -> None:
     os.fsync(dir_fd)
 
 
-def write_file_atomic(dir_fd: int, name: str, data: bytes, *, owner_uid: int | None = None) -> None:
-    """Publish ``name`` in ``dir_fd`` with ``data``, durably: temp file, fsync, rename, fsync dir.
+def write_file_atomic(
+    dir_fd: int, name: str, data: bytes, *, owner_uid: int | None = None, durable: bool = True
+) -> None:
+    """Publish ``name`` in ``dir_fd`` with ``data``: temp file, fsync, rename, fsync dir.
 
     Root writing for a user's process passes ``owner_uid``: the file is given to
     that user (on its descriptor, before it is published), so the user's own
-    commands can replace or remove it later.
+    commands can replace or remove it later. ``durable=False`` leaves out both
+    fsyncs: the file is still whole or absent to every reader, but only until
+    the machine goes down, for state that means nothing after a reboot.
     """
     tmp = f".{name}.{secrets.token_hex(4)}.tmp"
     fd = os.open(
@@ -248,14 +252,16 @@ def write_file_atomic(dir_fd: int, name: str, data: bytes, *, owner_uid: int | N
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    fsync_dir(dir_fd)
+    if durable:
+        fsync_dir(dir_fd)
 
 
 def read_small_file(dir_fd: int, name: str, limit: int) -> bytes:

@@ -103,8 +103,7 @@ class AgentsUnit(Unit):
         )
 
     def release(self) -> None:
-        for member in self.members:
-            member.call("release")
+        parallel(self.members, lambda m: m.call("release"))
 
     def undo_sleep(self, error: BaseException) -> None:
         """Put every member back to running; NeedsRecoveryError if that fails too."""

@@ -499,15 +499,23 @@ def main() -> int:
     parser.add_argument("--buffer-mb", type=int, default=256, help="hibernate staging memory (default 256)")
     parser.add_argument("--chunk-mb", type=int, default=32, help="hibernate chunk size (default 32)")
     parser.add_argument("--skip-baselines", action="store_true", help="no torch.save / safetensors")
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="N > 1: sleep and wake N target processes at once through the CLI, sharing --size-mb",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the JSON document here")
     args = parser.parse_args()
-    if args.size_mb < 64 or args.tensors < 2 or args.reps < 1:
-        parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1")
+    if args.size_mb < 64 or args.tensors < 2 or args.reps < 1 or args.procs < 1:
+        parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1, --procs >= 1")
 
     run_started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="hibernate-bench-", dir=args.dir))
     os.chmod(work, 0o700)
     try:
+        if args.procs > 1:
+            return run_processes(args, work, run_started)
         return run(args, work, run_started)
     finally:
         Sampler.shutdown()
@@ -695,6 +703,224 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
     if args.json_out:
         args.json_out.write_text(text + "\n")
     return 0 if document["all_pass"] else 1
+
+
+# -- many processes, one disk (--procs N) ------------------------------------------
+
+
+class Targets:
+    """N demo targets (``python -m hibernate.demo serve``), each with its share of the bytes.
+
+    Their agents live in a runtime directory of the bench's own, so the bench
+    can never reach another hibernate target of this user; each has its own
+    seed, so no two snapshots share a chunk.
+    """
+
+    def __init__(self, work: Path, count: int, size_mb: int) -> None:
+        self.env = {**os.environ, "HIBERNATE_RUNTIME_DIR": str(work / "run")}
+        self.controls = [work / f"target-{n}.sock" for n in range(count)]
+        self.processes: list[subprocess.Popen[bytes]] = []
+        ready_files = [work / f"target-{n}.ready" for n in range(count)]
+        for n in range(count):
+            command = [sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve"]
+            command += ["--size-mb", str(size_mb), "--seed", str(n), "--control", str(self.controls[n])]
+            command += ["--ready-file", str(ready_files[n])]
+            log = open(work / f"target-{n}.log", "wb")  # noqa: SIM115 (the target's lifetime)
+            self.processes.append(
+                subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            )
+        deadline = time.monotonic() + 600
+        while not all(f.exists() for f in ready_files):
+            if any(p.poll() is not None for p in self.processes) or time.monotonic() > deadline:
+                self.close()
+                raise SystemExit(f"a demo target did not start; see the logs in {work}")
+            time.sleep(0.1)
+        self.pids = [str(p.pid) for p in self.processes]
+        self.weight_bytes = sum(int(json.loads(f.read_text())["weight_bytes"]) for f in ready_files)
+
+    def digests(self) -> list[str]:
+        from hibernate.demo import request
+
+        return [str(request(str(control), "infer")["digest"]) for control in self.controls]
+
+    def hibernate(self, *argv: str) -> dict[str, Any]:
+        """One hibernate command through the CLI, as a user runs it; its --json report."""
+        command = [sys.executable, "-W", "ignore", "-m", "hibernate", *argv, "--json"]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"hibernate {' '.join(argv)} failed ({done.returncode}): {done.stderr}")
+        report: dict[str, Any] = json.loads(done.stdout)
+        return report
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> int:
+    """--procs N: N processes sleep and wake at once against one disk, one staging budget."""
+    from hibernate.operation.options import share_staging
+
+    count = args.procs
+    snapshots = work / "snapshots"
+    targets = Targets(work, count, max(1, args.size_mb // count))
+    try:
+        references = targets.digests()
+        share = share_staging(args.buffer_mb, count)
+        reps: list[dict[str, Any]] = []
+        total = targets.weight_bytes - targets.weight_bytes % SIMPLE_REQUEST
+        limits = RawLimits(work / "raw.bin", total, WriteOptions(buffer_bytes=args.buffer_mb * MiB))
+        budget_flag = ["--buffer-mb", str(args.buffer_mb)]
+        for rep in range(args.reps):
+            swap = rep % 2 == 1
+            slept = None
+            shutil.rmtree(snapshots, ignore_errors=True)  # the last repetition's
+
+            # A new directory each time: a first sleep, with nothing to reuse from the last.
+            into = snapshots / f"repetition-{rep}"
+
+            def sleep(into: Path = into) -> float:
+                nonlocal slept
+                slept = targets.hibernate("sleep", *targets.pids, "--to", str(into), *budget_flag)
+                return float(slept["seconds"])
+
+            raw_write, sleep_seconds = paired(limits.write.write, sleep, swap)
+            assert slept is not None
+            evict(snapshots)
+            woken = None
+
+            def wake() -> float:
+                nonlocal woken
+                woken = targets.hibernate("wake", *targets.pids, *budget_flag)
+                return float(woken["seconds"])
+
+            raw_read, wake_seconds = paired(limits.read.read, wake, swap)
+            assert woken is not None
+            if targets.digests() != references:
+                raise SystemExit("a target answered differently after its wake")
+            written = sum(p["written_bytes"] for p in slept["processes"])
+            restored = sum(p["restored_bytes"] for p in woken["processes"])
+            reps.append(
+                {
+                    "raw_write_gbps": gbps(limits.total, raw_write),
+                    "raw_read_gbps": gbps(limits.total, raw_read),
+                    "sleep_gbps": gbps(written, sleep_seconds),
+                    "wake_gbps": gbps(restored, wake_seconds),
+                    "sleep_ratio": gbps(written, sleep_seconds) / gbps(limits.total, raw_write),
+                    "wake_ratio": gbps(restored, wake_seconds) / gbps(limits.total, raw_read),
+                    "written_bytes": written,
+                    "restored_bytes": restored,
+                    "sleep_staging_bytes": [p["staging_bytes"] for p in slept["processes"]],
+                    "wake_staging_bytes": [p["staging_bytes"] for p in woken["processes"]],
+                    "spill_seconds": [p["phases"]["spill"] for p in slept["processes"]],
+                    "restore_seconds": [p["phases"]["restore"] for p in woken["processes"]],
+                }
+            )
+        limits.close()
+    finally:
+        targets.close()
+
+    def median(key: str) -> float:
+        return float(statistics.median(r[key] for r in reps))
+
+    budget = args.buffer_mb * MiB
+    staged_at_once = max(
+        sum(sorted(r[key], reverse=True)[: share.at_once])
+        for r in reps
+        for key in ("sleep_staging_bytes", "wake_staging_bytes")
+    )
+    # Starved: a process whose own transfer took more than twice the median process's.
+    unevenness = max(
+        max(r[key]) / statistics.median(r[key]) for r in reps for key in ("spill_seconds", "restore_seconds")
+    )
+    checks = [
+        ("aggregate sleep >= 0.90x raw O_DIRECT write", median("sleep_ratio"), ">=", TARGET_THROUGHPUT),
+        ("aggregate wake >= 0.90x raw O_DIRECT read", median("wake_ratio"), ">=", TARGET_THROUGHPUT),
+        (
+            "staging of processes moving at once <= --buffer-mb",
+            float(staged_at_once),
+            "<=",
+            float(budget),
+        ),
+        ("slowest process <= 2x the median process", unevenness, "<=", 2.0),
+    ]
+    targets_doc = [
+        {"target": name, "value": value, "limit": limit, "pass": _holds(value, op, limit), "judged": True}
+        for name, value, op, limit in checks
+    ]
+    document = {
+        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "filesystem": filesystem_of(work)},
+        "data": {"processes": count, "bytes_per_process": max(1, args.size_mb // count) * MiB},
+        "staging": {"budget_bytes": budget, "each_bytes": share.buffer_mb * MiB, "at_once": share.at_once},
+        "method": PROCS_METHOD,
+        "spread": {
+            key: spread([r[key] for r in reps])
+            for key in (
+                "raw_write_gbps",
+                "raw_read_gbps",
+                "sleep_gbps",
+                "wake_gbps",
+                "sleep_ratio",
+                "wake_ratio",
+            )
+        },
+        "repetitions": reps,
+        "targets": targets_doc,
+        "all_pass": all(t["pass"] for t in targets_doc),
+        "seconds": time.perf_counter() - run_started,
+    }
+    print_processes_table(document)
+    text = json.dumps(document, indent=1)
+    print("\nJSON:")
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    return 0 if document["all_pass"] else 1
+
+
+PROCS_METHOD = (
+    "N demo targets (python -m hibernate.demo serve) share the bytes; each repetition runs `hibernate sleep "
+    "PID...` and `hibernate wake PID...` through the CLI, each paired with a raw O_DIRECT write or read of "
+    "the same number of bytes shaped as one process's transfer with the whole budget, in alternating order; "
+    "aggregate throughput is all processes' bytes over the operation's whole time as its report gives it "
+    "(connect, quiesce, transfers, release, journal); the page cache is evicted before every wake"
+)
+
+
+def print_processes_table(doc: dict[str, Any]) -> None:
+    data, staging, spreads = doc["data"], doc["staging"], doc["spread"]
+    print(
+        f"bench-store --procs {data['processes']}: {data['bytes_per_process'] / MiB:.0f} MiB each, "
+        f"{doc['machine']['filesystem']}, {doc['machine']['cpus']} CPUs, "
+        f"{len(doc['repetitions'])} repetitions"
+    )
+    print(f"method: {doc['method']}.")
+    print(
+        f"staging: --buffer-mb {staging['budget_bytes'] / MiB:.0f} shared: "
+        f"{staging['each_bytes'] / MiB:.0f} MiB each, {staging['at_once']} processes at once"
+    )
+    print()
+    for label, key in (
+        ("raw O_DIRECT write (the limit)", "raw_write_gbps"),
+        ("hibernate sleep, all processes", "sleep_gbps"),
+        ("  x raw", "sleep_ratio"),
+        ("raw O_DIRECT read (the limit)", "raw_read_gbps"),
+        ("hibernate wake, all processes", "wake_gbps"),
+        ("  x raw", "wake_ratio"),
+    ):
+        s = spreads[key]
+        print(f"{label:<34} {s['median']:>6.2f} ({s['min']:.2f}-{s['max']:.2f})")
+    print()
+    for n, rep in enumerate(doc["repetitions"]):
+        spills = " ".join(f"{t:.2f}" for t in rep["spill_seconds"])
+        restores = " ".join(f"{t:.2f}" for t in rep["restore_seconds"])
+        print(f"repetition {n + 1}: per-process spill s [{spills}], restore s [{restores}]")
+    print()
+    for target in doc["targets"]:
+        verdict = "PASS" if target["pass"] else "FAIL"
+        print(f"{verdict}  {target['target']}: {target['value']:.2f} (limit {target['limit']:.2f})")
+    print(f"\nwhole run {doc['seconds']:.1f} s")
 
 
 # Reported with their spread (min, median, max over the repetitions) as well as their median.
