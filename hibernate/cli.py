@@ -36,7 +36,10 @@ BufferOption = Annotated[
     int,
     typer.Option(
         "--buffer-mb",
-        help="Staging memory for the transfer, in MiB (the whole of it): 16 to half of this machine's RAM.",
+        help=(
+            "Staging memory for the transfer, in MiB, shared by every process moving at once: "
+            "16 to half of this machine's RAM."
+        ),
     ),
 ]
 IoModeOption = Annotated[
