@@ -358,6 +358,7 @@ class Hibernator:
                 report["verify_seconds"] = round(verified.seconds, 6)
             report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
             report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
+            report["warnings"] = [warning for pool in pools for warning in pool.warnings()]
             return report
 
         return self._transition(session, "spill", action)
@@ -375,8 +376,10 @@ class Hibernator:
             except BaseException:
                 self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))))
                 raise
+            resident = sum(r.resident_after_release for r in sleeping.all_regions)
             return {
-                "released_bytes": sum(r.nbytes for r in sleeping.all_regions),
+                "released_bytes": sum(r.nbytes for r in sleeping.all_regions) - resident,
+                "resident_bytes": resident,
                 "rss_before": rss_before,
                 "rss_after": procinfo.resident_bytes(os.getpid()),
                 "seconds": time.perf_counter() - started,

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from hibernate.errors import HibernatingError, UsageError
+from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.store.format import gc_paused
 from hibernate.store.regions import memory_at
@@ -249,7 +250,7 @@ class StorageRegion(RegionAttributes):
         self._view = None  # its memory is about to go
         try:
             if self._nbytes:
-                self._storage.resize_(0)
+                self._free()
                 self._poison()
         except BaseException:
             self._wake_tensors()  # the memory is still there
@@ -263,12 +264,18 @@ class StorageRegion(RegionAttributes):
         if self._nbytes:
             self._unpoison()
             try:
-                self._storage.resize_(self._nbytes)
+                self._take()
             except BaseException:
                 self._poison()  # still released: keep views raising
                 raise
         self._wake_tensors()
         self.released = False
+
+    def _free(self) -> None:
+        self._storage.resize_(0)
+
+    def _take(self) -> None:
+        self._storage.resize_(self._nbytes)
 
     def _poison(self) -> None:
         if _poison_storage is not None and not self._storage_poisoned:
@@ -291,6 +298,43 @@ class StorageRegion(RegionAttributes):
     def zero(self) -> None:
         with torch.no_grad():
             self._bytes().zero_()
+
+
+class FixedHostStorageRegion(StorageRegion):
+    """A CPU storage torch cannot resize, hibernated at its own address (see hibernate.pools.hostpages).
+
+    Its pages are handed back with MADV_DONTNEED and its bytes written back in
+    place: the address that numpy, a blob's owner or a memory map holds stays
+    valid. Reads of it while asleep (through numpy, say, which no guard sees)
+    find zeros, or the file's bytes for a private file mapping, never a fault.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        tag: str,
+        keep: bool,
+        storage: torch.UntypedStorage,
+        views: list[dict[str, Any]],
+        tensors: Sequence[tuple[torch.Tensor, str]] = (),
+    ) -> None:
+        super().__init__(key, tag, keep, storage, views, tensors)
+        self._address = storage.data_ptr()
+        self._pages = hostpages.interior(self._address, self._nbytes)
+
+    @property
+    def resident_after_release(self) -> int:
+        return self._nbytes - self._pages[1]
+
+    def _free(self) -> None:
+        hostpages.discard_pages(*self._pages)
+
+    def _take(self) -> None:
+        """Nothing to allocate: the range stayed mapped, its pages come back as they are touched."""
+
+    def zero(self) -> None:
+        # MADV_DONTNEED left zeros only in anonymous pages: a private file mapping reads the file again.
+        ctypes.memset(self._address, 0, self._nbytes)
 
 
 def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
@@ -335,9 +379,10 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
         )
     if tensor.device.type not in ("cpu", "cuda"):
         raise UsageError(f"tensor {name!r} is on {tensor.device}; hibernate handles cpu and cuda tensors")
-    if not tensor.untyped_storage().resizable():
+    if tensor.device.type == "cuda" and not tensor.untyped_storage().resizable():
         raise UsageError(
-            f"tensor {name!r} uses memory torch cannot free (from numpy, from_blob or a memory map)",
+            f"tensor {name!r} uses CUDA memory torch did not allocate (from_blob, DLPack), "
+            "which hibernate cannot free",
             hint="copy it into a torch-allocated tensor before tracking it",
         )
 
@@ -351,6 +396,7 @@ class TensorPool:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count()
+        self._warnings: list[str] = []
 
     def track(self, obj: Any, tag: str, keep: bool, name: str | None) -> None:
         if not tag or any(ch in tag for ch in "/\n\0"):
@@ -401,7 +447,9 @@ class TensorPool:
                 if entry.keep and not slot[0].keep:
                     slot[0], slot[1] = entry, name
         regions: list[SpillableRegion] = []
+        warnings: list[str] = []
         keys: set[str] = set()
+        mappings: list[hostpages.HostMapping] | None = None
         for owner, first_name, storage, views, tensors in by_storage.values():
             key = f"{owner.tag}/{first_name}"
             suffix = 2
@@ -409,8 +457,21 @@ class TensorPool:
                 key = f"{owner.tag}/{first_name}#{suffix}"
                 suffix += 1
             keys.add(key)
-            regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
+            region_class = StorageRegion
+            if storage.device.type == "cpu" and not storage.resizable():
+                mappings = hostpages.own_mappings() if mappings is None else mappings
+                start = storage.data_ptr()
+                where = hostpages.placement(start, start + storage.nbytes(), mappings)
+                if not where.hibernate:
+                    warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
+                    continue
+                region_class = FixedHostStorageRegion
+            regions.append(region_class(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
+        self._warnings = warnings
         return regions
+
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
 
     def after_release(self) -> None:
         _trim_host_heap()

@@ -1,0 +1,132 @@
+"""Host memory torch cannot resize: where it lives, and how its pages go back to the OS.
+
+A CPU storage is not resizable when torch does not own its memory: a tensor
+whose ``.numpy()`` was taken, ``torch.from_numpy``, ``torch.from_blob``, a
+memory map. Its address must not change (numpy, or whoever made the blob,
+still points at it), so it cannot be freed the usual way (resize to zero).
+Instead its pages are handed back with ``madvise(MADV_DONTNEED)`` while the
+address range stays mapped, and its bytes are written back in place on wake.
+
+What ``MADV_DONTNEED`` does depends on the mapping (madvise(2), checked on
+Linux 6.x by the RSS tests in tests/test_tensor_fixed.py):
+
+* private anonymous memory (malloc, numpy's own buffers): the pages are freed;
+  the next touch maps fresh zero pages;
+* private file mapping: the pages are dropped, and the next touch reads the
+  file again (modified copy-on-write pages are lost, so they are spilled);
+* shared mapping: nothing is freed. For a file the data lives in the file, so
+  it is left as it is; for shared memory (``/dev/shm``, memfd, anonymous
+  ``MAP_SHARED``) ``MADV_REMOVE`` would free it, but also erase it under every
+  other process that maps it, so it is left in place as well and reported.
+
+A read-only mapping cannot be written back, so it is left in place too.
+
+Only whole pages can be handed back: the partial pages at both ends of a
+range stay resident (they may hold other objects) and are counted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+MADV_DONTNEED = 4  # <bits/mman-linux.h>, the same value on every Linux architecture
+
+
+@dataclass(frozen=True)
+class HostMapping:
+    """One line of /proc/self/maps."""
+
+    start: int
+    end: int
+    writable: bool
+    shared: bool
+    path: str  # empty for anonymous memory; "[heap]" and the like for special regions
+
+
+def parse_maps(text: str) -> list[HostMapping]:
+    """The mappings of a /proc/PID/maps text (``start-end perms offset dev inode [path]``)."""
+    mappings = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        start, _, end = fields[0].partition("-")
+        perms = fields[1]
+        path = fields[5].strip() if len(fields) == 6 else ""
+        mappings.append(HostMapping(int(start, 16), int(end, 16), perms[1] == "w", perms[3] == "s", path))
+    return mappings
+
+
+def _is_shared_memory(path: str) -> bool:
+    """A shared mapping of memory rather than of a file on disk (anonymous, memfd, SysV, /dev/shm)."""
+    return (
+        path == ""
+        or path.startswith(("/dev/zero", "/memfd:", "/SYSV", "/dev/shm/", "[anon_shmem"))
+        or path.endswith("(deleted)")
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Whether a host range can be hibernated in place, and if not, why (for the report)."""
+
+    hibernate: bool
+    reason: str  # empty when it can be hibernated
+
+
+def placement(start: int, end: int, mappings: Sequence[HostMapping]) -> Placement:
+    """How the bytes ``[start, end)`` can be hibernated, from the mappings that cover them."""
+    covering = [m for m in mappings if m.start < end and m.end > start]
+    covered = start
+    for mapping in sorted(covering, key=lambda m: m.start):
+        if mapping.start > covered:
+            break
+        covered = max(covered, mapping.end)
+    if end > start and covered < end:
+        return Placement(False, "its memory is not (wholly) mapped in this process")
+    if any(m.shared for m in covering):
+        if all(not _is_shared_memory(m.path) for m in covering if m.shared):
+            names = sorted({m.path for m in covering if m.shared})
+            return Placement(False, f"a shared mapping of {', '.join(names)}: its data lives in the file")
+        return Placement(
+            False,
+            "shared memory that other processes may map: releasing it would free nothing "
+            "(MADV_DONTNEED) or erase it for them too (MADV_REMOVE)",
+        )
+    if not all(m.writable for m in covering):
+        return Placement(False, "a read-only mapping: its bytes could not be written back")
+    return Placement(True, "")
+
+
+def own_mappings() -> list[HostMapping]:
+    return parse_maps(Path("/proc/self/maps").read_text())
+
+
+def interior(start: int, nbytes: int, page: int = PAGE_SIZE) -> tuple[int, int]:
+    """The whole pages inside ``[start, start + nbytes)``: (first page's address, length)."""
+    first = -(-start // page) * page
+    last = (start + nbytes) // page * page
+    return first, max(0, last - first)
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def discard_pages(address: int, length: int) -> None:
+    """``madvise(MADV_DONTNEED)`` over whole pages: memory back to the OS, the address kept."""
+    global _libc
+    if not length:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    if _libc.madvise(address, length, MADV_DONTNEED) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}: {os.strerror(errno)}")
