@@ -319,6 +319,8 @@ class Hibernator:
             with self._mutex:
                 pools = list(self._pools)
             regions = [(pool, list(pool.regions())) for pool in pools]
+            for pool in pools:
+                pool.synchronize()  # work the program queued on any stream lands before a byte is read
             sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.owner), "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
             with SpillRoot(sleeping.root, create=True, owner=self.owner) as root:
@@ -462,6 +464,8 @@ class Hibernator:
                 for region in chosen:
                     if not region.keep:
                         region.zero()
+                for pool, _ in sleeping.regions:
+                    pool.synchronize()  # the fills are on the device before the program runs again
             except BaseException:
                 for region in chosen:
                     region.release()

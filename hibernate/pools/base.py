@@ -94,6 +94,14 @@ class Pool(Protocol):
         """A way to page-lock staging buffers for fast device copies, if this pool needs one."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait for all work queued on every device holding a region, on any stream.
+
+        Called before a spill reads a region and after a wake refilled and zeroed them:
+        the program's side streams are not ordered with the pool's own copies.
+        """
+        ...
+
     def warnings(self) -> list[str]:
         """What the newest ``regions()`` found that a sleep will not free, in words for its report."""
         ...

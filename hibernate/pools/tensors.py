@@ -46,6 +46,7 @@ import torch
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.device import CudaCopies, DeviceCopies
 from hibernate.store.format import gc_paused
 from hibernate.store.regions import memory_at
 
@@ -180,7 +181,12 @@ class _Tracked:
 
 
 class StorageRegion(RegionAttributes):
-    """One torch storage and every tracked view of it."""
+    """One torch storage and every tracked view of it.
+
+    A device storage (``on_device``: the copy seam and the device's index) is copied and
+    zero-filled through that seam, on its own non-blocking streams, never by a ``copy_``
+    on the program's current stream; a host storage by plain memcpy.
+    """
 
     def __init__(
         self,
@@ -190,10 +196,12 @@ class StorageRegion(RegionAttributes):
         storage: torch.UntypedStorage,
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
+        on_device: tuple[DeviceCopies, int] | None = None,
     ) -> None:
         super().__init__(key, tag, keep, storage.nbytes(), {"device": str(storage.device), "views": views})
         self._storage = storage
         self._device = storage.device
+        self._on_device = on_device
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False
         self.released = False
@@ -210,6 +218,10 @@ class StorageRegion(RegionAttributes):
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
         self._check_range(offset, len(dst))
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies.copy_to_host(index, self._storage.data_ptr() + offset, dst)
+            return
         if self._device.type == "cpu" and not dst.readonly and len(dst):
             # One plain memcpy that releases the GIL: torch's copy_ would fan out to its
             # intra-op threads and compete with the store's own workers for the cores.
@@ -220,6 +232,10 @@ class StorageRegion(RegionAttributes):
 
     def copy_in(self, offset: int, src: memoryview) -> None:
         self._check_range(offset, len(src))
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies.copy_from_host(index, self._storage.data_ptr() + offset, src)
+            return
         if self._device.type == "cpu" and not src.readonly and len(src):
             ctypes.memmove(self._storage.data_ptr() + offset, _address(src), len(src))
             return
@@ -233,7 +249,7 @@ class StorageRegion(RegionAttributes):
         view is dropped on release and rebuilt if the storage moved (torch may
         reallocate it at a new address). See memory_at for how it is built.
         """
-        if self._device.type != "cpu" or self.released:
+        if self._on_device is not None or self._device.type != "cpu" or self.released:
             return None
         address = self._storage.data_ptr()
         if self._view is None or self._view_address != address:
@@ -296,6 +312,10 @@ class StorageRegion(RegionAttributes):
             _wake_up(tensor)
 
     def zero(self) -> None:
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies.zero(index, self._storage.data_ptr(), self._nbytes)
+            return
         with torch.no_grad():
             self._bytes().zero_()
 
@@ -387,16 +407,42 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def cuda_index(storage: torch.UntypedStorage) -> int | None:
+    """The CUDA device a storage lives on; None for host memory."""
+    if storage.device.type != "cuda":
+        return None
+    return 0 if storage.device.index is None else storage.device.index
+
+
 class TensorPool:
-    """The tensors this process asked to hibernate."""
+    """The tensors this process asked to hibernate.
+
+    ``copies`` makes the device copy seam on first need (a CPU-only program never
+    loads one); ``device_of`` says which storages are device memory, and where.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
+        device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
+    ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self._warnings: list[str] = []
+        self._copies_source = copies
+        self._copies: DeviceCopies | None = None
+        self._device_of = device_of
+        self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
+
+    @property
+    def copies(self) -> DeviceCopies:
+        with self._lock:
+            if self._copies is None:
+                self._copies = self._copies_source()
+            return self._copies
 
     def track(self, obj: Any, tag: str, keep: bool, name: str | None) -> None:
         if not tag or any(ch in tag for ch in "/\n\0"):
@@ -450,6 +496,7 @@ class TensorPool:
         warnings: list[str] = []
         keys: set[str] = set()
         mappings: list[hostpages.HostMapping] | None = None
+        devices: set[int] = set()
         for owner, first_name, storage, views, tensors in by_storage.values():
             key = f"{owner.tag}/{first_name}"
             suffix = 2
@@ -457,6 +504,15 @@ class TensorPool:
                 key = f"{owner.tag}/{first_name}#{suffix}"
                 suffix += 1
             keys.add(key)
+            index = self._device_of(storage)
+            if index is not None:
+                devices.add(index)
+                regions.append(
+                    StorageRegion(
+                        key, owner.tag, owner.keep, storage, views, list(tensors.values()), (self.copies, index)
+                    )
+                )
+                continue
             region_class = StorageRegion
             if storage.device.type == "cpu" and not storage.resizable():
                 mappings = hostpages.own_mappings() if mappings is None else mappings
@@ -468,7 +524,13 @@ class TensorPool:
                 region_class = FixedHostStorageRegion
             regions.append(region_class(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
         self._warnings = warnings
+        self._devices = frozenset(devices)
         return regions
+
+    def synchronize(self) -> None:
+        """Wait for every device that holds a tracked storage, all its streams (before reads, after fills)."""
+        for device in sorted(self._devices):
+            self.copies.synchronize(device)
 
     def warnings(self) -> list[str]:
         return list(self._warnings)
@@ -479,17 +541,8 @@ class TensorPool:
             torch.cuda.empty_cache()
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None
-        cudart = torch.cuda.cudart()
-
-        def pin(view: memoryview) -> Callable[[], None]:
-            address = _address(view)
-            if cudart.cudaHostRegister(address, len(view), 0) != 0:
-                return lambda: None  # pageable staging still works, only slower
-            return lambda: cudart.cudaHostUnregister(address)
-
-        return pin
+        """The seam's page-locking, where the newest regions() found device storages."""
+        return self.copies.pinner() if self._devices else None
 
 
 _libc: ctypes.CDLL | None = None
