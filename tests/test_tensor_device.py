@@ -20,9 +20,10 @@ import torch
 from hibernate import procinfo
 from hibernate.agent import Hibernator
 from hibernate.errors import UnsupportedError
+from hibernate.operation.reports import ProcessSleep
 from hibernate.pools.device import CudaCopies, CudaRuntime, loaded_cudart
 from hibernate.pools.hostpages import HostMapping
-from hibernate.pools.tensors import TensorPool
+from hibernate.pools.tensors import TensorPool, pool_of
 from tests.standins.vllm_cumem import FakeCudaRT
 
 NON_BLOCKING = 1
@@ -72,7 +73,8 @@ def test_a_side_stream_write_still_in_flight_when_the_guard_exits_is_in_the_snap
     agent = agent_with(pool)
     stream = side_stream(cudart, 1)
     with agent.guard.hold():
-        assert cudart.lib.cudaMemsetAsync(ctypes.c_void_p(weights.data_ptr()), 0xAB, weights.nbytes, stream) == 0
+        address = ctypes.c_void_p(weights.data_ptr())
+        assert cudart.lib.cudaMemsetAsync(address, 0xAB, weights.nbytes, stream) == 0
     assert int(weights.max()) == 0, "the stand-in keeps the write in flight past the guard"
 
     report = agent.sleep_here(work_dir, 5.0, {"buffer_mb": 4, "chunk_mb": 1})
@@ -120,3 +122,66 @@ def test_without_a_loaded_cuda_runtime_device_copies_are_refused_clearly() -> No
     # This CPU build of torch loads no libcudart.
     with pytest.raises(UnsupportedError, match=r"no CUDA runtime library \(libcudart.so\)"):
         CudaCopies.from_process()
+
+
+# -- storages in a non-default pool: released, but nothing freed on the GPU ------------------------
+
+
+def segment(device: int, address: int, size: int, pool: tuple[int, int]) -> dict[str, object]:
+    """A segment as torch.cuda.memory_snapshot() lists it (the fields read here)."""
+    return {"device": device, "address": address, "total_size": size, "segment_pool_id": pool}
+
+
+def test_a_storage_in_a_private_pool_is_named_in_the_sleeps_warnings(
+    cudart: FakeCudaRT, work_dir: Path
+) -> None:
+    in_mempool = torch.arange(4096, dtype=torch.int32)
+    in_default = torch.arange(1024, dtype=torch.int64)
+    expected = (in_mempool.clone(), in_default.clone())
+    segments = [
+        # The same addresses on another device belong to other memory: not these storages.
+        segment(0, in_mempool.data_ptr(), in_mempool.nbytes, (0, 1)),
+        segment(1, in_mempool.data_ptr(), in_mempool.nbytes, (0, 1)),
+        segment(1, in_default.data_ptr(), in_default.nbytes, (0, 0)),
+    ]
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=on_device({"m": in_mempool, "d": in_default}, 1),
+        segments=lambda: segments,
+    )
+    pool.track({"m": in_mempool, "d": in_default}, "weights", True, "net")
+    agent = agent_with(pool)
+    report = agent.sleep_here(work_dir, 5.0, {})
+    assert report["spill"]["warnings"] == [
+        f"weights/net.m ({in_mempool.nbytes} bytes on cuda:1) lives in the private memory pool (0, 1) "
+        "(a torch.cuda.MemPool or a CUDA graph's pool): releasing it frees nothing on the GPU, "
+        "since empty_cache() does not return a live pool's blocks"
+    ]
+    agent.wake_here({})
+    assert torch.equal(in_mempool, expected[0]) and torch.equal(in_default, expected[1]), "still hibernated"
+
+
+@pytest.mark.parametrize(
+    "address, pool",
+    [(0x1000, (0, 0)), (0x1FFF, (0, 0)), (0x2000, (3, 0)), (0x2800, (3, 0)), (0x3000, None), (0x800, None)],
+)
+def test_pool_of_finds_the_segment_holding_an_address(address: int, pool: tuple[int, int] | None) -> None:
+    segments = [segment(0, 0x1000, 0x1000, (0, 0)), segment(0, 0x2000, 0x1000, (3, 0))]
+    assert pool_of(0, address, segments) == pool
+    assert pool_of(1, address, segments) is None
+    unnamed = [{k: v for k, v in s.items() if k != "segment_pool_id"} for s in segments]
+    assert pool_of(0, address, unnamed) is None, "a torch that does not name the pool: unknown"
+
+
+def test_the_warnings_and_resident_bytes_reach_the_sleep_report() -> None:
+    phases = {
+        "spill": {"seconds": 1.0, "warnings": ["w/x lives in the private memory pool (1, 0)"]},
+        "release": {"released_bytes": 4096, "resident_bytes": 100},
+    }
+    process = ProcessSleep.from_phases(7, "p", phases)
+    assert process.warnings == ["w/x lives in the private memory pool (1, 0)"]
+    assert process.resident_bytes == 100
+    wire = process.to_wire()
+    assert ProcessSleep(**wire) == process
+    older = {k: v for k, v in wire.items() if k not in ("warnings", "resident_bytes")}
+    assert ProcessSleep(**older).warnings == [], "a report written before these fields still reads"

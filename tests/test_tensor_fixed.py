@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import hibernate
 from hibernate.errors import HibernatingError
 from hibernate.pools.hostpages import PAGE_SIZE, HostMapping, interior, parse_maps, placement
+from tests.conftest import REPO, wait_until
+from tests.test_json_schema import valid
 
 MIB = 1 << 20
 
@@ -63,7 +67,9 @@ def test_a_numpy_shared_tensor_sleeps_frees_its_pages_and_wakes_bit_exact_at_the
     assert array.tobytes() == expected.numpy().tobytes(), "numpy sees the bytes again"
 
 
-def test_a_from_blob_tensor_keeps_the_neighbours_of_its_partial_edge_pages(fresh_agent, work_dir: Path) -> None:
+def test_a_from_blob_tensor_keeps_the_neighbours_of_its_partial_edge_pages(
+    fresh_agent, work_dir: Path
+) -> None:
     """torch.frombuffer is from_blob's Python face: memory owned by someone else, at an odd offset here."""
     size, offset = 8 * MIB, 100
     buffer = (ctypes.c_uint8 * size).from_buffer_copy(pattern(size, seed=2).numpy().tobytes())
@@ -182,3 +188,39 @@ def test_parse_maps_reads_the_fields_it_needs() -> None:
         HostMapping(0x9000, 0xA000, False, False, "/usr/lib/libc.so.6"),
         HostMapping(0xB000, 0xC000, True, False, ""),
     ]
+
+
+TARGET = """
+import mmap, signal, sys, torch, hibernate
+weights = torch.arange(1 << 20, dtype=torch.float32)
+view = weights.numpy()  # numpy-shared: hibernated in place
+shared = torch.frombuffer(mmap.mmap(-1, 1 << 20), dtype=torch.uint8)  # shared memory: left in place
+hibernate.track({"weights": weights, "shared": shared}, name="m")
+open(sys.argv[1], "w").write("ready")
+signal.pause()
+"""
+
+
+def test_the_cli_reports_what_was_left_in_memory_and_the_resident_edges(
+    cli, runtime_dir: Path, work_dir: Path, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    target = subprocess.Popen(
+        [sys.executable, "-c", TARGET, str(ready)], env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    try:
+        wait_until(ready.exists, 120, "the target tracking its tensors")
+        asleep = valid("sleep", cli("sleep", str(target.pid), "--to", str(work_dir), "--json"))
+        (process,) = asleep["processes"]
+        (warning,) = process["warnings"]
+        assert warning.startswith("weights/m.shared (1048576 bytes) is left in memory: shared memory")
+        assert process["total_bytes"] == 4 << 20, "the shared memory is not in the snapshot"
+        assert 0 <= process["resident_bytes"] < 2 * PAGE_SIZE, "at most a partial page at each end"
+        assert process["released_bytes"] == (4 << 20) - process["resident_bytes"]
+        valid("wake", cli("wake", str(target.pid), "--json"))
+        table = cli("sleep", str(target.pid), "--to", str(work_dir))
+        assert table.returncode == 0 and "warning   weights/m.shared" in table.stdout, table.stdout
+        assert cli("wake", str(target.pid)).returncode == 0
+    finally:
+        target.kill()
+        target.wait()

@@ -129,4 +129,5 @@ def discard_pages(address: int, length: int) -> None:
         _libc.madvise.restype = ctypes.c_int
     if _libc.madvise(address, length, MADV_DONTNEED) != 0:
         errno = ctypes.get_errno()
-        raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}: {os.strerror(errno)}")
+        what = f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}"
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")

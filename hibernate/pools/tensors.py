@@ -407,6 +407,56 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
+
+
+def allocator_segments() -> list[dict[str, Any]]:
+    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    try:
+        return list(torch.cuda.memory_snapshot(include_traces=False))
+    except TypeError:  # a torch older than include_traces: the same segments, traces and all
+        return list(torch.cuda.memory_snapshot())
+
+
+def pool_of(device: int, address: int, segments: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """The id of the memory pool whose segment holds ``address`` on ``device``; None if unknown.
+
+    A torch that does not name each segment's pool (``segment_pool_id``) leaves it unknown.
+    """
+    for segment in segments:
+        start = int(segment["address"])
+        if int(segment["device"]) == device and start <= address < start + int(segment["total_size"]):
+            if "segment_pool_id" not in segment:
+                return None
+            first, second = segment["segment_pool_id"]
+            return int(first), int(second)
+    return None
+
+
+def private_pool_warnings(
+    storages: Iterable[tuple[str, int, int, int]], segments: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """One warning per device storage (key, device, address, bytes) that lives in a non-default pool.
+
+    ``torch.cuda.empty_cache()`` returns only the default pool's free blocks: a
+    storage in a live ``torch.cuda.MemPool`` or a CUDA graph's private pool,
+    resized to zero, stays reserved by that pool, so releasing it frees nothing
+    on the GPU. It is still spilled and restored; the report says so.
+    """
+    warnings = []
+    for key, device, address, nbytes in storages:
+        pool = pool_of(device, address, segments)
+        if pool is not None and pool != DEFAULT_POOL:
+            warnings.append(
+                f"{key} ({nbytes} bytes on cuda:{device}) lives in the private memory pool {pool} "
+                "(a torch.cuda.MemPool or a CUDA graph's pool): releasing it frees nothing on the GPU, "
+                "since empty_cache() does not return a live pool's blocks"
+            )
+    return warnings
+
+
 def cuda_index(storage: torch.UntypedStorage) -> int | None:
     """The CUDA device a storage lives on; None for host memory."""
     if storage.device.type != "cuda":
@@ -418,7 +468,8 @@ class TensorPool:
     """The tensors this process asked to hibernate.
 
     ``copies`` makes the device copy seam on first need (a CPU-only program never
-    loads one); ``device_of`` says which storages are device memory, and where.
+    loads one); ``device_of`` says which storages are device memory, and where;
+    ``segments`` lists the device allocator's segments and the pool of each.
     """
 
     name = "torch"
@@ -427,6 +478,7 @@ class TensorPool:
         self,
         copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
         device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
+        segments: Callable[[], Sequence[Mapping[str, Any]]] = allocator_segments,
     ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
@@ -435,6 +487,7 @@ class TensorPool:
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
+        self._segments = segments
         self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
 
     @property
@@ -497,6 +550,7 @@ class TensorPool:
         keys: set[str] = set()
         mappings: list[hostpages.HostMapping] | None = None
         devices: set[int] = set()
+        on_device: list[tuple[str, int, int, int]] = []  # key, device, address, bytes
         for owner, first_name, storage, views, tensors in by_storage.values():
             key = f"{owner.tag}/{first_name}"
             suffix = 2
@@ -504,25 +558,25 @@ class TensorPool:
                 key = f"{owner.tag}/{first_name}#{suffix}"
                 suffix += 1
             keys.add(key)
+            args = (key, owner.tag, owner.keep, storage, views, list(tensors.values()))
             index = self._device_of(storage)
             if index is not None:
                 devices.add(index)
-                regions.append(
-                    StorageRegion(
-                        key, owner.tag, owner.keep, storage, views, list(tensors.values()), (self.copies, index)
-                    )
-                )
-                continue
-            region_class = StorageRegion
-            if storage.device.type == "cpu" and not storage.resizable():
+                regions.append(StorageRegion(*args, on_device=(self.copies, index)))
+                if storage.nbytes():
+                    on_device.append((key, index, storage.data_ptr(), storage.nbytes()))
+            elif storage.device.type == "cpu" and not storage.resizable():
                 mappings = hostpages.own_mappings() if mappings is None else mappings
                 start = storage.data_ptr()
                 where = hostpages.placement(start, start + storage.nbytes(), mappings)
-                if not where.hibernate:
+                if where.hibernate:
+                    regions.append(FixedHostStorageRegion(*args))
+                else:
                     warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
-                    continue
-                region_class = FixedHostStorageRegion
-            regions.append(region_class(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
+            else:
+                regions.append(StorageRegion(*args))
+        if on_device:
+            warnings.extend(private_pool_warnings(on_device, self._segments()))
         self._warnings = warnings
         self._devices = frozenset(devices)
         return regions
