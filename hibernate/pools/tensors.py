@@ -6,7 +6,11 @@ all see their bytes again after the wake. A storage is released by resizing it
 to zero bytes (the tensors keep their shape, dtype and identity, so every
 reference the program holds stays valid) and reallocated by resizing it back.
 On CPU the freed pages go back to the OS (``malloc_trim``); on CUDA the caching
-allocator's cache is emptied.
+allocator's cache is emptied. A CPU storage torch cannot resize (numpy-shared,
+``frombuffer``, memory maps) is freed in place instead (FixedHostStorageRegion,
+hibernate.pools.hostpages). CUDA storages are copied through the device seam
+(hibernate.pools.device) on its own streams, after every device holding one was
+synchronized (``synchronize``), so work the program left queued is in the snapshot.
 
 A storage of zero bytes has a null data pointer, and torch's kernels do not
 check it: ``t.sum()`` on a released tensor reads address 0 and the process dies
@@ -183,7 +187,7 @@ class _Tracked:
 class StorageRegion(RegionAttributes):
     """One torch storage and every tracked view of it.
 
-    A device storage (``on_device``: the copy seam and the device's index) is copied and
+    A device storage (``on_device``: what gives the copy seam, and the device's index) is copied and
     zero-filled through that seam, on its own non-blocking streams, never by a ``copy_``
     on the program's current stream; a host storage by plain memcpy.
     """
@@ -196,7 +200,7 @@ class StorageRegion(RegionAttributes):
         storage: torch.UntypedStorage,
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
-        on_device: tuple[DeviceCopies, int] | None = None,
+        on_device: tuple[Callable[[], DeviceCopies], int] | None = None,
     ) -> None:
         super().__init__(key, tag, keep, storage.nbytes(), {"device": str(storage.device), "views": views})
         self._storage = storage
@@ -220,7 +224,7 @@ class StorageRegion(RegionAttributes):
         self._check_range(offset, len(dst))
         if self._on_device is not None:
             copies, index = self._on_device
-            copies.copy_to_host(index, self._storage.data_ptr() + offset, dst)
+            copies().copy_to_host(index, self._storage.data_ptr() + offset, dst)
             return
         if self._device.type == "cpu" and not dst.readonly and len(dst):
             # One plain memcpy that releases the GIL: torch's copy_ would fan out to its
@@ -234,7 +238,7 @@ class StorageRegion(RegionAttributes):
         self._check_range(offset, len(src))
         if self._on_device is not None:
             copies, index = self._on_device
-            copies.copy_from_host(index, self._storage.data_ptr() + offset, src)
+            copies().copy_from_host(index, self._storage.data_ptr() + offset, src)
             return
         if self._device.type == "cpu" and not src.readonly and len(src):
             ctypes.memmove(self._storage.data_ptr() + offset, _address(src), len(src))
@@ -314,7 +318,7 @@ class StorageRegion(RegionAttributes):
     def zero(self) -> None:
         if self._on_device is not None:
             copies, index = self._on_device
-            copies.zero(index, self._storage.data_ptr(), self._nbytes)
+            copies().zero(index, self._storage.data_ptr(), self._nbytes)
             return
         with torch.no_grad():
             self._bytes().zero_()
@@ -483,15 +487,18 @@ class TensorPool:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count()
-        self._warnings: list[str] = []
+        # What the newest regions() found, for warnings(): host storages left in place (in words),
+        # and the device storages (key, device, address, bytes) whose pools warnings() looks up.
+        self._left_in_place: list[str] = []
+        self._device_storages: list[tuple[str, int, int, int]] = []
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
         self._segments = segments
         self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
 
-    @property
     def copies(self) -> DeviceCopies:
+        """The device copy seam, made on first use (a status call never makes it)."""
         with self._lock:
             if self._copies is None:
                 self._copies = self._copies_source()
@@ -550,7 +557,7 @@ class TensorPool:
         keys: set[str] = set()
         mappings: list[hostpages.HostMapping] | None = None
         devices: set[int] = set()
-        on_device: list[tuple[str, int, int, int]] = []  # key, device, address, bytes
+        device_storages: list[tuple[str, int, int, int]] = []
         for owner, first_name, storage, views, tensors in by_storage.values():
             key = f"{owner.tag}/{first_name}"
             suffix = 2
@@ -564,7 +571,7 @@ class TensorPool:
                 devices.add(index)
                 regions.append(StorageRegion(*args, on_device=(self.copies, index)))
                 if storage.nbytes():
-                    on_device.append((key, index, storage.data_ptr(), storage.nbytes()))
+                    device_storages.append((key, index, storage.data_ptr(), storage.nbytes()))
             elif storage.device.type == "cpu" and not storage.resizable():
                 mappings = hostpages.own_mappings() if mappings is None else mappings
                 start = storage.data_ptr()
@@ -575,19 +582,26 @@ class TensorPool:
                     warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
             else:
                 regions.append(StorageRegion(*args))
-        if on_device:
-            warnings.extend(private_pool_warnings(on_device, self._segments()))
-        self._warnings = warnings
+        self._left_in_place = warnings
+        self._device_storages = device_storages
         self._devices = frozenset(devices)
         return regions
 
     def synchronize(self) -> None:
         """Wait for every device that holds a tracked storage, all its streams (before reads, after fills)."""
         for device in sorted(self._devices):
-            self.copies.synchronize(device)
+            self.copies().synchronize(device)
 
     def warnings(self) -> list[str]:
-        return list(self._warnings)
+        """Host storages left in place, then device storages in a private pool.
+
+        The pools are looked up here, not in regions(): the allocator's snapshot
+        is costly, and ``status`` enumerates regions without needing it.
+        """
+        found = list(self._left_in_place)
+        if self._device_storages:
+            found.extend(private_pool_warnings(self._device_storages, self._segments()))
+        return found
 
     def after_release(self) -> None:
         _trim_host_heap()
@@ -596,7 +610,7 @@ class TensorPool:
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
         """The seam's page-locking, where the newest regions() found device storages."""
-        return self.copies.pinner() if self._devices else None
+        return self.copies().pinner() if self._devices else None
 
 
 _libc: ctypes.CDLL | None = None
