@@ -20,7 +20,7 @@ import torch
 
 import hibernate
 from hibernate.errors import HibernatingError
-from hibernate.pools.hostpages import PAGE_SIZE, HostMapping, interior, parse_maps, placement
+from hibernate.pools.hostpages import PAGE_SIZE, HostMapping, discard_pages, interior, parse_maps, placement
 from tests.conftest import REPO, wait_until
 from tests.test_json_schema import valid
 
@@ -224,3 +224,18 @@ def test_the_cli_reports_what_was_left_in_memory_and_the_resident_edges(
     finally:
         target.kill()
         target.wait()
+
+
+def test_madv_dontneed_frees_nothing_of_shared_memory_which_is_why_it_is_left_in_place() -> None:
+    """The fact behind leaving shared memory alone: its data (so its memory) survives MADV_DONTNEED."""
+    shared = mmap.mmap(-1, 4 * MIB)  # MAP_SHARED | MAP_ANONYMOUS
+    private = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE)
+    for region in (shared, private):
+        region.write(b"\x5a" * (4 * MIB))
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        discard_pages(address, 4 * MIB)
+        assert present_pages(address, 4 * MIB) == 0, "unmapped from this process either way"
+    assert shared[: 4 * MIB] == b"\x5a" * (4 * MIB), "shared: the pages and their bytes are still there"
+    assert private[: 4 * MIB] == bytes(4 * MIB), "private: gone, zero pages on the next touch"
+    shared.close()
+    private.close()

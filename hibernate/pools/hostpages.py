@@ -7,17 +7,19 @@ still points at it), so it cannot be freed the usual way (resize to zero).
 Instead its pages are handed back with ``madvise(MADV_DONTNEED)`` while the
 address range stays mapped, and its bytes are written back in place on wake.
 
-What ``MADV_DONTNEED`` does depends on the mapping (madvise(2), checked on
-Linux 6.x by the RSS tests in tests/test_tensor_fixed.py):
+What ``MADV_DONTNEED`` does depends on the mapping (madvise(2); each case is
+pinned by a test in tests/test_tensor_fixed.py, run on Linux 6.18):
 
 * private anonymous memory (malloc, numpy's own buffers): the pages are freed;
   the next touch maps fresh zero pages;
 * private file mapping: the pages are dropped, and the next touch reads the
   file again (modified copy-on-write pages are lost, so they are spilled);
-* shared mapping: nothing is freed. For a file the data lives in the file, so
-  it is left as it is; for shared memory (``/dev/shm``, memfd, anonymous
-  ``MAP_SHARED``) ``MADV_REMOVE`` would free it, but also erase it under every
-  other process that maps it, so it is left in place as well and reported.
+* shared mapping: the process's RSS drops, but the pages stay in the page
+  cache or in shared memory with their data, so nothing is freed. For a file
+  the data lives in the file, so it is left as it is; for shared memory
+  (``/dev/shm``, memfd, anonymous ``MAP_SHARED``) ``MADV_REMOVE`` would free
+  it, but also erase it under every other process that maps it, so it is left
+  in place as well and reported.
 
 A read-only mapping cannot be written back, so it is left in place too.
 
