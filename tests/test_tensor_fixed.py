@@ -20,7 +20,15 @@ import torch
 
 import hibernate
 from hibernate.errors import HibernatingError
-from hibernate.pools.hostpages import PAGE_SIZE, HostMapping, discard_pages, interior, parse_maps, placement
+from hibernate.pools.hostpages import (
+    PAGE_SIZE,
+    HostMapping,
+    discard_pages,
+    interior,
+    kept_with_overlaps,
+    parse_maps,
+    placement,
+)
 from tests.conftest import REPO, wait_until
 from tests.test_json_schema import valid
 
@@ -239,3 +247,33 @@ def test_madv_dontneed_frees_nothing_of_shared_memory_which_is_why_it_is_left_in
     assert private[: 4 * MIB] == bytes(4 * MIB), "private: gone, zero pages on the next touch"
     shared.close()
     private.close()
+
+
+def test_a_dropped_tensor_sharing_numpy_memory_with_a_kept_one_is_kept(fresh_agent, work_dir: Path) -> None:
+    """Two storages over one numpy array: zero-filling the dropped one on wake would wipe the kept bytes."""
+    whole = pattern(1 << 20, seed=5)
+    array = whole.numpy()
+    weights = torch.from_numpy(array)  # a storage of its own, over numpy's memory
+    scratch = torch.from_numpy(array[100_000:300_000])  # another storage, over part of the same memory
+    expected = weights.clone()
+    hibernate.track(weights, name="w")
+    hibernate.track(scratch, tag="kv_cache", keep=False, name="scratch")
+    report = hibernate.sleep(work_dir)
+    assert report["spill"]["dropped_bytes"] == 0, "kept, since it shares bytes with kept weights"
+    hibernate.wake()
+    assert torch.equal(weights, expected)
+
+
+@pytest.mark.parametrize(
+    "ranges, kept",
+    [
+        ([], []),
+        ([(0, 10, True), (10, 20, False)], [True, False]),  # touching is not sharing
+        ([(0, 10, True), (5, 20, False)], [True, True]),
+        ([(5, 20, False), (0, 10, True), (15, 30, False), (40, 50, False)], [True, True, True, False]),
+        ([(0, 100, False), (10, 20, False), (30, 40, True)], [True, True, True]),
+        ([(0, 10, False), (2, 4, False)], [False, False]),
+    ],
+)
+def test_kept_with_overlaps(ranges: list[tuple[int, int, bool]], kept: list[bool]) -> None:
+    assert kept_with_overlaps(ranges) == kept

@@ -106,6 +106,30 @@ def placement(start: int, end: int, mappings: Sequence[HostMapping]) -> Placemen
     return Placement(True, "")
 
 
+def kept_with_overlaps(ranges: Sequence[tuple[int, int, bool]]) -> list[bool]:
+    """Which of the ranges ``(start, end, keep)`` must be kept: any that shares bytes with a kept one.
+
+    Two storages torch did not allocate may share memory (``from_numpy`` twice on one
+    array). A wake fills the kept regions, then zero-fills the dropped ones, so a
+    dropped range overlapping a kept one, directly or through others, would wipe
+    kept bytes: every range of an overlapping group is kept if one of them is.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    kept = [keep for _, _, keep in ranges]
+    group: list[int] = []
+    group_end = -1
+    for index in [*order, None]:
+        if index is None or ranges[index][0] >= group_end:
+            if any(kept[i] for i in group):
+                for i in group:
+                    kept[i] = True
+            group, group_end = [], -1
+        if index is not None:
+            group.append(index)
+            group_end = max(group_end, ranges[index][1])
+    return kept
+
+
 def own_mappings() -> list[HostMapping]:
     return parse_maps(Path("/proc/self/maps").read_text())
 

@@ -552,13 +552,21 @@ class TensorPool:
                 slot[4].setdefault(id(tensor), (tensor, name))
                 if entry.keep and not slot[0].keep:
                     slot[0], slot[1] = entry, name
+        fixed = [
+            slot for slot in by_storage.values() if slot[2].device.type == "cpu" and not slot[2].resizable()
+        ]
+        ranges = [(s[2].data_ptr(), s[2].data_ptr() + s[2].nbytes(), s[0].keep) for s in fixed]
+        kept_by_overlap = {
+            id(slot): keep for slot, keep in zip(fixed, hostpages.kept_with_overlaps(ranges), strict=True)
+        }
         regions: list[SpillableRegion] = []
         warnings: list[str] = []
         keys: set[str] = set()
         mappings: list[hostpages.HostMapping] | None = None
         devices: set[int] = set()
         device_storages: list[tuple[str, int, int, int]] = []
-        for owner, first_name, storage, views, tensors in by_storage.values():
+        for slot in by_storage.values():
+            owner, first_name, storage, views, tensors = slot
             key = f"{owner.tag}/{first_name}"
             suffix = 2
             while key in keys:
@@ -577,7 +585,10 @@ class TensorPool:
                 start = storage.data_ptr()
                 where = hostpages.placement(start, start + storage.nbytes(), mappings)
                 if where.hibernate:
-                    regions.append(FixedHostStorageRegion(*args))
+                    keep = kept_by_overlap[id(slot)]  # kept if it shares bytes with a kept storage
+                    regions.append(
+                        FixedHostStorageRegion(key, owner.tag, keep, storage, views, list(tensors.values()))
+                    )
                 else:
                     warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
             else:
