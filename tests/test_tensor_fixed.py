@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hibernate
-from hibernate.errors import HibernatingError
+from hibernate.errors import HibernatingError, UnsupportedError
 from hibernate.pools.hostpages import (
     PAGE_SIZE,
     HostMapping,
@@ -277,3 +277,46 @@ def test_a_dropped_tensor_sharing_numpy_memory_with_a_kept_one_is_kept(fresh_age
 )
 def test_kept_with_overlaps(ranges: list[tuple[int, int, bool]], kept: list[bool]) -> None:
     assert kept_with_overlaps(ranges) == kept
+
+
+def mlocked(size: int) -> tuple[ctypes.Array[ctypes.c_uint8], int]:
+    """A buffer whose pages are locked in memory (as under mlockall), and its address."""
+    buffer = (ctypes.c_uint8 * size)()
+    address = ctypes.addressof(buffer)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
+        pytest.skip(f"mlock refused here: {os.strerror(ctypes.get_errno())}")
+    return buffer, address
+
+
+def test_locked_memory_is_left_in_place_and_named(fresh_agent, work_dir: Path) -> None:
+    buffer, address = mlocked(64 * 1024)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    tensor.fill_(3)
+    hibernate.track(tensor, name="pinned")
+    report = hibernate.sleep(work_dir)
+    (warning,) = report["spill"]["warnings"]
+    assert "locked in memory (mlock): MADV_DONTNEED cannot free it" in warning
+    assert int(tensor.sum()) == 3 * 64 * 1024, "left as it was, usable"
+    hibernate.wake()
+    with pytest.raises(UnsupportedError, match="were not released") as refused:
+        discard_pages(*interior(address, 64 * 1024))
+    assert "mlock" in (refused.value.hint or "")
+    assert bytes(buffer) == b"\x03" * (64 * 1024)
+
+
+def test_parse_maps_reads_smaps_vmflags() -> None:
+    text = (
+        "7f00-8f00 rw-p 00000000 00:00 0\n"
+        "Size:                 60 kB\n"
+        "Rss:                  60 kB\n"
+        "VmFlags: rd wr mr mw me lo ac sd\n"
+        "9000-a000 rw-p 00000000 00:00 0 \n"
+        "VmFlags: rd wr mr mw me ac sd\n"
+    )
+    first, second = parse_maps(text)
+    assert "lo" in first.flags and "lo" not in second.flags
+    assert (first.start, first.end, second.start) == (0x7F00, 0x8F00, 0x9000)
+    where = placement(0x7F00, 0x8000, [first])
+    assert not where.hibernate and "locked in memory" in where.reason
+    assert placement(0x9000, 0x9100, [second]).hibernate

@@ -21,7 +21,8 @@ pinned by a test in tests/test_tensor_fixed.py, run on Linux 6.18):
   it, but also erase it under every other process that maps it, so it is left
   in place as well and reported.
 
-A read-only mapping cannot be written back, so it is left in place too.
+A read-only mapping cannot be written back, and MADV_DONTNEED refuses locked
+(``mlock``), hugetlbfs and device pages: those are left in place too.
 
 Only whole pages can be handed back: the partial pages at both ends of a
 range stay resident (they may hold other objects) and are counted.
@@ -33,35 +34,60 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from hibernate.errors import UnsupportedError
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MADV_DONTNEED = 4  # <bits/mman-linux.h>, the same value on every Linux architecture
 
 
+# VmFlags (proc(5)) of pages MADV_DONTNEED refuses with EINVAL: locked (mlock, mlockall),
+# hugetlbfs, and PFN maps (device memory); each with the words a report gives.
+UNFREEABLE_FLAGS = {"lo": "locked in memory (mlock)", "ht": "hugetlbfs pages", "pf": "a device (PFN) mapping"}
+
+
 @dataclass(frozen=True)
 class HostMapping:
-    """One line of /proc/self/maps."""
+    """One mapping of /proc/self/smaps (or maps, which has no VmFlags)."""
 
     start: int
     end: int
     writable: bool
     shared: bool
     path: str  # empty for anonymous memory; "[heap]" and the like for special regions
+    flags: frozenset[str] = frozenset()  # VmFlags: "lo" locked, "ht" hugetlbfs...
+
+
+def _header(line: str) -> HostMapping | None:
+    """A mapping's first line (``start-end perms offset dev inode [path]``); None for a field line."""
+    fields = line.split(maxsplit=5)
+    if len(fields) < 5:
+        return None
+    start, dash, end = fields[0].partition("-")
+    try:
+        low, high = int(start, 16), int(end, 16)
+    except ValueError:
+        return None
+    if not dash:
+        return None
+    perms = fields[1]
+    path = fields[5].strip() if len(fields) == 6 else ""
+    return HostMapping(low, high, perms[1] == "w", perms[3] == "s", path)
 
 
 def parse_maps(text: str) -> list[HostMapping]:
-    """The mappings of a /proc/PID/maps text (``start-end perms offset dev inode [path]``)."""
-    mappings = []
+    """The mappings of a /proc/PID/smaps or maps text, with their VmFlags where smaps gives them."""
+    mappings: list[HostMapping] = []
     for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5:
+        if line.startswith("VmFlags:") and mappings:
+            flags = frozenset(line.removeprefix("VmFlags:").split())
+            mappings[-1] = replace(mappings[-1], flags=flags)
             continue
-        start, _, end = fields[0].partition("-")
-        perms = fields[1]
-        path = fields[5].strip() if len(fields) == 6 else ""
-        mappings.append(HostMapping(int(start, 16), int(end, 16), perms[1] == "w", perms[3] == "s", path))
+        mapping = _header(line)
+        if mapping is not None:
+            mappings.append(mapping)
     return mappings
 
 
@@ -103,6 +129,9 @@ def placement(start: int, end: int, mappings: Sequence[HostMapping]) -> Placemen
         )
     if not all(m.writable for m in covering):
         return Placement(False, "a read-only mapping: its bytes could not be written back")
+    unfreeable = sorted({UNFREEABLE_FLAGS[f] for m in covering for f in m.flags if f in UNFREEABLE_FLAGS})
+    if unfreeable:
+        return Placement(False, f"{' and '.join(unfreeable)}: MADV_DONTNEED cannot free it")
     return Placement(True, "")
 
 
@@ -131,7 +160,8 @@ def kept_with_overlaps(ranges: Sequence[tuple[int, int, bool]]) -> list[bool]:
 
 
 def own_mappings() -> list[HostMapping]:
-    return parse_maps(Path("/proc/self/maps").read_text())
+    """This process's mappings, from smaps for their VmFlags (read only when such storages exist)."""
+    return parse_maps(Path("/proc/self/smaps").read_text())
 
 
 def interior(start: int, nbytes: int, page: int = PAGE_SIZE) -> tuple[int, int]:
@@ -155,5 +185,9 @@ def discard_pages(address: int, length: int) -> None:
         _libc.madvise.restype = ctypes.c_int
     if _libc.madvise(address, length, MADV_DONTNEED) != 0:
         errno = ctypes.get_errno()
-        what = f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}"
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        raise UnsupportedError(
+            f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x} failed: {os.strerror(errno)}; "
+            "these pages were not released",
+            hint="the pages were locked (mlock) or remapped after the sleep began; untrack the tensor "
+            "or copy it into torch-allocated memory",
+        )
