@@ -20,6 +20,7 @@ import torch
 
 import hibernate
 from hibernate.errors import HibernatingError, UnsupportedError
+from hibernate.pools import hostpages
 from hibernate.pools.hostpages import (
     PAGE_SIZE,
     HostMapping,
@@ -320,3 +321,19 @@ def test_parse_maps_reads_smaps_vmflags() -> None:
     where = placement(0x7F00, 0x8000, [first])
     assert not where.hibernate and "locked in memory" in where.reason
     assert placement(0x9000, 0x9100, [second]).hibernate
+
+
+def test_pages_locked_after_the_enumeration_fail_the_sleep_which_rolls_back(
+    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buffer, _ = mlocked(64 * 1024)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    tensor.fill_(7)
+    other = torch.arange(1000)
+    hibernate.track({"locked": tensor, "other": other}, name="m")
+    # The enumeration sees the mapping as it was before an mlock: maps has no VmFlags.
+    monkeypatch.setattr(hostpages, "own_mappings", lambda: parse_maps(Path("/proc/self/maps").read_text()))
+    with pytest.raises(UnsupportedError, match="were not released"):
+        hibernate.sleep(work_dir)
+    assert hibernate.state() == "running"
+    assert int(tensor.sum()) == 7 * 64 * 1024 and torch.equal(other, torch.arange(1000))
