@@ -141,6 +141,10 @@ def sleep_report(report: SleepReport) -> None:
             f"{human_bytes(p.dropped_bytes)}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
         )
         _line("memory", _rss_change(p.rss_before, p.rss_after))
+        if p.resident_bytes:
+            _line("resident", f"{human_bytes(p.resident_bytes)} (partial pages at the edges of fixed memory)")
+        for warning in p.warnings:
+            _line("warning", warning)
     for s in report.skipped:
         where = f" (snapshot {s['snapshot']})" if s.get("snapshot") else ""
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already asleep{where}", markup=False)

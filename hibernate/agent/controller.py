@@ -319,6 +319,8 @@ class Hibernator:
             with self._mutex:
                 pools = list(self._pools)
             regions = [(pool, list(pool.regions())) for pool in pools]
+            for pool in pools:
+                pool.synchronize()  # work the program queued on any stream lands before a byte is read
             sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.owner), "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
             with SpillRoot(sleeping.root, create=True, owner=self.owner) as root:
@@ -358,6 +360,7 @@ class Hibernator:
                 report["verify_seconds"] = round(verified.seconds, 6)
             report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
             report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
+            report["warnings"] = [warning for pool in pools for warning in pool.warnings()]
             return report
 
         return self._transition(session, "spill", action)
@@ -375,8 +378,10 @@ class Hibernator:
             except BaseException:
                 self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))))
                 raise
+            resident = sum(r.resident_after_release for r in sleeping.all_regions)
             return {
-                "released_bytes": sum(r.nbytes for r in sleeping.all_regions),
+                "released_bytes": sum(r.nbytes for r in sleeping.all_regions) - resident,
+                "resident_bytes": resident,
                 "rss_before": rss_before,
                 "rss_after": procinfo.resident_bytes(os.getpid()),
                 "seconds": time.perf_counter() - started,
@@ -459,6 +464,8 @@ class Hibernator:
                 for region in chosen:
                     if not region.keep:
                         region.zero()
+                for pool, _ in sleeping.regions:
+                    pool.synchronize()  # the fills are on the device before the program runs again
             except BaseException:
                 for region in chosen:
                     region.release()

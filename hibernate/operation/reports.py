@@ -43,6 +43,9 @@ class ProcessSleep:
     rss_after: Any
     pools: list[Any]
     phases: dict[str, float]
+    # Defaulted: a node-step document written before these fields existed still reads back.
+    resident_bytes: int = 0  # partial edge pages of host memory freed in place (hibernate.pools.hostpages)
+    warnings: list[str] = field(default_factory=list)  # what the sleep left in memory, and why
 
     @classmethod
     def from_phases(cls, pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> ProcessSleep:
@@ -63,6 +66,8 @@ class ProcessSleep:
             reused_bytes=spill.get("reused_bytes", 0),
             dropped_bytes=spill.get("dropped_bytes", 0),
             released_bytes=release.get("released_bytes", 0),
+            resident_bytes=release.get("resident_bytes", 0),
+            warnings=list(spill.get("warnings", [])),
             io_mode=spill.get("io_mode"),
             gb_per_s=round(written / spill_seconds / 1e9, 3),
             io_seconds=_io_seconds(spill),

@@ -1,7 +1,9 @@
 """What can be hibernated: pools of memory regions that can be spilled, released and restored.
 
 ``base`` holds the contract; ``tensors`` the PyTorch tensors a program names
-with ``hibernate.track``; ``vllm`` the allocations of vLLM's CuMemAllocator.
+with ``hibernate.track``; ``vllm`` the allocations of vLLM's CuMemAllocator;
+``device`` the copies to and from GPU memory both use; ``hostpages`` how host
+memory torch cannot resize is freed in place.
 Importing this package does not import torch.
 """
 

@@ -31,6 +31,11 @@ class SpillableRegion(Region, Protocol):
 
     def zero(self) -> None: ...
 
+    @property
+    def resident_after_release(self) -> int:
+        """Bytes a release leaves in memory (the partial edge pages of host memory freed in place)."""
+        ...
+
 
 class RegionAttributes:
     """The five read-only attributes of a pool's region (SpillableRegion): key, tag, keep, nbytes, meta.
@@ -68,6 +73,11 @@ class RegionAttributes:
     def meta(self) -> Mapping[str, Any]:
         return self._meta
 
+    @property
+    def resident_after_release(self) -> int:
+        """Nothing, unless a region frees its memory only in part (see SpillableRegion)."""
+        return 0
+
 
 class Pool(Protocol):
     name: str
@@ -82,6 +92,18 @@ class Pool(Protocol):
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
         """A way to page-lock staging buffers for fast device copies, if this pool needs one."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on every device holding a region, on any stream.
+
+        Called before a spill reads a region and after a wake refilled and zeroed them:
+        the program's side streams are not ordered with the pool's own copies.
+        """
+        ...
+
+    def warnings(self) -> list[str]:
+        """What the newest ``regions()`` found that a sleep will not free, in words for its report."""
         ...
 
 

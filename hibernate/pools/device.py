@@ -1,5 +1,8 @@
 """Device memory as the vLLM pool sees it: map, unmap, copy to and from the host, zero.
 
+The copies alone (:class:`DeviceCopies`) are also how tracked PyTorch CUDA
+storages are spilled and restored (hibernate.pools.tensors).
+
 This seam is what lets the pool's logic (which allocations to spill, release,
 map back, fill or zero) run unchanged over GPU memory and, in tests, over host
 memory. On a GPU:
@@ -22,12 +25,14 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from hibernate.errors import HibernateError, UnsupportedError
+from hibernate.pools.hostpages import HostMapping, own_mappings
 
 # vLLM's allocation handle: (device, aligned size, device pointer, generic allocation handle).
 Handle = tuple[int, int, int, Any]
@@ -38,14 +43,8 @@ class DeviceMemoryError(HibernateError):
     """A device call failed (the CUDA runtime's own words are in the message)."""
 
 
-class DeviceMemory(Protocol):
-    def map(self, handle: Handle) -> None:
-        """Back the reserved range of ``handle`` with fresh physical memory (contents undefined)."""
-        ...
-
-    def unmap(self, handle: Handle) -> None:
-        """Give the physical memory of ``handle`` back; its virtual range stays reserved."""
-        ...
+class DeviceCopies(Protocol):
+    """Copies between device memory and the host, on streams of the seam's own; all a torch storage needs."""
 
     def copy_to_host(self, device: int, address: int, dst: memoryview) -> None:
         """Copy ``len(dst)`` bytes at device ``address`` into ``dst``; done when it returns."""
@@ -58,15 +57,27 @@ class DeviceMemory(Protocol):
     def zero(self, device: int, address: int, nbytes: int) -> None: ...
 
     def synchronize(self, device: int) -> None:
-        """Wait for all work queued on ``device`` (before its memory is read or unmapped)."""
-        ...
-
-    def empty_cache(self) -> None:
-        """Return memory cached by other allocators of the process (after a release)."""
+        """Wait for all work queued on ``device``, on every stream (before its memory is read or unmapped)."""
         ...
 
     def pinner(self) -> PinFn | None:
         """Page-locks staging buffers so device copies into them run at full speed."""
+        ...
+
+
+class DeviceMemory(DeviceCopies, Protocol):
+    """Copies, and mapping physical memory in and out of reserved ranges (vLLM's allocations)."""
+
+    def map(self, handle: Handle) -> None:
+        """Back the reserved range of ``handle`` with fresh physical memory (contents undefined)."""
+        ...
+
+    def unmap(self, handle: Handle) -> None:
+        """Give the physical memory of ``handle`` back; its virtual range stays reserved."""
+        ...
+
+    def empty_cache(self) -> None:
+        """Return memory cached by other allocators of the process (after a release)."""
         ...
 
 
@@ -92,6 +103,7 @@ class CudaRuntime:
         self._error_string = self._bind(lib, "cudaGetErrorString", ctypes.c_char_p, [c_int])
         self._get_last_error = self._bind(lib, "cudaGetLastError", c_int, [])
         self._set_device = self._bind(lib, "cudaSetDevice", c_int, [c_int])
+        self._get_device = self._bind(lib, "cudaGetDevice", c_int, [ctypes.POINTER(c_int)])
         self._device_synchronize = self._bind(lib, "cudaDeviceSynchronize", c_int, [])
         self._stream_create = self._bind(
             lib, "cudaStreamCreateWithFlags", c_int, [ctypes.POINTER(c_void_p), c_uint]
@@ -119,6 +131,11 @@ class CudaRuntime:
 
     def set_device(self, device: int) -> None:
         self.check(self._set_device(device), f"cudaSetDevice({device})")
+
+    def get_device(self) -> int:
+        device = ctypes.c_int()
+        self.check(self._get_device(ctypes.byref(device)), "cudaGetDevice")
+        return device.value
 
     def device_synchronize(self) -> None:
         self.check(self._device_synchronize(), "cudaDeviceSynchronize")
@@ -150,40 +167,30 @@ class CudaRuntime:
             self._get_last_error()
 
 
-class CudaDeviceMemory:
-    """GPU memory: vLLM's map/unmap, the CUDA runtime for copies on streams of our own."""
+def loaded_cudart(mappings: Sequence[HostMapping]) -> str | None:
+    """The path of the CUDA runtime library mapped into a process (torch's, in a CUDA build)."""
+    return next((m.path for m in mappings if os.path.basename(m.path).startswith("libcudart.so")), None)
 
-    def __init__(
-        self,
-        runtime: CudaRuntime,
-        create_and_map: Callable[[Handle], None],
-        unmap_and_release: Callable[[Handle], None],
-    ) -> None:
+
+class CudaCopies:
+    """Device copies through the CUDA runtime, on non-blocking streams of our own (see DeviceCopies)."""
+
+    def __init__(self, runtime: CudaRuntime) -> None:
         self._rt = runtime
-        self._create_and_map = create_and_map
-        self._unmap_and_release = unmap_and_release
         self._lock = threading.Lock()
         self._idle_streams: dict[int, list[int]] = {}
 
     @classmethod
-    def from_vllm(cls) -> CudaDeviceMemory:
-        """The seam of a vLLM worker, over vLLM's cumem extension and its libcudart."""
-        try:
-            cumem = importlib.import_module("vllm.device_allocator.cumem")
-        except ImportError as exc:
-            raise UnsupportedError(f"vLLM's cumem allocator cannot be imported here: {exc}") from exc
-        if not getattr(cumem, "cumem_available", False):
-            raise UnsupportedError("vLLM's cumem allocator is not available on this platform")
-        lib = cumem.libcudart.lib
-        return cls(CudaRuntime(ctypes.CDLL(lib._name)), cumem.create_and_map, cumem.unmap_and_release)
-
-    # -- mapping ---------------------------------------------------------------
-
-    def map(self, handle: Handle) -> None:
-        self._create_and_map(handle)
-
-    def unmap(self, handle: Handle) -> None:
-        self._unmap_and_release(handle)
+    def from_process(cls) -> CudaCopies:
+        """Over the CUDA runtime this process already loaded (torch's), through a handle of our own."""
+        path = loaded_cudart(own_mappings())
+        if path is None:
+            raise UnsupportedError(
+                "no CUDA runtime library (libcudart.so) is loaded in this process, so hibernate cannot copy "
+                "its CUDA tensors; nothing was changed",
+                hint="use a torch build that loads libcudart dynamically (the PyPI and conda builds do)",
+            )
+        return cls(CudaRuntime(ctypes.CDLL(path)))
 
     # -- streams ---------------------------------------------------------------
 
@@ -232,15 +239,17 @@ class CudaDeviceMemory:
             self._rt.stream_synchronize(stream)
 
     def synchronize(self, device: int) -> None:
-        self._rt.set_device(device)
-        self._rt.device_synchronize()
+        """cudaDeviceSynchronize on ``device``: every stream of it, the program's side streams too.
 
-    def empty_cache(self) -> None:
-        """What vLLM's own sleep does after releasing: collect, then empty torch's cache."""
-        gc.collect()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        Runs on the caller's thread (the program's own, for an in-process sleep), so
+        that thread's current device is put back: torch reads it as its current device.
+        """
+        current = self._rt.get_device()
+        self._rt.set_device(device)
+        try:
+            self._rt.device_synchronize()
+        finally:
+            self._rt.set_device(current)
 
     def pinner(self) -> PinFn | None:
         runtime = self._rt
@@ -252,3 +261,42 @@ class CudaDeviceMemory:
             return lambda: runtime.host_unregister(address)
 
         return pin
+
+
+class CudaDeviceMemory(CudaCopies):
+    """GPU memory: vLLM's map/unmap, the CUDA runtime for copies on streams of our own."""
+
+    def __init__(
+        self,
+        runtime: CudaRuntime,
+        create_and_map: Callable[[Handle], None],
+        unmap_and_release: Callable[[Handle], None],
+    ) -> None:
+        super().__init__(runtime)
+        self._create_and_map = create_and_map
+        self._unmap_and_release = unmap_and_release
+
+    @classmethod
+    def from_vllm(cls) -> CudaDeviceMemory:
+        """The seam of a vLLM worker, over vLLM's cumem extension and its libcudart."""
+        try:
+            cumem = importlib.import_module("vllm.device_allocator.cumem")
+        except ImportError as exc:
+            raise UnsupportedError(f"vLLM's cumem allocator cannot be imported here: {exc}") from exc
+        if not getattr(cumem, "cumem_available", False):
+            raise UnsupportedError("vLLM's cumem allocator is not available on this platform")
+        lib = cumem.libcudart.lib
+        return cls(CudaRuntime(ctypes.CDLL(lib._name)), cumem.create_and_map, cumem.unmap_and_release)
+
+    def map(self, handle: Handle) -> None:
+        self._create_and_map(handle)
+
+    def unmap(self, handle: Handle) -> None:
+        self._unmap_and_release(handle)
+
+    def empty_cache(self) -> None:
+        """What vLLM's own sleep does after releasing: collect, then empty torch's cache."""
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

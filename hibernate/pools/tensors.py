@@ -6,7 +6,11 @@ all see their bytes again after the wake. A storage is released by resizing it
 to zero bytes (the tensors keep their shape, dtype and identity, so every
 reference the program holds stays valid) and reallocated by resizing it back.
 On CPU the freed pages go back to the OS (``malloc_trim``); on CUDA the caching
-allocator's cache is emptied.
+allocator's cache is emptied. A CPU storage torch cannot resize (numpy-shared,
+``frombuffer``, memory maps) is freed in place instead (FixedHostStorageRegion,
+hibernate.pools.hostpages). CUDA storages are copied through the device seam
+(hibernate.pools.device) on its own streams, after every device holding one was
+synchronized (``synchronize``), so work the program left queued is in the snapshot.
 
 A storage of zero bytes has a null data pointer, and torch's kernels do not
 check it: ``t.sum()`` on a released tensor reads address 0 and the process dies
@@ -44,7 +48,9 @@ from typing import Any
 import torch
 
 from hibernate.errors import HibernatingError, UsageError
+from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.device import CudaCopies, DeviceCopies
 from hibernate.store.format import gc_paused
 from hibernate.store.regions import memory_at
 
@@ -179,7 +185,12 @@ class _Tracked:
 
 
 class StorageRegion(RegionAttributes):
-    """One torch storage and every tracked view of it."""
+    """One torch storage and every tracked view of it.
+
+    A device storage (``on_device``: what gives the copy seam, and the device's index) is copied and
+    zero-filled through that seam, on its own non-blocking streams, never by a ``copy_``
+    on the program's current stream; a host storage by plain memcpy.
+    """
 
     def __init__(
         self,
@@ -189,10 +200,12 @@ class StorageRegion(RegionAttributes):
         storage: torch.UntypedStorage,
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
+        on_device: tuple[Callable[[], DeviceCopies], int] | None = None,
     ) -> None:
         super().__init__(key, tag, keep, storage.nbytes(), {"device": str(storage.device), "views": views})
         self._storage = storage
         self._device = storage.device
+        self._on_device = on_device
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False
         self.released = False
@@ -209,6 +222,10 @@ class StorageRegion(RegionAttributes):
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
         self._check_range(offset, len(dst))
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies().copy_to_host(index, self._storage.data_ptr() + offset, dst)
+            return
         if self._device.type == "cpu" and not dst.readonly and len(dst):
             # One plain memcpy that releases the GIL: torch's copy_ would fan out to its
             # intra-op threads and compete with the store's own workers for the cores.
@@ -219,6 +236,10 @@ class StorageRegion(RegionAttributes):
 
     def copy_in(self, offset: int, src: memoryview) -> None:
         self._check_range(offset, len(src))
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies().copy_from_host(index, self._storage.data_ptr() + offset, src)
+            return
         if self._device.type == "cpu" and not src.readonly and len(src):
             ctypes.memmove(self._storage.data_ptr() + offset, _address(src), len(src))
             return
@@ -232,7 +253,7 @@ class StorageRegion(RegionAttributes):
         view is dropped on release and rebuilt if the storage moved (torch may
         reallocate it at a new address). See memory_at for how it is built.
         """
-        if self._device.type != "cpu" or self.released:
+        if self._on_device is not None or self._device.type != "cpu" or self.released:
             return None
         address = self._storage.data_ptr()
         if self._view is None or self._view_address != address:
@@ -249,7 +270,7 @@ class StorageRegion(RegionAttributes):
         self._view = None  # its memory is about to go
         try:
             if self._nbytes:
-                self._storage.resize_(0)
+                self._free()
                 self._poison()
         except BaseException:
             self._wake_tensors()  # the memory is still there
@@ -263,12 +284,18 @@ class StorageRegion(RegionAttributes):
         if self._nbytes:
             self._unpoison()
             try:
-                self._storage.resize_(self._nbytes)
+                self._take()
             except BaseException:
                 self._poison()  # still released: keep views raising
                 raise
         self._wake_tensors()
         self.released = False
+
+    def _free(self) -> None:
+        self._storage.resize_(0)
+
+    def _take(self) -> None:
+        self._storage.resize_(self._nbytes)
 
     def _poison(self) -> None:
         if _poison_storage is not None and not self._storage_poisoned:
@@ -289,8 +316,49 @@ class StorageRegion(RegionAttributes):
             _wake_up(tensor)
 
     def zero(self) -> None:
+        if self._on_device is not None:
+            copies, index = self._on_device
+            copies().zero(index, self._storage.data_ptr(), self._nbytes)
+            return
         with torch.no_grad():
             self._bytes().zero_()
+
+
+class FixedHostStorageRegion(StorageRegion):
+    """A CPU storage torch cannot resize, hibernated at its own address (see hibernate.pools.hostpages).
+
+    Its pages are handed back with MADV_DONTNEED and its bytes written back in
+    place: the address that numpy, a blob's owner or a memory map holds stays
+    valid. Reads of it while asleep (through numpy, say, which no guard sees)
+    find zeros, or the file's bytes for a private file mapping, never a fault.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        tag: str,
+        keep: bool,
+        storage: torch.UntypedStorage,
+        views: list[dict[str, Any]],
+        tensors: Sequence[tuple[torch.Tensor, str]] = (),
+    ) -> None:
+        super().__init__(key, tag, keep, storage, views, tensors)
+        self._address = storage.data_ptr()
+        self._pages = hostpages.interior(self._address, self._nbytes)
+
+    @property
+    def resident_after_release(self) -> int:
+        return self._nbytes - self._pages[1]
+
+    def _free(self) -> None:
+        hostpages.discard_pages(*self._pages)
+
+    def _take(self) -> None:
+        """Nothing to allocate: the range stayed mapped, its pages come back as they are touched."""
+
+    def zero(self) -> None:
+        # MADV_DONTNEED left zeros only in anonymous pages: a private file mapping reads the file again.
+        ctypes.memset(self._address, 0, self._nbytes)
 
 
 def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
@@ -335,22 +403,106 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
         )
     if tensor.device.type not in ("cpu", "cuda"):
         raise UsageError(f"tensor {name!r} is on {tensor.device}; hibernate handles cpu and cuda tensors")
-    if not tensor.untyped_storage().resizable():
+    if tensor.device.type == "cuda" and not tensor.untyped_storage().resizable():
         raise UsageError(
-            f"tensor {name!r} uses memory torch cannot free (from numpy, from_blob or a memory map)",
+            f"tensor {name!r} uses CUDA memory torch did not allocate (from_blob, DLPack), "
+            "which hibernate cannot free",
             hint="copy it into a torch-allocated tensor before tracking it",
         )
 
 
+DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
+
+
+def allocator_segments() -> list[dict[str, Any]]:
+    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    try:
+        return list(torch.cuda.memory_snapshot(include_traces=False))
+    except TypeError:  # a torch older than include_traces: the same segments, traces and all
+        return list(torch.cuda.memory_snapshot())
+
+
+def pool_of(device: int, address: int, segments: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """The id of the memory pool whose segment holds ``address`` on ``device``; None if unknown.
+
+    A torch that does not name each segment's pool (``segment_pool_id``) leaves it unknown.
+    """
+    for segment in segments:
+        start = int(segment["address"])
+        if int(segment["device"]) == device and start <= address < start + int(segment["total_size"]):
+            if "segment_pool_id" not in segment:
+                return None
+            first, second = segment["segment_pool_id"]
+            return int(first), int(second)
+    return None
+
+
+def private_pool_warnings(
+    storages: Iterable[tuple[str, int, int, int]], segments: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """One warning per device storage (key, device, address, bytes) that lives in a non-default pool.
+
+    ``torch.cuda.empty_cache()`` returns only the default pool's free blocks: a
+    storage in a live ``torch.cuda.MemPool`` or a CUDA graph's private pool,
+    resized to zero, stays reserved by that pool, so releasing it frees nothing
+    on the GPU. It is still spilled and restored; the report says so.
+    """
+    warnings = []
+    for key, device, address, nbytes in storages:
+        pool = pool_of(device, address, segments)
+        if pool is not None and pool != DEFAULT_POOL:
+            warnings.append(
+                f"{key} ({nbytes} bytes on cuda:{device}) lives in the private memory pool {pool} "
+                "(a torch.cuda.MemPool or a CUDA graph's pool): releasing it frees nothing on the GPU, "
+                "since empty_cache() does not return a live pool's blocks"
+            )
+    return warnings
+
+
+def cuda_index(storage: torch.UntypedStorage) -> int | None:
+    """The CUDA device a storage lives on; None for host memory."""
+    if storage.device.type != "cuda":
+        return None
+    return 0 if storage.device.index is None else storage.device.index
+
+
 class TensorPool:
-    """The tensors this process asked to hibernate."""
+    """The tensors this process asked to hibernate.
+
+    ``copies`` makes the device copy seam on first need (a CPU-only program never
+    loads one); ``device_of`` says which storages are device memory, and where;
+    ``segments`` lists the device allocator's segments and the pool of each.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
+        device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
+        segments: Callable[[], Sequence[Mapping[str, Any]]] = allocator_segments,
+    ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count()
+        # What the newest regions() found, for warnings(): host storages left in place (in words),
+        # and the device storages (key, device, address, bytes) whose pools warnings() looks up.
+        self._left_in_place: list[str] = []
+        self._device_storages: list[tuple[str, int, int, int]] = []
+        self._copies_source = copies
+        self._copies: DeviceCopies | None = None
+        self._device_of = device_of
+        self._segments = segments
+        self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
+
+    def copies(self) -> DeviceCopies:
+        """The device copy seam, made on first use (a status call never makes it)."""
+        with self._lock:
+            if self._copies is None:
+                self._copies = self._copies_source()
+            return self._copies
 
     def track(self, obj: Any, tag: str, keep: bool, name: str | None) -> None:
         if not tag or any(ch in tag for ch in "/\n\0"):
@@ -400,17 +552,67 @@ class TensorPool:
                 slot[4].setdefault(id(tensor), (tensor, name))
                 if entry.keep and not slot[0].keep:
                     slot[0], slot[1] = entry, name
+        fixed = [
+            slot for slot in by_storage.values() if slot[2].device.type == "cpu" and not slot[2].resizable()
+        ]
+        ranges = [(s[2].data_ptr(), s[2].data_ptr() + s[2].nbytes(), s[0].keep) for s in fixed]
+        kept_by_overlap = {
+            id(slot): keep for slot, keep in zip(fixed, hostpages.kept_with_overlaps(ranges), strict=True)
+        }
         regions: list[SpillableRegion] = []
+        warnings: list[str] = []
         keys: set[str] = set()
-        for owner, first_name, storage, views, tensors in by_storage.values():
+        mappings: list[hostpages.HostMapping] | None = None
+        devices: set[int] = set()
+        device_storages: list[tuple[str, int, int, int]] = []
+        for slot in by_storage.values():
+            owner, first_name, storage, views, tensors = slot
             key = f"{owner.tag}/{first_name}"
             suffix = 2
             while key in keys:
                 key = f"{owner.tag}/{first_name}#{suffix}"
                 suffix += 1
             keys.add(key)
-            regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views, list(tensors.values())))
+            args = (key, owner.tag, owner.keep, storage, views, list(tensors.values()))
+            index = self._device_of(storage)
+            if index is not None:
+                devices.add(index)
+                regions.append(StorageRegion(*args, on_device=(self.copies, index)))
+                if storage.nbytes():
+                    device_storages.append((key, index, storage.data_ptr(), storage.nbytes()))
+            elif storage.device.type == "cpu" and not storage.resizable():
+                mappings = hostpages.own_mappings() if mappings is None else mappings
+                start = storage.data_ptr()
+                where = hostpages.placement(start, start + storage.nbytes(), mappings)
+                if where.hibernate:
+                    keep = kept_by_overlap[id(slot)]  # kept if it shares bytes with a kept storage
+                    regions.append(
+                        FixedHostStorageRegion(key, owner.tag, keep, storage, views, list(tensors.values()))
+                    )
+                else:
+                    warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
+            else:
+                regions.append(StorageRegion(*args))
+        self._left_in_place = warnings
+        self._device_storages = device_storages
+        self._devices = frozenset(devices)
         return regions
+
+    def synchronize(self) -> None:
+        """Wait for every device that holds a tracked storage, all its streams (before reads, after fills)."""
+        for device in sorted(self._devices):
+            self.copies().synchronize(device)
+
+    def warnings(self) -> list[str]:
+        """Host storages left in place, then device storages in a private pool.
+
+        The pools are looked up here, not in regions(): the allocator's snapshot
+        is costly, and ``status`` enumerates regions without needing it.
+        """
+        found = list(self._left_in_place)
+        if self._device_storages:
+            found.extend(private_pool_warnings(self._device_storages, self._segments()))
+        return found
 
     def after_release(self) -> None:
         _trim_host_heap()
@@ -418,17 +620,8 @@ class TensorPool:
             torch.cuda.empty_cache()
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None
-        cudart = torch.cuda.cudart()
-
-        def pin(view: memoryview) -> Callable[[], None]:
-            address = _address(view)
-            if cudart.cudaHostRegister(address, len(view), 0) != 0:
-                return lambda: None  # pageable staging still works, only slower
-            return lambda: cudart.cudaHostUnregister(address)
-
-        return pin
+        """The seam's page-locking, where the newest regions() found device storages."""
+        return self.copies().pinner() if self._devices else None
 
 
 _libc: ctypes.CDLL | None = None

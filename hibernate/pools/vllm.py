@@ -257,6 +257,10 @@ class CuMemPool:
             return None
         return self.device.pinner()
 
+    def warnings(self) -> list[str]:
+        """None: every mapped allocation a sleep takes is unmapped, its physical memory freed."""
+        return []
+
     # -- what vLLM's backend calls besides a sleep -------------------------------
 
     def synchronize(self) -> None:

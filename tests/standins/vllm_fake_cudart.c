@@ -9,6 +9,17 @@
  * its own device is the calling thread's current device (the seam promises to
  * set the device before every operation, from whichever thread it runs on).
  *
+ * Asynchronous work is asynchronous, as the CUDA stream contract allows at its
+ * slowest: cudaMemcpyAsync and cudaMemsetAsync only queue on their stream, in
+ * order, and the queue runs when that stream is synchronized
+ * (cudaStreamSynchronize) or its device is (cudaDeviceSynchronize, which waits
+ * for every stream of the current device). Nothing orders two non-blocking
+ * streams, so a copy on one does not see a write still queued on another: a
+ * program's side-stream write is "in flight" until someone synchronizes. The
+ * host side of a queued copy is read when it runs, as on a GPU. A global
+ * sequence number stamps each queued operation and each device
+ * synchronization, so a test can tell which came last.
+ *
  * With the stand-in NVIDIA driver (tests/standins/standin_world.h) a process
  * registered there as locked or checkpointed behaves as the driver documents
  * for cuCheckpointProcessLock: its CUDA calls block until it runs again. Each
@@ -37,9 +48,22 @@ enum {
 
 enum { cudaMemcpyDefault = 4, fake_device_count = 4, fake_max_registrations = 1024 };
 
+/* One queued memcpy (value < 0) or memset (value = the byte). */
+struct fake_op {
+    void *dst;
+    const void *src;
+    size_t count;
+    int value;
+    struct fake_op *next;
+};
+
 struct fake_stream {
     int device;
+    struct fake_op *head, *tail;
+    struct fake_stream *next_stream; /* every stream ever created, for cudaDeviceSynchronize */
 };
+
+static struct fake_stream *all_streams = NULL;
 
 static __thread int current_device = 0;
 static __thread cudaError_t last_error = cudaSuccess;
@@ -58,6 +82,9 @@ long long fake_registered_peak = 0;
 long long fake_device_synchronizations = 0;
 long long fake_fail_copy_at = -1; /* the copy with this index fails with cudaErrorIllegalAddress */
 long long fake_calls_while_suspended = 0;
+long long fake_sequence = 0;             /* stamps queued operations and device synchronizations */
+long long fake_last_queued = 0;          /* the stamp of the newest queued copy or memset */
+long long fake_last_device_synchronize = 0; /* the stamp of the newest cudaDeviceSynchronize */
 
 /* This process's state in the stand-in driver's world: 0 running (or not registered). */
 static int world_state(void) {
@@ -107,6 +134,43 @@ cudaError_t cudaGetLastError(void) {
     return error;
 }
 
+cudaError_t cudaGetDevice(int *device) {
+    wait_while_suspended();
+    if (device == NULL) return fail(cudaErrorInvalidValue);
+    *device = current_device;
+    return cudaSuccess;
+}
+
+/* Run a stream's queued work, oldest first; the caller holds the lock. */
+static void drain(struct fake_stream *s) {
+    struct fake_op *op = s->head;
+    while (op != NULL) {
+        if (op->value < 0)
+            memcpy(op->dst, op->src, op->count);
+        else
+            memset(op->dst, op->value, op->count);
+        struct fake_op *done = op;
+        op = op->next;
+        free(done);
+    }
+    s->head = s->tail = NULL;
+}
+
+static cudaError_t enqueue(struct fake_stream *s, void *dst, const void *src, size_t count, int value) {
+    struct fake_op *op = malloc(sizeof *op);
+    if (op == NULL) return fail(cudaErrorInvalidValue);
+    *op = (struct fake_op){dst, src, count, value, NULL};
+    pthread_mutex_lock(&lock);
+    if (s->tail != NULL)
+        s->tail->next = op;
+    else
+        s->head = op;
+    s->tail = op;
+    fake_last_queued = ++fake_sequence;
+    pthread_mutex_unlock(&lock);
+    return cudaSuccess;
+}
+
 cudaError_t cudaSetDevice(int device) {
     wait_while_suspended();
     if (device < 0 || device >= fake_device_count) return fail(cudaErrorInvalidDevice);
@@ -116,6 +180,11 @@ cudaError_t cudaSetDevice(int device) {
 
 cudaError_t cudaDeviceSynchronize(void) {
     wait_while_suspended();
+    pthread_mutex_lock(&lock);
+    for (struct fake_stream *s = all_streams; s != NULL; s = s->next_stream)
+        if (s->device == current_device) drain(s);
+    fake_last_device_synchronize = ++fake_sequence;
+    pthread_mutex_unlock(&lock);
     __atomic_add_fetch(&fake_device_synchronizations, 1, __ATOMIC_SEQ_CST);
     return cudaSuccess;
 }
@@ -126,6 +195,11 @@ cudaError_t cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
     struct fake_stream *s = malloc(sizeof *s);
     if (s == NULL) return fail(cudaErrorInvalidValue);
     s->device = current_device;
+    s->head = s->tail = NULL;
+    pthread_mutex_lock(&lock);
+    s->next_stream = all_streams;
+    all_streams = s;
+    pthread_mutex_unlock(&lock);
     *stream = s;
     __atomic_add_fetch(&fake_streams_created, 1, __ATOMIC_SEQ_CST);
     return cudaSuccess;
@@ -134,6 +208,9 @@ cudaError_t cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
 cudaError_t cudaStreamSynchronize(void *stream) {
     wait_while_suspended();
     if (stream == NULL) return fail(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&lock);
+    drain(stream);
+    pthread_mutex_unlock(&lock);
     return cudaSuccess;
 }
 
@@ -149,17 +226,15 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, 
     if (check_stream(stream) != cudaSuccess) return last_error;
     long long index = __atomic_fetch_add(&fake_copies, 1, __ATOMIC_SEQ_CST);
     if (index == __atomic_load_n(&fake_fail_copy_at, __ATOMIC_SEQ_CST)) return fail(cudaErrorIllegalAddress);
-    memcpy(dst, src, count);
     __atomic_add_fetch(&fake_copied_bytes, (long long)count, __ATOMIC_SEQ_CST);
-    return cudaSuccess;
+    return enqueue(stream, dst, src, count, -1);
 }
 
 cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, void *stream) {
     wait_while_suspended();
     if (ptr == NULL) return fail(cudaErrorInvalidValue);
     if (check_stream(stream) != cudaSuccess) return last_error;
-    memset(ptr, value, count);
-    return cudaSuccess;
+    return enqueue(stream, ptr, NULL, count, value & 0xff);
 }
 
 cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
