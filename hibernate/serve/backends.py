@@ -1,0 +1,359 @@
+"""Each backend's state, and the one transition at a time that changes it.
+
+    asleep --(a request)--> waking --> awake --(idle, or room for another)--> sleeping --> asleep
+
+A request for a backend that is not awake starts its wake, or joins the one
+under way: one wake per transition, however many requests wait. A transition
+runs the same engine as ``hibernate sleep``/``wake``, in a worker thread, so
+the proxy keeps serving meanwhile. A failed transition leaves the backend in
+the state the engine left it (a failed wake: asleep, recoverable), read back
+from its agents, and the next request tries again.
+
+The decisions (which backend is idle, which to put to sleep to make room) are
+small pure functions over :class:`Candidate` snapshots, tested on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from hibernate.errors import HibernateError
+from hibernate.serve.config import BackendSpec
+from hibernate.serve.hibernator import Hibernator, Inspection
+from hibernate.serve.metrics import Recorder
+from hibernate.serve.routing import ApiError
+
+log = logging.getLogger("hibernate.serve")
+
+
+class State(str, Enum):
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+    SLEEPING = "sleeping"
+    FAILED = "failed"  # not found, or in a state the engine could not settle: retried on the next request
+
+
+STATES = tuple(s.value for s in State)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a decision needs to know of one backend, at one instant."""
+
+    name: str
+    state: State
+    tracked_bytes: int
+    last_used: float
+    in_flight: int
+
+
+def idle_due(backends: Sequence[Candidate], now: float, idle: float) -> list[str]:
+    """Awake backends with nothing in flight and no request for ``idle`` seconds."""
+    return [
+        b.name
+        for b in backends
+        if b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= idle
+    ]
+
+
+@dataclass(frozen=True)
+class Room:
+    """What making room for a wake calls for next: ``action`` is fits, evict, wait (for a sleep under way
+    or a request in flight to end) or never (the backend alone is over the budget)."""
+
+    action: str
+    victim: str | None = None
+
+
+def plan_room(need: int, budget: int, others: Sequence[Candidate]) -> Room:
+    """The next step to fit ``need`` bytes in ``budget``, the other backends as they are.
+
+    Awake, waking and sleeping backends hold their memory; the least recently
+    used awake one with nothing in flight is put to sleep first. One with
+    requests in flight is never chosen: the wake waits for it instead.
+    """
+    if need > budget:
+        return Room("never")
+    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
+    if sum(o.tracked_bytes for o in held) + need <= budget:
+        return Room("fits")
+    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if idle:
+        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    return Room("wait")
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    reason: str | None = None
+
+
+@dataclass
+class Backend:
+    spec: BackendSpec
+    state: State = State.FAILED
+    pid: int | None = None
+    in_flight: int = 0
+    waiting: int = 0
+    last_used: float = 0.0
+    tracked_bytes: int = 0
+    reason: str | None = None  # why the last transition failed, if it did
+    transition: asyncio.Task[Outcome] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.name, self.state, self.tracked_bytes, self.last_used, self.in_flight)
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.spec.url,
+            "models": list(self.spec.model_names),
+            "prefix": self.spec.prefix,
+            "state": self.state.value,
+            "pid": self.pid,
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "tracked_bytes": self.tracked_bytes,
+            "idle_seconds": round(now - self.last_used, 3) if self.last_used else None,
+            "reason": self.reason,
+        }
+
+
+class Fleet:
+    """Every backend of the proxy, and the transitions between their states."""
+
+    def __init__(
+        self,
+        specs: Sequence[BackendSpec],
+        hibernator: Hibernator,
+        recorder: Recorder,
+        *,
+        idle: float | None,
+        wake_timeout: float,
+        budget: int | None,
+    ) -> None:
+        self.backends = {spec.name: Backend(spec) for spec in specs}
+        self.hibernator = hibernator
+        self.recorder = recorder
+        self.idle = idle
+        self.wake_timeout = wake_timeout
+        self.budget = budget
+        self._room = asyncio.Lock()  # one budget decision (and the wake it makes room for) at a time
+        self._released = asyncio.Condition()  # a request ended: a wake waiting for room looks again
+
+    # -- adoption ---------------------------------------------------------------
+
+    async def adopt(self) -> None:
+        """Find every backend's process and state; an interrupted sleep or wake is recovered first."""
+        await asyncio.gather(*(self._adopt(b) for b in self.backends.values()))
+
+    async def _adopt(self, backend: Backend) -> None:
+        started = time.monotonic()
+        try:
+            found = await asyncio.to_thread(self.hibernator.adopt, backend.spec)
+        except HibernateError as exc:
+            self._set(backend, State.FAILED, reason=exc.message)
+            log.warning("%s: not adopted: %s", backend.name, exc.message)
+            return
+        backend.pid = found.pid
+        backend.tracked_bytes = found.tracked_bytes
+        backend.last_used = time.monotonic()
+        self._set(backend, State.AWAKE if found.awake else State.ASLEEP)
+        what = f", {found.recovered}" if found.recovered else ""
+        log.info(
+            "%s: adopted pid %s, %s%s (%.2f s)",
+            backend.name, found.pid, backend.state.value, what, time.monotonic() - started,
+        )  # fmt: skip
+
+    # -- requests -----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[Backend]:
+        """Hold ``name`` awake for one request: woken first if it sleeps; counted in flight until the
+        block ends (a streamed answer: until its last byte)."""
+        backend = self.backends[name]
+        if backend.state is not State.AWAKE:
+            await self._wait_awake(backend)
+        # Nothing awaited between the check above and this count: no sleep can start in between.
+        backend.in_flight += 1
+        self.recorder.in_flight(name, backend.in_flight)
+        try:
+            yield backend
+        finally:
+            backend.in_flight -= 1
+            backend.last_used = time.monotonic()
+            self.recorder.in_flight(name, backend.in_flight)
+            async with self._released:
+                self._released.notify_all()
+
+    async def _wait_awake(self, backend: Backend) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wake_timeout
+        started = time.monotonic()
+        backend.waiting += 1
+        self.recorder.waiting(backend.name, backend.waiting)
+        try:
+            while backend.state is not State.AWAKE:
+                if backend.state in (State.ASLEEP, State.FAILED):
+                    self._begin(backend, State.WAKING, self._wake(backend))
+                kind, task = backend.state, backend.transition
+                assert task is not None
+                remaining = deadline - loop.time()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
+                except TimeoutError:
+                    raise ApiError(
+                        503,
+                        f"backend {backend.name} did not wake within --wake-timeout {self.wake_timeout:g}s "
+                        f"(it is {backend.state.value}); retry later",
+                        "ServiceUnavailableError",
+                    ) from None
+                if kind is State.WAKING and not outcome.ok:
+                    raise ApiError(
+                        503, f"backend {backend.name} could not be woken: {outcome.reason}", "ServiceUnavailableError"
+                    )
+        finally:
+            backend.waiting -= 1
+            self.recorder.waiting(backend.name, backend.waiting)
+            self.recorder.waited(backend.name, time.monotonic() - started)
+
+    # -- transitions --------------------------------------------------------------------
+
+    def _set(self, backend: Backend, state: State, reason: str | None = None) -> None:
+        backend.state = state
+        backend.reason = reason
+        self.recorder.state(backend.name, state.value)
+
+    def _begin(self, backend: Backend, state: State, work: Any) -> asyncio.Task[Outcome]:
+        self._set(backend, state, backend.reason)
+        backend.transition = asyncio.ensure_future(work)
+        return backend.transition
+
+    async def _settle(self, backend: Backend, error: HibernateError, op: str, started: float) -> Outcome:
+        """After a failed ``op``: the state the engine left, read from the backend's agents."""
+        seconds = time.monotonic() - started
+        self.recorder.failed(backend.name, op)
+        try:
+            found: Inspection = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+        except HibernateError as exc:
+            self._set(backend, State.FAILED, reason=f"{error.message}; then: {exc.message}")
+            log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, backend.reason)
+            return Outcome(False, backend.reason)
+        backend.pid = found.pid
+        self._set(backend, State.AWAKE if found.awake else State.ASLEEP, reason=error.message)
+        log.warning(
+            "%s: %s failed after %.2f s, left %s: %s", backend.name, op, seconds, backend.state.value, error.message
+        )
+        # A wake that failed because the backend was already awake (woken from outside) is no failure.
+        return Outcome(op == "wake" and found.awake, error.message)
+
+    async def _wake(self, backend: Backend) -> Outcome:
+        started = time.monotonic()
+        try:
+            async with self._room:
+                if backend.pid is None:  # not found at adoption (or gone): look again
+                    found = await asyncio.to_thread(self.hibernator.adopt, backend.spec)
+                    backend.pid, backend.tracked_bytes = found.pid, found.tracked_bytes
+                    if found.awake:
+                        self._set(backend, State.AWAKE)
+                        return Outcome(True)
+                await self._make_room(backend, started + self.wake_timeout)
+                begun = time.monotonic()
+                restored = await asyncio.to_thread(self.hibernator.wake, backend.pid)
+        except HibernateError as exc:
+            return await self._settle(backend, exc, "wake", started)
+        seconds = time.monotonic() - begun
+        backend.last_used = time.monotonic()
+        self._set(backend, State.AWAKE)
+        self.recorder.transition(backend.name, "wake", seconds, restored)
+        log.info("%s: asleep -> awake (wake %.2f s, %d bytes restored)", backend.name, seconds, restored)
+        return Outcome(True)
+
+    async def _make_room(self, backend: Backend, deadline: float) -> None:
+        if self.budget is None:
+            return
+        while True:
+            others = [b.candidate() for b in self.backends.values() if b is not backend]
+            room = plan_room(backend.tracked_bytes, self.budget, others)
+            if room.action == "fits":
+                return
+            if room.action == "never":
+                raise NoRoomError(
+                    f"it tracks {backend.tracked_bytes} bytes, more than --gpu-budget {self.budget} alone"
+                )
+            if room.action == "evict":
+                assert room.victim is not None
+                victim = self.backends[room.victim]
+                log.info("%s: put to sleep to make room for %s (least recently used)", victim.name, backend.name)
+                await self._begin(victim, State.SLEEPING, self._sleep(victim, "room"))
+                continue
+            sleeping = [b.transition for b in self.backends.values() if b.state is State.SLEEPING and b.transition]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoRoomError("the backends holding the budget stayed busy past --wake-timeout")
+            if sleeping:
+                await asyncio.wait(sleeping, timeout=remaining)
+                continue
+            async with self._released:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), remaining)
+
+    async def _sleep(self, backend: Backend, why: str) -> Outcome:
+        started = time.monotonic()
+        try:
+            if backend.pid is None:
+                raise NoRoomError("its process is not known")
+            spilled = await asyncio.to_thread(self.hibernator.sleep, backend.pid)
+        except HibernateError as exc:
+            return await self._settle(backend, exc, "sleep", started)
+        seconds = time.monotonic() - started
+        self._set(backend, State.ASLEEP)
+        self.recorder.transition(backend.name, "sleep", seconds, spilled)
+        log.info("%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled)", backend.name, why, seconds, spilled)
+        return Outcome(True)
+
+    # -- idle -------------------------------------------------------------------------
+
+    def sleep_idle(self, now: float) -> list[asyncio.Task[Outcome]]:
+        """Start the sleep of every backend idle past ``--idle``; the tasks started."""
+        if self.idle is None:
+            return []
+        started = []
+        for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle):
+            backend = self.backends[name]
+            started.append(self._begin(backend, State.SLEEPING, self._sleep(backend, "idle")))
+        return started
+
+    async def watch_idle(self) -> None:
+        """Forever: put idle backends to sleep, looking a few times per ``--idle`` period."""
+        if self.idle is None:
+            return
+        tick = min(1.0, self.idle / 4)
+        while True:
+            await asyncio.sleep(tick)
+            self.sleep_idle(time.monotonic())
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) for every transition under way to end: a sleep is not left half-done on stop."""
+        pending = [b.transition for b in self.backends.values() if b.transition and not b.transition.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+
+class NoRoomError(HibernateError):
+    """A wake that cannot fit in --gpu-budget (or found no process to act on)."""
