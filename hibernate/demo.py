@@ -283,9 +283,13 @@ def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class DemoHttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a proxy may open hundreds of connections at once
+
+
 def serve_http(api: HttpApi, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", port), http_handler(api))
-    server.daemon_threads = True
+    server = DemoHttpServer(("127.0.0.1", port), http_handler(api))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

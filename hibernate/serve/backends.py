@@ -159,6 +159,7 @@ class Fleet:
     async def adopt(self) -> None:
         """Find every backend's process and state; an interrupted sleep or wake is recovered first."""
         await asyncio.gather(*(self._adopt(b) for b in self.backends.values()))
+        await self._fit_budget()
 
     async def _adopt(self, backend: Backend) -> None:
         started = time.monotonic()
@@ -312,6 +313,20 @@ class Fleet:
             async with self._released:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._released.wait(), remaining)
+
+    async def _fit_budget(self) -> None:
+        """Backends adopted awake beyond ``--gpu-budget``: the least recently used are put to sleep."""
+        if self.budget is None:
+            return
+        while True:
+            room = plan_room(0, self.budget, [b.candidate() for b in self.backends.values()])
+            if room.action != "evict" or room.victim is None:
+                return
+            victim = self.backends[room.victim]
+            log.info("%s: put to sleep to fit --gpu-budget (adopted awake)", victim.name)
+            outcome = await self._begin(victim, State.SLEEPING, self._sleep(victim, "budget"))
+            if not outcome.ok:
+                return
 
     async def _sleep(self, backend: Backend, why: str) -> Outcome:
         started = time.monotonic()

@@ -202,6 +202,10 @@ def check_backends(backends: Sequence[BackendSpec]) -> tuple[BackendSpec, ...]:
     """At least one; names, models and prefixes each route to one backend only."""
     if not backends:
         raise UsageError("no backend: give --backend NAME=http://HOST:PORT (or [[backend]] in --config)")
+    names = [s.name for s in backends]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"two backends are named {twice[0]!r}; each needs its own name")
     seen: dict[str, str] = {}
     for spec in backends:
         for key in (f"name {spec.name}", *(f"model {m}" for m in spec.model_names)):
