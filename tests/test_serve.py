@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -59,6 +60,7 @@ class HttpDemo:
     proc: Any
     port: int
     model: str
+    control: str
 
     @property
     def pid(self) -> int:
@@ -73,6 +75,12 @@ class HttpDemo:
         assert status == 200
         counts: dict[str, int] = json.loads(body)
         return counts
+
+    def hold(self, seconds: float) -> None:
+        """Hold the demo's guard for ``seconds`` (a long step of its own): a sleep waits for it."""
+        from hibernate.demo import request
+
+        assert request(self.control, f"hold {seconds}") == {"holding": True}
 
     def state(self) -> str:
         states = {entry["state"] for entry in orchestrator.status([self.pid])}
@@ -95,7 +103,7 @@ def start_http_demo(runtime_dir: Path) -> Iterator[Callable[..., HttpDemo]]:
             "--http-port", str(port), "--model-name", model,
         ]  # fmt: skip
         proc = forkserver().start(argv, {**os.environ, "PYTHONPATH": str(REPO)}, REPO, scratch / f"demo{index}.log")
-        demo = HttpDemo(proc, port, model)
+        demo = HttpDemo(proc, port, model, str(scratch / f"demo{index}.sock"))
         started.append(demo)
         wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "the demo to start")
         assert proc.poll() is None, (scratch / f"demo{index}.log").read_text()
@@ -381,3 +389,160 @@ def test_an_idle_backend_is_put_to_sleep_but_never_while_a_stream_is_open(
     assert status == 200 and proxy.state("demo") == "asleep"  # listing models wakes nothing
     assert proxy.post(completion("demo")) == before
     assert len(proxy.lines("demo: awake -> asleep (sleep, idle")) == 1
+
+
+@pytest.mark.slow
+def test_a_request_that_arrives_during_a_sleep_waits_for_it_then_wakes_the_backend(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+    demo.hold(8)  # the idle sleep that comes waits for the demo's own step to end
+    wait_until(lambda: proxy.state("demo") == "sleeping", 30, "the idle sleep to begin")
+
+    async def during_the_sleep() -> tuple[int, bytes]:
+        answer = asyncio.ensure_future(_fetch("POST", proxy.url + "/v1/completions", completion("demo")))
+        while (await asyncio.to_thread(proxy.status))["demo"]["waiting"] != 1:
+            assert not answer.done()
+            await asyncio.sleep(0.02)
+        assert (await asyncio.to_thread(proxy.state, "demo")) == "sleeping"  # held while the sleep runs
+        return await answer
+
+    assert asyncio.run(during_the_sleep()) == before
+    transitions = [line.split("demo: ")[1].split(" (")[0] for line in proxy.lines(" -> ")]
+    assert transitions == ["awake -> asleep", "asleep -> awake"]
+    assert proxy.metric("hibernate_serve_transitions_total", backend="demo", operation="wake") == 1
+
+
+# -- 5. time-sharing one GPU -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_backends_take_turns_in_a_budget_for_two_least_recently_used_first(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demos = {name: start_http_demo(name, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
+    direct = {name: fetch("POST", d.url + "/v1/completions", completion(name)) for name, d in demos.items()}
+    one = orchestrator.status([demos["a"].pid])[0]
+    size = sum(pool["bytes"] for pool in one["pools"])
+    proxy = start_proxy(*(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", str(size * 5 // 2))
+
+    def awake_now() -> set[str]:
+        """Which backends are awake, from their agents (not from the proxy)."""
+        return {name for name, d in demos.items() if d.state() == "running"}
+
+    awake = awake_now()
+    assert len(awake) == 2  # adopted three awake: the one over the budget was put to sleep
+    order = sorted(awake)  # least recently used first
+    for name in order:
+        assert proxy.post(completion(name)) == direct[name]
+    for name in ["c", "a", "b", "a", "c", "c", "b", "a", "b", "c"]:
+        evicted = len(proxy.lines("put to sleep to make room"))
+        if name not in awake:
+            victim = order.pop(0)
+            awake = (awake - {victim}) | {name}
+        else:
+            victim = None
+            order.remove(name)
+        order.append(name)
+        assert proxy.post(completion(name)) == direct[name]
+        assert awake_now() == awake
+        made_room = proxy.lines("put to sleep to make room")
+        assert made_room[evicted:] == ([f"hibernate serve: {victim}: put to sleep to make room for {name} "
+                                        "(least recently used)"] if victim else [])  # fmt: skip
+
+    # The least recently used one is streaming: never put to sleep; the next one is.
+    busy, spare = order[0], order[1]
+    sleeper = next(n for n in demos if n not in awake)
+
+    async def wake_beside_a_stream() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion(busy, stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                await stream.content.readuntil(b"\n\n")
+                answer = await _fetch("POST", proxy.url + "/v1/completions", completion(sleeper))
+                event = b""
+                while not event.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demos[busy].url + "/demo/step")
+                    event = await stream.content.readuntil(b"\n\n")
+                return answer
+
+    assert asyncio.run(wake_beside_a_stream()) == direct[sleeper]
+    last = proxy.lines("put to sleep to make room")[-1]
+    assert last.endswith(f"{spare}: put to sleep to make room for {sleeper} (least recently used)"), last
+    assert awake_now() == {busy, sleeper}
+
+
+# -- 6. adoption, restarts, stopping ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sleep.after-release:kill", "wake.after-restore:kill"])
+def test_a_proxy_killed_in_the_middle_of_a_transition_is_restarted_and_recovers_the_backend(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path, fault: str
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    flags = ("--backend", backend_flag(demo), "--idle", "1")
+    if fault.startswith("wake"):
+        orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
+        killed = start_proxy(*flags, env={"HIBERNATE_FAULT": fault})
+        with pytest.raises(aiohttp.ClientError):
+            killed.post(completion("demo"))
+    else:
+        killed = start_proxy(*flags, env={"HIBERNATE_FAULT": fault})
+    assert killed.proc.wait(timeout=60) == -signal.SIGKILL
+    assert orchestrator.status([demo.pid])[0]["interrupted"], "the transition was cut half-way"
+
+    restarted = start_proxy(*flags)
+    adopted = restarted.lines(f"demo: adopted pid {demo.pid}")
+    # the recovery's own words follow the state: what `hibernate recover` would have done
+    assert len(adopted) == 1 and re.search(r", (awake|asleep), .+ \(\d+\.\d+ s\)$", adopted[0]), adopted
+    assert restarted.post(completion("demo")) == before
+    assert not orchestrator.status([demo.pid])[0]["interrupted"]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_accepting_lets_a_stream_finish_and_leaves_the_backend_as_it_is(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    proxy = start_proxy("--backend", backend_flag(demo))
+
+    async def stream_across_the_stop() -> bytes:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                received = await stream.content.readuntil(b"\n\n")
+                proxy.proc.send_signal(signal.SIGTERM)
+                while not await asyncio.to_thread(proxy.lines, "stopping: no new requests"):
+                    await asyncio.sleep(0.02)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await _fetch("GET", proxy.url + "/v1/models")  # no longer accepting
+                while not received.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    received += await stream.content.readuntil(b"\n\n")
+                return received
+
+    streamed = asyncio.run(stream_across_the_stop())
+    assert streamed.endswith(b"data: [DONE]\n\n") and streamed.count(b"data: ") == 6
+    assert proxy.proc.wait(timeout=60) == 0
+    assert demo.proc.poll() is None and demo.state() == "running"  # not started by the proxy: left running
+
+
+@pytest.mark.slow
+def test_a_backend_started_by_the_proxy_is_served_and_stopped_with_it(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    proxy = start_proxy(
+        "--backend", f"own=http://127.0.0.1:{port}", "--",
+        sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB),
+        "--dtype", "float32", "--control", str(tmp_path / "own.sock"), "--http-port", str(port), "--model-name", "own",
+    )  # fmt: skip
+    pid = proxy.status()["own"]["pid"]
+    status, body = proxy.post(completion("own"))
+    assert status == 200 and json.loads(body)["model"] == "own"
+    assert proxy.stop() == 0
+    assert not Path(f"/proc/{pid}").exists()  # the proxy waited for it (and reaped it) before exiting
