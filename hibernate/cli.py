@@ -508,11 +508,15 @@ SERVE_EXTRA_HINT = "pip install 'hibernate[serve]' (aiohttp and prometheus-clien
 def serve(
     command: Annotated[
         list[str] | None,
-        typer.Argument(help="After --: a backend to start and stop with the proxy (see --start).", show_default=False),
+        typer.Argument(
+            help="After --: a backend to start and stop with the proxy (see --start).", show_default=False
+        ),
     ] = None,
     to: Annotated[
         str | None,
-        typer.Option("--to", help="Directory for the snapshots of sleeping backends (created 0700 if missing)."),
+        typer.Option(
+            "--to", help="Directory for the snapshots of sleeping backends (created 0700 if missing)."
+        ),
     ] = None,
     backend: Annotated[
         list[str] | None,
@@ -528,11 +532,17 @@ def serve(
     ] = None,
     idle: Annotated[
         float | None,
-        typer.Option("--idle", help="Put a backend to sleep after this many seconds without a request.", show_default=False),
+        typer.Option(
+            "--idle",
+            help="Put a backend to sleep after this many seconds without a request.",
+            show_default=False,
+        ),
     ] = None,
     wake_timeout: Annotated[
         float | None,
-        typer.Option("--wake-timeout", help="Longest a request waits for its backend to wake. [default: 300]"),
+        typer.Option(
+            "--wake-timeout", help="Longest a request waits for its backend to wake. [default: 300]"
+        ),
     ] = None,
     gpu_budget: Annotated[
         str | None,
@@ -545,11 +555,18 @@ def serve(
     ] = None,
     start: Annotated[
         str | None,
-        typer.Option("--start", metavar="NAME", help="The backend `-- COMMAND` starts (default: the only one).", show_default=False),
+        typer.Option(
+            "--start",
+            metavar="NAME",
+            help="The backend `-- COMMAND` starts (default: the only one).",
+            show_default=False,
+        ),
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="serve.toml: the same settings, plus per-backend ones.", show_default=False),
+        typer.Option(
+            "--config", help="serve.toml: the same settings, plus per-backend ones.", show_default=False
+        ),
     ] = None,
 ) -> None:
     """Serve HTTP in front of model servers: sleep them when idle, wake them on the first request."""

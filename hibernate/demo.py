@@ -160,7 +160,7 @@ class HttpApi:
             self.stats[key] += 1
 
     def completion(self) -> dict[str, Any]:
-        """One inference, or the reason there is none; what a client gets, byte for byte the same each time."""
+        """One inference, or why there is none: what a client gets, the same bytes every time."""
         import hibernate
         from hibernate.errors import HibernatingError
 
@@ -168,12 +168,16 @@ class HttpApi:
             with hibernate.guard(wait=False):
                 result = self.infer()
         except HibernatingError as exc:
-            return {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
+            return {
+                "error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}
+            }
         return {
             "id": "cmpl-demo",
             "object": "text_completion",
             "model": self.model,
-            "choices": [{"index": 0, "text": " ".join(map(str, result["tokens"])), "finish_reason": "length"}],
+            "choices": [
+                {"index": 0, "text": " ".join(map(str, result["tokens"])), "finish_reason": "length"}
+            ],
             "digest": result["digest"],
         }
 
@@ -378,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--control", help="Unix socket to answer requests on")
     run.add_argument("--ready-file", help="write {pid, control, ...} here once serving")
-    run.add_argument("--http-port", type=int, help="also serve an OpenAI-style API on 127.0.0.1:PORT (0: any)")
+    run.add_argument(
+        "--http-port", type=int, help="also serve an OpenAI-style API on 127.0.0.1:PORT (0: any)"
+    )
     run.add_argument("--model-name", default="demo", help="the model name the HTTP API answers to")
     for name in ("infer", "quit", "hold"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")

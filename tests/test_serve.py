@@ -31,6 +31,7 @@ from hibernate import orchestrator
 from tests.conftest import REPO, forkserver, wait_until
 
 DEMO_MB = 8
+MIB = 1 << 20
 
 
 def free_port() -> int:
@@ -76,6 +77,10 @@ class HttpDemo:
         counts: dict[str, int] = json.loads(body)
         return counts
 
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
     def hold(self, seconds: float) -> None:
         """Hold the demo's guard for ``seconds`` (a long step of its own): a sleep waits for it."""
         from hibernate.demo import request
@@ -102,7 +107,9 @@ def start_http_demo(runtime_dir: Path) -> Iterator[Callable[..., HttpDemo]]:
             "--control", str(scratch / f"demo{index}.sock"), "--ready-file", str(ready),
             "--http-port", str(port), "--model-name", model,
         ]  # fmt: skip
-        proc = forkserver().start(argv, {**os.environ, "PYTHONPATH": str(REPO)}, REPO, scratch / f"demo{index}.log")
+        proc = forkserver().start(
+            argv, {**os.environ, "PYTHONPATH": str(REPO)}, REPO, scratch / f"demo{index}.log"
+        )
         demo = HttpDemo(proc, port, model, str(scratch / f"demo{index}.sock"))
         started.append(demo)
         wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "the demo to start")
@@ -125,7 +132,9 @@ class Proxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def post(self, body: Any = None, path: str = "/v1/completions", data: bytes | None = None) -> tuple[int, bytes]:
+    def post(
+        self, body: Any = None, path: str = "/v1/completions", data: bytes | None = None
+    ) -> tuple[int, bytes]:
         return fetch("POST", self.url + path, body, data)
 
     def status(self) -> dict[str, dict[str, Any]]:
@@ -175,7 +184,9 @@ def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]
         proxy = Proxy(proc, port, log)
         started.append(proxy)
         if wait:
-            wait_until(lambda: proxy.lines("listening on") or proc.poll() is not None, 120, "the proxy to listen")
+            wait_until(
+                lambda: proxy.lines("listening on") or proc.poll() is not None, 120, "the proxy to listen"
+            )
             assert proc.poll() is None, log.read_text()
         return proxy
 
@@ -253,13 +264,17 @@ def test_a_stream_arrives_chunk_by_chunk_and_a_client_that_leaves_cancels_it_ups
 
 @pytest.mark.slow
 def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
-    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path, work_dir: Path
+    start_http_demo: Callable[..., HttpDemo],
+    start_proxy: Callable[..., Proxy],
+    tmp_path: Path,
+    work_dir: Path,
 ) -> None:
     demo = start_http_demo()
     orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
     config = tmp_path / "serve.toml"
     config.write_text(
-        f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n[limits]\nmax_body_bytes = 4096\nbody_timeout = 1\n'
+        f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n'
+        "[limits]\nmax_body_bytes = 4096\nbody_timeout = 1\n"
     )
     proxy = start_proxy("--config", str(config))
     assert proxy.state("demo") == "asleep"
@@ -362,6 +377,7 @@ def test_an_idle_backend_is_put_to_sleep_but_never_while_a_stream_is_open(
 ) -> None:
     demo = start_http_demo()
     before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    rss_awake = demo.rss()
     proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
 
     async def held_stream() -> None:
@@ -384,8 +400,9 @@ def test_an_idle_backend_is_put_to_sleep_but_never_while_a_stream_is_open(
     wait_until(lambda: proxy.state("demo") == "asleep", 30, "the idle backend to be put to sleep")
     assert demo.state() == "asleep"
     agents = proxy.status()["demo"]["agents"]
-    assert agents and agents[0]["state"] == "asleep"  # its memory given back: the agent's own word
-    status, body = fetch("GET", proxy.url + "/v1/models")
+    assert agents and agents[0]["state"] == "asleep"
+    assert demo.rss() < rss_awake - DEMO_MB * MIB // 2  # its memory given back
+    status, _ = fetch("GET", proxy.url + "/v1/models")
     assert status == 200 and proxy.state("demo") == "asleep"  # listing models wakes nothing
     assert proxy.post(completion("demo")) == before
     assert len(proxy.lines("demo: awake -> asleep (sleep, idle")) == 1
@@ -426,7 +443,9 @@ def test_three_backends_take_turns_in_a_budget_for_two_least_recently_used_first
     direct = {name: fetch("POST", d.url + "/v1/completions", completion(name)) for name, d in demos.items()}
     one = orchestrator.status([demos["a"].pid])[0]
     size = sum(pool["bytes"] for pool in one["pools"])
-    proxy = start_proxy(*(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", str(size * 5 // 2))
+    proxy = start_proxy(
+        *(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", str(size * 5 // 2)
+    )
 
     def awake_now() -> set[str]:
         """Which backends are awake, from their agents (not from the proxy)."""
@@ -539,10 +558,11 @@ def test_a_backend_started_by_the_proxy_is_served_and_stopped_with_it(
     proxy = start_proxy(
         "--backend", f"own=http://127.0.0.1:{port}", "--",
         sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB),
-        "--dtype", "float32", "--control", str(tmp_path / "own.sock"), "--http-port", str(port), "--model-name", "own",
+        "--dtype", "float32", "--control", str(tmp_path / "own.sock"), "--http-port", str(port),
+        "--model-name", "own",
     )  # fmt: skip
     pid = proxy.status()["own"]["pid"]
-    status, body = proxy.post(completion("own"))
-    assert status == 200 and json.loads(body)["model"] == "own"
+    status, answer = proxy.post(completion("own"))
+    assert status == 200 and json.loads(answer)["model"] == "own"
     assert proxy.stop() == 0
     assert not Path(f"/proc/{pid}").exists()  # the proxy waited for it (and reaped it) before exiting

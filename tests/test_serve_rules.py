@@ -66,7 +66,13 @@ def test_toml_tables_give_models_prefixes_pids_and_limits() -> None:
         "to": "/nvme/snap",
         "idle": 60,
         "backend": [
-            {"name": "q", "url": "http://127.0.0.1:8001", "models": ["Qwen/Qwen3-8B"], "prefix": "/q/", "pid": 42}
+            {
+                "name": "q",
+                "url": "http://127.0.0.1:8001",
+                "models": ["Qwen/Qwen3-8B"],
+                "prefix": "/q/",
+                "pid": 42,
+            }
         ],
         "limits": {"max_body_bytes": 1024, "body_timeout": 2},
     }

@@ -58,9 +58,7 @@ class Candidate:
 def idle_due(backends: Sequence[Candidate], now: float, idle: float) -> list[str]:
     """Awake backends with nothing in flight and no request for ``idle`` seconds."""
     return [
-        b.name
-        for b in backends
-        if b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= idle
+        b.name for b in backends if b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= idle
     ]
 
 
@@ -226,7 +224,9 @@ class Fleet:
                     ) from None
                 if kind is State.WAKING and not outcome.ok:
                     raise ApiError(
-                        503, f"backend {backend.name} could not be woken: {outcome.reason}", "ServiceUnavailableError"
+                        503,
+                        f"backend {backend.name} could not be woken: {outcome.reason}",
+                        "ServiceUnavailableError",
                     )
         finally:
             backend.waiting -= 1
@@ -258,7 +258,12 @@ class Fleet:
         backend.pid = found.pid
         self._set(backend, State.AWAKE if found.awake else State.ASLEEP, reason=error.message)
         log.warning(
-            "%s: %s failed after %.2f s, left %s: %s", backend.name, op, seconds, backend.state.value, error.message
+            "%s: %s failed after %.2f s, left %s: %s",
+            backend.name,
+            op,
+            seconds,
+            backend.state.value,
+            error.message,
         )
         # A wake that failed because the backend was already awake (woken from outside) is no failure.
         return Outcome(op == "wake" and found.awake, error.message)
@@ -300,10 +305,14 @@ class Fleet:
             if room.action == "evict":
                 assert room.victim is not None
                 victim = self.backends[room.victim]
-                log.info("%s: put to sleep to make room for %s (least recently used)", victim.name, backend.name)
+                log.info(
+                    "%s: put to sleep to make room for %s (least recently used)", victim.name, backend.name
+                )
                 await self._begin(victim, State.SLEEPING, self._sleep(victim, "room"))
                 continue
-            sleeping = [b.transition for b in self.backends.values() if b.state is State.SLEEPING and b.transition]
+            sleeping = [
+                b.transition for b in self.backends.values() if b.state is State.SLEEPING and b.transition
+            ]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise NoRoomError("the backends holding the budget stayed busy past --wake-timeout")
@@ -339,7 +348,9 @@ class Fleet:
         seconds = time.monotonic() - started
         self._set(backend, State.ASLEEP)
         self.recorder.transition(backend.name, "sleep", seconds, spilled)
-        log.info("%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled)", backend.name, why, seconds, spilled)
+        log.info(
+            "%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled)", backend.name, why, seconds, spilled
+        )
         return Outcome(True)
 
     # -- idle -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -135,7 +135,9 @@ def check_name(name: str, where: str) -> str:
 
 def check_prefix(prefix: str, where: str) -> str:
     if not prefix.startswith("/") or prefix == "/" or "//" in prefix or "?" in prefix:
-        raise UsageError(f"{where}: a path prefix starts with / and names a path, such as /qwen, not {prefix!r}")
+        raise UsageError(
+            f"{where}: a path prefix starts with / and names a path, such as /qwen, not {prefix!r}"
+        )
     if prefix.rstrip("/") in ("/v1", "/metrics", "/hibernate"):
         raise UsageError(f"{where}: the prefix {prefix!r} is the proxy's own; choose another")
     return prefix.rstrip("/")
@@ -152,7 +154,7 @@ def parse_backend_flag(value: str) -> BackendSpec:
 
 TOP_KEYS = {"listen", "to", "idle", "wake_timeout", "sleep_timeout", "gpu_budget", "backend", "limits"}
 BACKEND_KEYS = {"name", "url", "models", "prefix", "pid"}
-LIMIT_KEYS = {f.name for f in Limits.__dataclass_fields__.values()}  # type: ignore[attr-defined]
+LIMIT_KEYS = {f.name for f in fields(Limits)}
 
 
 def _unknown(keys: Sequence[str], allowed: set[str], where: str) -> None:
@@ -274,7 +276,8 @@ def build_config(
         backends=check_backends(backends),
         idle=check_seconds(idle_value, "--idle") if idle_value is not None else None,
         wake_timeout=check_seconds(
-            wake_timeout if wake_timeout is not None else document.get("wake_timeout", 300.0), "--wake-timeout"
+            wake_timeout if wake_timeout is not None else document.get("wake_timeout", 300.0),
+            "--wake-timeout",
         ),
         sleep_timeout=check_seconds(document.get("sleep_timeout", 120.0), "sleep_timeout"),
         gpu_budget=parse_size(budget, "--gpu-budget") if budget is not None else None,
@@ -293,7 +296,9 @@ def with_command(config: ServeConfig, command: Sequence[str], start: str | None)
     if start is None:
         if len(names) != 1:
             raise UsageError(
-                "`-- COMMAND` starts one backend: say which with --start NAME (one of " + ", ".join(names) + ")"
+                "`-- COMMAND` starts one backend: say which with --start NAME (one of "
+                + ", ".join(names)
+                + ")"
             )
         start = names[0]
     if start not in names:

@@ -45,7 +45,7 @@ class Hibernator:
     def find(self, spec: BackendSpec) -> int:
         if spec.pid is not None:
             return spec.pid
-        host, port = spec.host_port
+        _, port = spec.host_port
         pid = discovery.listener_pid(port)
         if pid is None:
             raise NoSuchProcessError(

@@ -7,7 +7,14 @@ README ("Serving models"); a test checks they are all exposed.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 PREFIX = "hibernate_serve_"
 # Wakes and sleeps take from a fraction of a second (a small model from page cache) to minutes.
@@ -23,13 +30,19 @@ class Recorder:
         self._states = states
         r = self.registry
         self.backend_state = Gauge(
-            PREFIX + "backend_state", "1 for the state the backend is in, 0 for the others", ["backend", "state"], registry=r
+            PREFIX + "backend_state",
+            "1 for the state the backend is in, 0 for the others",
+            ["backend", "state"],
+            registry=r,
         )
         self.transitions = Counter(
             PREFIX + "transitions", "Completed sleeps and wakes", ["backend", "operation"], registry=r
         )
         self.failures = Counter(
-            PREFIX + "transition_failures", "Sleeps and wakes that failed", ["backend", "operation"], registry=r
+            PREFIX + "transition_failures",
+            "Sleeps and wakes that failed",
+            ["backend", "operation"],
+            registry=r,
         )
         self.durations = Histogram(
             PREFIX + "transition_seconds",
@@ -39,12 +52,20 @@ class Recorder:
             registry=r,
         )
         self.spilled = Counter(PREFIX + "spilled_bytes", "Bytes written by sleeps", ["backend"], registry=r)
-        self.restored = Counter(PREFIX + "restored_bytes", "Bytes read back by wakes", ["backend"], registry=r)
+        self.restored = Counter(
+            PREFIX + "restored_bytes", "Bytes read back by wakes", ["backend"], registry=r
+        )
         self.requests = Counter(
-            PREFIX + "requests", "Requests answered, by backend ('' when none) and status code", ["backend", "code"], registry=r
+            PREFIX + "requests",
+            "Requests answered, by backend ('' when none) and status code",
+            ["backend", "code"],
+            registry=r,
         )
         self.in_flight_gauge = Gauge(
-            PREFIX + "requests_in_flight", "Requests being forwarded (streams until their end)", ["backend"], registry=r
+            PREFIX + "requests_in_flight",
+            "Requests being forwarded (streams until their end)",
+            ["backend"],
+            registry=r,
         )
         self.waiting_gauge = Gauge(
             PREFIX + "requests_waiting", "Requests held while their backend wakes", ["backend"], registry=r

@@ -114,7 +114,9 @@ class Proxy:
             return await asyncio.wait_for(request.read(), limits.body_timeout)
         except TimeoutError:
             raise ApiError(
-                408, f"the request body did not arrive within {limits.body_timeout:g}s", "invalid_request_error"
+                408,
+                f"the request body did not arrive within {limits.body_timeout:g}s",
+                "invalid_request_error",
             ) from None
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(None) from None
@@ -122,7 +124,9 @@ class Proxy:
     def _too_large(self, size: int | None) -> ApiError:
         limit = self.config.limits.max_body_bytes
         what = f"{size} bytes" if size is not None else "more"
-        return ApiError(413, f"the request body is {what}; the limit is {limit} bytes", "invalid_request_error")
+        return ApiError(
+            413, f"the request body is {what}; the limit is {limit} bytes", "invalid_request_error"
+        )
 
     async def _forward(
         self, request: web.Request, name: str, path: str, body: bytes, started: float
@@ -154,7 +158,9 @@ class Proxy:
             except (ClientError, TimeoutError) as exc:
                 if response is not None and response.prepared:
                     raise  # mid-answer: the client sees the connection end, as it would from the backend
-                error = ApiError(502, f"backend {name} did not answer: {exc or type(exc).__name__}", "BadGatewayError")
+                error = ApiError(
+                    502, f"backend {name} did not answer: {exc or type(exc).__name__}", "BadGatewayError"
+                )
                 self.recorder.request(name, error.status)
                 return error_response(error)
         self.recorder.request(name, response.status)

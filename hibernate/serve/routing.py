@@ -29,7 +29,9 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        }
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,9 @@ def by_prefix(path: str, backends: Sequence[BackendSpec]) -> Route | None:
     best: BackendSpec | None = None
     for spec in backends:
         prefix = spec.prefix
-        if prefix and (path == prefix or path.startswith(prefix + "/") or path.startswith(prefix + "?")):
-            if best is None or len(prefix) > len(best.prefix or ""):
-                best = spec
+        under = prefix and (path == prefix or path.startswith((prefix + "/", prefix + "?")))
+        if under and (best is None or len(prefix or "") > len(best.prefix or "")):
+            best = spec
     if best is None or best.prefix is None:
         return None
     rest = path[len(best.prefix) :]
@@ -55,7 +57,9 @@ def by_prefix(path: str, backends: Sequence[BackendSpec]) -> Route | None:
 def model_of(body: bytes) -> str:
     """The ``model`` field of a JSON request body; anything else is a 400 that says what is wrong."""
     if not body:
-        raise ApiError(400, "the request has no body; send a JSON object with a 'model' field", "invalid_request_error")
+        raise ApiError(
+            400, "the request has no body; send a JSON object with a 'model' field", "invalid_request_error"
+        )
     try:
         document = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -64,7 +68,12 @@ def model_of(body: bytes) -> str:
         raise ApiError(400, "the request body must be a JSON object", "invalid_request_error")
     model = document.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(400, "the request names no model: its 'model' field must be a string", "invalid_request_error", "model")
+        raise ApiError(
+            400,
+            "the request names no model: its 'model' field must be a string",
+            "invalid_request_error",
+            "model",
+        )
     return model
 
 

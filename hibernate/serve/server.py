@@ -40,7 +40,9 @@ def wait_listening(spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: fl
         if proc.poll() is not None:
             raise HibernateTimeoutError(f"backend {spec.name}'s command exited with status {proc.returncode}")
         if time.monotonic() > deadline:
-            raise HibernateTimeoutError(f"backend {spec.name} did not listen on port {port} within {timeout:g}s")
+            raise HibernateTimeoutError(
+                f"backend {spec.name} did not listen on port {port} within {timeout:g}s"
+            )
         time.sleep(0.2)
 
 
