@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,6 +32,9 @@ from hibernate import orchestrator
 from tests.conftest import REPO, forkserver, wait_until
 
 DEMO_MB = 8
+STATUS_SCHEMA = jsonschema.Draft202012Validator(
+    json.loads((REPO / "docs" / "json-schema" / "serve-status.schema.json").read_text())
+)
 MIB = 1 << 20
 
 
@@ -138,9 +142,13 @@ class Proxy:
         return fetch("POST", self.url + path, body, data)
 
     def status(self) -> dict[str, dict[str, Any]]:
+        """GET /hibernate/status, checked against its published schema, by backend name."""
         status, body = fetch("GET", self.url + "/hibernate/status")
         assert status == 200, body
-        return {b["name"]: b for b in json.loads(body)["backends"]}
+        document = json.loads(body)
+        problems = [e.message for e in STATUS_SCHEMA.iter_errors(document)]
+        assert problems == [], problems
+        return {b["name"]: b for b in document["backends"]}
 
     def state(self, name: str) -> str:
         value: str = self.status()[name]["state"]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hibernate.errors import UsageError
+from hibernate.errors import ExitCode, UsageError
 from hibernate.serve.backends import Candidate, State, idle_due, plan_room
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
 from hibernate.serve.discovery import listening_inodes
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
+from tests.conftest import REPO, run_cli
 
 A = BackendSpec("a", "http://127.0.0.1:8001", prefix="/a")
 B = BackendSpec("b", "http://127.0.0.1:8002", models=("org/model-b", "b-alias"))
@@ -179,3 +183,50 @@ def test_the_listening_socket_of_a_port_is_found_in_proc_net_tcp() -> None:
     assert listening_inodes(PROC_NET_TCP, 8001) == {4242}  # not the established connection 5151
     assert listening_inodes(PROC_NET_TCP, 8002) == {6363}
     assert listening_inodes(PROC_NET_TCP, 9) == set()
+
+
+# -- the command ------------------------------------------------------------------------------
+
+LIGHT_PROBE = """
+import sys
+sys.argv = ["hibernate", *{args!r}]
+from hibernate.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+print("LOADED:", ",".join(m for m in ("aiohttp", "prometheus_client", "hibernate.serve") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
+def test_help_does_not_load_the_serve_extra(args: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", LIGHT_PROBE.format(args=args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    assert out.strip().splitlines()[-1].rstrip() == "LOADED:"
+
+
+def test_without_the_extra_serve_says_how_to_install_it(tmp_path: Path) -> None:
+    missing = tmp_path / "aiohttp"
+    missing.mkdir()
+    (missing / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'aiohttp'\", name='aiohttp')\n"
+    )
+    result = run_cli(
+        "serve", "--to", str(tmp_path), "--backend", "a=http://127.0.0.1:9",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"},
+    )  # fmt: skip
+    assert result.returncode == ExitCode.UNSUPPORTED, result.stderr
+    assert "hibernate serve needs aiohttp, which is not installed" in result.stderr
+    assert "pip install 'hibernate[serve]'" in result.stderr
+
+
+def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = run_cli("serve", "--to", str(tmp_path), "--backend", "a=http://127.0.0.1:9", "--idle", "-1")
+    assert result.returncode == ExitCode.USAGE
+    assert "--idle must be a number of seconds above 0" in result.stderr
