@@ -30,6 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate import orchestrator
 from tests.conftest import REPO, forkserver, wait_until
+from tests.standins.world import World
+from tests.test_vllm_server import runtime_dir, start_server  # noqa: F401  (fixtures: the stand-in vLLM server)
 
 DEMO_MB = 8
 STATUS_SCHEMA = jsonschema.Draft202012Validator(
@@ -574,3 +576,36 @@ def test_a_backend_started_by_the_proxy_is_served_and_stopped_with_it(
     assert status == 200 and json.loads(answer)["model"] == "own"
     assert proxy.stop() == 0
     assert not Path(f"/proc/{pid}").exists()  # the proxy waited for it (and reaped it) before exiting
+
+
+# -- in front of a vLLM server (the stand-in) ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_vllm_server_is_put_to_sleep_when_idle_and_woken_once_by_concurrent_requests(
+    start_server: Callable[..., Any], world: World, start_proxy: Callable[..., Proxy]
+) -> None:
+    server = start_server()
+    before = fetch("POST", server.url + "/v1/completions", completion("standin"))
+    assert before[0] == 200
+    proxy = start_proxy("--backend", f"standin={server.url}", "--idle", "1")
+    wait_until(lambda: proxy.state("standin") == "asleep", 60, "the idle server to be put to sleep")
+    assert server.is_sleeping()
+    assert {world.state(pid) for pid in server.workers} == {"checkpointed"}  # the GPU given back
+    status, body = fetch("GET", proxy.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["standin"]
+    assert proxy.state("standin") == "asleep"  # listing models wakes nothing
+
+    async def many(count: int) -> list[tuple[int, bytes]]:
+        return await asyncio.gather(
+            *(_fetch("POST", proxy.url + "/v1/completions", completion("standin")) for _ in range(count))
+        )
+
+    assert asyncio.run(many(50)) == [before] * 50
+    assert len(proxy.lines("standin: asleep -> awake")) == 1
+    assert {world.state(pid) for pid in server.workers} == {"running"}
+    streamed = fetch("POST", proxy.url + "/v1/completions", completion("standin", stream=True))
+    assert streamed[0] == 200 and streamed[1].endswith(b"data: [DONE]\n\n")
+    events = [line[len(b"data: ") :] for line in streamed[1].split(b"\n\n") if line.startswith(b"data: {")]
+    text = "".join(json.loads(event)["choices"][0]["text"] for event in events)
+    assert len(events) == 2 and text == json.loads(before[1])["choices"][0]["text"]
