@@ -29,10 +29,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate import orchestrator
+from tests import test_vllm_server as vllm_standin
 from tests.conftest import REPO, forkserver, wait_until
 from tests.standins.world import World
-from tests.test_vllm_server import runtime_dir, start_server  # noqa: F401  (fixtures: the stand-in vLLM server)
 
+# The stand-in vLLM server's fixture, offered to this module's tests under its own name.
+start_server = vllm_standin.start_server
 DEMO_MB = 8
 STATUS_SCHEMA = jsonschema.Draft202012Validator(
     json.loads((REPO / "docs" / "json-schema" / "serve-status.schema.json").read_text())
