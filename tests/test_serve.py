@@ -380,6 +380,20 @@ def test_a_wake_that_fails_answers_503_leaves_the_backend_asleep_and_the_next_re
     assert proxy.state("demo") == "awake"
 
 
+@pytest.mark.slow
+def test_a_backend_put_to_sleep_by_hand_is_noticed_and_woken_by_the_next_request(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path
+) -> None:
+    demo = start_http_demo()
+    proxy = start_proxy("--backend", backend_flag(demo))
+    before = proxy.post(completion("demo"))
+    orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())  # `hibernate sleep`, not the proxy
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the proxy to read the new state back")
+    assert proxy.lines("demo: found asleep (changed outside the proxy)")
+    assert proxy.post(completion("demo")) == before
+    assert len(proxy.lines("demo: asleep -> awake")) == 1
+
+
 # -- 3. idle -----------------------------------------------------------------------------------
 
 

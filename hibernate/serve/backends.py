@@ -31,6 +31,8 @@ from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import ApiError
 
 log = logging.getLogger("hibernate.serve")
+# How often the proxy reads back the real state of backends at rest (changed by hand, e.g.).
+REFRESH_SECONDS = 5.0
 
 
 class State(str, Enum):
@@ -365,14 +367,38 @@ class Fleet:
             started.append(self._begin(backend, State.SLEEPING, self._sleep(backend, "idle")))
         return started
 
-    async def watch_idle(self) -> None:
-        """Forever: put idle backends to sleep, looking a few times per ``--idle`` period."""
-        if self.idle is None:
-            return
-        tick = min(1.0, self.idle / 4)
+    async def watch(self, refresh: float = REFRESH_SECONDS) -> None:
+        """Forever: put idle backends to sleep (looking a few times per ``--idle`` period), and every
+        ``refresh`` seconds read back the real state of those at rest (a ``hibernate sleep`` or
+        ``wake`` run by hand behind the proxy's back)."""
+        tick = min(1.0, self.idle / 4) if self.idle is not None else refresh
+        last_refresh = time.monotonic()
         while True:
             await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - last_refresh >= refresh:
+                last_refresh = now
+                await self.refresh_states()
             self.sleep_idle(time.monotonic())
+
+    async def refresh_states(self) -> None:
+        """Read back the state of every backend at rest (no transition, nothing in flight or waiting)."""
+        for backend in self.backends.values():
+            if backend.state not in (State.AWAKE, State.ASLEEP) or backend.in_flight or backend.waiting:
+                continue
+            before, transition = backend.state, backend.transition
+            try:
+                found = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+            except HibernateError as exc:
+                log.warning("%s: its state could not be read: %s", backend.name, exc.message)
+                continue
+            if backend.state is not before or backend.transition is not transition:
+                continue  # something started meanwhile: its own outcome is the truth
+            state = State.AWAKE if found.awake else State.ASLEEP
+            if state is not before:
+                log.info("%s: found %s (changed outside the proxy)", backend.name, state.value)
+                backend.last_used = time.monotonic()
+                self._set(backend, state)
 
     async def drain(self, timeout: float) -> None:
         """Wait (bounded) for every transition under way to end: a sleep is not left half-done on stop."""

@@ -101,7 +101,7 @@ async def _serve(config: ServeConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    idle = asyncio.ensure_future(fleet.watch_idle())
+    idle = asyncio.ensure_future(fleet.watch())
     try:
         await stop.wait()
         log.info("stopping: no new requests; those in flight have %gs to finish", limits.shutdown_timeout)
