@@ -231,6 +231,15 @@ def test_requests_go_to_the_backend_their_model_names_unchanged(
     assert proxy.metric("hibernate_serve_requests_total", backend="one", code="200") == 2
     assert proxy.metric("hibernate_serve_added_latency_seconds_count", backend="two") == 1
 
+    # Every metric /metrics exposes is in the README's table, and nothing else is.
+    documented = set(
+        re.findall(r"^\| `(hibernate_serve_\w+)`", (REPO / "README.md").read_text(), re.MULTILINE)
+    )
+    exposed = re.findall(
+        r"^# TYPE (hibernate_serve_\w+) (\w+)$", fetch("GET", proxy.url + "/metrics")[1].decode(), re.M
+    )
+    assert documented == {name + "_total" if kind == "counter" else name for name, kind in exposed}
+
 
 def test_a_stream_arrives_chunk_by_chunk_and_a_client_that_leaves_cancels_it_upstream(
     start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]

@@ -258,6 +258,8 @@ class Fleet:
             log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, backend.reason)
             return Outcome(False, backend.reason)
         backend.pid = found.pid
+        if op == "sleep":
+            backend.last_used = time.monotonic()  # an idle sleep that failed is tried again an --idle later
         self._set(backend, State.AWAKE if found.awake else State.ASLEEP, reason=error.message)
         log.warning(
             "%s: %s failed after %.2f s, left %s: %s",
@@ -310,7 +312,9 @@ class Fleet:
                 log.info(
                     "%s: put to sleep to make room for %s (least recently used)", victim.name, backend.name
                 )
-                await self._begin(victim, State.SLEEPING, self._sleep(victim, "room"))
+                outcome = await self._begin(victim, State.SLEEPING, self._sleep(victim, "room"))
+                if not outcome.ok:  # it is still awake: choosing it again would loop
+                    raise NoRoomError(f"putting {victim.name} to sleep to make room failed: {outcome.reason}")
                 continue
             sleeping = [
                 b.transition for b in self.backends.values() if b.state is State.SLEEPING and b.transition
