@@ -236,9 +236,9 @@ def test_requests_go_to_the_backend_their_model_names_unchanged(
         re.findall(r"^\| `(hibernate_serve_\w+)`", (REPO / "README.md").read_text(), re.MULTILINE)
     )
     exposed = re.findall(
-        r"^# TYPE (hibernate_serve_\w+) (\w+)$", fetch("GET", proxy.url + "/metrics")[1].decode(), re.M
+        r"^# TYPE (hibernate_serve_\w+) ", fetch("GET", proxy.url + "/metrics")[1].decode(), re.M
     )
-    assert documented == {name + "_total" if kind == "counter" else name for name, kind in exposed}
+    assert documented == set(exposed)
 
 
 def test_a_stream_arrives_chunk_by_chunk_and_a_client_that_leaves_cancels_it_upstream(

@@ -13,8 +13,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
+
+# No `*_created` series: a timestamp per label set that doubles the exposition and that nothing here
+# needs (the library's setting is process-wide; this process is the proxy).
+disable_created_metrics()
 
 PREFIX = "hibernate_serve_"
 # Wakes and sleeps take from a fraction of a second (a small model from page cache) to minutes.
