@@ -327,6 +327,34 @@ def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
     assert proxy.lines("-> awake") == []
 
 
+@pytest.mark.slow
+def test_requests_beyond_max_requests_are_refused_at_once_not_queued(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    demo = start_http_demo()
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n[limits]\nmax_requests = 1\n')
+    proxy = start_proxy("--config", str(config))
+
+    async def beside_a_stream() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                await stream.content.readuntil(b"\n\n")
+                refused = await _fetch("POST", proxy.url + "/v1/completions", completion("demo"))
+                event = b""
+                while not event.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    event = await stream.content.readuntil(b"\n\n")
+                return refused
+
+    status, body = asyncio.run(beside_a_stream())
+    assert (
+        status == 503 and "handling 1 requests already (max_requests)" in json.loads(body)["error"]["message"]
+    )
+    assert proxy.post(completion("demo"))[0] == 200  # the stream over, there is room again
+
+
 # -- 2. wake on request ----------------------------------------------------------------------------
 
 

@@ -61,6 +61,7 @@ class Limits:
     body_timeout: float = 30.0  # the whole request body must arrive within this
     upstream_timeout: float = 600.0  # a backend must answer (headers) within this once awake
     max_connections: int = 256  # to all backends together
+    max_requests: int = 4096  # handled at once, held for a wake included; more are answered 503 at once
     shutdown_timeout: float = 30.0  # SIGTERM: how long requests in flight may take to finish
 
 
@@ -191,7 +192,7 @@ def limits_from_table(table: Mapping[str, Any], where: str = "[limits]") -> Limi
     _unknown(list(table), LIMIT_KEYS, where)
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key.endswith("_bytes") or key == "max_connections":
+        if key.endswith("_bytes") or key in ("max_connections", "max_requests"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{where}: {key} must be a positive integer, not {value!r}")
             values[key] = value

@@ -46,6 +46,7 @@ class Proxy:
         self.recorder = recorder
         self.hibernator = hibernator
         self.session: ClientSession | None = None
+        self.active = 0  # requests being handled now
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
@@ -67,6 +68,23 @@ class Proxy:
             await self.session.close()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Every request: the proxy's own answers, else routed, woken for and forwarded; bounded in number."""
+        limit = self.config.limits.max_requests
+        if self.active >= limit:
+            error = ApiError(
+                503,
+                f"the proxy is handling {limit} requests already (max_requests); retry later",
+                "ServiceUnavailableError",
+            )
+            self.recorder.request("", error.status)
+            return error_response(error)
+        self.active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.active -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         backend = ""
         try:
