@@ -106,10 +106,10 @@ def start_http_demo(runtime_dir: Path) -> Iterator[Callable[..., HttpDemo]]:
     started: list[HttpDemo] = []
     scratch = Path(tempfile.mkdtemp(prefix="hb-serve-", dir="/tmp"))
 
-    def start(model: str = "demo", seed: int = 0) -> HttpDemo:
+    def start(model: str = "demo", seed: int = 0, port: int | None = None) -> HttpDemo:
         index = len(started)
         ready = scratch / f"demo{index}.ready"
-        port = free_port()
+        port = port or free_port()
         argv = [
             "serve", "--size-mb", str(DEMO_MB), "--dtype", "float32", "--seed", str(seed),
             "--control", str(scratch / f"demo{index}.sock"), "--ready-file", str(ready),
@@ -429,6 +429,25 @@ def test_a_backend_put_to_sleep_by_hand_is_noticed_and_woken_by_the_next_request
     assert proxy.lines("demo: found asleep (changed outside the proxy)")
     assert proxy.post(completion("demo")) == before
     assert len(proxy.lines("demo: asleep -> awake")) == 1
+
+
+@pytest.mark.slow
+def test_a_backend_that_died_and_came_back_on_its_port_is_found_again(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    first = start_http_demo()
+    before = fetch("POST", first.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(first))
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    status, body = proxy.post(completion("demo"))
+    assert status == 502 and "backend demo did not answer" in json.loads(body)["error"]["message"]
+    wait_until(lambda: proxy.state("demo") == "failed", 30, "the proxy to notice its backend gone")
+    status, body = proxy.post(completion("demo"))  # nothing listens: a 503 that says so
+    assert status == 503 and "no process of yours listens on port" in json.loads(body)["error"]["message"]
+    second = start_http_demo(port=first.port)
+    assert proxy.post(completion("demo")) == before
+    assert proxy.status()["demo"]["pid"] == second.pid
 
 
 # -- 3. idle -----------------------------------------------------------------------------------

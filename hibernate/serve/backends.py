@@ -254,6 +254,7 @@ class Fleet:
         try:
             found: Inspection = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
         except HibernateError as exc:
+            backend.pid = None  # gone, or not ours any more: the next request looks for it again
             self._set(backend, State.FAILED, reason=f"{error.message}; then: {exc.message}")
             log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, backend.reason)
             return Outcome(False, backend.reason)
@@ -386,7 +387,8 @@ class Fleet:
             self.sleep_idle(time.monotonic())
 
     async def refresh_states(self) -> None:
-        """Read back the state of every backend at rest (no transition, nothing in flight or waiting)."""
+        """Read back the state of every backend at rest (no transition, nothing in flight or waiting);
+        one whose process cannot be read is marked failed, and looked for again by the next request."""
         for backend in self.backends.values():
             if backend.state not in (State.AWAKE, State.ASLEEP) or backend.in_flight or backend.waiting:
                 continue
@@ -394,7 +396,11 @@ class Fleet:
             try:
                 found = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
             except HibernateError as exc:
-                log.warning("%s: its state could not be read: %s", backend.name, exc.message)
+                if backend.state is before and backend.transition is transition:
+                    # Gone (or busy with someone else's operation): found again on the next request.
+                    log.warning("%s: its state could not be read: %s", backend.name, exc.message)
+                    backend.pid = None
+                    self._set(backend, State.FAILED, reason=exc.message)
                 continue
             if backend.state is not before or backend.transition is not transition:
                 continue  # something started meanwhile: its own outcome is the truth
