@@ -548,8 +548,8 @@ def serve(
         str | None,
         typer.Option(
             "--gpu-budget",
-            help="Tracked memory that may be awake at once (e.g. 70GiB): a wake that does not fit first "
-            "puts the least recently used idle backends to sleep.",
+            help="Tracked memory that may be awake at once (e.g. 70GiB), or auto (the GPUs' free memory, "
+            "NVML): a wake that does not fit first puts the least recently used idle backends to sleep.",
             show_default=False,
         ),
     ] = None,

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hibernate import orchestrator
 from tests import test_vllm_server as vllm_standin
 from tests.conftest import REPO, forkserver, wait_until
-from tests.standins.world import World
+from tests.standins.world import GIB, World
 
 # The stand-in vLLM server's fixture, offered to this module's tests under its own name.
 start_server = vllm_standin.start_server
@@ -681,3 +681,36 @@ def test_a_vllm_server_is_put_to_sleep_when_idle_and_woken_once_by_concurrent_re
     events = [line[len(b"data: ") :] for line in streamed[1].split(b"\n\n") if line.startswith(b"data: {")]
     text = "".join(json.loads(event)["choices"][0]["text"] for event in events)
     assert len(events) == 2 and text == json.loads(before[1])["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_with_a_measured_budget_a_wake_that_does_not_fit_the_gpu_puts_the_least_recently_used_to_sleep(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], world: World, work_dir: Path
+) -> None:
+    demos = {name: start_http_demo(name, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
+    direct = {name: fetch("POST", d.url + "/v1/completions", completion(name)) for name, d in demos.items()}
+    for demo in demos.values():
+        world.register(demo.pid, nbytes=3 * GIB)  # each holds 3 GiB of the stand-in GPU
+    orchestrator.sleep([demos["c"].pid], work_dir, orchestrator.Options())
+    world.set_other_use(0, 80 * GIB - 7 * GIB)  # 7 GiB for the backends: a and b, not c as well
+    proxy = start_proxy(*(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", "auto")
+    for name in ("a", "b"):  # a is now the least recently used
+        assert proxy.post(completion(name)) == direct[name]
+
+    assert proxy.post(completion("c")) == direct["c"]
+    assert {n: world.state(d.pid) for n, d in demos.items()} == {
+        "a": "checkpointed",
+        "b": "running",
+        "c": "running",
+    }
+    assert proxy.post(completion("a")) == direct["a"]
+    assert {n: world.state(d.pid) for n, d in demos.items()} == {
+        "a": "running",
+        "b": "checkpointed",
+        "c": "running",
+    }
+    made_room = [line.split("serve: ")[1] for line in proxy.lines("put to sleep to make room")]
+    assert made_room == [
+        "a: put to sleep to make room for c (least recently used)",
+        "b: put to sleep to make room for a (least recently used)",
+    ]

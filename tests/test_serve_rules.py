@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode, UsageError
-from hibernate.serve.backends import Candidate, State, idle_due, plan_room
+from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
 from hibernate.serve.discovery import listening_inodes
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
@@ -34,7 +34,9 @@ def config(**given: Any) -> Any:
 def test_flags_build_a_config_that_listens_on_localhost_by_default() -> None:
     settings = config(idle=300.0, gpu_budget="1.5GiB")
     assert (settings.host, settings.port, settings.is_local) == ("127.0.0.1", 8000, True)
-    assert settings.idle == 300.0 and settings.gpu_budget == 3 << 29
+    assert settings.idle == 300.0 and settings.gpu_budget == 3 << 29 and not settings.measure_gpu
+    measured = config(gpu_budget="auto")
+    assert measured.gpu_budget is None and measured.measure_gpu
     assert settings.backends == (BackendSpec("a", "http://127.0.0.1:8001"),)
 
 
@@ -169,6 +171,22 @@ def test_room_is_made_from_the_least_recently_used_idle_backend() -> None:
     busy = [candidate("busy", State.AWAKE, in_flight=1), candidate("going", State.SLEEPING)]
     assert plan_room(10, 20, busy).action == "wait"
     assert plan_room(50, 40, []).action == "never"
+
+
+def test_measured_room_is_made_on_the_gpu_that_lacks_it() -> None:
+    others = [
+        Candidate("old-gpu1", State.AWAKE, 0, 0.0, 0, {"GPU-1": 30}),
+        Candidate("old-gpu0", State.AWAKE, 0, 1.0, 0, {"GPU-0": 30}),
+        Candidate("new-gpu0", State.AWAKE, 0, 2.0, 0, {"GPU-0": 30}),
+    ]
+    free = {"GPU-0": 10, "GPU-1": 50}
+    assert plan_room_measured({"GPU-1": 40}, free, others).action == "fits"
+    assert plan_room_measured({}, free, others).action == "fits"  # never seen awake: nothing to plan with
+    room = plan_room_measured({"GPU-0": 20}, free, others)
+    assert (room.action, room.victim) == ("evict", "old-gpu0")  # not old-gpu1: it is on the other GPU
+    busy = [Candidate("busy", State.AWAKE, 0, 0.0, 1, {"GPU-0": 30})]
+    assert plan_room_measured({"GPU-0": 20}, free, busy).action == "wait"
+    assert plan_room_measured({"GPU-0": 20}, free, others[:1]).action == "never"  # held by someone else
 
 
 PROC_NET_TCP = """\

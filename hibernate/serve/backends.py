@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -55,6 +55,7 @@ class Candidate:
     tracked_bytes: int
     last_used: float
     in_flight: int
+    gpu: Mapping[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
 
 
 def idle_due(backends: Sequence[Candidate], now: float, idle: float) -> list[str]:
@@ -91,6 +92,26 @@ def plan_room(need: int, budget: int, others: Sequence[Candidate]) -> Room:
     return Room("wait")
 
 
+def plan_room_measured(need: Mapping[str, int], free: Mapping[str, int], others: Sequence[Candidate]) -> Room:
+    """:func:`plan_room` for ``--gpu-budget auto``: the next step to free ``need`` bytes on each GPU.
+
+    Only backends seen holding memory on a GPU that lacks room are candidates;
+    with none, the memory is held by something else: it will never fit.
+    """
+    short = {uuid for uuid, nbytes in need.items() if free.get(uuid, 0) < nbytes}
+    if not short:
+        return Room("fits")
+    held = [
+        o
+        for o in others
+        if o.state in (State.AWAKE, State.WAKING, State.SLEEPING) and any(o.gpu.get(u, 0) for u in short)
+    ]
+    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if idle:
+        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    return Room("wait") if held else Room("never")
+
+
 @dataclass
 class Outcome:
     ok: bool
@@ -108,13 +129,14 @@ class Backend:
     tracked_bytes: int = 0
     reason: str | None = None  # why the last transition failed, if it did
     transition: asyncio.Task[Outcome] | None = None
+    gpu: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def candidate(self) -> Candidate:
-        return Candidate(self.name, self.state, self.tracked_bytes, self.last_used, self.in_flight)
+        return Candidate(self.name, self.state, self.tracked_bytes, self.last_used, self.in_flight, self.gpu)
 
     def view(self, now: float) -> dict[str, Any]:
         return {
@@ -144,6 +166,7 @@ class Fleet:
         idle: float | None,
         wake_timeout: float,
         budget: int | None,
+        measure_gpu: bool = False,
     ) -> None:
         self.backends = {spec.name: Backend(spec) for spec in specs}
         self.hibernator = hibernator
@@ -151,6 +174,7 @@ class Fleet:
         self.idle = idle
         self.wake_timeout = wake_timeout
         self.budget = budget
+        self.measure_gpu = measure_gpu
         self._room = asyncio.Lock()  # one budget decision (and the wake it makes room for) at a time
         self._released = asyncio.Condition()  # a request ended: a wake waiting for room looks again
 
@@ -173,6 +197,7 @@ class Fleet:
         backend.tracked_bytes = found.tracked_bytes
         backend.last_used = time.monotonic()
         self._set(backend, State.AWAKE if found.awake else State.ASLEEP)
+        await self._measure(backend)
         what = f", {found.recovered}" if found.recovered else ""
         log.info(
             "%s: adopted pid %s, %s%s (%.2f s)",
@@ -291,21 +316,37 @@ class Fleet:
         seconds = time.monotonic() - begun
         backend.last_used = time.monotonic()
         self._set(backend, State.AWAKE)
+        await self._measure(backend)
         self.recorder.transition(backend.name, "wake", seconds, restored)
         log.info("%s: asleep -> awake (wake %.2f s, %d bytes restored)", backend.name, seconds, restored)
         return Outcome(True)
 
+    async def _measure(self, backend: Backend) -> None:
+        """With ``--gpu-budget auto``, what an awake backend holds on each GPU (what its wake will need)."""
+        if self.measure_gpu and backend.state is State.AWAKE and backend.pid is not None:
+            backend.gpu = await asyncio.to_thread(self.hibernator.gpu_usage, backend.pid)
+
+    async def _room_now(self, backend: Backend) -> Room:
+        others = [b.candidate() for b in self.backends.values() if b is not backend]
+        if self.measure_gpu:
+            free = await asyncio.to_thread(self.hibernator.gpu_free)
+            need = await asyncio.to_thread(self.hibernator.gpu_need, backend.pid) if backend.pid else {}
+            return plan_room_measured(need or backend.gpu, free, others)
+        assert self.budget is not None
+        return plan_room(backend.tracked_bytes, self.budget, others)
+
     async def _make_room(self, backend: Backend, deadline: float) -> None:
-        if self.budget is None:
+        if self.budget is None and not self.measure_gpu:
             return
         while True:
-            others = [b.candidate() for b in self.backends.values() if b is not backend]
-            room = plan_room(backend.tracked_bytes, self.budget, others)
+            room = await self._room_now(backend)
             if room.action == "fits":
                 return
             if room.action == "never":
+                if self.measure_gpu:
+                    raise NoRoomError("the GPU memory it needs is held by something other than the backends")
                 raise NoRoomError(
-                    f"it tracks {backend.tracked_bytes} bytes, more than --gpu-budget {self.budget} alone"
+                    f"it tracks {backend.tracked_bytes} bytes, more than --gpu-budget {self.budget}"
                 )
             if room.action == "evict":
                 assert room.victim is not None
@@ -409,6 +450,7 @@ class Fleet:
                 log.info("%s: found %s (changed outside the proxy)", backend.name, state.value)
                 backend.last_used = time.monotonic()
                 self._set(backend, state)
+            await self._measure(backend)
 
     async def drain(self, timeout: float) -> None:
         """Wait (bounded) for every transition under way to end: a sleep is not left half-done on stop."""

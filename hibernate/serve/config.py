@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from hibernate.errors import UsageError
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
+AUTO = "auto"  # --gpu-budget auto: measured free memory rather than a size
 MAX_SECONDS = 86400.0
 # A name is a label in metrics, logs and URLs: keep it to what needs no quoting anywhere.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -75,6 +76,7 @@ class ServeConfig:
     wake_timeout: float = 300.0
     sleep_timeout: float = 120.0  # the --timeout of each sleep (drain and quiesce)
     gpu_budget: int | None = None  # bytes of tracked memory that may be awake at once
+    measure_gpu: bool = False  # --gpu-budget auto: the GPUs' free memory (NVML) decides instead
     command: tuple[str, ...] = ()  # `-- cmd...`: started by the proxy as backend `start`
     start: str | None = None
     limits: Limits = field(default_factory=Limits)
@@ -281,7 +283,8 @@ def build_config(
             "--wake-timeout",
         ),
         sleep_timeout=check_seconds(document.get("sleep_timeout", 120.0), "sleep_timeout"),
-        gpu_budget=parse_size(budget, "--gpu-budget") if budget is not None else None,
+        gpu_budget=parse_size(budget, "--gpu-budget") if budget not in (None, AUTO) else None,
+        measure_gpu=budget == AUTO,
         limits=limits_from_table(document.get("limits", {})),
     )
     return with_command(config, command, start)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hibernate import orchestrator
+from hibernate import orchestrator, procinfo
+from hibernate.checkpoint import nvml, records
+from hibernate.checkpoint.phase import HEADROOM_BYTES
 from hibernate.errors import HibernateError, NoSuchProcessError
 from hibernate.serve import discovery
 from hibernate.serve.config import BackendSpec
@@ -21,6 +23,15 @@ class Inspection:
     awake: bool
     tracked_bytes: int
     recovered: str | None = None  # what a recovery did first, if one was needed
+
+
+def gpu_usage(snapshot: nvml.Snapshot, pids: set[int]) -> dict[str, int]:
+    """GPU UUID -> bytes the processes ``pids`` hold there, from one NVML reading."""
+    usage: dict[str, int] = {}
+    for pid in pids:
+        for uuid, nbytes in snapshot.usage_of(pid).items():
+            usage[uuid] = usage.get(uuid, 0) + nbytes
+    return usage
 
 
 def tracked_bytes(entries: list[dict[str, Any]]) -> int:
@@ -73,6 +84,31 @@ class Hibernator:
         """Wake the backend; the bytes restored."""
         report = orchestrator.wake([pid], self.options())
         return sum(int(p.restored_bytes) for p in report.processes)
+
+    def gpu_usage(self, pid: int) -> dict[str, int]:
+        """What the backend's process tree holds on each GPU now (NVML; empty without it)."""
+        reading = nvml.snapshot()
+        if reading is None:
+            return {}
+        return gpu_usage(reading, {pid, *procinfo.descendants(pid)})
+
+    def gpu_need(self, pid: int) -> dict[str, int]:
+        """What waking the backend will take on each GPU: what its checkpointed processes held there when
+        put to sleep (the records `hibernate wake` checks too), each with the restore's headroom."""
+        need: dict[str, int] = {}
+        for member in {pid, *procinfo.descendants(pid)}:
+            ident = procinfo.identity(member)
+            record = records.load(ident) if ident is not None else None
+            usage = record.get("gpus") if record else None
+            if isinstance(usage, dict):
+                for uuid, nbytes in usage.items():
+                    need[str(uuid)] = need.get(str(uuid), 0) + int(nbytes) + HEADROOM_BYTES
+        return need
+
+    def gpu_free(self) -> dict[str, int]:
+        """Free bytes of each GPU now (NVML; empty without it)."""
+        reading = nvml.snapshot()
+        return {gpu.uuid: gpu.free for gpu in reading.gpus} if reading is not None else {}
 
     def status(self, pid: int | None) -> list[dict[str, Any]]:
         """What ``hibernate status PID --json`` lists as ``agents``."""

@@ -80,6 +80,7 @@ async def _serve(config: ServeConfig) -> None:
         idle=config.idle,
         wake_timeout=config.wake_timeout,
         budget=config.gpu_budget,
+        measure_gpu=config.measure_gpu,
     )
     await fleet.adopt()
     limits = config.limits
