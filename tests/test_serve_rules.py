@@ -66,7 +66,7 @@ def test_bad_settings_are_refused_with_what_is_wrong(given: dict[str, Any], word
         config(**given)
 
 
-def test_toml_tables_give_models_prefixes_pids_and_limits() -> None:
+def test_toml_tables_give_models_prefixes_pids_idle_times_and_limits() -> None:
     document = {
         "listen": "0.0.0.0:9000",
         "to": "/nvme/snap",
@@ -78,13 +78,16 @@ def test_toml_tables_give_models_prefixes_pids_and_limits() -> None:
                 "models": ["Qwen/Qwen3-8B"],
                 "prefix": "/q/",
                 "pid": 42,
+                "idle": 30,
             }
         ],
         "limits": {"max_body_bytes": 1024, "body_timeout": 2},
     }
     settings = config(to=None, backend_flags=[], document=document)
     assert (settings.host, settings.port, settings.is_local) == ("0.0.0.0", 9000, False)
-    assert settings.backends == (BackendSpec("q", "http://127.0.0.1:8001", ("Qwen/Qwen3-8B",), "/q", 42),)
+    assert settings.backends == (
+        BackendSpec("q", "http://127.0.0.1:8001", ("Qwen/Qwen3-8B",), "/q", 42, 30.0),
+    )
     assert settings.limits.max_body_bytes == 1024 and settings.limits.body_timeout == 2.0
     with pytest.raises(UsageError, match="unknown key"):
         config(document={"idel": 3})
@@ -157,6 +160,13 @@ def test_idle_means_awake_nothing_in_flight_and_quiet_for_long_enough() -> None:
         candidate("waking", State.WAKING, used=0.0),
     ]
     assert idle_due(backends, now=100.0, idle=10.0) == ["quiet"]
+    assert idle_due(backends, now=100.0, idle=None) == []  # no --idle: never
+    own = [
+        Candidate("patient", State.AWAKE, 10, 0.0, 0, idle=200.0),
+        Candidate("eager", State.AWAKE, 10, 95.0, 0, idle=1.0),
+    ]
+    assert idle_due(own, now=100.0, idle=10.0) == ["eager"]  # a backend's own idle time wins
+    assert idle_due(own, now=100.0, idle=None) == ["eager"]
 
 
 def test_room_is_made_from_the_least_recently_used_idle_backend() -> None:

@@ -56,13 +56,18 @@ class Candidate:
     last_used: float
     in_flight: int
     gpu: Mapping[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
+    idle: float | None = None  # its own idle time, if it has one
 
 
-def idle_due(backends: Sequence[Candidate], now: float, idle: float) -> list[str]:
-    """Awake backends with nothing in flight and no request for ``idle`` seconds."""
-    return [
-        b.name for b in backends if b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= idle
-    ]
+def idle_due(backends: Sequence[Candidate], now: float, idle: float | None) -> list[str]:
+    """Awake backends with nothing in flight and no request for their idle time (their own, else
+    ``idle``; neither: never)."""
+    due = []
+    for b in backends:
+        limit = b.idle if b.idle is not None else idle
+        if limit is not None and b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= limit:
+            due.append(b.name)
+    return due
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,15 @@ class Backend:
         return self.spec.name
 
     def candidate(self) -> Candidate:
-        return Candidate(self.name, self.state, self.tracked_bytes, self.last_used, self.in_flight, self.gpu)
+        return Candidate(
+            self.name,
+            self.state,
+            self.tracked_bytes,
+            self.last_used,
+            self.in_flight,
+            self.gpu,
+            self.spec.idle,
+        )
 
     def view(self, now: float) -> dict[str, Any]:
         return {
@@ -404,9 +417,7 @@ class Fleet:
     # -- idle -------------------------------------------------------------------------
 
     def sleep_idle(self, now: float) -> list[asyncio.Task[Outcome]]:
-        """Start the sleep of every backend idle past ``--idle``; the tasks started."""
-        if self.idle is None:
-            return []
+        """Start the sleep of every backend idle past its idle time; the tasks started."""
         started = []
         for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle):
             backend = self.backends[name]
@@ -417,7 +428,8 @@ class Fleet:
         """Forever: put idle backends to sleep (looking a few times per ``--idle`` period), and every
         ``refresh`` seconds read back the real state of those at rest (a ``hibernate sleep`` or
         ``wake`` run by hand behind the proxy's back)."""
-        tick = min(1.0, self.idle / 4) if self.idle is not None else refresh
+        idles = [t for t in (self.idle, *(b.spec.idle for b in self.backends.values())) if t is not None]
+        tick = min(1.0, min(idles) / 4) if idles else refresh
         last_refresh = time.monotonic()
         while True:
             await asyncio.sleep(tick)

@@ -42,6 +42,7 @@ class BackendSpec:
     models: tuple[str, ...] = ()
     prefix: str | None = None
     pid: int | None = None
+    idle: float | None = None  # its own --idle (serve.toml), else the proxy's
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -156,7 +157,7 @@ def parse_backend_flag(value: str) -> BackendSpec:
 
 
 TOP_KEYS = {"listen", "to", "idle", "wake_timeout", "sleep_timeout", "gpu_budget", "backend", "limits"}
-BACKEND_KEYS = {"name", "url", "models", "prefix", "pid"}
+BACKEND_KEYS = {"name", "url", "models", "prefix", "pid", "idle"}
 LIMIT_KEYS = {f.name for f in fields(Limits)}
 
 
@@ -181,12 +182,14 @@ def backend_from_table(table: Mapping[str, Any], where: str) -> BackendSpec:
     pid = table.get("pid")
     if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
         raise UsageError(f"{where}: pid must be a process id")
+    idle = table.get("idle")
     return BackendSpec(
         name,
         check_url(table["url"], where),
         tuple(models),
         check_prefix(prefix, where) if prefix is not None else None,
         pid,
+        check_seconds(idle, f"{where}: idle") if idle is not None else None,
     )
 
 
