@@ -295,7 +295,7 @@ def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
     config = tmp_path / "serve.toml"
     config.write_text(
         f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n'
-        "[limits]\nmax_body_bytes = 4096\nbody_timeout = 1\n"
+        "[limits]\nmax_body_bytes = 4096\nbody_timeout = 1\nidle_timeout = 1\n"
     )
     proxy = start_proxy("--config", str(config))
     assert proxy.state("demo") == "asleep"
@@ -319,6 +319,11 @@ def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
         answer = conn.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 408"), answer
     assert "did not arrive within 1s" in answer
+
+    # A slower one: its headers never end. The connection is closed (idle_timeout), unanswered.
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert conn.recv(65536) == b""
 
     status, body = fetch("GET", proxy.url + "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["state"] == "asleep"

@@ -61,6 +61,7 @@ class Limits:
     max_body_bytes: int = 16 << 20
     max_header_bytes: int = 16 << 10  # one header line (aiohttp's max_field_size and max_line_size)
     body_timeout: float = 30.0  # the whole request body must arrive within this
+    idle_timeout: float = 30.0  # a connection with no whole request (headers) for this long is closed
     upstream_timeout: float = 600.0  # a backend must answer (headers) within this once awake
     max_connections: int = 256  # to all backends together
     max_requests: int = 4096  # handled at once, held for a wake included; more are answered 503 at once

@@ -90,6 +90,7 @@ async def _serve(config: ServeConfig) -> None:
         max_line_size=limits.max_header_bytes,
         max_field_size=limits.max_header_bytes,
         shutdown_timeout=limits.shutdown_timeout,
+        keepalive_timeout=limits.idle_timeout,  # also bounds a client that sends its headers slowly
         access_log=None,
     )
     await runner.setup()
