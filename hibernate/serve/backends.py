@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hibernate.errors import HibernateError
+from hibernate.errors import BusyError, HibernateError
 from hibernate.serve.config import BackendSpec
 from hibernate.serve.hibernator import Hibernator, Inspection
 from hibernate.serve.metrics import Recorder
@@ -162,7 +162,7 @@ class Backend:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "tracked_bytes": self.tracked_bytes,
-            "idle_seconds": round(now - self.last_used, 3) if self.last_used else None,
+            "idle_seconds": round(max(now - self.last_used, 0.0), 3) if self.last_used else None,
             "reason": self.reason,
         }
 
@@ -448,9 +448,11 @@ class Fleet:
             before, transition = backend.state, backend.transition
             try:
                 found = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+            except BusyError:
+                continue  # a `hibernate sleep` or `wake` of someone else is under way: read it next time
             except HibernateError as exc:
                 if backend.state is before and backend.transition is transition:
-                    # Gone (or busy with someone else's operation): found again on the next request.
+                    # Gone: looked for again by the next request.
                     log.warning("%s: its state could not be read: %s", backend.name, exc.message)
                     backend.pid = None
                     self._set(backend, State.FAILED, reason=exc.message)

@@ -115,11 +115,10 @@ class Proxy:
 
     async def status(self) -> dict[str, Any]:
         """Every backend as the proxy sees it, with what ``hibernate status PID --json`` lists for it."""
-        now = time.monotonic()
         entries = []
         for backend in self.fleet.backends.values():
             agents = await asyncio.to_thread(self.hibernator.status, backend.pid)
-            entries.append({**backend.view(now), "agents": agents})
+            entries.append({**backend.view(time.monotonic()), "agents": agents})  # now: after the await
         return {"ok": True, "backends": entries}
 
     async def _body(self, request: web.Request) -> bytes:
