@@ -35,6 +35,8 @@ def test_flags_build_a_config_that_listens_on_localhost_by_default() -> None:
     settings = config(idle=300.0, gpu_budget="1.5GiB")
     assert (settings.host, settings.port, settings.is_local) == ("127.0.0.1", 8000, True)
     assert settings.idle == 300.0 and settings.gpu_budget == 3 << 29 and not settings.measure_gpu
+    named = config(backend_flags=["Qwen/Qwen3-8B=http://127.0.0.1:8001"]).backends[0]
+    assert (named.name, named.model_names) == ("Qwen/Qwen3-8B", ("Qwen/Qwen3-8B",))  # vLLM's default name
     measured = config(gpu_budget="auto")
     assert measured.gpu_budget is None and measured.measure_gpu
     assert settings.backends == (BackendSpec("a", "http://127.0.0.1:8001"),)

@@ -20,8 +20,9 @@ from hibernate.errors import UsageError
 DEFAULT_LISTEN = "127.0.0.1:8000"
 AUTO = "auto"  # --gpu-budget auto: measured free memory rather than a size
 MAX_SECONDS = 86400.0
-# A name is a label in metrics, logs and URLs: keep it to what needs no quoting anywhere.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A name is a label in metrics and logs, and by default the model name routed to the backend: what
+# model names are made of (vLLM serves "Org/Model-7B" by default), nothing that needs quoting.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
@@ -132,7 +133,7 @@ def check_url(value: str, where: str) -> str:
 def check_name(name: str, where: str) -> str:
     if not NAME_PATTERN.match(name):
         raise UsageError(
-            f"{where}: a backend name is 1 to 64 letters, digits, '.', '_' or '-' "
+            f"{where}: a backend name is 1 to 128 letters, digits, '.', '_', '-', '/' or ':' "
             f"(starting with a letter or digit), not {name!r}"
         )
     return name
