@@ -503,6 +503,102 @@ def run(
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
 
 
+SERVE_EXTRA_HINT = "pip install 'hibernate[serve]' (aiohttp and prometheus-client)"
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+@_handles_errors
+def serve(
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="After --: a backend to start and stop with the proxy (see --start).", show_default=False
+        ),
+    ] = None,
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to", help="Directory for the snapshots of sleeping backends (created 0700 if missing)."
+        ),
+    ] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend",
+            metavar="NAME=URL",
+            help="A backend, http://HOST:PORT; requests whose model is NAME go to it (repeat for several).",
+            show_default=False,
+        ),
+    ] = None,
+    listen: Annotated[
+        str | None, typer.Option("--listen", help="HOST:PORT to serve on. [default: 127.0.0.1:8000]")
+    ] = None,
+    idle: Annotated[
+        float | None,
+        typer.Option(
+            "--idle",
+            help="Put a backend to sleep after this many seconds without a request.",
+            show_default=False,
+        ),
+    ] = None,
+    wake_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--wake-timeout", help="Longest a request waits for its backend to wake. [default: 300]"
+        ),
+    ] = None,
+    gpu_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-budget",
+            help="Tracked memory that may be awake at once (e.g. 70GiB), or auto (the GPUs' free memory, "
+            "NVML): a wake that does not fit first puts the least recently used idle backends to sleep.",
+            show_default=False,
+        ),
+    ] = None,
+    start: Annotated[
+        str | None,
+        typer.Option(
+            "--start",
+            metavar="NAME",
+            help="The backend `-- COMMAND` starts (default: the only one).",
+            show_default=False,
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="serve.toml: the same settings, plus per-backend ones.", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """Serve HTTP in front of model servers: sleep them when idle, wake them on the first request."""
+    from hibernate.errors import UnsupportedError
+    from hibernate.serve import config as serve_config
+
+    document = serve_config.load_toml(config) if config is not None else None
+    settings = serve_config.build_config(
+        listen=listen,
+        to=_directory(to) if to is not None else None,
+        backend_flags=backend or [],
+        idle=idle,
+        wake_timeout=wake_timeout,
+        gpu_budget=gpu_budget,
+        command=command or [],
+        start=start,
+        document=document,
+    )
+    try:
+        from hibernate.serve import server
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("aiohttp", "prometheus_client"):
+            raise
+        raise UnsupportedError(
+            f"hibernate serve needs {exc.name}, which is not installed", hint=SERVE_EXTRA_HINT
+        ) from None
+    raise typer.Exit(server.run(settings))
+
+
 @app.command("node-step", hidden=True)
 @_handles_errors
 def node_step(

@@ -3,12 +3,22 @@
     python -m hibernate.demo serve [--size-mb 512] [--control PATH]   # the target
     python -m hibernate.demo infer --control PATH                     # ask it for an output
     python -m hibernate.demo hold --control PATH --seconds 5          # hold the guard (a long step)
+    python -m hibernate.demo serve --http-port 8001 [--model-name demo]  # also an OpenAI-style HTTP server
 
 The model has random (seeded) weights, tracked as ``weights``, and a KV cache
 tracked with ``keep=False``. Each ``infer`` request runs a fixed prompt through
 the model inside ``hibernate.guard()`` (prefill into the KV cache, then a few
 greedy decode steps) and answers the SHA-256 of the final logits' bytes and the
 generated tokens: equal digests before and after a sleep mean bit-exact weights.
+
+With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1 (for
+``hibernate serve``): ``GET /v1/models``, ``POST /v1/completions`` (the same
+inference; ``"stream": true`` sends one server-sent event per token). While the
+process sleeps a completion is refused (503), not held: a proxy that forwarded
+one to a sleeping demo would be caught. Demo-only extensions, for tests: a
+request with ``"paced": true`` streams each token after the first only once
+``POST /demo/step`` allows it, and ``GET /demo/stats`` counts completions,
+streams and streams whose client left before the end.
 """
 
 from __future__ import annotations
@@ -19,10 +29,13 @@ import ctypes
 import hashlib
 import json
 import os
+import select
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +145,166 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int) -> Any:
     }
 
 
+class HttpApi:
+    """The demo's OpenAI-style HTTP API over ``infer`` (see the module's docstring)."""
+
+    def __init__(self, infer: Callable[[], dict[str, Any]], model: str) -> None:
+        self.infer = infer
+        self.model = model
+        self.steps = threading.Semaphore(0)  # POST /demo/step: one more token of the paced streams
+        self.lock = threading.Lock()
+        self.stats = {"completions": 0, "streams_started": 0, "streams_finished": 0, "cancelled": 0}
+
+    def count(self, key: str) -> None:
+        with self.lock:
+            self.stats[key] += 1
+
+    def completion(self) -> dict[str, Any]:
+        """One inference, or why there is none: what a client gets, the same bytes every time."""
+        import hibernate
+        from hibernate.errors import HibernatingError
+
+        try:
+            with hibernate.guard(wait=False):
+                result = self.infer()
+        except HibernatingError as exc:
+            return {
+                "error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}
+            }
+        return {
+            "id": "cmpl-demo",
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [
+                {"index": 0, "text": " ".join(map(str, result["tokens"])), "finish_reason": "length"}
+            ],
+            "digest": result["digest"],
+        }
+
+    def chunks(self, answer: dict[str, Any]) -> Iterator[bytes]:
+        """The server-sent events of a streamed completion: one per token, then the digest, then [DONE]."""
+        for token in answer["choices"][0]["text"].split(" "):
+            event = {"id": answer["id"], "object": "text_completion", "model": self.model,
+                     "choices": [{"index": 0, "text": token + " ", "finish_reason": None}]}  # fmt: skip
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        yield f"data: {json.dumps({'id': answer['id'], 'digest': answer['digest']})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+
+def client_gone(conn: socket.socket) -> bool:
+    """Whether the peer closed the connection (readable, and nothing to read)."""
+    readable, _, _ = select.select([conn], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _send(self, status: int, document: Any) -> None:
+            data = json.dumps(document).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/models":
+                model = {"id": api.model, "object": "model", "created": 0, "owned_by": "hibernate-demo"}
+                self._send(200, {"object": "list", "data": [model]})
+            elif self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/demo/stats":
+                with api.lock:
+                    self._send(200, dict(api.stats))
+            else:
+                self._send(404, {"error": {"message": "Not Found", "type": "NotFoundError", "code": 404}})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/demo/step":
+                api.steps.release()
+                self._send(200, {"stepped": True})
+                return
+            if self.path != "/v1/completions":
+                self._send(404, {"error": {"message": "Not Found", "type": "NotFoundError", "code": 404}})
+                return
+            try:
+                request = json.loads(body)
+            except ValueError:
+                self._send(400, {"error": {"message": "not JSON", "type": "BadRequestError", "code": 400}})
+                return
+            if request.get("model") != api.model:
+                message = f"The model `{request.get('model')}` does not exist."
+                self._send(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+                return
+            answer = api.completion()
+            if "error" in answer:
+                self._send(503, answer)
+            elif request.get("stream"):
+                self._stream(answer, bool(request.get("paced")))
+            else:
+                api.count("completions")
+                self._send(200, answer)
+
+        def _stream(self, answer: dict[str, Any], paced: bool) -> None:
+            api.count("streams_started")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for index, chunk in enumerate(api.chunks(answer)):
+                if paced and index > 0 and not self._step():
+                    api.count("cancelled")
+                    self.close_connection = True
+                    return
+                try:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                except OSError:
+                    api.count("cancelled")
+                    self.close_connection = True
+                    return
+            self.wfile.write(b"0\r\n\r\n")
+            api.count("streams_finished")
+
+        def _step(self) -> bool:
+            """Wait for the next POST /demo/step; False when the client left first."""
+            while not api.steps.acquire(timeout=0.05):
+                if client_gone(self.connection):
+                    return False
+            return True
+
+    return Handler
+
+
+class DemoHttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a proxy may open hundreds of connections at once
+
+
+def serve_http(api: HttpApi, port: int) -> ThreadingHTTPServer:
+    server = DemoHttpServer(("127.0.0.1", port), http_handler(api))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def serve(args: argparse.Namespace) -> int:
     import hibernate
 
     infer, shape = build(args.size_mb, args.dtype, args.device, args.seed)
+    http = serve_http(HttpApi(infer, args.model_name), args.http_port) if args.http_port is not None else None
+    if http is not None:
+        shape["http_port"] = http.server_address[1]
     control = Path(args.control) if args.control else Path(f"/tmp/hibernate-demo-{os.getpid()}.sock")
     with contextlib.suppress(FileNotFoundError):
         control.unlink()
@@ -213,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--control", help="Unix socket to answer requests on")
     run.add_argument("--ready-file", help="write {pid, control, ...} here once serving")
+    run.add_argument(
+        "--http-port", type=int, help="also serve an OpenAI-style API on 127.0.0.1:PORT (0: any)"
+    )
+    run.add_argument("--model-name", default="demo", help="the model name the HTTP API answers to")
     for name in ("infer", "quit", "hold"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")
         client.add_argument("--control", required=True)

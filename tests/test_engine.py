@@ -33,7 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "hibernate"
 
 # Lower layers never import the engine or anything above it; the engine never imports a flow.
-ABOVE_THE_ENGINE = ("hibernate.orchestrator", "hibernate.flows", "hibernate.integrations", "hibernate.cli")
+ABOVE_THE_ENGINE = (
+    "hibernate.orchestrator",
+    "hibernate.flows",
+    "hibernate.integrations",
+    "hibernate.cli",
+    "hibernate.serve",
+)
 LOWER = ("hibernate.store", "hibernate.pools", "hibernate.agent", "hibernate.checkpoint")
 
 

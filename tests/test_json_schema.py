@@ -22,7 +22,7 @@ from tests.conftest import REPO, spill_root_of
 from tests.standins.world import GIB, World
 
 SCHEMAS = REPO / "docs" / "json-schema"
-EXPECTED = {"sleep", "wake", "status", "ls", "doctor", "error", "gc", "node-step"}
+EXPECTED = {"sleep", "wake", "status", "ls", "doctor", "error", "gc", "node-step", "serve-status"}
 
 
 def schema(name: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """STAND-IN for a vLLM 0.33 API server (tests only): its sleep endpoints, over stand-in workers.
 
     python -m tests.standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
-                                   [--enable-sleep-mode] [--sleep-mode-backend NAME]
+                                   [--enable-sleep-mode] [--sleep-mode-backend NAME] [--served-model-name M]
 
 Like ``vllm serve`` it is the parent of its workers: each is a real
 ``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
@@ -18,7 +18,12 @@ What it serves, and how, follows vLLM 0.33 (read from the released package):
   ``POST /sleep?level=0..2&mode=abort|wait|keep`` -> ``{"status": "sleeping", "level": L}``;
   ``POST /wake_up[?tags=...]`` -> ``{"status": "awake"|"sleeping", "tags": [...]|null}``;
   ``GET /is_sleeping`` -> ``{"is_sleeping": bool}`` (``vllm/entrypoints/serve/dev/sleep/api_router.py``);
-* always ``GET /version``, ``GET /health``; any other route is a 404;
+* always ``GET /version``, ``GET /health``, and of the OpenAI API ``GET /v1/models`` and
+  ``POST /v1/completions`` (``"stream": true``: server-sent events, chunked); a completion for
+  another model is a 404 ``NotFoundError``; one that arrives while the engine is paused or asleep
+  waits until it is resumed, as a request queued in a paused vLLM does. The stand-in's
+  "inference" is the workers' weights: its text is a digest of every worker's ``weights`` regions,
+  so the same answer before and after a sleep means they came back bit for bit. Any other route is a 404;
 * the engine (``vllm/v1/engine/core.py``): a sleep first pauses scheduling
   (``abort`` aborts running requests, ``wait`` waits for them to finish,
   ``keep`` keeps them); level 0 stops there. A pending pause is not called off
@@ -45,6 +50,7 @@ Stand-in controls, under ``/standin/`` (no vLLM equivalent; hibernate never call
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -176,6 +182,8 @@ class Engine:
             fully_awake = not self.sleeping_tags
             if fully_awake:
                 self.paused = False
+                with self.changed:
+                    self.changed.notify_all()
             return fully_awake
 
     def _executor_wake_up(self, tags: list[str] | None) -> None:
@@ -199,6 +207,23 @@ class Engine:
         with self.lock:
             return self.paused or bool(self.sleeping_tags)
 
+    def complete(self, timeout: float = 300.0) -> str:
+        """One "inference": waits while paused or asleep, counts as running meanwhile it computes."""
+        with self.changed:
+            if not self.changed.wait_for(lambda: not (self.paused or self.sleeping_tags), timeout):
+                raise EngineError("the engine stayed paused")
+            self.running_requests += 1
+        try:
+            with self.lock:
+                regions = [w.call("digests").get("result") or {} for w in self.workers]
+            # An answer depends on the weights; the KV cache is scratch (a sleep drops it, as vLLM's does).
+            weights = [{k: v for k, v in r.items() if v.get("tag") == "weights"} for r in regions]
+            return hashlib.sha256(json.dumps(weights, sort_keys=True).encode()).hexdigest()
+        finally:
+            with self.changed:
+                self.running_requests -= 1
+                self.changed.notify_all()
+
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -209,7 +234,7 @@ def validation_error(param: str, message: str, value: str) -> dict[str, Any]:
     return error_body(f"1 validation error:\n  {detail}", "Bad Request", 400, param)
 
 
-def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]:
+def make_handler(engine: Engine, dev_mode: bool, model: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -237,6 +262,9 @@ def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]
                 self._send(200, {"is_sleeping": engine.is_sleeping()})
             elif url.path == "/standin/workers":
                 self._send(200, [self._worker(w) for w in engine.workers])
+            elif url.path == "/v1/models":
+                card = {"id": model, "object": "model", "created": 0, "owned_by": "vllm", "root": model}
+                self._send(200, {"object": "list", "data": [card]})
             else:
                 self._not_found()
 
@@ -267,6 +295,8 @@ def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]
                 elif url.path == "/standin/worker-fault":
                     worker = engine.workers[int(query["index"][0])]
                     self._send(200, worker.call(f"fault {query['spec'][0]}"))
+                elif url.path == "/v1/completions":
+                    self._completion()
                 elif url.path == "/standin/die-during-sleep":
                     engine.die_during_sleep = True
                     self._send(200, {"die_during_sleep": True})
@@ -274,6 +304,29 @@ def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]
                     self._not_found()
             except EngineError as exc:
                 self._send(500, error_body(str(exc), "InternalServerError", 500))
+
+        def _completion(self) -> None:
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if request.get("model") != model:
+                message = f"The model `{request.get('model')}` does not exist."
+                self._send(404, error_body(message, "NotFoundError", 404, "model"))
+                return
+            text = engine.complete()
+            answer = {"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": model,
+                      "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}  # fmt: skip
+            if not request.get("stream"):
+                self._send(200, answer)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for piece in (text[:32], text[32:]):
+                event = {**answer, "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+                chunk = f"data: {json.dumps(event)}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            done = b"data: [DONE]\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
         def _sleep(self, query: dict[str, list[str]]) -> None:
             raw_level = (query.get("level") or ["1"])[0]
@@ -296,6 +349,11 @@ def make_handler(engine: Engine, dev_mode: bool) -> type[BaseHTTPRequestHandler]
     return Handler
 
 
+class ApiServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048  # uvicorn's default backlog, which vLLM's API server listens with
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cudart", required=True)
@@ -306,6 +364,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--sleep-mode-backend", default="cumem")
+    parser.add_argument("--served-model-name", default="standin")
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
 
@@ -316,8 +375,9 @@ def main() -> None:
     for worker in workers:
         worker.wait_ready()
     engine = Engine(workers)
-    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(engine, dev_mode))
-    server.daemon_threads = True
+    server = ApiServer(
+        (args.host or "0.0.0.0", args.port), make_handler(engine, dev_mode, args.served_model_name)
+    )
     ready = {"pid": os.getpid(), "port": args.port, "workers": [w.proc.pid for w in workers]}
     tmp = Path(f"{args.ready}.tmp")
     tmp.write_text(json.dumps(ready))

@@ -1,0 +1,120 @@
+"""The proxy's hands: the same engine as ``hibernate sleep/wake/recover/status``, one backend at a time.
+
+Every call blocks (it is the engine); the proxy runs them in worker threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hibernate import orchestrator, procinfo
+from hibernate.checkpoint import nvml, records
+from hibernate.checkpoint.phase import HEADROOM_BYTES
+from hibernate.errors import HibernateError, NoSuchProcessError
+from hibernate.serve import discovery
+from hibernate.serve.config import BackendSpec
+
+
+@dataclass(frozen=True)
+class Inspection:
+    pid: int
+    awake: bool
+    tracked_bytes: int
+    recovered: str | None = None  # what a recovery did first, if one was needed
+
+
+def gpu_usage(snapshot: nvml.Snapshot, pids: set[int]) -> dict[str, int]:
+    """GPU UUID -> bytes the processes ``pids`` hold there, from one NVML reading."""
+    usage: dict[str, int] = {}
+    for pid in pids:
+        for uuid, nbytes in snapshot.usage_of(pid).items():
+            usage[uuid] = usage.get(uuid, 0) + nbytes
+    return usage
+
+
+def tracked_bytes(entries: list[dict[str, Any]]) -> int:
+    """The memory a backend's agents track (awake, it is on the GPU; asleep, in the snapshot)."""
+    return sum(int(pool.get("bytes", 0)) for entry in entries for pool in entry.get("pools", []))
+
+
+def is_awake(entries: list[dict[str, Any]]) -> bool:
+    return bool(entries) and all(entry.get("state") == "running" for entry in entries)
+
+
+class Hibernator:
+    def __init__(self, directory: Path, sleep_timeout: float) -> None:
+        self.directory = directory
+        self.sleep_timeout = sleep_timeout
+
+    def options(self) -> orchestrator.Options:
+        options = orchestrator.Options(quiesce_timeout=self.sleep_timeout)
+        options.agent_timeout = max(self.sleep_timeout, 5.0)
+        return options
+
+    def find(self, spec: BackendSpec) -> int:
+        if spec.pid is not None:
+            return spec.pid
+        _, port = spec.host_port
+        pid = discovery.listener_pid(port)
+        if pid is None:
+            raise NoSuchProcessError(
+                f"backend {spec.name}: no process of yours listens on port {port} ({spec.url})",
+                hint="start the backend first, or give its pid in serve.toml",
+            )
+        return pid
+
+    def adopt(self, spec: BackendSpec, pid: int | None = None) -> Inspection:
+        """The backend's process and state; an interrupted sleep or wake is finished or undone first."""
+        pid = pid if pid is not None else self.find(spec)
+        entries = orchestrator.status([pid])
+        recovered = None
+        if any(entry.get("interrupted") for entry in entries):
+            recovered = orchestrator.recover([pid], self.options()).action
+            entries = orchestrator.status([pid])
+        return Inspection(pid, is_awake(entries), tracked_bytes(entries), recovered)
+
+    def sleep(self, pid: int) -> int:
+        """Put the backend to sleep; the bytes spilled."""
+        report = orchestrator.sleep([pid], self.directory, self.options())
+        return sum(int(p.total_bytes) for p in report.processes)
+
+    def wake(self, pid: int) -> int:
+        """Wake the backend; the bytes restored."""
+        report = orchestrator.wake([pid], self.options())
+        return sum(int(p.restored_bytes) for p in report.processes)
+
+    def gpu_usage(self, pid: int) -> dict[str, int]:
+        """What the backend's process tree holds on each GPU now (NVML; empty without it)."""
+        reading = nvml.snapshot()
+        if reading is None:
+            return {}
+        return gpu_usage(reading, {pid, *procinfo.descendants(pid)})
+
+    def gpu_need(self, pid: int) -> dict[str, int]:
+        """What waking the backend will take on each GPU: what its checkpointed processes held there when
+        put to sleep (the records `hibernate wake` checks too), each with the restore's headroom."""
+        need: dict[str, int] = {}
+        for member in {pid, *procinfo.descendants(pid)}:
+            ident = procinfo.identity(member)
+            record = records.load(ident) if ident is not None else None
+            usage = record.get("gpus") if record else None
+            if isinstance(usage, dict):
+                for uuid, nbytes in usage.items():
+                    need[str(uuid)] = need.get(str(uuid), 0) + int(nbytes) + HEADROOM_BYTES
+        return need
+
+    def gpu_free(self) -> dict[str, int]:
+        """Free bytes of each GPU now (NVML; empty without it)."""
+        reading = nvml.snapshot()
+        return {gpu.uuid: gpu.free for gpu in reading.gpus} if reading is not None else {}
+
+    def status(self, pid: int | None) -> list[dict[str, Any]]:
+        """What ``hibernate status PID --json`` lists as ``agents``."""
+        if pid is None:
+            return []
+        try:
+            return orchestrator.status([pid])
+        except HibernateError:
+            return []

@@ -1,0 +1,721 @@
+"""`hibernate serve` end to end: the real command in front of real demo targets, over real HTTP.
+
+Each backend is ``python -m hibernate.demo serve --http-port`` (an agent target
+with an OpenAI-style API, forked from the session's fork server); the proxy is
+``python -m hibernate serve`` in its own process; the client is aiohttp. Wakes
+are counted three ways: the proxy's log line per transition, its /metrics, and
+the answers (same bytes as before the sleep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonschema
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hibernate import orchestrator
+from tests import test_vllm_server as vllm_standin
+from tests.conftest import REPO, forkserver, wait_until
+from tests.standins.world import GIB, World
+
+# The stand-in vLLM server's fixture, offered to this module's tests under its own name.
+start_server = vllm_standin.start_server
+DEMO_MB = 8
+STATUS_SCHEMA = jsonschema.Draft202012Validator(
+    json.loads((REPO / "docs" / "json-schema" / "serve-status.schema.json").read_text())
+)
+MIB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _fetch(method: str, url: str, body: Any = None, data: bytes | None = None) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session:
+        payload = json.dumps(body).encode() if body is not None else data
+        async with session.request(method, url, data=payload) as answer:
+            return answer.status, await answer.read()
+
+
+def fetch(method: str, url: str, body: Any = None, data: bytes | None = None) -> tuple[int, bytes]:
+    return asyncio.run(_fetch(method, url, body, data))
+
+
+def completion(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": "hello", **extra}
+
+
+@dataclass
+class HttpDemo:
+    proc: Any
+    port: int
+    model: str
+    control: str
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stats(self) -> dict[str, int]:
+        status, body = fetch("GET", self.url + "/demo/stats")
+        assert status == 200
+        counts: dict[str, int] = json.loads(body)
+        return counts
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def hold(self, seconds: float) -> None:
+        """Hold the demo's guard for ``seconds`` (a long step of its own): a sleep waits for it."""
+        from hibernate.demo import request
+
+        assert request(self.control, f"hold {seconds}") == {"holding": True}
+
+    def state(self) -> str:
+        states = {entry["state"] for entry in orchestrator.status([self.pid])}
+        assert len(states) == 1, states
+        return states.pop()
+
+
+@pytest.fixture
+def start_http_demo(runtime_dir: Path) -> Iterator[Callable[..., HttpDemo]]:
+    started: list[HttpDemo] = []
+    scratch = Path(tempfile.mkdtemp(prefix="hb-serve-", dir="/tmp"))
+
+    def start(model: str = "demo", seed: int = 0, port: int | None = None) -> HttpDemo:
+        index = len(started)
+        ready = scratch / f"demo{index}.ready"
+        port = port or free_port()
+        argv = [
+            "serve", "--size-mb", str(DEMO_MB), "--dtype", "float32", "--seed", str(seed),
+            "--control", str(scratch / f"demo{index}.sock"), "--ready-file", str(ready),
+            "--http-port", str(port), "--model-name", model,
+        ]  # fmt: skip
+        proc = forkserver().start(
+            argv, {**os.environ, "PYTHONPATH": str(REPO)}, REPO, scratch / f"demo{index}.log"
+        )
+        demo = HttpDemo(proc, port, model, str(scratch / f"demo{index}.sock"))
+        started.append(demo)
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "the demo to start")
+        assert proc.poll() is None, (scratch / f"demo{index}.log").read_text()
+        return demo
+
+    yield start
+    for demo in started:
+        demo.proc.kill()
+        demo.proc.wait(timeout=10)
+
+
+@dataclass
+class Proxy:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(
+        self, body: Any = None, path: str = "/v1/completions", data: bytes | None = None
+    ) -> tuple[int, bytes]:
+        return fetch("POST", self.url + path, body, data)
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """GET /hibernate/status, checked against its published schema, by backend name."""
+        status, body = fetch("GET", self.url + "/hibernate/status")
+        assert status == 200, body
+        document = json.loads(body)
+        problems = [e.message for e in STATUS_SCHEMA.iter_errors(document)]
+        assert problems == [], problems
+        return {b["name"]: b for b in document["backends"]}
+
+    def state(self, name: str) -> str:
+        value: str = self.status()[name]["state"]
+        return value
+
+    def metric(self, name: str, **labels: str) -> float:
+        status, body = fetch("GET", self.url + "/metrics")
+        assert status == 200
+        total = 0.0
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def lines(self, text: str) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if text in line]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    started: list[Proxy] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> Proxy:
+        port = free_port()
+        log = tmp_path / f"proxy{len(started)}.log"
+        command = [
+            sys.executable, "-m", "hibernate", "serve", "--listen", f"127.0.0.1:{port}",
+            "--to", str(work_dir), *args,
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            )  # fmt: skip
+        proxy = Proxy(proc, port, log)
+        started.append(proxy)
+        if wait:
+            wait_until(
+                lambda: proxy.lines("listening on") or proc.poll() is not None, 120, "the proxy to listen"
+            )
+            assert proc.poll() is None, log.read_text()
+        return proxy
+
+    yield start
+    for proxy in started:
+        if proxy.proc.poll() is None:
+            proxy.proc.kill()
+            proxy.proc.wait()
+
+
+def backend_flag(demo: HttpDemo) -> str:
+    return f"{demo.model}={demo.url}"
+
+
+# -- 1. routing and pass-through ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_requests_go_to_the_backend_their_model_names_unchanged(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    one, two = start_http_demo("one", seed=1), start_http_demo("two", seed=2)
+    direct = {d.model: fetch("POST", d.url + "/v1/completions", completion(d.model)) for d in (one, two)}
+    assert direct["one"][0] == direct["two"][0] == 200 and direct["one"][1] != direct["two"][1]
+    proxy = start_proxy("--backend", backend_flag(one), "--backend", backend_flag(two))
+    for model in ("one", "two", "one"):
+        assert proxy.post(completion(model)) == direct[model]
+    models = json.loads(fetch("GET", proxy.url + "/v1/models")[1])["data"]
+    assert [(m["id"], m["state"]) for m in models] == [("one", "awake"), ("two", "awake")]
+    assert proxy.metric("hibernate_serve_requests_total", backend="one", code="200") == 2
+    assert proxy.metric("hibernate_serve_added_latency_seconds_count", backend="two") == 1
+
+    # Every metric /metrics exposes is in the README's table, and nothing else is.
+    documented = set(
+        re.findall(r"^\| `(hibernate_serve_\w+)`", (REPO / "README.md").read_text(), re.MULTILINE)
+    )
+    exposed = re.findall(
+        r"^# TYPE (hibernate_serve_\w+) ", fetch("GET", proxy.url + "/metrics")[1].decode(), re.M
+    )
+    assert documented == set(exposed)
+
+
+def test_a_stream_arrives_chunk_by_chunk_and_a_client_that_leaves_cancels_it_upstream(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    status, whole = fetch("POST", demo.url + "/v1/completions", completion("demo", stream=True))
+    assert status == 200 and whole.endswith(b"data: [DONE]\n\n")
+    assert demo.stats()["streams_finished"] == 1
+    proxy = start_proxy("--backend", backend_flag(demo))
+
+    async def paced_stream() -> bytes:
+        received = b""
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as answer:
+                assert answer.headers["Content-Type"] == "text/event-stream"
+                first = await answer.content.readuntil(b"\n\n")
+                # The first event is here and the backend has not produced the rest: pass-through
+                # is chunk by chunk, not buffered. The stream counts as in flight.
+                assert first.startswith(b"data: ")
+                assert (await asyncio.to_thread(demo.stats))["streams_finished"] == 1
+                assert (await asyncio.to_thread(proxy.status))["demo"]["in_flight"] == 1
+                received = first
+                while not received.endswith(b"data: [DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    received += await answer.content.readuntil(b"\n\n")
+        return received
+
+    assert asyncio.run(paced_stream()) == whole
+
+    async def leave_after_first_chunk() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as answer:
+                await answer.content.readuntil(b"\n\n")
+            # leaving the block closes the connection with the answer unread
+
+    asyncio.run(leave_after_first_chunk())
+    wait_until(lambda: demo.stats()["cancelled"] == 1, 30, "the backend to see its client leave")
+    wait_until(lambda: proxy.status()["demo"]["in_flight"] == 0, 30, "the proxy to count the stream ended")
+    assert demo.stats()["streams_finished"] == 2  # the direct one and the paced one, not the one left
+
+
+@pytest.mark.slow
+def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
+    start_http_demo: Callable[..., HttpDemo],
+    start_proxy: Callable[..., Proxy],
+    tmp_path: Path,
+    work_dir: Path,
+) -> None:
+    demo = start_http_demo()
+    orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n'
+        "[limits]\nmax_body_bytes = 4096\nbody_timeout = 1\nidle_timeout = 1\n"
+    )
+    proxy = start_proxy("--config", str(config))
+    assert proxy.state("demo") == "asleep"
+
+    def refused(status: int, body: bytes, code: int, words: str) -> None:
+        assert status == code, body
+        error = json.loads(body)["error"]
+        assert words in error["message"] and error["code"] == code, error
+
+    refused(*proxy.post(data=b"{not json"), 400, "not valid JSON")
+    refused(*proxy.post(completion("nobody")), 404, "The model `nobody` does not exist")
+    refused(*proxy.post(completion("demo", prompt="x" * 5000)), 413, "the limit is 4096 bytes")
+    refused(*fetch("GET", proxy.url + "/v1/completions"), 404, "is not routed")
+
+    # A slow client: headers promise 100 bytes, 10 come, then nothing.
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model": '
+        )
+        answer = conn.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert "did not arrive within 1s" in answer
+
+    # A slower one: its headers never end. The connection is closed (idle_timeout), unanswered.
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert conn.recv(65536) == b""
+
+    status, body = fetch("GET", proxy.url + "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["state"] == "asleep"
+    assert proxy.state("demo") == "asleep" and demo.state() == "asleep"
+    assert proxy.metric("hibernate_serve_transitions_total", operation="wake") == 0
+    assert proxy.lines("-> awake") == []
+
+
+@pytest.mark.slow
+def test_requests_beyond_max_requests_are_refused_at_once_not_queued(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    demo = start_http_demo()
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\n\n[limits]\nmax_requests = 1\n')
+    proxy = start_proxy("--config", str(config))
+
+    async def beside_a_stream() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                await stream.content.readuntil(b"\n\n")
+                refused = await _fetch("POST", proxy.url + "/v1/completions", completion("demo"))
+                event = b""
+                while not event.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    event = await stream.content.readuntil(b"\n\n")
+                return refused
+
+    status, body = asyncio.run(beside_a_stream())
+    assert (
+        status == 503 and "handling 1 requests already (max_requests)" in json.loads(body)["error"]["message"]
+    )
+    assert proxy.post(completion("demo"))[0] == 200  # the stream over, there is room again
+
+
+# -- 2. wake on request ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_concurrent_requests_to_a_sleeping_backend_share_one_wake_and_get_the_same_bytes(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    assert before[0] == 200
+    orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
+    assert fetch("POST", demo.url + "/v1/completions", completion("demo"))[0] == 503  # asleep: refused
+    proxy = start_proxy("--backend", backend_flag(demo))
+    assert proxy.state("demo") == "asleep"
+
+    async def many(count: int) -> list[tuple[int, bytes]]:
+        body = json.dumps(completion("demo")).encode()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=count)) as session:
+
+            async def one() -> tuple[int, bytes]:
+                async with session.post(proxy.url + "/v1/completions", data=body) as answer:
+                    return answer.status, await answer.read()
+
+            return await asyncio.gather(*(one() for _ in range(count)))
+
+    answers = asyncio.run(many(200))
+    assert answers == [before] * 200
+    assert len(proxy.lines("demo: asleep -> awake")) == 1
+    assert proxy.metric("hibernate_serve_transitions_total", backend="demo", operation="wake") == 1
+    assert proxy.metric("hibernate_serve_wait_seconds_count", backend="demo") >= 1
+    assert demo.state() == "running"
+
+
+@pytest.mark.slow
+def test_a_wake_that_fails_answers_503_leaves_the_backend_asleep_and_the_next_request_retries(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    report = orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
+    data = Path(str(report.processes[0].snapshot)) / "data-000.bin"
+    original = data.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 3] ^= 0x01
+    data.write_bytes(damaged)
+    proxy = start_proxy("--backend", backend_flag(demo))
+
+    for _ in range(2):  # each request tries again, and fails again while the snapshot is damaged
+        status, body = proxy.post(completion("demo"))
+        assert status == 503, body
+        error = json.loads(body)["error"]
+        assert error["message"].startswith("backend demo could not be woken: ") and error["code"] == 503
+        assert "checksum mismatch; the data on disk is corrupted" in error["message"], error["message"]
+        assert proxy.state("demo") == "asleep" and demo.state() == "asleep"
+    assert proxy.metric("hibernate_serve_transition_failures_total", backend="demo", operation="wake") == 2
+    assert len(proxy.lines("demo: wake failed after")) == 2
+
+    data.write_bytes(original)  # repaired
+    assert proxy.post(completion("demo")) == before
+    assert proxy.state("demo") == "awake"
+
+
+@pytest.mark.slow
+def test_a_backend_put_to_sleep_by_hand_is_noticed_and_woken_by_the_next_request(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path
+) -> None:
+    demo = start_http_demo()
+    proxy = start_proxy("--backend", backend_flag(demo))
+    before = proxy.post(completion("demo"))
+    orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())  # `hibernate sleep`, not the proxy
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the proxy to read the new state back")
+    assert proxy.lines("demo: found asleep (changed outside the proxy)")
+    assert proxy.post(completion("demo")) == before
+    assert len(proxy.lines("demo: asleep -> awake")) == 1
+
+
+@pytest.mark.slow
+def test_a_backend_that_died_and_came_back_on_its_port_is_found_again(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    first = start_http_demo()
+    before = fetch("POST", first.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(first))
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    status, body = proxy.post(completion("demo"))
+    assert status == 502 and "backend demo did not answer" in json.loads(body)["error"]["message"]
+    wait_until(lambda: proxy.state("demo") == "failed", 30, "the proxy to notice its backend gone")
+    status, body = proxy.post(completion("demo"))  # nothing listens: a 503 that says so
+    assert status == 503 and "no process of yours listens on port" in json.loads(body)["error"]["message"]
+    second = start_http_demo(port=first.port)
+    assert proxy.post(completion("demo")) == before
+    assert proxy.status()["demo"]["pid"] == second.pid
+
+
+# -- 3. idle -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_idle_backend_is_put_to_sleep_but_never_while_a_stream_is_open(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    rss_awake = demo.rss()
+    proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+
+    async def held_stream() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as answer:
+                await answer.content.readuntil(b"\n\n")
+                # Open for three idle periods (an absence can only be watched for a while):
+                # the backend stays awake throughout.
+                for _ in range(30):
+                    status = await asyncio.to_thread(proxy.status)
+                    assert status["demo"]["state"] == "awake" and status["demo"]["in_flight"] == 1
+                    await asyncio.sleep(0.1)
+                event = b""
+                while not event.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    event = await answer.content.readuntil(b"\n\n")
+
+    asyncio.run(held_stream())
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the idle backend to be put to sleep")
+    assert demo.state() == "asleep"
+    agents = proxy.status()["demo"]["agents"]
+    assert agents and agents[0]["state"] == "asleep"
+    assert demo.rss() < rss_awake - DEMO_MB * MIB // 2  # its memory given back
+    status, _ = fetch("GET", proxy.url + "/v1/models")
+    assert status == 200 and proxy.state("demo") == "asleep"  # listing models wakes nothing
+    assert proxy.post(completion("demo")) == before
+    assert len(proxy.lines("demo: awake -> asleep (sleep, idle")) == 1
+
+
+@pytest.mark.slow
+def test_a_request_that_arrives_during_a_sleep_waits_for_it_then_wakes_the_backend(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+    demo.hold(8)  # the idle sleep that comes waits for the demo's own step to end
+    wait_until(lambda: proxy.state("demo") == "sleeping", 30, "the idle sleep to begin")
+
+    async def during_the_sleep() -> tuple[int, bytes]:
+        answer = asyncio.ensure_future(_fetch("POST", proxy.url + "/v1/completions", completion("demo")))
+        while (await asyncio.to_thread(proxy.status))["demo"]["waiting"] != 1:
+            assert not answer.done()
+            await asyncio.sleep(0.02)
+        assert (await asyncio.to_thread(proxy.state, "demo")) == "sleeping"  # held while the sleep runs
+        return await answer
+
+    assert asyncio.run(during_the_sleep()) == before
+    transitions = [line.split("demo: ")[1].split(" (")[0] for line in proxy.lines(" -> ")]
+    assert transitions == ["awake -> asleep", "asleep -> awake"]
+    assert proxy.metric("hibernate_serve_transitions_total", backend="demo", operation="wake") == 1
+
+
+# -- 5. time-sharing one GPU -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_backends_take_turns_in_a_budget_for_two_least_recently_used_first(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demos = {name: start_http_demo(name, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
+    direct = {name: fetch("POST", d.url + "/v1/completions", completion(name)) for name, d in demos.items()}
+    one = orchestrator.status([demos["a"].pid])[0]
+    size = sum(pool["bytes"] for pool in one["pools"])
+    proxy = start_proxy(
+        *(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", str(size * 5 // 2)
+    )
+
+    def awake_now() -> set[str]:
+        """Which backends are awake, from their agents (not from the proxy)."""
+        return {name for name, d in demos.items() if d.state() == "running"}
+
+    awake = awake_now()
+    assert len(awake) == 2  # adopted three awake: the one over the budget was put to sleep
+    order = sorted(awake)  # least recently used first
+    for name in order:
+        assert proxy.post(completion(name)) == direct[name]
+    for name in ["c", "a", "b", "a", "c", "c", "b", "a", "b", "c"]:
+        evicted = len(proxy.lines("put to sleep to make room"))
+        if name not in awake:
+            victim = order.pop(0)
+            awake = (awake - {victim}) | {name}
+        else:
+            victim = None
+            order.remove(name)
+        order.append(name)
+        assert proxy.post(completion(name)) == direct[name]
+        assert awake_now() == awake
+        made_room = proxy.lines("put to sleep to make room")
+        assert made_room[evicted:] == ([f"hibernate serve: {victim}: put to sleep to make room for {name} "
+                                        "(least recently used)"] if victim else [])  # fmt: skip
+
+    # The least recently used one is streaming: never put to sleep; the next one is.
+    busy, spare = order[0], order[1]
+    sleeper = next(n for n in demos if n not in awake)
+
+    async def wake_beside_a_stream() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion(busy, stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                await stream.content.readuntil(b"\n\n")
+                answer = await _fetch("POST", proxy.url + "/v1/completions", completion(sleeper))
+                event = b""
+                while not event.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demos[busy].url + "/demo/step")
+                    event = await stream.content.readuntil(b"\n\n")
+                return answer
+
+    assert asyncio.run(wake_beside_a_stream()) == direct[sleeper]
+    last = proxy.lines("put to sleep to make room")[-1]
+    assert last.endswith(f"{spare}: put to sleep to make room for {sleeper} (least recently used)"), last
+    assert awake_now() == {busy, sleeper}
+
+
+# -- 6. adoption, restarts, stopping ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sleep.after-release:kill", "wake.after-restore:kill"])
+def test_a_proxy_killed_in_the_middle_of_a_transition_is_restarted_and_recovers_the_backend(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], work_dir: Path, fault: str
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    flags = ("--backend", backend_flag(demo), "--idle", "1")
+    if fault.startswith("wake"):
+        orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
+        killed = start_proxy(*flags, env={"HIBERNATE_FAULT": fault})
+        with pytest.raises(aiohttp.ClientError):
+            killed.post(completion("demo"))
+    else:
+        killed = start_proxy(*flags, env={"HIBERNATE_FAULT": fault})
+    assert killed.proc.wait(timeout=60) == -signal.SIGKILL
+    assert orchestrator.status([demo.pid])[0]["interrupted"], "the transition was cut half-way"
+
+    restarted = start_proxy(*flags)
+    adopted = restarted.lines(f"demo: adopted pid {demo.pid}")
+    # the recovery's own words follow the state: what `hibernate recover` would have done
+    assert len(adopted) == 1 and re.search(r", (awake|asleep), .+ \(\d+\.\d+ s\)$", adopted[0]), adopted
+    assert restarted.post(completion("demo")) == before
+    assert not orchestrator.status([demo.pid])[0]["interrupted"]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_accepting_lets_a_stream_finish_and_leaves_the_backend_as_it_is(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    proxy = start_proxy("--backend", backend_flag(demo))
+
+    async def stream_across_the_stop() -> bytes:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+            async with session.post(proxy.url + "/v1/completions", data=body) as stream:
+                received = await stream.content.readuntil(b"\n\n")
+                proxy.proc.send_signal(signal.SIGTERM)
+                while not await asyncio.to_thread(proxy.lines, "stopping: no new requests"):
+                    await asyncio.sleep(0.02)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await _fetch("GET", proxy.url + "/v1/models")  # no longer accepting
+                while not received.endswith(b"[DONE]\n\n"):
+                    await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                    received += await stream.content.readuntil(b"\n\n")
+                return received
+
+    streamed = asyncio.run(stream_across_the_stop())
+    assert streamed.endswith(b"data: [DONE]\n\n") and streamed.count(b"data: ") == 6
+    assert proxy.proc.wait(timeout=60) == 0
+    assert demo.proc.poll() is None and demo.state() == "running"  # not started by the proxy: left running
+
+
+@pytest.mark.slow
+def test_a_backend_started_by_the_proxy_is_served_and_stopped_with_it(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    proxy = start_proxy(
+        "--backend", f"own=http://127.0.0.1:{port}", "--",
+        sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB),
+        "--dtype", "float32", "--control", str(tmp_path / "own.sock"), "--http-port", str(port),
+        "--model-name", "own",
+    )  # fmt: skip
+    pid = proxy.status()["own"]["pid"]
+    status, answer = proxy.post(completion("own"))
+    assert status == 200 and json.loads(answer)["model"] == "own"
+    assert proxy.stop() == 0
+    assert not Path(f"/proc/{pid}").exists()  # the proxy waited for it (and reaped it) before exiting
+
+
+# -- in front of a vLLM server (the stand-in) ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_vllm_server_is_put_to_sleep_when_idle_and_woken_once_by_concurrent_requests(
+    start_server: Callable[..., Any], world: World, start_proxy: Callable[..., Proxy]
+) -> None:
+    server = start_server()
+    before = fetch("POST", server.url + "/v1/completions", completion("standin"))
+    assert before[0] == 200
+    proxy = start_proxy("--backend", f"standin={server.url}", "--idle", "1")
+    wait_until(lambda: proxy.state("standin") == "asleep", 60, "the idle server to be put to sleep")
+    assert server.is_sleeping()
+    assert {world.state(pid) for pid in server.workers} == {"checkpointed"}  # the GPU given back
+    status, body = fetch("GET", proxy.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["standin"]
+    assert proxy.state("standin") == "asleep"  # listing models wakes nothing
+
+    async def many(count: int) -> list[tuple[int, bytes]]:
+        return await asyncio.gather(
+            *(_fetch("POST", proxy.url + "/v1/completions", completion("standin")) for _ in range(count))
+        )
+
+    assert asyncio.run(many(50)) == [before] * 50
+    assert len(proxy.lines("standin: asleep -> awake")) == 1
+    assert {world.state(pid) for pid in server.workers} == {"running"}
+    streamed = fetch("POST", proxy.url + "/v1/completions", completion("standin", stream=True))
+    assert streamed[0] == 200 and streamed[1].endswith(b"data: [DONE]\n\n")
+    events = [line[len(b"data: ") :] for line in streamed[1].split(b"\n\n") if line.startswith(b"data: {")]
+    text = "".join(json.loads(event)["choices"][0]["text"] for event in events)
+    assert len(events) == 2 and text == json.loads(before[1])["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_with_a_measured_budget_a_wake_that_does_not_fit_the_gpu_puts_the_least_recently_used_to_sleep(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], world: World, work_dir: Path
+) -> None:
+    demos = {name: start_http_demo(name, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
+    direct = {name: fetch("POST", d.url + "/v1/completions", completion(name)) for name, d in demos.items()}
+    for demo in demos.values():
+        world.register(demo.pid, nbytes=3 * GIB)  # each holds 3 GiB of the stand-in GPU
+    orchestrator.sleep([demos["c"].pid], work_dir, orchestrator.Options())
+    world.set_other_use(0, 80 * GIB - 7 * GIB)  # 7 GiB for the backends: a and b, not c as well
+    proxy = start_proxy(*(f"--backend={backend_flag(d)}" for d in demos.values()), "--gpu-budget", "auto")
+    for name in ("a", "b"):  # a is now the least recently used
+        assert proxy.post(completion(name)) == direct[name]
+
+    assert proxy.post(completion("c")) == direct["c"]
+    assert {n: world.state(d.pid) for n, d in demos.items()} == {
+        "a": "checkpointed",
+        "b": "running",
+        "c": "running",
+    }
+    assert proxy.post(completion("a")) == direct["a"]
+    assert {n: world.state(d.pid) for n, d in demos.items()} == {
+        "a": "running",
+        "b": "checkpointed",
+        "c": "running",
+    }
+    made_room = [line.split("serve: ")[1] for line in proxy.lines("put to sleep to make room")]
+    assert made_room == [
+        "a: put to sleep to make room for c (least recently used)",
+        "b: put to sleep to make room for a (least recently used)",
+    ]
