@@ -56,7 +56,8 @@ CheckpointerOption = Annotated[
     typer.Option(
         "--checkpointer",
         help="How to drive cuda-checkpoint: auto (the driver API where libcuda has it, else the "
-        "cuda-checkpoint binary), driver, or binary.",
+        "cuda-checkpoint binary), driver, binary, or none (free the pools only: every CUDA context "
+        "stays on the GPU, no checkpoint call is made).",
     ),
 ]
 CudaCheckpointOption = Annotated[
@@ -67,6 +68,11 @@ CudaCheckpointOption = Annotated[
         "implies the binary unless --checkpointer driver.",
         show_default=False,
     ),
+]
+
+NoCudaOption = Annotated[
+    bool,
+    typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
 ]
 
 OptionalPidsArgument = Annotated[
@@ -155,15 +161,21 @@ def _handles_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = None) -> dict[str, Any]:
+def _cuda_options(
+    kind: str, binary: Path | None, lock_timeout: float | None = None, no_cuda: bool = False
+) -> dict[str, Any]:
     """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
     from hibernate.checkpoint.base import StepTimeouts
-    from hibernate.checkpoint.selection import KINDS
+    from hibernate.checkpoint.selection import KINDS, NONE
 
+    if no_cuda:
+        if kind not in ("auto", NONE):
+            raise UsageError(f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}")
+        kind = NONE
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary is not None and kind == "driver":
-        raise UsageError("--cuda-checkpoint names the binary; it cannot be used with --checkpointer driver")
+    if binary is not None and kind in ("driver", "none"):
+        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
     timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
     return {
         "checkpointer_kind": kind,
@@ -215,6 +227,7 @@ def options_from_flags(
     verify: bool = False,
     checkpointer: str = "auto",
     cuda_checkpoint: Path | None = None,
+    no_cuda: bool = False,
     lock_timeout: float | None = None,
     level: int | None = None,
     drain: str | None = None,
@@ -240,7 +253,7 @@ def options_from_flags(
         io=orchestrator.IoOptions(io_mode=_io_mode(io_mode), verify=verify),
         kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
         all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout, no_cuda=no_cuda),
     )
     if timeout is not None:
         options.quiesce_timeout = timeout
@@ -277,6 +290,7 @@ def sleep(
     ] = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
     level: Annotated[
         int | None,
         typer.Option(
@@ -309,6 +323,7 @@ def sleep(
         verify=verify,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
         lock_timeout=timeout,
         level=level,
         drain=drain,
@@ -340,6 +355,7 @@ def wake(
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
     vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -353,6 +369,7 @@ def wake(
         io_mode=io_mode,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
         vllm_url=vllm_url,
         all_users=all_users,
         job=job,
@@ -486,6 +503,7 @@ def run(
     buffer_mb: BufferOption = 256,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
     from hibernate import runner
@@ -495,6 +513,7 @@ def run(
         buffer_mb=buffer_mb,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
         lock_timeout=timeout,
     )
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))

@@ -180,6 +180,8 @@ def recover_report(report: RecoverReport) -> None:
 
 
 def cuda_summary(cuda: dict[str, Any]) -> str:
+    if cuda.get("left"):
+        return f"{cuda['status']}: process(es) {', '.join(map(str, cuda['left']))}"
     if not cuda.get("processes"):
         return str(cuda.get("status", "none (skipped)"))
     parts = [f"{p['pid']} {p.get('state', '?')} ({p.get('seconds', 0):.2f}s)" for p in cuda["processes"]]

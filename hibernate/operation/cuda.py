@@ -9,6 +9,10 @@ stage chooses the checkpointer once, lazily, and keeps what it found (holders,
 processes set aside, why no checkpointer) as its own state. Processes that
 checkpoint themselves (a vLLM worker with HIBERNATE_SELF_CHECKPOINT=1) are
 waited for instead of driven.
+
+With ``--checkpointer none`` the stage makes no checkpoint call at all: the
+holders (found by their device files) keep their CUDA state on the GPU and are
+listed as left there; a wake refuses a process an earlier sleep checkpointed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hibernate.errors import (
     NeedsRecoveryError,
     NoSuchProcessError,
     UnsupportedError,
+    UsageError,
 )
 from hibernate.operation.options import Options
 from hibernate.procinfo import ProcessIdentity
@@ -46,7 +51,15 @@ class CudaStage:
         self.passed_over: list[str] = []  # why each checkpointer kind could not be used
         self.skipped: list[dict[str, Any]] = []  # processes with device files but no CUDA state
         self.holders: list[ProcessIdentity] = []
+        self.left: list[int] = []  # --checkpointer none: holders whose CUDA state stays on the GPU
         self.slept = False  # every holder locked and checkpointed by this stage
+
+    @property
+    def pools_only(self) -> bool:
+        """``--checkpointer none``: free the pools, leave every CUDA context where it is."""
+        from hibernate.checkpoint.selection import NONE
+
+        return self.options.checkpointer_kind == NONE and self.options.checkpointer is None
 
     # -- what there is ------------------------------------------------------------
 
@@ -76,10 +89,27 @@ class CudaStage:
         self.holders = list(dict.fromkeys(h.identity for h in found.holders))
         return found
 
-    def require(self, processes: Sequence[int]) -> None:
-        """Before anything changes: find the holders; refuse unless every one can be checkpointed."""
+    def require(self, processes: Sequence[int], themselves: Sequence[int] = ()) -> None:
+        """Before anything changes: find the holders; refuse unless every one can be checkpointed.
+
+        ``themselves``: holders that checkpoint themselves after the memory steps (vLLM workers with
+        HIBERNATE_SELF_CHECKPOINT=1); ``--checkpointer none`` cannot keep them from it, so it refuses.
+        """
         from hibernate.checkpoint.phase import check_sleepable
 
+        if self.pools_only:
+            if themselves:
+                raise UsageError(
+                    f"process(es) {', '.join(map(str, themselves))} checkpoint their own CUDA state after a "
+                    "sleep (HIBERNATE_SELF_CHECKPOINT=1): --checkpointer none cannot leave it on the GPU; "
+                    "nothing was changed",
+                    hint="sleep without --checkpointer none, or start the workers without "
+                    "HIBERNATE_SELF_CHECKPOINT",
+                )
+            found = self.survey(processes)  # by device files only: no checkpointer is asked
+            self.left = [h.pid for h in found.holders]
+            self.holders = []
+            return
         found = self.survey(processes)
         if found.holders and self.checkpointer is None:
             raise UnsupportedError(
@@ -95,6 +125,12 @@ class CudaStage:
 
     def _skipped_report(self) -> dict[str, Any]:
         return self._with_skipped({"status": "none (skipped)", "processes": []})
+
+    def _left_report(self) -> dict[str, Any]:
+        """--checkpointer none: what stayed on the GPU, said so, with no call made."""
+        return self._with_skipped(
+            {"status": "left on the GPU (--checkpointer none)", "processes": [], "left": self.left}
+        )
 
     def _with_skipped(self, report: dict[str, Any]) -> dict[str, Any]:
         if self.skipped:
@@ -113,6 +149,9 @@ class CudaStage:
         from hibernate.checkpoint.detect import Holder, nvidia_device_files
         from hibernate.checkpoint.phase import CudaPhase
 
+        if self.pools_only:
+            self.slept = True
+            return self._left_report()
         if not self.holders:
             self.slept = True
             return self._skipped_report()
@@ -192,8 +231,8 @@ class CudaStage:
 
     def undo_sleep(self, processes: Sequence[int], error: BaseException) -> None:
         """Bring a completed stage back (restore, unlock) before any agent touches memory again."""
-        if not self.slept:
-            return  # a failure inside the stage was undone by the stage itself
+        if not self.slept or self.pools_only:
+            return  # a failure inside the stage was undone by the stage itself; none changes nothing
         try:
             self.wake(processes, after_restore=lambda: None)
         except HibernateError as undo_error:
@@ -224,6 +263,12 @@ class CudaStage:
                 if ident is not None and records.load(ident) is not None
             ]
             if pending:
+                if self.pools_only:
+                    raise UsageError(
+                        f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
+                        "`hibernate sleep`: --checkpointer none cannot restore it; nothing was changed",
+                        hint="wake without --checkpointer none (or --no-cuda)",
+                    )
                 raise UnsupportedError(
                     f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
                     "`hibernate sleep`, and neither the driver's checkpoint API nor the cuda-checkpoint "
@@ -231,6 +276,9 @@ class CudaStage:
                     hint="run the wake where the sleep ran (same driver), or pass --cuda-checkpoint PATH",
                 )
         found = self.survey(processes)
+        if self.pools_only:
+            self.left = [h.pid for h in found.holders]
+            return self._left_report()
         if not found.holders or checkpointer is None:
             return self._skipped_report()
 

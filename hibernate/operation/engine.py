@@ -128,7 +128,8 @@ class Operation:
 
     def lock_for_sleep(self) -> None:
         """Refuse what the CUDA stage cannot do, then journal the operation (nothing changed yet)."""
-        self.cuda.require(_processes(self.units))
+        themselves = [pid for u in self.units for pid in u.checkpoints_itself()] if self.cuda.pools_only else []
+        self.cuda.require(_processes(self.units), themselves)
         if self.directory is not None:
             self.ctx.directory = prepare_directory(self.directory, self.ledger.refs)
         self.ledger.record(self.ctx.directory, self.cuda.holders, self.cuda.checkpointer_name)
