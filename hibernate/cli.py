@@ -70,6 +70,15 @@ CudaCheckpointOption = Annotated[
     ),
 ]
 
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Go on where a safety check cannot tell: a wake whose free GPU memory NVML cannot read, a "
+        "sleep of several CUDA processes without the NCCL settings a checkpoint needs.",
+        show_default=False,
+    ),
+]
 NoCudaOption = Annotated[
     bool,
     typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
@@ -170,7 +179,9 @@ def _cuda_options(
 
     if no_cuda:
         if kind not in ("auto", NONE):
-            raise UsageError(f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}")
+            raise UsageError(
+                f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}"
+            )
         kind = NONE
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -228,6 +239,8 @@ def options_from_flags(
     checkpointer: str = "auto",
     cuda_checkpoint: Path | None = None,
     no_cuda: bool = False,
+    force: bool = False,
+    device_map: str | None = None,
     lock_timeout: float | None = None,
     level: int | None = None,
     drain: str | None = None,
@@ -260,7 +273,30 @@ def options_from_flags(
         options.agent_timeout = max(timeout, 5.0)
     if buffer_mb is not None:
         options.io.buffer_mb = buffer_mb
+    options.force = force
+    if device_map is not None:
+        if options.checkpointer_kind == "none":
+            raise UsageError(
+                "--device-map restores CUDA state onto other GPUs; --checkpointer none restores none"
+            )
+        options.device_map = parse_device_map(device_map)
     return options
+
+
+def parse_device_map(text: str) -> dict[str, str]:
+    """``OLD=NEW[,OLD=NEW...]`` (GPU UUIDs or indices) -> {old: new}; a malformed map is refused."""
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        old, sep, new = (part.strip() for part in item.partition("="))
+        if not sep or not old or not new:
+            raise UsageError(
+                f"--device-map: {item.strip()!r} is not OLD=NEW",
+                hint="e.g. --device-map 0=1, or GPU-aaaa...=GPU-bbbb... (several: comma-separated)",
+            )
+        if old in pairs:
+            raise UsageError(f"--device-map: GPU {old} is mapped twice")
+        pairs[old] = new
+    return pairs
 
 
 @app.command()
@@ -291,6 +327,7 @@ def sleep(
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
     level: Annotated[
         int | None,
         typer.Option(
@@ -324,6 +361,7 @@ def sleep(
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         no_cuda=no_cuda,
+        force=force,
         lock_timeout=timeout,
         level=level,
         drain=drain,
@@ -356,6 +394,17 @@ def wake(
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
+    device_map: Annotated[
+        str | None,
+        typer.Option(
+            "--device-map",
+            metavar="OLD=NEW[,...]",
+            help="Restore the CUDA state onto other GPUs of the same type (driver 580+): GPU UUIDs or "
+            "indices, every GPU that was checkpointed named.",
+            show_default=False,
+        ),
+    ] = None,
     vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -370,6 +419,8 @@ def wake(
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         no_cuda=no_cuda,
+        force=force,
+        device_map=device_map,
         vllm_url=vllm_url,
         all_users=all_users,
         job=job,
@@ -394,6 +445,7 @@ def recover(
     all_users: AllUsersOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    force: ForceOption = False,
     vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -408,6 +460,7 @@ def recover(
     options = options_from_flags(
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        force=force,
         vllm_url=vllm_url,
         all_users=all_users,
         job=job,

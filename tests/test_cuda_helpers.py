@@ -21,7 +21,9 @@ from hibernate.operation.cuda import CudaStage
 from tests.standins.world import World
 
 
-def test_the_self_checkpoint_helper_is_set_aside_and_never_asked_about(world: World, runtime_dir: Path) -> None:
+def test_the_self_checkpoint_helper_is_set_aside_and_never_asked_about(
+    world: World, runtime_dir: Path
+) -> None:
     helper = HelperProcess({**os.environ, "HIBERNATE_CHECKPOINTER": "driver"})
     try:
         assert helper.pid is not None
@@ -31,7 +33,10 @@ def test_the_self_checkpoint_helper_is_set_aside_and_never_asked_about(world: Wo
         assert found.holders == []
         (entry,) = found.skipped
         assert entry["pid"] == helper.pid
-        assert entry["reason"] == f"hibernate's own self-checkpoint helper of process {os.getpid()}: never a target"
+        assert (
+            entry["reason"]
+            == f"hibernate's own self-checkpoint helper of process {os.getpid()}: never a target"
+        )
         stage = CudaStage(orchestrator.Options(checkpointer_kind="driver"))
         stage.require([helper.pid])
         assert stage.holders == [] and stage.skipped == [entry]

@@ -55,7 +55,7 @@ def test_pools_only_stage_lists_holders_as_left_and_asks_no_driver(
 
 def test_pools_only_refuses_workers_that_checkpoint_themselves(world: World) -> None:
     stage = CudaStage(orchestrator.Options(checkpointer_kind="none"))
-    with pytest.raises(UsageError, match="HIBERNATE_SELF_CHECKPOINT=1.*nothing was changed"):
+    with pytest.raises(UsageError, match=r"HIBERNATE_SELF_CHECKPOINT=1\).*nothing was changed"):
         stage.require([], themselves=[4242])
 
 

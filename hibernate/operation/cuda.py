@@ -18,7 +18,7 @@ listed as left there; a wake refuses a process an earlier sleep checkpointed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hibernate import procinfo
@@ -244,16 +244,86 @@ class CudaStage:
 
     # -- wake -----------------------------------------------------------------------
 
-    def wake(self, processes: Sequence[int], after_restore: Callable[[], None]) -> dict[str, Any]:
+    def gpu_map(self, holders: Sequence[Any]) -> dict[str, str] | None:
+        """``--device-map`` as GPU UUIDs, refused unless it covers every GPU a checkpointed holder was on."""
+        from hibernate.checkpoint import nvml, records, room
+        from hibernate.checkpoint.base import CudaState
+
+        if not self.options.device_map:
+            return None
+        snapshot = nvml.snapshot()
+        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)] if snapshot else None
+        gpu_map = room.resolve_device_map(self.options.device_map, uuids)
+        on = {
+            h.pid: room.gpus_of(records.load(h.identity))
+            for h in holders
+            if h.state is CudaState.CHECKPOINTED
+        }
+        unknown = [pid for pid, gpus in on.items() if gpus is None]
+        if unknown:
+            raise UsageError(
+                f"--device-map: nothing recorded which GPUs process(es) {', '.join(map(str, unknown))} were "
+                "checkpointed on, so the map cannot be checked to cover them; nothing was changed",
+                hint="wake without --device-map, on the GPUs the sleep left",
+            )
+        missing = room.uncovered(gpu_map, {pid: gpus for pid, gpus in on.items() if gpus is not None})
+        if missing:
+            described = "; ".join(f"process {pid} was on {', '.join(gpus)}" for pid, gpus in missing.items())
+            raise UsageError(
+                f"--device-map does not name every GPU that was checkpointed ({described}); "
+                "nothing was changed",
+                hint="map each of those GPUs: --device-map OLD=NEW,... (UUIDs or indices)",
+            )
+        return gpu_map
+
+    def _pool_needs(self, pool_bytes: Mapping[int, Mapping[str, int]]) -> tuple[Any, list[int]]:
+        """What each process's pools will map back per GPU UUID, and the processes that cannot be placed."""
+        from hibernate.checkpoint import nvml, room
+
+        wanted = {pid: dict(devices) for pid, devices in pool_bytes.items() if devices}
+        if not wanted:
+            return {}, []
+        snapshot = nvml.snapshot()
+        if snapshot is None:
+            return {}, list(wanted)
+        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)]
+        return room.pool_needs(wanted, {pid: procinfo.environment(pid) for pid in wanted}, uuids)
+
+    def _check_pools(self, pools: tuple[Any, list[int]], report: dict[str, Any]) -> dict[str, Any]:
+        """Without a CUDA restore, the pools' own remap is checked the same way (free memory per GPU)."""
+        from hibernate.checkpoint import nvml
+        from hibernate.checkpoint.phase import refuse_without_room, room_check
+
+        needs, unknown = pools
+        if not needs and not unknown:
+            return report
+        memory = room_check(needs, unknown, nvml.snapshot())
+        refuse_without_room(memory, self.options.force)
+        report["memory"] = memory
+        return report
+
+    def wake(
+        self,
+        processes: Sequence[int],
+        after_restore: Callable[[], None],
+        pool_bytes: Mapping[int, Mapping[str, int]] | None = None,
+    ) -> dict[str, Any]:
         """Restore every checkpointed holder, then unlock every locked one, deciding from their real states.
 
         A checkpointed process has closed its device files, so it is found by
         asking the driver; without a checkpointer nothing can be asked, and a
         process that an earlier sleep checkpointed (its record says so) is
         refused rather than left blocked in its first CUDA call.
+
+        ``pool_bytes`` (pid -> "cuda:N" -> bytes) is what the units' wake will
+        map back afterwards: the free-memory check counts it on each GPU, with
+        the CUDA state or, where nothing is restored, alone.
         """
         from hibernate.checkpoint import records
+        from hibernate.checkpoint.base import CudaState
         from hibernate.checkpoint.phase import CudaPhase
+
+        pools = self._pool_needs(pool_bytes or {})
 
         checkpointer = self.checkpointer
         if checkpointer is None:
@@ -278,15 +348,27 @@ class CudaStage:
         found = self.survey(processes)
         if self.pools_only:
             self.left = [h.pid for h in found.holders]
-            return self._left_report()
+            return self._check_pools(pools, self._left_report())
+        restoring = checkpointer is not None and any(h.state is CudaState.CHECKPOINTED for h in found.holders)
+        if self.options.device_map and not restoring:
+            raise UsageError(
+                "--device-map: no process of the targets is CUDA-checkpointed; nothing was changed"
+            )
+        alone = {} if restoring else self._check_pools(pools, {})  # nothing restored: the pools alone
         if not found.holders or checkpointer is None:
-            return self._skipped_report()
+            return {**self._skipped_report(), **alone}
 
         def after_step(step: str) -> None:
             if step == "restore":
                 after_restore()
 
-        report = CudaPhase(checkpointer, self.options.cuda_timeouts, after_step=after_step).wake(
-            found.holders
+        phase = CudaPhase(
+            checkpointer,
+            self.options.cuda_timeouts,
+            after_step=after_step,
+            force=self.options.force,
+            gpu_map=self.gpu_map(found.holders) if restoring else None,
+            pools=pools if restoring else ({}, []),
         )
+        report = {**phase.wake(found.holders), **alone}
         return self._with_skipped(report)

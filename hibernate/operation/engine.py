@@ -72,6 +72,16 @@ def _processes(units: Sequence[Unit]) -> list[int]:
     return list(dict.fromkeys(p for u in units for p in u.processes))
 
 
+def _pool_bytes(units: Sequence[Unit]) -> dict[int, dict[str, int]]:
+    """Per asleep agent, the bytes its pools will map back on each CUDA device (its status says)."""
+    return {
+        ref.pid: dict(ref.status.get("device_bytes") or {})
+        for unit in units
+        for ref in unit.refs
+        if ref.status.get("state") == "asleep" and ref.status.get("device_bytes")
+    }
+
+
 def prepare_directory(directory: Path, refs: Sequence[AgentRef]) -> Path:
     """Resolve ``--to``; create it 0700 if missing; refuse a file or an unwritable directory.
 
@@ -128,7 +138,9 @@ class Operation:
 
     def lock_for_sleep(self) -> None:
         """Refuse what the CUDA stage cannot do, then journal the operation (nothing changed yet)."""
-        themselves = [pid for u in self.units for pid in u.checkpoints_itself()] if self.cuda.pools_only else []
+        themselves = (
+            [pid for u in self.units for pid in u.checkpoints_itself()] if self.cuda.pools_only else []
+        )
         self.cuda.require(_processes(self.units), themselves)
         if self.directory is not None:
             self.ctx.directory = prepare_directory(self.directory, self.ledger.refs)
@@ -150,7 +162,9 @@ class Operation:
 
     def cuda_wake(self) -> None:
         self.cuda_report = self.cuda.wake(
-            _processes(self.units), after_restore=lambda: self.ledger.passed("cuda-restore")
+            _processes(self.units),
+            after_restore=lambda: self.ledger.passed("cuda-restore"),
+            pool_bytes=_pool_bytes(self.units),
         )
 
     def steps(
