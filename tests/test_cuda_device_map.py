@@ -70,7 +70,10 @@ def test_wake_onto_another_gpu_with_each_checkpointer(
     woken = cli("wake", str(demo.pid), "--device-map", f"{world.gpus[0].uuid}=1", "--json", *flag)
     assert woken.returncode == 0, woken.stderr
     assert world.gpu_of(demo.pid) == 1 and world.state(demo.pid) == "running"
-    assert [(c, s) for c, s, _, _ in world.calls()] == [(checkpointer_kind, "restore"), (checkpointer_kind, "unlock")]
+    assert [(c, s) for c, s, _, _ in world.calls()] == [
+        (checkpointer_kind, "restore"),
+        (checkpointer_kind, "unlock"),
+    ]
     assert woken.json()["cuda"]["memory"]["needed"] == {str(demo.pid): {world.gpus[1].uuid: 3 * GIB}}
     assert demo.infer()["digest"] == reference
 
@@ -81,5 +84,8 @@ def test_a_map_without_anything_checkpointed_is_refused(
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0  # no CUDA holder
     refused = cli("wake", str(demo.pid), "--device-map", "0=0")
-    assert refused.returncode == ExitCode.USAGE and "no process of the targets is CUDA-checkpointed" in refused.stderr
+    assert (
+        refused.returncode == ExitCode.USAGE
+        and "no process of the targets is CUDA-checkpointed" in refused.stderr
+    )
     assert cli("wake", str(demo.pid), "-q").returncode == 0
