@@ -14,8 +14,9 @@ from hibernate.checkpoint.binary import parse_help
 from hibernate.checkpoint.curesult import CuError, from_code, identify
 from hibernate.checkpoint.detect import Holder
 from hibernate.checkpoint.driver import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs, uuid_bytes
+from hibernate.checkpoint.nccl import nccl_traps
 from hibernate.checkpoint.phase import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
-from hibernate.doctor import mount_for, nccl_traps, ptrace_verdict
+from hibernate.doctor import mount_for, ptrace_verdict
 from hibernate.errors import (
     BusyError,
     CudaCheckpointError,

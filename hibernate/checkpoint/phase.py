@@ -342,6 +342,7 @@ class CudaPhase:
         self.pools = pools
         self.drop: dict[str, int] | None = None  # per GPU, what the sleep's checkpoint gave back
         self._used_before: dict[str, int] = {}  # per GPU, used memory before the lock
+        self._unreadable: dict[int, str] = {}  # why a process's state could not be read
 
     # -- steps ---------------------------------------------------------------
 
@@ -377,6 +378,8 @@ class CudaPhase:
             states[pid] = outcome.value if outcome.error is None else None
             if outcome.error is None:
                 tracked[pid].state = outcome.value
+            else:
+                self._unreadable[pid] = str(getattr(outcome.error, "message", outcome.error))
         return states
 
     def _snapshot(self) -> Any:
@@ -430,6 +433,11 @@ class CudaPhase:
         self._read_states(tracked)
         return self._report("checkpointed", tracked, started, drop=self.drop)
 
+    def _waited(self) -> str:
+        """What the undo's calls waited for first: a timed-out call still running for the same process."""
+        waits = self.checkpointer.waits()
+        return f" ({'; '.join(waits)})" if waits else ""
+
     def _remember(self, tracked: Mapping[int, _Tracked], pids: Sequence[int]) -> None:
         """Measure what the checkpoint gave back per GPU, and keep it, per process, for the wake's check."""
         self.drop = room.device_drop(self._used_before, _used(self._snapshot()))
@@ -459,23 +467,27 @@ class CudaPhase:
         if plan.busy:
             problems.append(f"{_pids(plan.busy)} are being checkpointed or restored by another tool")
         if plan.unknown:
-            problems.append(f"the state of {_pids(plan.unknown)} could not be read")
+            why = "; ".join(self._unreadable[pid] for pid in plan.unknown if pid in self._unreadable)
+            problems.append(
+                f"the state of {_pids(plan.unknown)} could not be read" + (f" ({why})" if why else "")
+            )
         restored, restore_errors = self._restore(tracked, plan.restore, problems)
         stay = set(plan.restore) - set(restored)  # still checkpointed: nothing to unlock
         _, unlock_errors = self._run("unlock", tracked, [pid for pid in plan.unlock if pid not in stay])
         problems += [e.message for e in (*restore_errors, *unlock_errors)]
+        waited = self._waited()
         if problems:
             # What stays checkpointed waits for a later wake, whose free-memory check needs its record.
             self._remember(tracked, [pid for pid, t in tracked.items() if t.state is CudaState.CHECKPOINTED])
             raise NeedsRecoveryError(
-                f"{what}; undoing it failed too: {'; '.join(problems)}",
+                f"{what}; undoing it failed too: {'; '.join(problems)}{waited}",
                 hint="run `hibernate wake PID` once the cause is fixed",
             ) from (first or cause)
         if first is None:
             assert cause is not None
             raise cause
         others = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise classify(first, f"{others}; undone: every CUDA process runs again") from None
+        raise classify(first, f"{others}; undone: every CUDA process runs again{waited}") from None
 
     def _restore(
         self, tracked: Mapping[int, _Tracked], pids: Sequence[int], problems: list[str]

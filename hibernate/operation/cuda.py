@@ -52,6 +52,7 @@ class CudaStage:
         self.skipped: list[dict[str, Any]] = []  # processes with device files but no CUDA state
         self.holders: list[ProcessIdentity] = []
         self.left: list[int] = []  # --checkpointer none: holders whose CUDA state stays on the GPU
+        self._gpus_before: Any = None  # every GPU before the sleep changed anything (None: not read)
         self.slept = False  # every holder locked and checkpointed by this stage
 
     @property
@@ -119,6 +120,23 @@ class CudaStage:
                 hint="install an NVIDIA driver >= 570, or cuda-checkpoint (see `hibernate doctor`)",
             )
         check_sleepable(found.holders)
+        self._require_nccl_settings([h.pid for h in found.holders])
+
+    def _require_nccl_settings(self, pids: Sequence[int]) -> None:
+        """Refuse a sleep of several CUDA processes that may share CUDA IPC memory (unless --force)."""
+        from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, multi_process_traps
+
+        if self.options.force:
+            return
+        traps = multi_process_traps(pids, procinfo.environment, procinfo.command_line)
+        if traps:
+            detail = "; ".join(f"process {pid}: {', '.join(found)}" for pid, found in traps.items())
+            raise UnsupportedError(
+                f"{len(pids)} CUDA processes would be checkpointed together, and NCCL's CUDA IPC transports "
+                f"may be on ({detail}): cuda-checkpoint cannot checkpoint CUDA IPC memory, so such a job "
+                "fails or hangs; nothing was changed",
+                hint=f"{NCCL_FIX} ({VLLM_FIX}); or pass --force if these processes share no CUDA memory",
+            )
 
     def _why_none(self) -> str:
         return f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
@@ -136,6 +154,33 @@ class CudaStage:
         if self.skipped:
             report["skipped"] = self.skipped
         return report
+
+    # -- what a sleep gave back -------------------------------------------------------
+
+    def read_gpus_before(self) -> None:
+        """Read every GPU before the sleep changes anything (NVML; nothing where it cannot be read)."""
+        from hibernate.checkpoint import nvml
+
+        self._gpus_before = nvml.snapshot()
+
+    def given_back(
+        self, processes: Sequence[int], pool_bytes: Mapping[int, Mapping[str, int]]
+    ) -> list[dict[str, Any]] | None:
+        """Per GPU, ``used`` before and after the sleep beside the pools' bytes there; None without NVML."""
+        from hibernate.checkpoint import nvml
+
+        before = self._gpus_before
+        after = nvml.snapshot() if before is not None else None
+        if before is None or after is None:
+            return None
+        needs, unplaced = self._placed(pool_bytes, after)
+        tracked: dict[str, int] | None = None
+        if not unplaced:
+            tracked = {}
+            for usage in needs.values():
+                for uuid, nbytes in usage.items():
+                    tracked[uuid] = tracked.get(uuid, 0) + nbytes
+        return nvml.given_back(before, after, list(processes), tracked)
 
     # -- sleep ----------------------------------------------------------------------
 
@@ -278,12 +323,20 @@ class CudaStage:
 
     def _pool_needs(self, pool_bytes: Mapping[int, Mapping[str, int]]) -> tuple[Any, list[int]]:
         """What each process's pools will map back per GPU UUID, and the processes that cannot be placed."""
-        from hibernate.checkpoint import nvml, room
+        from hibernate.checkpoint import nvml
+
+        if not any(pool_bytes.values()):
+            return {}, []
+        return self._placed(pool_bytes, nvml.snapshot())
+
+    @staticmethod
+    def _placed(pool_bytes: Mapping[int, Mapping[str, int]], snapshot: Any) -> tuple[Any, list[int]]:
+        """Pool bytes per process and GPU UUID (placed through CUDA_VISIBLE_DEVICES), and the unplaced."""
+        from hibernate.checkpoint import room
 
         wanted = {pid: dict(devices) for pid, devices in pool_bytes.items() if devices}
         if not wanted:
             return {}, []
-        snapshot = nvml.snapshot()
         if snapshot is None:
             return {}, list(wanted)
         uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)]

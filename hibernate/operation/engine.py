@@ -72,13 +72,16 @@ def _processes(units: Sequence[Unit]) -> list[int]:
     return list(dict.fromkeys(p for u in units for p in u.processes))
 
 
-def _pool_bytes(units: Sequence[Unit]) -> dict[int, dict[str, int]]:
-    """Per asleep agent, the bytes its pools will map back on each CUDA device (its status says)."""
+def _pool_bytes(units: Sequence[Unit], state: str | None = "asleep") -> dict[int, dict[str, int]]:
+    """Per agent (in ``state``, any if None), its pools' bytes on each CUDA device, as its status said.
+
+    Of asleep agents at a wake: what their pools will map back.
+    """
     return {
         ref.pid: dict(ref.status.get("device_bytes") or {})
         for unit in units
         for ref in unit.refs
-        if ref.status.get("state") == "asleep" and ref.status.get("device_bytes")
+        if (state is None or ref.status.get("state") == state) and ref.status.get("device_bytes")
     }
 
 
@@ -142,6 +145,7 @@ class Operation:
             [pid for u in self.units for pid in u.checkpoints_itself()] if self.cuda.pools_only else []
         )
         self.cuda.require(_processes(self.units), themselves)
+        self.cuda.read_gpus_before()
         if self.directory is not None:
             self.ctx.directory = prepare_directory(self.directory, self.ledger.refs)
         self.ledger.record(self.ctx.directory, self.cuda.holders, self.cuda.checkpointer_name)
@@ -252,6 +256,7 @@ def sleep(
         cuda=operation.cuda_report,
         units=reports,
         skipped=skipped,
+        gpus=operation.cuda.given_back(_processes(units), _pool_bytes(units, state=None)),
     )
 
 
