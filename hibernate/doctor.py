@@ -397,10 +397,16 @@ class Doctor:
             self.add("nccl", OK, f"{len(self.holders)} CUDA processes; NCCL P2P, NVLS and SHM are off")
             return
         detail = "; ".join(f"process {pid}: {', '.join(traps)}" for pid, traps in found.items())
+        # The sleep refuses what it checks (all but InfiniBand, which may be unused): a fail here.
+        refused = any(
+            nccl_traps(procinfo.environment(pid), procinfo.command_line(pid), infiniband=False)
+            for pid in found
+        )
         self.add(
             "nccl",
-            WARN,
-            f"multi-process target: {detail} (such NCCL jobs hang or fail to restore on many drivers)",
+            FAIL if refused else WARN,
+            f"multi-process target: {detail} (such NCCL jobs hang or fail to restore on many drivers"
+            + ("; `hibernate sleep` refuses it without --force)" if refused else ")"),
             NCCL_FIX + (" NCCL_IB_DISABLE=1" if infiniband else "") + f" ({VLLM_FIX})",
             traps={str(pid): traps for pid, traps in found.items()},
         )
