@@ -76,6 +76,15 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
     assert refusal["refused_wake"]["exit"] == 12
     assert document["reference_speeds"]["disk"]["write_gb_per_s"] > 0
     assert document["reference_speeds"]["host_to_device"] == {"skipped": "dry run: no GPU"}
-    assert "skipped" in document["vllm"]
-    assert set(document["steps_seconds"]) >= {"environment", "doctor", "disk_speed", "demo_start", "refusal"}
+    vllm = document["vllm"]  # the stand-in vLLM server, with one worker
+    assert vllm["checks"] == {"sleep": True, "gpu_freed": True, "wake": True, "same_output": True}
+    assert vllm["sleep"]["report"]["gpus"][0]["tracked_bytes"] > 0  # its worker's pools are on the GPU
+    assert set(document["steps_seconds"]) >= {
+        "environment",
+        "doctor",
+        "disk_speed",
+        "demo_start",
+        "refusal",
+        "vllm",
+    }
     assert document["total_seconds"] < 8 * 60
