@@ -36,32 +36,38 @@ def holder(world: World) -> Iterator[int]:
     proc.wait()
 
 
-def test_the_undo_waits_for_a_timed_out_checkpoint_before_calling_the_driver(
-    world: World, holder: int, monkeypatch: pytest.MonkeyPatch, runtime_dir: object
+# step -> (fault, timeouts that give up on it first, what the undo does once it has returned)
+CASES = {
+    # A lock whose driver call outlives its own timeoutMs and hibernate's grace (lock + query).
+    "lock": ("stuck", StepTimeouts(lock=0.1, query=2.0), []),
+    "checkpoint": ("hang", StepTimeouts(checkpoint=0.3, query=30), [("unlock", "CUDA_SUCCESS")]),
+}
+SYMBOL = {"lock": "cuCheckpointProcessLock", "checkpoint": "cuCheckpointProcessCheckpoint"}
+
+
+@pytest.mark.parametrize("step", list(CASES))
+def test_the_undo_waits_for_a_timed_out_call_before_calling_the_driver(
+    world: World, holder: int, monkeypatch: pytest.MonkeyPatch, runtime_dir: object, step: str
 ) -> None:
-    monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", holder, "hang")))
-    monkeypatch.setenv("HIBERNATE_STANDIN_HANG_S", "1.5")
-    driver = DriverCheckpointer(timeouts=StepTimeouts(checkpoint=0.3, query=30))
+    fault, timeouts, undo = CASES[step]
+    monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec((step, holder, fault)))
+    monkeypatch.setenv("HIBERNATE_STANDIN_HANG_S", "3" if step == "lock" else "1.5")
+    driver = DriverCheckpointer(timeouts=timeouts)
     found = survey([holder], driver).holders
     world.clear_calls()
     with pytest.raises(HibernateTimeoutError) as late:
-        CudaPhase(driver).sleep(found)
+        CudaPhase(driver, timeouts).sleep(found)
     message = late.value.message
-    assert "cuCheckpointProcessCheckpoint did not return within 0.3s" in message
+    assert f"{SYMBOL[step]} did not return within" in message
     assert "undone: every CUDA process runs again" in message
     assert (
         f"cuCheckpointProcessGetState({holder}) waited" in message
-        and f"for cuCheckpointProcessCheckpoint({holder}), which had timed out, "
-        "to return (CUDA_ERROR_UNKNOWN)"
-        in message
+        and f"for {SYMBOL[step]}({holder}), which had timed out, to return (CUDA_ERROR_UNKNOWN)" in message
     )
-    calls = [(step, result) for _, step, pid, result in world.calls(EVERY_STEP) if pid == holder]
-    assert calls == [
-        ("lock", "CUDA_SUCCESS"),
-        ("checkpoint", "CUDA_ERROR_UNKNOWN"),  # returned (after its hang) before the undo asked anything
-        ("state", "CUDA_SUCCESS"),
-        ("unlock", "CUDA_SUCCESS"),
-    ]
+    calls = [(s, result) for _, s, pid, result in world.calls(EVERY_STEP) if pid == holder]
+    before = [("lock", "CUDA_SUCCESS")] if step == "checkpoint" else []
+    # The timed-out call returned (after its hang) before the undo asked anything.
+    assert calls == [*before, (step, "CUDA_ERROR_UNKNOWN"), ("state", "CUDA_SUCCESS"), *undo]
     assert world.state(holder) == "running"
 
 
@@ -70,11 +76,12 @@ def test_a_call_still_running_past_the_bound_is_not_overlapped_and_both_are_name
 ) -> None:
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", holder, "hang")))
     monkeypatch.setenv("HIBERNATE_STANDIN_HANG_S", "3")
-    driver = DriverCheckpointer(timeouts=StepTimeouts(checkpoint=0.2, query=0.5))
+    timeouts = StepTimeouts(checkpoint=0.2, query=0.5)
+    driver = DriverCheckpointer(timeouts=timeouts)
     found = survey([holder], driver).holders
     world.clear_calls()
     with pytest.raises(NeedsRecoveryError) as stuck:
-        CudaPhase(driver).sleep(found)
+        CudaPhase(driver, timeouts).sleep(found)
     message = stuck.value.message
     stray = f"cuCheckpointProcessCheckpoint({holder}), which had timed out"
     assert f"{stray}, was still running 0.5s later" in message
