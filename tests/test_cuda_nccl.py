@@ -42,7 +42,8 @@ def test_two_cuda_processes_without_the_nccl_settings_are_refused_unless_forced(
 ) -> None:
     for name in NCCL_SAFE:
         monkeypatch.delenv(name)  # the targets below start as an unprepared NCCL job would
-    first, second = start_demo(size_mb=16), start_demo(size_mb=16)
+    # An env of their own: real processes (not forks), whose /proc/PID/environ is this one, without NCCL_*.
+    first, second = (start_demo(size_mb=16, env={"NCCL_DEBUG": "WARN"}) for _ in range(2))
     world.register(first.pid)
     world.register(second.pid)
     refused = cli("sleep", str(first.pid), str(second.pid), "--to", str(work_dir))
