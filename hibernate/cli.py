@@ -59,7 +59,8 @@ CheckpointerOption = Annotated[
     typer.Option(
         "--checkpointer",
         help="How to drive cuda-checkpoint: auto (the driver API where libcuda has it, else the "
-        "cuda-checkpoint binary), driver, or binary.",
+        "cuda-checkpoint binary), driver, binary, or none (free the pools only: every CUDA context "
+        "stays on the GPU, no checkpoint call is made).",
     ),
 ]
 CudaCheckpointOption = Annotated[
@@ -70,6 +71,20 @@ CudaCheckpointOption = Annotated[
         "implies the binary unless --checkpointer driver.",
         show_default=False,
     ),
+]
+
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Go on where a safety check cannot tell: a wake whose free GPU memory NVML cannot read, a "
+        "sleep of several CUDA processes without the NCCL settings a checkpoint needs.",
+        show_default=False,
+    ),
+]
+NoCudaOption = Annotated[
+    bool,
+    typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
 ]
 
 OptionalPidsArgument = Annotated[
@@ -158,15 +173,23 @@ def _handles_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _cuda_options(kind: str, binary: Path | None, lock_timeout: float | None = None) -> dict[str, Any]:
+def _cuda_options(
+    kind: str, binary: Path | None, lock_timeout: float | None = None, no_cuda: bool = False
+) -> dict[str, Any]:
     """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
     from hibernate.checkpoint.base import StepTimeouts
-    from hibernate.checkpoint.selection import KINDS
+    from hibernate.checkpoint.selection import KINDS, NONE
 
+    if no_cuda:
+        if kind not in ("auto", NONE):
+            raise UsageError(
+                f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}"
+            )
+        kind = NONE
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary is not None and kind == "driver":
-        raise UsageError("--cuda-checkpoint names the binary; it cannot be used with --checkpointer driver")
+    if binary is not None and kind in ("driver", "none"):
+        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
     timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
     return {
         "checkpointer_kind": kind,
@@ -218,6 +241,9 @@ def options_from_flags(
     verify: bool = False,
     checkpointer: str = "auto",
     cuda_checkpoint: Path | None = None,
+    no_cuda: bool = False,
+    force: bool = False,
+    device_map: str | None = None,
     lock_timeout: float | None = None,
     level: int | None = None,
     drain: str | None = None,
@@ -243,14 +269,37 @@ def options_from_flags(
         io=orchestrator.IoOptions(io_mode=_io_mode(io_mode), verify=verify),
         kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
         all_users=_all_users(all_users, job, cgroup),
-        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout),
+        **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout, no_cuda=no_cuda),
     )
     if timeout is not None:
         options.quiesce_timeout = timeout
         options.agent_timeout = max(timeout, 5.0)
     if buffer_mb is not None:
         options.io.buffer_mb = buffer_mb
+    options.force = force
+    if device_map is not None:
+        if options.checkpointer_kind == "none":
+            raise UsageError(
+                "--device-map restores CUDA state onto other GPUs; --checkpointer none restores none"
+            )
+        options.device_map = parse_device_map(device_map)
     return options
+
+
+def parse_device_map(text: str) -> dict[str, str]:
+    """``OLD=NEW[,OLD=NEW...]`` (GPU UUIDs or indices) -> {old: new}; a malformed map is refused."""
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        old, sep, new = (part.strip() for part in item.partition("="))
+        if not sep or not old or not new:
+            raise UsageError(
+                f"--device-map: {item.strip()!r} is not OLD=NEW",
+                hint="e.g. --device-map 0=1, or GPU-aaaa...=GPU-bbbb... (several: comma-separated)",
+            )
+        if old in pairs:
+            raise UsageError(f"--device-map: GPU {old} is mapped twice")
+        pairs[old] = new
+    return pairs
 
 
 @app.command()
@@ -280,6 +329,8 @@ def sleep(
     ] = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
     level: Annotated[
         int | None,
         typer.Option(
@@ -312,6 +363,8 @@ def sleep(
         verify=verify,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
+        force=force,
         lock_timeout=timeout,
         level=level,
         drain=drain,
@@ -343,6 +396,18 @@ def wake(
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
+    device_map: Annotated[
+        str | None,
+        typer.Option(
+            "--device-map",
+            metavar="OLD=NEW[,...]",
+            help="Restore the CUDA state onto other GPUs of the same type (driver 580+): GPU UUIDs or "
+            "indices, every GPU that was checkpointed named.",
+            show_default=False,
+        ),
+    ] = None,
     vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -356,6 +421,9 @@ def wake(
         io_mode=io_mode,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
+        force=force,
+        device_map=device_map,
         vllm_url=vllm_url,
         all_users=all_users,
         job=job,
@@ -380,6 +448,7 @@ def recover(
     all_users: AllUsersOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    force: ForceOption = False,
     vllm_url: VllmUrlOption = None,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
@@ -394,6 +463,7 @@ def recover(
     options = options_from_flags(
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        force=force,
         vllm_url=vllm_url,
         all_users=all_users,
         job=job,
@@ -489,6 +559,7 @@ def run(
     buffer_mb: BufferOption = 256,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
     from hibernate import runner
@@ -498,6 +569,7 @@ def run(
         buffer_mb=buffer_mb,
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
         lock_timeout=timeout,
     )
     raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))

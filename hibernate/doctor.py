@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import os
 import platform
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, nccl_traps
 from hibernate.fsutil import free_bytes
 from hibernate.units import human_bytes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-NCCL_SAFE = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 
 
@@ -51,25 +50,6 @@ class Check:
 
 
 # -- pure helpers -----------------------------------------------------------
-
-
-# `vllm ...` (any path to it), `python -m vllm...`, vLLM's entry points; not a path that mentions vllm.
-_VLLM_COMMAND = re.compile(r"(?:^|[\s/])vllm(?:\s|$)|(?:^|\s)-m\s+vllm(?:[.\s]|$)|\bvllm\.entrypoints\b")
-
-
-def runs_vllm(cmdline: str) -> bool:
-    """Whether a command line starts vLLM (a venv or checkout named like vllm-env is not enough)."""
-    return _VLLM_COMMAND.search(cmdline) is not None
-
-
-def nccl_traps(env: Mapping[str, str], cmdline: str, infiniband: bool) -> list[str]:
-    """The NCCL/vLLM settings of one process of a multi-process target that break a checkpoint."""
-    traps = [f"{name} is not {value}" for name, value in NCCL_SAFE.items() if env.get(name) != value]
-    if runs_vllm(cmdline) and "--disable-custom-all-reduce" not in cmdline:
-        traps.append("vLLM custom all-reduce is on (CUDA IPC buffers cannot be checkpointed)")
-    if infiniband and env.get("NCCL_IB_DISABLE") != "1":
-        traps.append("NCCL may use InfiniBand (registered RDMA memory cannot be checkpointed)")
-    return traps
 
 
 def mount_for(path: str, mounts: Sequence[tuple[str, str]]) -> tuple[str, str]:
@@ -417,13 +397,17 @@ class Doctor:
             self.add("nccl", OK, f"{len(self.holders)} CUDA processes; NCCL P2P, NVLS and SHM are off")
             return
         detail = "; ".join(f"process {pid}: {', '.join(traps)}" for pid, traps in found.items())
+        # The sleep refuses what it checks (all but InfiniBand, which may be unused): a fail here.
+        refused = any(
+            nccl_traps(procinfo.environment(pid), procinfo.command_line(pid), infiniband=False)
+            for pid in found
+        )
         self.add(
             "nccl",
-            WARN,
-            f"multi-process target: {detail} (such NCCL jobs hang or fail to restore on many drivers)",
-            "start the job with NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1"
-            + (" NCCL_IB_DISABLE=1" if infiniband else "")
-            + " (vLLM: also --disable-custom-all-reduce)",
+            FAIL if refused else WARN,
+            f"multi-process target: {detail} (such NCCL jobs hang or fail to restore on many drivers"
+            + ("; `hibernate sleep` refuses it without --force)" if refused else ")"),
+            NCCL_FIX + (" NCCL_IB_DISABLE=1" if infiniband else "") + f" ({VLLM_FIX})",
             traps={str(pid): traps for pid, traps in found.items()},
         )
 

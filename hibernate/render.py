@@ -151,6 +151,28 @@ def sleep_report(report: SleepReport) -> None:
     for server in report.extras.get("vllm_all", []):
         out.print(vllm_summary(server), markup=False)
     out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
+    for gpu in report.gpus or []:
+        out.print(gpu_summary(gpu), markup=False)
+
+
+def gpu_summary(gpu: dict[str, Any]) -> str:
+    """One line on what a sleep really gave back on one GPU, beside what it tracked there."""
+    tracked = gpu.get("tracked_bytes")
+    beside = f"tracked {human_bytes(tracked)}" if tracked is not None else "tracked: not placed on a GPU"
+    line = (
+        f"gpu {gpu['index']} ({gpu['uuid']}): used {human_bytes(gpu['used_before_bytes'])} -> "
+        f"{human_bytes(gpu['used_after_bytes'])}, "
+        f"{human_bytes(gpu['given_back_bytes'])} given back ({beside})"
+    )
+    shown = [
+        f"pid {p['pid']} {_maybe_bytes(p.get('before_bytes'))} -> {_maybe_bytes(p.get('after_bytes'))}"
+        for p in gpu.get("processes", [])
+    ]
+    return line + (f"; {', '.join(shown)}" if shown else "")
+
+
+def _maybe_bytes(value: Any) -> str:
+    return human_bytes(value) if isinstance(value, int) else "none"
 
 
 def vllm_summary(vllm: dict[str, Any]) -> str:
@@ -184,6 +206,8 @@ def recover_report(report: RecoverReport) -> None:
 
 
 def cuda_summary(cuda: dict[str, Any]) -> str:
+    if cuda.get("left"):
+        return f"{cuda['status']}: process(es) {', '.join(map(str, cuda['left']))}"
     if not cuda.get("processes"):
         return str(cuda.get("status", "none (skipped)"))
     parts = [f"{p['pid']} {p.get('state', '?')} ({p.get('seconds', 0):.2f}s)" for p in cuda["processes"]]

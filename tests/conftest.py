@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from hibernate.checkpoint.nccl import NCCL_SAFE
+
 # Every fixture plugin, registered once for the whole suite (stand-ins of hardware and of Slurm).
 pytest_plugins = ["tests.standins.fixtures", "tests.standins.slurm_fixtures"]
 
@@ -208,6 +210,10 @@ class ForkServer:
         self.directory = Path(tempfile.mkdtemp(prefix="hb-fork-", dir="/tmp"))
         self.path = str(self.directory / "server.sock")
         plain = {k: v for k, v in os.environ.items() if not k.startswith(("HIBERNATE_", "XDG_RUNTIME"))}
+        # A forked target's /proc/PID/environ is this server's: whatever test starts the server first,
+        # its targets run as a multi-process job must for a checkpoint (a sleep of several CUDA holders
+        # reads it). A test of a job without these starts its targets with an env of their own.
+        plain.update(NCCL_SAFE)
         self.proc = subprocess.Popen(
             [sys.executable, "-W", "ignore", str(REPO / "tests" / "forkserver.py"), self.path],
             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**plain, "PYTHONPATH": str(REPO)},

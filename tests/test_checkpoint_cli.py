@@ -236,7 +236,13 @@ def test_restore_without_enough_gpu_memory(
     assert "not enough free GPU memory" in refused.stderr and "the target stays asleep" in refused.stderr
     assert world.state(demo.pid) == "checkpointed" and not world.wedged(demo.pid)
     assert agent_state(cli, demo.pid) == "asleep"
-    blind = cli("wake", str(demo.pid), env={"HIBERNATE_LIBNVML": str(tmp_path / "none.so")})  # no NVML
+    no_nvml = {"HIBERNATE_LIBNVML": str(tmp_path / "none.so")}
+    blind = cli("wake", str(demo.pid), env=no_nvml)  # free memory unknown: refused unless forced
+    assert (
+        blind.returncode == ExitCode.UNSUPPORTED and "cannot tell whether the GPUs have room" in blind.stderr
+    )
+    assert world.state(demo.pid) == "checkpointed" and not world.wedged(demo.pid)
+    blind = cli("wake", str(demo.pid), "--force", env=no_nvml)
     assert blind.returncode == ExitCode.NEEDS_RECOVERY and "CUDA_ERROR_OUT_OF_MEMORY" in blind.stderr
     assert world.state(demo.pid) == "checkpointed" and world.wedged(demo.pid)
     assert agent_state(cli, demo.pid) == "asleep"
@@ -257,7 +263,10 @@ def test_wake_decides_from_real_states_whatever_the_agent_says(
     refused = cli("sleep", str(demo.pid), "--to", str(work_dir))
     assert refused.returncode == ExitCode.WRONG_STATE and "is CUDA-checkpointed" in refused.stderr
     assert f"hibernate wake {demo.pid}" in refused.stderr
-    woken = cli("wake", str(demo.pid), "--json")
+    unmeasured = cli("wake", str(demo.pid))  # checkpointed by another tool: nothing says what it needs
+    assert unmeasured.returncode == ExitCode.UNSUPPORTED and "pass --force" in unmeasured.stderr
+    assert world.state(demo.pid) == "checkpointed"
+    woken = cli("wake", str(demo.pid), "--json", "--force")
     assert woken.returncode == 0, woken.stderr
     assert woken.json()["processes"] == [] and woken.json()["cuda"]["status"] == "restored"
     assert world.state(demo.pid) == "running"

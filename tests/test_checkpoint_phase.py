@@ -205,7 +205,11 @@ def test_wake_finishes_an_interrupted_sleep_from_the_real_states(
 ) -> None:
     for pid, state in zip(tree.pids, ("checkpointed", "locked", "running"), strict=True):
         world.set_state(pid, state)
-    phase = CudaPhase(make(checkpointer_kind))
+    # Checkpointed without a record of what it held: only forced past the free-memory check.
+    with pytest.raises(UnsupportedError, match=f"nothing measured what process {tree.pids[0]} will need"):
+        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
+    assert world.calls() == []
+    phase = CudaPhase(make(checkpointer_kind), force=True)
     phase.wake(holders_of(tree, phase.checkpointer))
     assert states(world, tree) == ["running"] * 3
     parent, locked, _ = tree.pids
@@ -238,9 +242,15 @@ def test_wake_checks_free_gpu_memory_before_restoring(
 def test_restore_out_of_memory_without_nvml_needs_recovery(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
+    asleep(world, tree, checkpointer_kind)
     monkeypatch.setenv("HIBERNATE_LIBNVML", str(tmp_path / "absent.so"))
     world.set_other_use(0, 77 * GIB)  # room for one process of three
+    with pytest.raises(UnsupportedError) as blind:  # free memory unknown: refused unless forced
+        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
+    assert "NVML (libnvidia-ml.so.1) cannot be loaded or started" in blind.value.message
+    assert "--force" in (blind.value.hint or "") and blind.value.exit_code == ExitCode.UNSUPPORTED
+    assert states(world, tree) == ["checkpointed"] * 3 and world.calls() == []
+    phase = CudaPhase(make(checkpointer_kind), force=True)
     with pytest.raises(NeedsRecoveryError) as oom:
         phase.wake(holders_of(tree, phase.checkpointer))
     assert "CUDA_ERROR_OUT_OF_MEMORY" in oom.value.message and "cuda-checkpoint#44" in (oom.value.hint or "")
@@ -339,7 +349,11 @@ def test_a_process_nvml_cannot_see_is_unknown_not_free(
     phase = CudaPhase(make(checkpointer_kind), gpus=lambda: blind)
     report = phase.sleep(holders_of(tree, phase.checkpointer))
     assert [p["gpus"] for p in report["processes"]] == [None, None, None]
-    woken = CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
+    assert report["drop"] is None  # the GPU's used memory did not move either: nothing was measured
+    with pytest.raises(UnsupportedError, match="nothing measured what processes"):
+        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
+    assert states(world, tree) == ["checkpointed"] * 3
+    woken = CudaPhase(make(checkpointer_kind), force=True).wake(holders_of(tree, phase.checkpointer))
     assert woken["memory"]["checked"] and woken["memory"]["unknown"] == tree.pids
 
 

@@ -14,8 +14,9 @@ from hibernate.checkpoint.binary import parse_help
 from hibernate.checkpoint.curesult import CuError, from_code, identify
 from hibernate.checkpoint.detect import Holder
 from hibernate.checkpoint.driver import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs, uuid_bytes
+from hibernate.checkpoint.nccl import nccl_traps
 from hibernate.checkpoint.phase import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
-from hibernate.doctor import mount_for, nccl_traps, ptrace_verdict
+from hibernate.doctor import mount_for, ptrace_verdict
 from hibernate.errors import (
     BusyError,
     CudaCheckpointError,
@@ -185,7 +186,7 @@ def test_memory_shortfall_sums_processes_sharing_a_gpu() -> None:
     short = memory_shortfalls(needs, {"GPU-a": 8 << 30, "GPU-b": 10 << 30}, headroom=1 << 20)
     assert [(s.uuid, s.pids) for s in short] == [("GPU-a", (1, 2))]
     assert short[0].needed == (8 << 30) + (2 << 20)
-    assert short[0].describe() == "GPU-a has 8.0 GiB free; processes 1, 2 need 8.0 GiB there"
+    assert short[0].describe() == "GPU-a has 8.0 GiB free; processes 1, 2 need 8.0 GiB there: 2.0 MiB missing"
     assert memory_shortfalls(needs, {"GPU-a": 9 << 30, "GPU-b": 2 << 30}, headroom=1 << 20) == []
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from hibernate.checkpoint.nccl import NCCL_SAFE
 from hibernate.errors import ExitCode
 from tests.conftest import NOBODY, is_root
 from tests.standins.world import GIB, Tree, World
@@ -82,13 +83,19 @@ def test_doctor_sees_an_old_driver(world: World, cli: Callable[..., Any]) -> Non
 
 @pytest.mark.slow
 def test_doctor_of_a_multi_process_target(
-    world: World, start_tree: Callable[..., Tree], cli: Callable[..., Any], work_dir: Path
+    world: World,
+    start_tree: Callable[..., Tree],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    for name in NCCL_SAFE:
+        monkeypatch.delenv(name)  # a multi-process job started without the settings a checkpoint needs
     tree = start_tree(children=2, agent=True)
     for pid in tree.pids:
         world.register(pid, nbytes=2 * GIB)
     result = cli("doctor", str(tree.pid), "--to", str(work_dir / "snaps"), "--json")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == ExitCode.UNSUPPORTED, result.stdout + result.stderr  # the nccl check fails
     found = checks(result)
     assert found["agents"]["status"] == "ok" and f"process {tree.pid} (running)" in found["agents"]["detail"]
     holders = found["cuda holders"]
@@ -99,7 +106,8 @@ def test_doctor_of_a_multi_process_target(
         for h in holders["data"]["holders"]
     )
     nccl = found["nccl"]
-    assert nccl["status"] == "warn" and "NCCL_P2P_DISABLE is not 1" in nccl["detail"]
+    assert nccl["status"] == "fail" and "NCCL_P2P_DISABLE is not 1" in nccl["detail"]
+    assert "`hibernate sleep` refuses it without --force" in nccl["detail"]
     assert "NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1" in nccl["fix"]
     assert found["snapshot dir"]["status"] == "ok" and found["free space"]["status"] == "ok"
     assert found["free space"]["data"]["needed_bytes"] == 1 << 18  # the tracked tensor, kept
@@ -113,7 +121,7 @@ def test_doctor_of_a_multi_process_target(
     )
     world.set_state(tree.children[0], "failed")
     failed = cli("doctor", str(tree.pid))
-    assert failed.returncode == ExitCode.UNSUPPORTED and "not ready (cuda holders)" in failed.stdout
+    assert failed.returncode == ExitCode.UNSUPPORTED and "not ready (cuda holders, nccl)" in failed.stdout
 
 
 def test_doctor_finds_nothing_to_fear_in_a_tree_started_with_safe_nccl_settings(

@@ -489,7 +489,7 @@ def test_the_helper_checkpoints_and_restores_its_parent(
 
 
 def test_the_doctor_knows_a_vllm_command_line_from_a_path_that_mentions_vllm() -> None:
-    from hibernate.doctor import runs_vllm
+    from hibernate.checkpoint.nccl import runs_vllm
 
     for vllm in (
         "vllm serve Qwen/Qwen3-8B --port 8000",

@@ -705,3 +705,31 @@ def test_vllm_url_is_refused_for_several_servers_at_once(
     assert refused.returncode == ExitCode.USAGE, refused.stderr
     assert "--vllm-url names one server" in refused.json()["error"]["message"]
     assert not first.is_sleeping() and not second.is_sleeping()
+
+
+@pytest.mark.slow
+def test_the_wake_counts_the_workers_pools_with_their_cuda_state(
+    world: World, start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    """Issue 12, item 2: the pools' bytes each worker maps back (its agent's device_bytes) are needed too."""
+    from hibernate.checkpoint.phase import HEADROOM_BYTES
+
+    server = start_server(workers=1)
+    (worker,) = server.workers
+    assert cli("sleep", str(server.pid), "--to", str(work_dir), "-q").returncode == 0
+    pools = agents(cli, server.pid)[worker]["device_bytes"]
+    assert set(pools) == {"cuda:0"} and pools["cuda:0"] > 0
+    # Room for the CUDA state (2 GiB, and its headroom), not for the pools on top of it.
+    free = 2 * GIB + HEADROOM_BYTES + pools["cuda:0"] // 2
+    world.set_other_use(0, world.gpus[0].total - free)
+    refused = cli("wake", str(server.pid))
+    assert refused.returncode == ExitCode.UNSUPPORTED, refused.stderr
+    assert "not enough free GPU memory" in refused.stderr and "missing" in refused.stderr
+    assert world.state(worker) == "checkpointed" and states(cli, server) == ["asleep"]
+    world.set_other_use(0, 0)
+    woken = cli("wake", str(server.pid), "--json")
+    assert woken.returncode == 0, woken.stderr
+    assert woken.json()["cuda"]["memory"]["needed"] == {
+        str(worker): {world.gpus[0].uuid: 2 * GIB + pools["cuda:0"]}
+    }
+    assert states(cli, server) == ["running"]

@@ -48,7 +48,7 @@ from typing import Any
 from hibernate import faults, procinfo
 from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
-from hibernate.pools.base import Pool, SpillableRegion, summarize
+from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
@@ -231,8 +231,11 @@ class Hibernator:
             transfer = dict(self._transfer) if self._transfer else None
             last_operation = self._last_operation
         summaries: list[dict[str, Any]] = []
+        on_devices: dict[str, int] = {}
         for pool, regions in sleeping.regions if sleeping else [(p, p.regions()) for p in pools]:
             summaries.extend(s.to_wire() for s in summarize(pool.name, regions))
+            for device, nbytes in device_bytes(regions).items():
+                on_devices[device] = on_devices.get(device, 0) + nbytes
         return {
             "hibernate": __version__,
             "pid": self.identity.pid,
@@ -244,6 +247,7 @@ class Hibernator:
             "busy": owner,
             "guard_holders": self.guard.holders,
             "pools": summaries,
+            "device_bytes": on_devices,
             "snapshot": snapshot,
             "default_dir": str(self.default_dir) if self.default_dir else None,
             "sleep_driver": self.sleep_driver.name if self.sleep_driver else None,

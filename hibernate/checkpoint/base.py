@@ -116,6 +116,11 @@ class Checkpointer(Protocol):
 
     def restore_thread_id(self, pid: int) -> int: ...
 
+    def waits(self) -> list[str]:
+        """Calls that first waited for an earlier call for the same process that had timed out and was
+        still running (never overlapped), since last asked: the outcome of an undo names both."""
+        ...
+
 
 def cuda_version_text(version: int) -> str:
     """12080 -> "12.8" (cuDriverGetVersion encodes 1000*major + 10*minor)."""

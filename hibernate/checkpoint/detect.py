@@ -14,6 +14,12 @@ an answer makes a holder; "not a CUDA process" from the driver on a process
 with device files makes an NVML-only process, reported and left alone; any
 other failure on a process with device files stops the operation before
 anything changed.
+
+hibernate's own helpers are never holders: the self-checkpoint helper a vLLM
+worker starts loads libcuda (its ``cuInit`` opens the device files, and the
+driver may answer for it), yet it serves the worker and must not be locked
+with it. Each is started with ``HIBERNATE_HELPER_OF=<pid it serves>`` in its
+environment, which is how it is recognised and set aside.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from hibernate.checkpoint.curesult import CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_N
 from hibernate.procinfo import ProcessIdentity
 
 _NVIDIA_DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl|-uvm)$")
+# Set in the environment of hibernate's own helper processes: the pid each one serves.
+HELPER_ENV = "HIBERNATE_HELPER_OF"
 # What the driver answers for a pid with no CUDA state to checkpoint.
 NOT_A_CUDA_PROCESS = frozenset({CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED})
 
@@ -49,6 +57,12 @@ def nvidia_device_files(pid: int) -> list[str]:
         if _NVIDIA_DEVICE.match(target):
             found.add(target)
     return sorted(found)
+
+
+def helper_of(pid: int) -> int | None:
+    """The pid that ``pid`` serves if it is one of hibernate's own helpers, else None."""
+    value = procinfo.environment(pid).get(HELPER_ENV, "")
+    return int(value) if value.isdigit() else None
 
 
 def holds_cuda_context(pid: int) -> bool:
@@ -93,9 +107,20 @@ def survey(pids: Sequence[int], checkpointer: Checkpointer | None) -> Survey:
 
     me = os.getpid()  # a process cannot lock itself: never a holder to drive
     identities = {pid: procinfo.identity(pid) for pid in dict.fromkeys(pids) if pid != me}
+    result = Survey()
+    for pid, ident in list(identities.items()):
+        served = helper_of(pid) if ident is not None else None
+        if served is not None:
+            del identities[pid]
+            result.skipped.append(
+                {
+                    "pid": pid,
+                    "devices": nvidia_device_files(pid),
+                    "reason": f"hibernate's own self-checkpoint helper of process {served}: never a target",
+                }
+            )
     alive = [pid for pid, ident in identities.items() if ident is not None]
     devices = {pid: nvidia_device_files(pid) for pid in alive}
-    result = Survey()
     if checkpointer is None:
         for pid in alive:
             ident = identities[pid]

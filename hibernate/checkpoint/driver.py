@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ from hibernate.checkpoint.base import (
     cuda_version_text,
 )
 from hibernate.checkpoint.curesult import CuError
-from hibernate.checkpoint.threads import CallTimedOut, call_with_timeout
+from hibernate.checkpoint.threads import Call, CallTimedOut, call_with_timeout
 from hibernate.errors import UnsupportedError, UsageError
 
 LIBCUDA_ENV = "HIBERNATE_LIBCUDA"
@@ -146,6 +147,11 @@ class DriverCheckpointer:
                 function.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._init_lock = threading.Lock()
         self._initialized = False
+        # Per pid, a call that timed out and may still be running in its thread: the next call for that
+        # pid waits for it (bounded) instead of overlapping it; what was waited for is said in _waits.
+        self._strays: dict[int, Call[int]] = {}
+        self._strays_lock = threading.Lock()
+        self._waits: list[str] = []
 
     def _driver_version(self) -> int:
         if not hasattr(self._lib, "cuDriverGetVersion"):
@@ -190,12 +196,56 @@ class DriverCheckpointer:
         function = getattr(self._lib, name)
         self._call(step, pid, name, lambda: int(function(pid, ctypes.byref(argument))), timeout)
 
+    def waits(self) -> list[str]:
+        """The calls that waited for an earlier, timed-out call for the same process, since last asked."""
+        with self._strays_lock:
+            waits, self._waits = self._waits, []
+        return waits
+
+    def _outcome_text(self, call: Call[int]) -> str:
+        if call.outcome.error is not None:
+            return f"it raised {type(call.outcome.error).__name__}"
+        result = int(call.outcome.value or 0)
+        return "CUDA_SUCCESS" if result == 0 else str(self._error(result).name)
+
+    def _after_strays(self, step: str, pid: int, function_name: str) -> None:
+        """Wait (at most the query timeout) for a timed-out call for ``pid`` still running: never overlap."""
+        with self._strays_lock:
+            stray = self._strays.get(pid)
+        if stray is None:
+            return
+        started = time.perf_counter()
+        if not stray.wait(self.timeouts.query):
+            raise CheckpointStepError(
+                pid,
+                step,
+                CuError(
+                    None,
+                    "not called",
+                    f"{stray.name}, which had timed out, was still running {self.timeouts.query:g}s later; "
+                    f"{function_name}({pid}) was not called over it",
+                ),
+                how=function_name,
+                timed_out=True,
+            )
+        waited = time.perf_counter() - started
+        with self._strays_lock:
+            if self._strays.get(pid) is stray:
+                del self._strays[pid]
+            self._waits.append(
+                f"{function_name}({pid}) waited {waited:.1f}s for {stray.name}, which had timed out, "
+                f"to return ({self._outcome_text(stray)})"
+            )
+
     def _call(
         self, step: str, pid: int, function_name: str, func: Callable[[], int], timeout: float | None
     ) -> None:
+        self._after_strays(step, pid, function_name)
         try:
             result = call_with_timeout(func, timeout, f"{function_name}({pid})")
-        except CallTimedOut:
+        except CallTimedOut as late:
+            with self._strays_lock:
+                self._strays[pid] = late.call
             raise CheckpointStepError(
                 pid,
                 step,

@@ -196,3 +196,43 @@ def snapshot() -> Snapshot | None:
         finally:
             if hasattr(lib, "nvmlShutdown"):
                 lib.nvmlShutdown()
+
+
+def given_back(
+    before: Snapshot, after: Snapshot, pids: list[int], tracked: dict[str, int] | None
+) -> list[dict[str, Any]]:
+    """Per GPU, what a sleep really gave back: ``used`` before and after, beside the bytes it tracked.
+
+    ``pids`` are the target's processes: each one NVML lists on a GPU (before or
+    after) is shown with its own bytes; inside a container NVML often lists
+    none, and the GPU's ``used`` is then the only witness. ``tracked``: GPU
+    UUID -> bytes of the pools released there (None where they could not be
+    placed on a GPU).
+    """
+    later = {gpu.uuid: gpu for gpu in after.gpus}
+    out = []
+    for gpu in before.gpus:
+        now = later.get(gpu.uuid)
+        if now is None:
+            continue
+        shown = [pid for pid in pids if pid in gpu.processes or pid in now.processes]
+        out.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "used_before_bytes": gpu.used,
+                "used_after_bytes": now.used,
+                "given_back_bytes": gpu.used - now.used,
+                "tracked_bytes": None if tracked is None else tracked.get(gpu.uuid, 0),
+                "processes": [
+                    {
+                        "pid": pid,
+                        "before_bytes": gpu.processes.get(pid),
+                        "after_bytes": now.processes.get(pid),
+                    }
+                    for pid in shown
+                ],
+            }
+        )
+    return out

@@ -1,7 +1,7 @@
 """The CUDA phase of sleep and wake, across every CUDA holder of every target.
 
     sleep: lock ALL (each with a timeout) -> checkpoint ALL
-    wake:  [check free GPU memory] -> restore ALL -> unlock ALL
+    wake:  check free GPU memory -> restore ALL -> unlock ALL
 
 Every process is locked before any is checkpointed, so no process is copied
 out while another of the same job still runs kernels against it. Each step
@@ -18,6 +18,12 @@ what hibernate believes it did:
 Wake decides from the states it reads, so it also finishes an interrupted
 sleep or wake (some processes checkpointed, some locked, some running).
 
+Before a restore, each GPU's free memory must hold what comes back: the CUDA
+state (the drop of ``used`` the sleep measured, or what NVML saw each process
+hold) plus the pools the wake maps back (:mod:`hibernate.checkpoint.room`).
+A shortfall refuses the wake and the target stays asleep; so does a need that
+cannot be known (NVML unreadable, a process nothing measured), unless forced.
+
 The intricate parts are pure functions with their own tests:
 :func:`recovery_plan`, :func:`memory_shortfalls` and :func:`classify`.
 """
@@ -29,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from hibernate.checkpoint import curesult, records
+from hibernate.checkpoint import curesult, records, room
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.detect import Holder
 from hibernate.checkpoint.threads import run_each
@@ -111,8 +117,11 @@ class Shortfall:
     pids: tuple[int, ...]
 
     def describe(self) -> str:
-        has = "is not on this machine" if self.free is None else f"has {human_bytes(self.free)} free"
-        return f"{self.uuid} {has}; {_pids(self.pids)} need {human_bytes(self.needed)} there"
+        need = f"{_pids(self.pids)} need {human_bytes(self.needed)} there"
+        if self.free is None:
+            return f"{self.uuid} is not on this machine; {need}"
+        missing = human_bytes(self.needed - self.free)
+        return f"{self.uuid} has {human_bytes(self.free)} free; {need}: {missing} missing"
 
 
 def memory_shortfalls(
@@ -135,6 +144,60 @@ def memory_shortfalls(
         for uuid, needed in total.items()
         if uuid not in free or free[uuid] < needed
     ]
+
+
+def room_check(needs: room.Needs, unknown: Sequence[int], snapshot: Any) -> dict[str, Any]:
+    """``needs`` (pid -> GPU UUID -> bytes) against each GPU's free memory in ``snapshot`` (None: no NVML)."""
+    unknown = list(dict.fromkeys(unknown))
+    needed = {pid: usage for pid, usage in needs.items() if usage}
+    if snapshot is None:
+        return {
+            "checked": False,
+            "reason": "NVML is not available",
+            "needed": needed,
+            "shortfalls": [],
+            "unknown": unknown,
+        }
+    free = {gpu.uuid: gpu.free for gpu in snapshot.gpus}
+    return {
+        "checked": True,
+        "free": free,
+        "needed": needed,
+        "unknown": unknown,
+        "shortfalls": [s.describe() for s in memory_shortfalls(needed, free)],
+    }
+
+
+def refuse_without_room(memory: Mapping[str, Any], force: bool) -> None:
+    """Refuse a wake, before anything changes, that would not fit or whose fit nobody can tell (unforced)."""
+    if memory["shortfalls"]:
+        raise UnsupportedError(
+            "not enough free GPU memory to restore: "
+            + "; ".join(memory["shortfalls"])
+            + "; nothing was changed, the target stays asleep",
+            hint="free GPU memory (see nvidia-smi), then run `hibernate wake` again; " + WEDGE_HINT,
+        )
+    if force:
+        return
+    if not memory["checked"]:
+        why = "NVML (libnvidia-ml.so.1) cannot be loaded or started, so no GPU's free memory can be read"
+    elif memory["unknown"]:
+        why = (
+            f"nothing measured what {_pids(memory['unknown'])} will need on the GPU (NVML did not list "
+            "the pid at sleep, and the GPUs' used memory did not drop at its checkpoint), or a pool's "
+            "device could not be placed on a GPU"
+        )
+    else:
+        return
+    raise UnsupportedError(
+        f"cannot tell whether the GPUs have room for the wake: {why}; nothing was changed, "
+        "the target stays asleep",
+        hint="pass --force to restore anyway (at your own risk: " + WEDGE_HINT + ")",
+    )
+
+
+def _used(snapshot: Any) -> dict[str, int]:
+    return {gpu.uuid: gpu.used for gpu in snapshot.gpus} if snapshot is not None else {}
 
 
 def classify(error: CheckpointStepError, suffix: str = "") -> HibernateError:
@@ -254,10 +317,18 @@ class CudaPhase:
         gpus: Callable[[], Any] | None = None,
         remember: bool = True,
         after_step: Callable[[str], None] | None = None,
+        *,
+        force: bool = False,
+        gpu_map: Mapping[str, str] | None = None,
+        pools: tuple[room.Needs, list[int]] = ({}, []),
     ) -> None:
         """``after_step(step)`` runs once a step has succeeded on every process (lock, checkpoint,
         restore, unlock): where a journal marks progress or a test injects a fault. If it raises
         during a sleep, the sleep is undone like any other failure.
+
+        ``force`` lets a wake go on when nothing can tell whether the GPUs have room; ``gpu_map``
+        (old GPU UUID -> new) restores onto other GPUs; ``pools`` is what the wake's pools will map
+        back per process and GPU, and the processes whose pools cannot be placed on a GPU.
         """
         from hibernate.checkpoint import nvml
 
@@ -266,6 +337,12 @@ class CudaPhase:
         self.read_gpus = gpus or nvml.snapshot
         self.remember = remember
         self.after_step = after_step or (lambda step: None)
+        self.force = force
+        self.gpu_map = dict(gpu_map) if gpu_map else None
+        self.pools = pools
+        self.drop: dict[str, int] | None = None  # per GPU, what the sleep's checkpoint gave back
+        self._used_before: dict[str, int] = {}  # per GPU, used memory before the lock
+        self._unreadable: dict[int, str] = {}  # why a process's state could not be read
 
     # -- steps ---------------------------------------------------------------
 
@@ -276,7 +353,7 @@ class CudaPhase:
         action: Callable[[int], object] = {
             "lock": lambda pid: self.checkpointer.lock(pid, int(self.timeouts.lock * 1000)),
             "checkpoint": self.checkpointer.checkpoint,
-            "restore": self.checkpointer.restore,
+            "restore": lambda pid: self.checkpointer.restore(pid, self.gpu_map),
             "unlock": self.checkpointer.unlock,
         }[step]
         outcomes = run_each(list(pids), action)
@@ -301,6 +378,8 @@ class CudaPhase:
             states[pid] = outcome.value if outcome.error is None else None
             if outcome.error is None:
                 tracked[pid].state = outcome.value
+            else:
+                self._unreadable[pid] = str(getattr(outcome.error, "message", outcome.error))
         return states
 
     def _snapshot(self) -> Any:
@@ -310,8 +389,7 @@ class CudaPhase:
         except Exception:
             return None
 
-    def _usage(self, pids: Sequence[int]) -> dict[int, dict[str, int] | None]:
-        snapshot = self._snapshot()
+    def _usage(self, snapshot: Any, pids: Sequence[int]) -> dict[int, dict[str, int] | None]:
         if snapshot is None:
             return {pid: None for pid in pids}
         # A CUDA process holds at least its context: nothing listed means NVML cannot see it (another
@@ -335,7 +413,9 @@ class CudaPhase:
         """Lock every holder, then checkpoint every holder; on failure undo and raise."""
         started = time.perf_counter()
         tracked = {h.pid: _Tracked(h, h.state) for h in holders}
-        usage = self._usage(list(tracked))
+        before = self._snapshot()
+        self._used_before = _used(before)
+        usage = self._usage(before, list(tracked))
         for pid, entry in tracked.items():
             entry.gpus = usage[pid]
         errors: list[CheckpointStepError] = []
@@ -349,11 +429,28 @@ class CudaPhase:
             self._undo_sleep(tracked, [], cause=exc)
         if errors:
             self._undo_sleep(tracked, errors)
-        if self.remember:
-            for entry in tracked.values():
-                records.save(entry.holder.identity, entry.gpus, self.checkpointer.name)
+        self._remember(tracked, list(tracked))
         self._read_states(tracked)
-        return self._report("checkpointed", tracked, started)
+        return self._report("checkpointed", tracked, started, drop=self.drop)
+
+    def _waited(self) -> str:
+        """What the undo's calls waited for first: a timed-out call still running for the same process."""
+        waits = self.checkpointer.waits()
+        return f" ({'; '.join(waits)})" if waits else ""
+
+    def _remember(self, tracked: Mapping[int, _Tracked], pids: Sequence[int]) -> None:
+        """Measure what the checkpoint gave back per GPU, and keep it, per process, for the wake's check."""
+        self.drop = room.device_drop(self._used_before, _used(self._snapshot()))
+        if self.remember:
+            for pid in pids:
+                entry = tracked[pid]
+                records.save(
+                    entry.holder.identity,
+                    entry.gpus,
+                    self.checkpointer.name,
+                    drop=self.drop,
+                    cohort=list(pids),
+                )
 
     def _undo_sleep(
         self,
@@ -370,21 +467,27 @@ class CudaPhase:
         if plan.busy:
             problems.append(f"{_pids(plan.busy)} are being checkpointed or restored by another tool")
         if plan.unknown:
-            problems.append(f"the state of {_pids(plan.unknown)} could not be read")
+            why = "; ".join(self._unreadable[pid] for pid in plan.unknown if pid in self._unreadable)
+            problems.append(
+                f"the state of {_pids(plan.unknown)} could not be read" + (f" ({why})" if why else "")
+            )
         restored, restore_errors = self._restore(tracked, plan.restore, problems)
         stay = set(plan.restore) - set(restored)  # still checkpointed: nothing to unlock
         _, unlock_errors = self._run("unlock", tracked, [pid for pid in plan.unlock if pid not in stay])
         problems += [e.message for e in (*restore_errors, *unlock_errors)]
+        waited = self._waited()
         if problems:
+            # What stays checkpointed waits for a later wake, whose free-memory check needs its record.
+            self._remember(tracked, [pid for pid, t in tracked.items() if t.state is CudaState.CHECKPOINTED])
             raise NeedsRecoveryError(
-                f"{what}; undoing it failed too: {'; '.join(problems)}",
+                f"{what}; undoing it failed too: {'; '.join(problems)}{waited}",
                 hint="run `hibernate wake PID` once the cause is fixed",
             ) from (first or cause)
         if first is None:
             assert cause is not None
             raise cause
         others = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise classify(first, f"{others}; undone: every CUDA process runs again") from None
+        raise classify(first, f"{others}; undone: every CUDA process runs again{waited}") from None
 
     def _restore(
         self, tracked: Mapping[int, _Tracked], pids: Sequence[int], problems: list[str]
@@ -401,29 +504,19 @@ class CudaPhase:
     # -- wake ----------------------------------------------------------------
 
     def memory_check(self, tracked: Mapping[int, _Tracked], pids: Sequence[int]) -> dict[str, Any]:
-        """Compare what ``pids`` held per GPU when checkpointed with what each GPU has free now."""
-        needs: dict[int, dict[str, int]] = {}
-        unknown: list[int] = []
+        """What restoring ``pids`` (and the pools after them) needs per GPU, against its free memory."""
+        found: dict[int, Mapping[str, Any] | None] = {}
         for pid in pids:
             record = records.load(tracked[pid].holder.identity)
-            usage = record.get("gpus") if record else tracked[pid].gpus  # undo of a sleep: no record yet
-            if isinstance(usage, dict):
-                needs[pid] = {str(k): int(v) for k, v in usage.items()}
-                tracked[pid].gpus = needs[pid]
-            else:
-                unknown.append(pid)
-        snapshot = self._snapshot()
-        if snapshot is None:
-            return {"checked": False, "reason": "NVML is not available", "shortfalls": [], "unknown": unknown}
-        free = {gpu.uuid: gpu.free for gpu in snapshot.gpus}
-        shortfalls = memory_shortfalls(needs, free)
-        return {
-            "checked": True,
-            "free": free,
-            "needed": {pid: usage for pid, usage in needs.items()},
-            "unknown": unknown,
-            "shortfalls": [s.describe() for s in shortfalls],
-        }
+            if record is None:  # the undo of this sleep: nothing saved yet
+                record = {"gpus": tracked[pid].gpus, "drop": self.drop, "cohort": list(tracked)}
+            found[pid] = record
+            if isinstance(record.get("gpus"), dict):
+                tracked[pid].gpus = {str(k): int(v) for k, v in record["gpus"].items()}
+        cuda, unknown = room.cuda_needs(found)
+        pool_needs, pool_unknown = self.pools
+        needs = room.remap(room.combine(cuda, pool_needs), self.gpu_map)
+        return room_check(needs, [*unknown, *pool_unknown], self._snapshot())
 
     def wake(self, holders: Sequence[Holder]) -> dict[str, Any]:
         """Restore every checkpointed holder, then unlock every locked one, from their real states."""
@@ -447,13 +540,7 @@ class CudaPhase:
         memory: dict[str, Any] = {"checked": False, "shortfalls": [], "unknown": []}
         if plan.restore:
             memory = self.memory_check(tracked, plan.restore)
-            if memory["shortfalls"]:
-                raise UnsupportedError(
-                    "not enough free GPU memory to restore: "
-                    + "; ".join(memory["shortfalls"])
-                    + "; nothing was changed, the target stays asleep",
-                    hint="free GPU memory (see nvidia-smi), then run `hibernate wake` again; " + WEDGE_HINT,
-                )
+            refuse_without_room(memory, self.force)
         restored, errors = self._run("restore", tracked, plan.restore)
         if errors:
             self._rewind(tracked, restored, errors)

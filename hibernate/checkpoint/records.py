@@ -48,8 +48,14 @@ def _forget_the_dead(where: Path) -> None:
                 os.unlink(where / entry)
 
 
-def save(ident: ProcessIdentity, usage: dict[str, int] | None, checkpointer: str) -> None:
-    """Remember ``usage`` (GPU UUID -> bytes, None when unknown) for the wake of ``ident``."""
+def save(
+    ident: ProcessIdentity,
+    usage: dict[str, int] | None,
+    checkpointer: str,
+    drop: dict[str, int] | None = None,
+    cohort: list[int] | None = None,
+) -> None:
+    """Remember ``usage`` and the device ``drop`` (GPU UUID -> bytes, None: unknown) for the wake."""
     where = directory()
     ensure_private_dir(where)
     _forget_the_dead(where)
@@ -57,6 +63,8 @@ def save(ident: ProcessIdentity, usage: dict[str, int] | None, checkpointer: str
         "pid": ident.pid,
         "start_time": ident.start_time,
         "gpus": usage,
+        "drop": drop,
+        "cohort": cohort if cohort is not None else [ident.pid],
         "checkpointer": checkpointer,
         "time": time.time(),
     }

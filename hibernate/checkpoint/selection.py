@@ -1,9 +1,13 @@
-"""Which checkpointer drives cuda-checkpoint: ``--checkpointer auto|driver|binary``.
+"""Which checkpointer drives cuda-checkpoint: ``--checkpointer auto|driver|binary|none``.
 
 ``auto`` takes the driver API where libcuda has it (no process per step, exact
 error codes), else the ``cuda-checkpoint`` binary, else none. Having none is
 not an error by itself: a target without CUDA holders needs no checkpointer,
 and the orchestrator says "neither is there" only when one does.
+
+``none`` (``--no-cuda``) is asked for: the pools are freed and every CUDA
+context stays on the GPU, with no checkpoint call at all (a faster wake for
+users who only need the weights' memory back).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Any
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.errors import UnsupportedError, UsageError
 
-KINDS = ("auto", "driver", "binary")
+NONE = "none"
+KINDS = ("auto", "driver", "binary", NONE)
 
 
 def choose(
@@ -33,8 +38,10 @@ def choose(
 
     if kind not in KINDS:
         raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary_path and kind == "driver":
-        raise UsageError("--cuda-checkpoint names the binary; it cannot be used with --checkpointer driver")
+    if binary_path and kind in ("driver", "none"):
+        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
+    if kind == NONE:
+        return None, ["--checkpointer none: CUDA state is left on the GPU"]
     reasons: list[str] = []
     if kind in ("auto", "driver") and not (kind == "auto" and binary_path):
         try:

@@ -47,6 +47,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
+from hibernate.checkpoint.detect import HELPER_ENV
 from hibernate.errors import HibernateError, UnsupportedError, UsageError, error_from_wire
 
 log = logging.getLogger("vllm.hibernate")
@@ -205,6 +206,8 @@ class HelperProcess:
         env = dict(os.environ if environ is None else environ)
         # The helper imports the same hibernate as this process, wherever that came from.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+        # Marks it as hibernate's own: a `hibernate sleep` of the server never takes it for a CUDA holder.
+        env[HELPER_ENV] = str(os.getpid())
         self._command = [sys.executable, "-m", __name__, "--target", str(os.getpid())]
         self._env = env
         self._proc: subprocess.Popen[bytes] | None = None

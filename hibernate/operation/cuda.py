@@ -9,12 +9,16 @@ stage chooses the checkpointer once, lazily, and keeps what it found (holders,
 processes set aside, why no checkpointer) as its own state. Processes that
 checkpoint themselves (a vLLM worker with HIBERNATE_SELF_CHECKPOINT=1) are
 waited for instead of driven.
+
+With ``--checkpointer none`` the stage makes no checkpoint call at all: the
+holders (found by their device files) keep their CUDA state on the GPU and are
+listed as left there; a wake refuses a process an earlier sleep checkpointed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hibernate import procinfo
@@ -26,6 +30,7 @@ from hibernate.errors import (
     NeedsRecoveryError,
     NoSuchProcessError,
     UnsupportedError,
+    UsageError,
 )
 from hibernate.operation.options import Options
 from hibernate.procinfo import ProcessIdentity
@@ -46,7 +51,16 @@ class CudaStage:
         self.passed_over: list[str] = []  # why each checkpointer kind could not be used
         self.skipped: list[dict[str, Any]] = []  # processes with device files but no CUDA state
         self.holders: list[ProcessIdentity] = []
+        self.left: list[int] = []  # --checkpointer none: holders whose CUDA state stays on the GPU
+        self._gpus_before: Any = None  # every GPU before the sleep changed anything (None: not read)
         self.slept = False  # every holder locked and checkpointed by this stage
+
+    @property
+    def pools_only(self) -> bool:
+        """``--checkpointer none``: free the pools, leave every CUDA context where it is."""
+        from hibernate.checkpoint.selection import NONE
+
+        return self.options.checkpointer_kind == NONE and self.options.checkpointer is None
 
     # -- what there is ------------------------------------------------------------
 
@@ -76,10 +90,27 @@ class CudaStage:
         self.holders = list(dict.fromkeys(h.identity for h in found.holders))
         return found
 
-    def require(self, processes: Sequence[int]) -> None:
-        """Before anything changes: find the holders; refuse unless every one can be checkpointed."""
+    def require(self, processes: Sequence[int], themselves: Sequence[int] = ()) -> None:
+        """Before anything changes: find the holders; refuse unless every one can be checkpointed.
+
+        ``themselves``: holders that checkpoint themselves after the memory steps (vLLM workers with
+        HIBERNATE_SELF_CHECKPOINT=1); ``--checkpointer none`` cannot keep them from it, so it refuses.
+        """
         from hibernate.checkpoint.phase import check_sleepable
 
+        if self.pools_only:
+            if themselves:
+                raise UsageError(
+                    f"process(es) {', '.join(map(str, themselves))} checkpoint their own CUDA state after a "
+                    "sleep (HIBERNATE_SELF_CHECKPOINT=1): --checkpointer none cannot leave it on the GPU; "
+                    "nothing was changed",
+                    hint="sleep without --checkpointer none, or start the workers without "
+                    "HIBERNATE_SELF_CHECKPOINT",
+                )
+            found = self.survey(processes)  # by device files only: no checkpointer is asked
+            self.left = [h.pid for h in found.holders]
+            self.holders = []
+            return
         found = self.survey(processes)
         if found.holders and self.checkpointer is None:
             raise UnsupportedError(
@@ -89,6 +120,23 @@ class CudaStage:
                 hint="install an NVIDIA driver >= 570, or cuda-checkpoint (see `hibernate doctor`)",
             )
         check_sleepable(found.holders)
+        self._require_nccl_settings([h.pid for h in found.holders])
+
+    def _require_nccl_settings(self, pids: Sequence[int]) -> None:
+        """Refuse a sleep of several CUDA processes that may share CUDA IPC memory (unless --force)."""
+        from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, multi_process_traps
+
+        if self.options.force:
+            return
+        traps = multi_process_traps(pids, procinfo.environment, procinfo.command_line)
+        if traps:
+            detail = "; ".join(f"process {pid}: {', '.join(found)}" for pid, found in traps.items())
+            raise UnsupportedError(
+                f"{len(pids)} CUDA processes would be checkpointed together, and NCCL's CUDA IPC transports "
+                f"may be on ({detail}): cuda-checkpoint cannot checkpoint CUDA IPC memory, so such a job "
+                "fails or hangs; nothing was changed",
+                hint=f"{NCCL_FIX} ({VLLM_FIX}); or pass --force if these processes share no CUDA memory",
+            )
 
     def _why_none(self) -> str:
         return f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
@@ -96,10 +144,43 @@ class CudaStage:
     def _skipped_report(self) -> dict[str, Any]:
         return self._with_skipped({"status": "none (skipped)", "processes": []})
 
+    def _left_report(self) -> dict[str, Any]:
+        """--checkpointer none: what stayed on the GPU, said so, with no call made."""
+        return self._with_skipped(
+            {"status": "left on the GPU (--checkpointer none)", "processes": [], "left": self.left}
+        )
+
     def _with_skipped(self, report: dict[str, Any]) -> dict[str, Any]:
         if self.skipped:
             report["skipped"] = self.skipped
         return report
+
+    # -- what a sleep gave back -------------------------------------------------------
+
+    def read_gpus_before(self) -> None:
+        """Read every GPU before the sleep changes anything (NVML; nothing where it cannot be read)."""
+        from hibernate.checkpoint import nvml
+
+        self._gpus_before = nvml.snapshot()
+
+    def given_back(
+        self, processes: Sequence[int], pool_bytes: Mapping[int, Mapping[str, int]]
+    ) -> list[dict[str, Any]] | None:
+        """Per GPU, ``used`` before and after the sleep beside the pools' bytes there; None without NVML."""
+        from hibernate.checkpoint import nvml
+
+        before = self._gpus_before
+        after = nvml.snapshot() if before is not None else None
+        if before is None or after is None:
+            return None
+        needs, unplaced = self._placed(pool_bytes, after)
+        tracked: dict[str, int] | None = None
+        if not unplaced:
+            tracked = {}
+            for usage in needs.values():
+                for uuid, nbytes in usage.items():
+                    tracked[uuid] = tracked.get(uuid, 0) + nbytes
+        return nvml.given_back(before, after, list(processes), tracked)
 
     # -- sleep ----------------------------------------------------------------------
 
@@ -113,6 +194,9 @@ class CudaStage:
         from hibernate.checkpoint.detect import Holder, nvidia_device_files
         from hibernate.checkpoint.phase import CudaPhase
 
+        if self.pools_only:
+            self.slept = True
+            return self._left_report()
         if not self.holders:
             self.slept = True
             return self._skipped_report()
@@ -192,8 +276,8 @@ class CudaStage:
 
     def undo_sleep(self, processes: Sequence[int], error: BaseException) -> None:
         """Bring a completed stage back (restore, unlock) before any agent touches memory again."""
-        if not self.slept:
-            return  # a failure inside the stage was undone by the stage itself
+        if not self.slept or self.pools_only:
+            return  # a failure inside the stage was undone by the stage itself; none changes nothing
         try:
             self.wake(processes, after_restore=lambda: None)
         except HibernateError as undo_error:
@@ -205,16 +289,94 @@ class CudaStage:
 
     # -- wake -----------------------------------------------------------------------
 
-    def wake(self, processes: Sequence[int], after_restore: Callable[[], None]) -> dict[str, Any]:
+    def gpu_map(self, holders: Sequence[Any]) -> dict[str, str] | None:
+        """``--device-map`` as GPU UUIDs, refused unless it covers every GPU a checkpointed holder was on."""
+        from hibernate.checkpoint import nvml, records, room
+        from hibernate.checkpoint.base import CudaState
+
+        if not self.options.device_map:
+            return None
+        snapshot = nvml.snapshot()
+        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)] if snapshot else None
+        gpu_map = room.resolve_device_map(self.options.device_map, uuids)
+        on = {
+            h.pid: room.gpus_of(records.load(h.identity))
+            for h in holders
+            if h.state is CudaState.CHECKPOINTED
+        }
+        unknown = [pid for pid, gpus in on.items() if gpus is None]
+        if unknown:
+            raise UsageError(
+                f"--device-map: nothing recorded which GPUs process(es) {', '.join(map(str, unknown))} were "
+                "checkpointed on, so the map cannot be checked to cover them; nothing was changed",
+                hint="wake without --device-map, on the GPUs the sleep left",
+            )
+        missing = room.uncovered(gpu_map, {pid: gpus for pid, gpus in on.items() if gpus is not None})
+        if missing:
+            described = "; ".join(f"process {pid} was on {', '.join(gpus)}" for pid, gpus in missing.items())
+            raise UsageError(
+                f"--device-map does not name every GPU that was checkpointed ({described}); "
+                "nothing was changed",
+                hint="map each of those GPUs: --device-map OLD=NEW,... (UUIDs or indices)",
+            )
+        return gpu_map
+
+    def _pool_needs(self, pool_bytes: Mapping[int, Mapping[str, int]]) -> tuple[Any, list[int]]:
+        """What each process's pools will map back per GPU UUID, and the processes that cannot be placed."""
+        from hibernate.checkpoint import nvml
+
+        if not any(pool_bytes.values()):
+            return {}, []
+        return self._placed(pool_bytes, nvml.snapshot())
+
+    @staticmethod
+    def _placed(pool_bytes: Mapping[int, Mapping[str, int]], snapshot: Any) -> tuple[Any, list[int]]:
+        """Pool bytes per process and GPU UUID (placed through CUDA_VISIBLE_DEVICES), and the unplaced."""
+        from hibernate.checkpoint import room
+
+        wanted = {pid: dict(devices) for pid, devices in pool_bytes.items() if devices}
+        if not wanted:
+            return {}, []
+        if snapshot is None:
+            return {}, list(wanted)
+        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)]
+        return room.pool_needs(wanted, {pid: procinfo.environment(pid) for pid in wanted}, uuids)
+
+    def _check_pools(self, pools: tuple[Any, list[int]], report: dict[str, Any]) -> dict[str, Any]:
+        """Without a CUDA restore, the pools' own remap is checked the same way (free memory per GPU)."""
+        from hibernate.checkpoint import nvml
+        from hibernate.checkpoint.phase import refuse_without_room, room_check
+
+        needs, unknown = pools
+        if not needs and not unknown:
+            return report
+        memory = room_check(needs, unknown, nvml.snapshot())
+        refuse_without_room(memory, self.options.force)
+        report["memory"] = memory
+        return report
+
+    def wake(
+        self,
+        processes: Sequence[int],
+        after_restore: Callable[[], None],
+        pool_bytes: Mapping[int, Mapping[str, int]] | None = None,
+    ) -> dict[str, Any]:
         """Restore every checkpointed holder, then unlock every locked one, deciding from their real states.
 
         A checkpointed process has closed its device files, so it is found by
         asking the driver; without a checkpointer nothing can be asked, and a
         process that an earlier sleep checkpointed (its record says so) is
         refused rather than left blocked in its first CUDA call.
+
+        ``pool_bytes`` (pid -> "cuda:N" -> bytes) is what the units' wake will
+        map back afterwards: the free-memory check counts it on each GPU, with
+        the CUDA state or, where nothing is restored, alone.
         """
         from hibernate.checkpoint import records
+        from hibernate.checkpoint.base import CudaState
         from hibernate.checkpoint.phase import CudaPhase
+
+        pools = self._pool_needs(pool_bytes or {})
 
         checkpointer = self.checkpointer
         if checkpointer is None:
@@ -224,6 +386,12 @@ class CudaStage:
                 if ident is not None and records.load(ident) is not None
             ]
             if pending:
+                if self.pools_only:
+                    raise UsageError(
+                        f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
+                        "`hibernate sleep`: --checkpointer none cannot restore it; nothing was changed",
+                        hint="wake without --checkpointer none (or --no-cuda)",
+                    )
                 raise UnsupportedError(
                     f"process(es) {', '.join(map(str, pending))} had their CUDA state checkpointed by "
                     "`hibernate sleep`, and neither the driver's checkpoint API nor the cuda-checkpoint "
@@ -231,14 +399,29 @@ class CudaStage:
                     hint="run the wake where the sleep ran (same driver), or pass --cuda-checkpoint PATH",
                 )
         found = self.survey(processes)
+        if self.pools_only:
+            self.left = [h.pid for h in found.holders]
+            return self._check_pools(pools, self._left_report())
+        restoring = checkpointer is not None and any(h.state is CudaState.CHECKPOINTED for h in found.holders)
+        if self.options.device_map and not restoring:
+            raise UsageError(
+                "--device-map: no process of the targets is CUDA-checkpointed; nothing was changed"
+            )
+        alone = {} if restoring else self._check_pools(pools, {})  # nothing restored: the pools alone
         if not found.holders or checkpointer is None:
-            return self._skipped_report()
+            return {**self._skipped_report(), **alone}
 
         def after_step(step: str) -> None:
             if step == "restore":
                 after_restore()
 
-        report = CudaPhase(checkpointer, self.options.cuda_timeouts, after_step=after_step).wake(
-            found.holders
+        phase = CudaPhase(
+            checkpointer,
+            self.options.cuda_timeouts,
+            after_step=after_step,
+            force=self.options.force,
+            gpu_map=self.gpu_map(found.holders) if restoring else None,
+            pools=pools if restoring else ({}, []),
         )
+        report = {**phase.wake(found.holders), **alone}
         return self._with_skipped(report)

@@ -72,6 +72,19 @@ def _processes(units: Sequence[Unit]) -> list[int]:
     return list(dict.fromkeys(p for u in units for p in u.processes))
 
 
+def _pool_bytes(units: Sequence[Unit], state: str | None = "asleep") -> dict[int, dict[str, int]]:
+    """Per agent (in ``state``, any if None), its pools' bytes on each CUDA device, as its status said.
+
+    Of asleep agents at a wake: what their pools will map back.
+    """
+    return {
+        ref.pid: dict(ref.status.get("device_bytes") or {})
+        for unit in units
+        for ref in unit.refs
+        if (state is None or ref.status.get("state") == state) and ref.status.get("device_bytes")
+    }
+
+
 def prepare_directory(directory: Path, refs: Sequence[AgentRef]) -> Path:
     """Resolve ``--to``; create it 0700 if missing; refuse a file or an unwritable directory.
 
@@ -128,7 +141,11 @@ class Operation:
 
     def lock_for_sleep(self) -> None:
         """Refuse what the CUDA stage cannot do, then journal the operation (nothing changed yet)."""
-        self.cuda.require(_processes(self.units))
+        themselves = (
+            [pid for u in self.units for pid in u.checkpoints_itself()] if self.cuda.pools_only else []
+        )
+        self.cuda.require(_processes(self.units), themselves)
+        self.cuda.read_gpus_before()
         if self.directory is not None:
             self.ctx.directory = prepare_directory(self.directory, self.ledger.refs)
         self.ledger.record(self.ctx.directory, self.cuda.holders, self.cuda.checkpointer_name)
@@ -149,7 +166,9 @@ class Operation:
 
     def cuda_wake(self) -> None:
         self.cuda_report = self.cuda.wake(
-            _processes(self.units), after_restore=lambda: self.ledger.passed("cuda-restore")
+            _processes(self.units),
+            after_restore=lambda: self.ledger.passed("cuda-restore"),
+            pool_bytes=_pool_bytes(self.units),
         )
 
     def steps(
@@ -237,6 +256,7 @@ def sleep(
         cuda=operation.cuda_report,
         units=reports,
         skipped=skipped,
+        gpus=operation.cuda.given_back(_processes(units), _pool_bytes(units, state=None)),
     )
 
 

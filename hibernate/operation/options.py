@@ -59,6 +59,11 @@ class Options:
     checkpointer_kind: str = "auto"
     cuda_checkpoint: str | None = None  # path of the cuda-checkpoint binary (--cuda-checkpoint)
     cuda_timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    # --force: go on where a safety check cannot tell (a wake's free GPU memory that NVML cannot
+    # read; a multi-process CUDA sleep without the NCCL settings a checkpoint needs).
+    force: bool = False
+    # --device-map: restore onto other GPUs, as given (GPU UUIDs or NVML indices, old -> new).
+    device_map: dict[str, str] = field(default_factory=dict)
     # Options of one kind of target, by the name its registration declares (a vLLM server's
     # "level", "drain", "vllm_url"); only those the user gave, so that the engine can refuse
     # them for a selection with no target of that kind.

@@ -169,6 +169,9 @@ class SleepReport:
     cuda: dict[str, Any]
     units: list[UnitReport] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    # Per GPU, what the sleep really gave back (NVML's used before and after) beside the tracked bytes;
+    # None where NVML could not be read (or the sleep did not read it: a recovery's CUDA stage alone).
+    gpus: list[dict[str, Any]] | None = None
 
     @property
     def extras(self) -> dict[str, Any]:
@@ -184,6 +187,7 @@ class SleepReport:
             cuda=wire.get("cuda", {}),
             units=_units_from_wire(wire),
             skipped=wire.get("skipped", []),
+            gpus=wire.get("gpus"),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -193,6 +197,7 @@ class SleepReport:
             "seconds": round(self.seconds, 6),
             "processes": [p.to_wire() for p in self.processes],
             "cuda": self.cuda,
+            "gpus": self.gpus,
         }
         wire.update(self.extras)
         if self.skipped:

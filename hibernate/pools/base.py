@@ -133,3 +133,20 @@ def summarize(pool_name: str, regions: Sequence[SpillableRegion]) -> list[PoolSu
         entry[0] += 1
         entry[1] += region.nbytes
     return [PoolSummary(pool_name, tag, keep, n, size) for (tag, keep), (n, size) in groups.items()]
+
+
+def device_bytes(regions: Sequence[SpillableRegion]) -> dict[str, int]:
+    """Bytes per CUDA device ("cuda:N") of ``regions``: what a wake maps back on each GPU.
+
+    A region names its device in ``meta["device"]``: a torch device string
+    ("cuda:0", "cpu") or a vLLM pool's device index. CPU regions are left out.
+    """
+    total: dict[str, int] = {}
+    for region in regions:
+        device = region.meta.get("device")
+        name = f"cuda:{device}" if isinstance(device, int) else str(device or "")
+        if name == "cuda":
+            name = "cuda:0"
+        if name.startswith("cuda:"):
+            total[name] = total.get(name, 0) + region.nbytes
+    return total

@@ -85,8 +85,8 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
                            const standin_pair *pairs, unsigned int npairs, int *out) {
     int code = CUDA_SUCCESS;
     int fault = standin_fault(step, pid, &code);
-    if (fault == FAULT_HANG) {
-        if (strcmp(step, "lock") == 0 && timeout_ms) {
+    if (fault == FAULT_HANG || fault == FAULT_STUCK) {
+        if (fault == FAULT_HANG && strcmp(step, "lock") == 0 && timeout_ms) {
             standin_sleep_ms(timeout_ms); /* the work never drains: the lock gives up, still running */
             code = CUDA_ERROR_NOT_READY;
         } else {

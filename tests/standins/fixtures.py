@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hibernate.checkpoint.nccl import NCCL_SAFE
 from tests.conftest import REPO
 from tests.standins.world import Build, Tree, World, build
 
@@ -38,6 +39,10 @@ def world(standin_build: Build, monkeypatch: pytest.MonkeyPatch) -> Iterator[Wor
         monkeypatch.setenv(name, value)
     for name in ("HIBERNATE_STANDIN_FAULTS", "HIBERNATE_STANDIN_CUDA_VERSION", "HIBERNATE_STANDIN_HANG_S"):
         monkeypatch.delenv(name, raising=False)
+    # Multi-process targets run as a real NCCL job must for a checkpoint (a sleep refuses it otherwise):
+    # tests of that refusal start their processes without these.
+    for name, value in NCCL_SAFE.items():
+        monkeypatch.setenv(name, value)
     yield fake
     shutil.rmtree(directory, ignore_errors=True)
 

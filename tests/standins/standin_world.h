@@ -16,7 +16,8 @@
  * CUresult name or number, or "hang" (sleep $HIBERNATE_STANDIN_HANG_S, default
  * 3600, then fail with CUDA_ERROR_UNKNOWN; a lock with a timeout instead waits
  * out the timeout and fails with CUDA_ERROR_NOT_READY, leaving the process
- * running, as the driver documents).
+ * running, as the driver documents), or "stuck" (a hang that ignores a lock's
+ * timeout too: a driver call that outlives every bound hibernate sets).
  *
  * Written from the public contract (CUDA driver API docs, cuda.h values,
  * NVIDIA/cuda-checkpoint README and issues); no NVIDIA code.
@@ -217,7 +218,7 @@ static void standin_log(const char *caller, const char *step, int pid, int resul
     close(fd);
 }
 
-enum { FAULT_NONE = 0, FAULT_ERROR = 1, FAULT_HANG = 2 };
+enum { FAULT_NONE = 0, FAULT_ERROR = 1, FAULT_HANG = 2, FAULT_STUCK = 3 };
 
 /* Is a fault injected for `step` on `pid`? Sets *code for FAULT_ERROR. */
 static int standin_fault(const char *step, int pid, int *code) {
@@ -238,6 +239,7 @@ static int standin_fault(const char *step, int pid, int *code) {
         }
         if (strcmp(item, step) != 0) continue;
         if (strcmp(action, "hang") == 0) return FAULT_HANG;
+        if (strcmp(action, "stuck") == 0) return FAULT_STUCK;
         *code = standin_error_code(action);
         return FAULT_ERROR;
     }
