@@ -697,12 +697,7 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
         "seconds": time.perf_counter() - run_started,
     }
     print_table(document)
-    text = json.dumps(document, indent=1)
-    print("\nJSON:")
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    return 0 if document["all_pass"] else 1
+    return emit(document, args.json_out)
 
 
 # -- many processes, one disk (--procs N) ------------------------------------------
@@ -871,12 +866,7 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
         "seconds": time.perf_counter() - run_started,
     }
     print_processes_table(document)
-    text = json.dumps(document, indent=1)
-    print("\nJSON:")
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    return 0 if document["all_pass"] else 1
+    return emit(document, args.json_out)
 
 
 PROCS_METHOD = (
@@ -921,6 +911,16 @@ def print_processes_table(doc: dict[str, Any]) -> None:
         verdict = "PASS" if target["pass"] else "FAIL"
         print(f"{verdict}  {target['target']}: {target['value']:.2f} (limit {target['limit']:.2f})")
     print(f"\nwhole run {doc['seconds']:.1f} s")
+
+
+def emit(document: dict[str, Any], json_out: Path | None) -> int:
+    """Print the JSON document after the table (and write it to ``json_out``); the exit status."""
+    text = json.dumps(document, indent=1)
+    print("\nJSON:")
+    print(text)
+    if json_out:
+        json_out.write_text(text + "\n")
+    return 0 if document["all_pass"] else 1
 
 
 # Reported with their spread (min, median, max over the repetitions) as well as their median.
