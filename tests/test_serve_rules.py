@@ -14,6 +14,7 @@ from hibernate.errors import ExitCode, UsageError
 from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
 from hibernate.serve.discovery import listening_inodes
+from hibernate.serve.hibernator import refuse_tree_holding_proxy
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
 from tests.conftest import REPO, run_cli
 
@@ -260,3 +261,16 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     result = run_cli("serve", "--to", str(tmp_path), "--backend", "a=http://127.0.0.1:9", "--idle", "-1")
     assert result.returncode == ExitCode.USAGE
     assert "--idle must be a number of seconds above 0" in result.stderr
+
+
+def test_a_backend_pid_whose_tree_holds_the_proxy_is_refused() -> None:
+    # pid 1, or the shell that started the proxy: a sleep would act on every process under it.
+    for pid in (1, os.getppid(), os.getpid()):
+        with pytest.raises(UsageError, match=f"pid {pid} is this proxy .* or one of its ancestors"):
+            refuse_tree_holding_proxy("qwen", pid)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        refuse_tree_holding_proxy("qwen", child.pid)  # a process below the proxy is a backend it may act on
+    finally:
+        child.kill()
+        child.wait()

@@ -5,6 +5,7 @@ Every call blocks (it is the engine); the proxy runs them in worker threads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from hibernate import orchestrator, procinfo
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.phase import HEADROOM_BYTES
-from hibernate.errors import HibernateError, NoSuchProcessError
+from hibernate.errors import HibernateError, NoSuchProcessError, UsageError
 from hibernate.serve import discovery
 from hibernate.serve.config import BackendSpec
 
@@ -43,6 +44,22 @@ def is_awake(entries: list[dict[str, Any]]) -> bool:
     return bool(entries) and all(entry.get("state") == "running" for entry in entries)
 
 
+def refuse_tree_holding_proxy(name: str, pid: int, proxy: int | None = None) -> None:
+    """A backend's pid whose process tree holds the proxy itself is a mistake, refused.
+
+    A sleep acts on every agent of a pid's tree: ``pid = 1``, or the shell that
+    started both the proxy and the backends, would put every hibernate target of
+    the user to sleep, and the proxy's own process with them.
+    """
+    proxy = os.getpid() if proxy is None else proxy
+    if pid == proxy or proxy in procinfo.descendants(pid):
+        raise UsageError(
+            f"backend {name}: pid {pid} is this proxy (pid {proxy}) or one of its ancestors; a sleep "
+            "would act on every process under it",
+            hint="give the backend's own server process (or leave pid out: it is found from the port)",
+        )
+
+
 class Hibernator:
     def __init__(self, directory: Path, sleep_timeout: float) -> None:
         self.directory = directory
@@ -55,6 +72,7 @@ class Hibernator:
 
     def find(self, spec: BackendSpec) -> int:
         if spec.pid is not None:
+            refuse_tree_holding_proxy(spec.name, spec.pid)
             return spec.pid
         _, port = spec.host_port
         pid = discovery.listener_pid(port)

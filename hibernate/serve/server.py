@@ -17,7 +17,7 @@ from hibernate.errors import HibernateTimeoutError
 from hibernate.serve import discovery
 from hibernate.serve.backends import STATES, Fleet
 from hibernate.serve.config import BackendSpec, ServeConfig
-from hibernate.serve.hibernator import Hibernator
+from hibernate.serve.hibernator import Hibernator, refuse_tree_holding_proxy
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.proxy import Proxy
 
@@ -60,6 +60,9 @@ def stop_command(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
 
 
 async def serve(config: ServeConfig) -> None:
+    for spec in config.backends:  # before anything starts: a wrong pid is bad input
+        if spec.pid is not None:
+            refuse_tree_holding_proxy(spec.name, spec.pid)
     started = start_command(config)
     try:
         if started is not None:
