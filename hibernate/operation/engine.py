@@ -333,9 +333,10 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
     try:
         report = _wake(pids, options, sink, recovering=True)
     except WrongStateError:
-        # Nothing was asleep or checkpointed: the operation died before changing anything,
-        # and the wake's bookkeeping has cleared its journal.
-        return RecoverReport(f"the interrupted {op} had changed nothing")
+        # Nothing was asleep or checkpointed: the operation died before changing anything, or
+        # after a wake had brought everything back (its agents resume by themselves when their
+        # client goes); either way the wake's bookkeeping has cleared its journal.
+        return RecoverReport(f"nothing was left of the interrupted {op}: every process runs")
     return RecoverReport(
         "finished the interrupted wake" if op == "wake" else "undid the interrupted sleep", report
     )
