@@ -727,6 +727,8 @@ def node_step(
     io_mode: IoModeOption = "auto",
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -752,6 +754,8 @@ def node_step(
             io_mode=io_mode,
             checkpointer=checkpointer,
             cuda_checkpoint=cuda_checkpoint,
+            no_cuda=no_cuda,
+            force=force,
             lock_timeout=timeout if operation == "sleep" else None,
             job=job,
             cgroup=cgroup,

@@ -93,3 +93,16 @@ def test_scheduler_paths_do_not_import_torch(args: list[str]) -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
     assert result.stdout.strip().splitlines()[-1] == "HEAVY []", result.stderr
+
+
+def test_node_step_takes_the_cuda_flags_a_job_forwards(cli, start_demo, tmp_path: Path) -> None:
+    # hibernate-job forwards what follows `--` to every node's node-step: --no-cuda and --force too.
+    demo = start_demo(size_mb=16)
+    env = {"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-07"}
+    result = cli(
+        "node-step", "sleep", str(demo.pid), "--barrier", str(tmp_path), "--to", str(tmp_path),
+        "--no-cuda", "--force", "--json", env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.json()["report"]["cuda"]["status"] == "left on the GPU (--checkpointer none)"
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
