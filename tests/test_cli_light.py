@@ -21,7 +21,8 @@ try:
     main()
 except SystemExit:
     pass
-heavy = sorted(m for m in ("torch", "vllm", "numpy") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "vllm", "numpy", "aiohttp", "prometheus_client", "hibernate.serve")
+               if m in sys.modules)
 print("IN-PROCESS:", ",".join(sorted(
     m for m in sys.modules
     if m in ("hibernate.agent.controller", "xxhash") or m.startswith(("hibernate.store", "hibernate.pools"))
@@ -60,6 +61,11 @@ def test_import_does_not_import_torch() -> None:
 def test_help_of_every_command_does_not_import_torch() -> None:
     for command in ([], ["sleep"], ["wake"], ["status"], ["ls"], ["gc"]):
         assert run_probe(*command, "--help") == "HEAVY:", command
+
+
+def test_serve_help_loads_nothing_of_its_extra() -> None:
+    # `hibernate serve` lives in an extra (aiohttp, prometheus-client): its help must work without it.
+    assert run_probe("serve", "--help") == "HEAVY:"
 
 
 def test_ls_does_not_import_torch(runtime_dir) -> None:

@@ -218,29 +218,6 @@ def test_the_listening_socket_of_a_port_is_found_in_proc_net_tcp() -> None:
 
 # -- the command ------------------------------------------------------------------------------
 
-LIGHT_PROBE = """
-import sys
-sys.argv = ["hibernate", *{args!r}]
-from hibernate.cli import main
-try:
-    main()
-except SystemExit:
-    pass
-print("LOADED:", ",".join(m for m in ("aiohttp", "prometheus_client", "hibernate.serve") if m in sys.modules))
-"""
-
-
-@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
-def test_help_does_not_load_the_serve_extra(args: list[str]) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", LIGHT_PROBE.format(args=args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=True,
-    ).stdout
-    assert out.strip().splitlines()[-1].rstrip() == "LOADED:"
-
 
 def test_without_the_extra_serve_says_how_to_install_it(tmp_path: Path) -> None:
     missing = tmp_path / "aiohttp"
