@@ -64,7 +64,7 @@ from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena
 # what a restore faults in small: the workers keep up with the disk, so three were
 # allocated (96 MiB of a 256 MiB budget) where 2 x 128 MiB used to be. Paired with
 # raw reads, 32 MiB restored at 1.90 GB/s (median of 8), 64 MiB at 1.70.
-READ_REQUEST_BYTES = 32 << 20
+_READ_REQUEST_BYTES = 32 << 20
 # A worker takes the small chunks of a request in groups of about this many bytes (a large
 # chunk is a group of its own): handing them out one by one cost more than verifying them.
 _GROUP_BYTES = 4 << 20
@@ -74,6 +74,13 @@ _GROUP_BYTES = 4 << 20
 _SMALL_COPY_IN = 16 << 10
 # Regions smaller than this are not faulted in ahead of the copies (see fault_in).
 _POPULATE_MIN_BYTES = 64 << 10
+
+
+def read_request_bytes(arena: int, largest_chunk: int) -> int:
+    """A restore's request and staging buffer size: the writer's staging budget (two arenas of
+    ``arena`` bytes) as smaller buffers allocated only when none is free (see _READ_REQUEST_BYTES),
+    never smaller than the largest chunk."""
+    return max(largest_chunk, min(_READ_REQUEST_BYTES, arena))
 
 
 def _groups(pieces: list[_Piece]) -> list[list[_Piece]]:
@@ -361,9 +368,7 @@ class SnapshotReader:
         padded = [align_up(c.length) for r in self.manifest.records for c in r.chunks]
         largest = max(padded, default=ALIGNMENT)
         arena = arena_bytes_for(buffer_bytes, sum(padded), largest)
-        # The writer's staging budget (two arenas), as smaller buffers allocated only when
-        # none is free: see READ_REQUEST_BYTES.
-        size = max(largest, min(READ_REQUEST_BYTES, arena))
+        size = read_request_bytes(arena, largest)
         requests = self._requests(size)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)

@@ -53,9 +53,9 @@ import xxhash
 
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store.reader import READ_REQUEST_BYTES
+from hibernate.store.reader import read_request_bytes
 from hibernate.store.regions import memory_at
-from hibernate.store.writer import arena_bytes
+from hibernate.store.writer import arena_bytes_for
 
 MiB = 1 << 20
 SIMPLE_REQUEST = 64 * MiB  # the single-request loop reported beside the shaped limits
@@ -966,8 +966,9 @@ class RawLimits:
 
     def __init__(self, path: Path, total: int, options: WriteOptions) -> None:
         self.total = total
-        write_request = arena_bytes(options.buffer_bytes)
-        read_request = max(options.effective_chunk_bytes, min(READ_REQUEST_BYTES, write_request))
+        # The writer's and the reader's own sizing, for this many bytes.
+        write_request = arena_bytes_for(options.buffer_bytes, total, options.effective_chunk_bytes)
+        read_request = read_request_bytes(write_request, options.effective_chunk_bytes)
         self.write = Raw(path, total, write_request)
         self.read = Raw(path, total, read_request, huge=True)
         self.simple_write = Raw(path, total, SIMPLE_REQUEST)
