@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from hibernate.errors import SnapshotInvalidError, StorageError
+from hibernate.errors import SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import _body_checksum
+from hibernate.store.writer import check_regions
+from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
 OPTIONS = WriteOptions(chunk_bytes=8 * KiB, buffer_bytes=64 * KiB)
@@ -444,8 +446,8 @@ def test_io_mode_direct_refuses_a_filesystem_without_odirect_instead_of_falling_
             SnapshotReader(root, snapshot, io_mode="direct")
 
 
-def test_meta_nested_past_the_limit_is_refused_on_read_as_the_writer_refuses_it() -> None:
-    """The fast (columnar) parse applies the same meta bound as the writer: nothing deeper is read."""
+def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_it() -> None:
+    """A reader checks meta where it uses it: one that differs from the process's is checked first."""
     from hibernate.store.format import (
         MAX_META_DEPTH,
         ChunkRef,
@@ -455,18 +457,24 @@ def test_meta_nested_past_the_limit_is_refused_on_read_as_the_writer_refuses_it(
         parse_manifest,
     )
     from hibernate.store.owner import Owner
+    from hibernate.store.reader import Discard, _describe_mismatch
 
     deep: dict[str, Any] = {"leaf": 1}
     for _ in range(MAX_META_DEPTH + 1):
         deep = {"inner": deep}
     chunk = ChunkRef("data-000.bin", 0, 4096, "0123456789abcdef")
+    record = Record("weight", "weights", 4096, deep, (chunk,))
     manifest = Manifest(
         "snap-000001",
         {"name": "hibernate"},
         1 << 20,
-        (Record("weight", "weights", 4096, deep, (chunk,)),),
+        (record,),
         Owner.current(),
         {"data-000.bin": FileIdentity(4096, 1, 2, 3, 4)},
     )
-    with pytest.raises(SnapshotInvalidError, match="meta is nested too deeply"):
-        parse_manifest(manifest.encode())
+    parsed = parse_manifest(manifest.encode()).records[0]
+    live = Discard(record._replace(meta={"inner": 1}))
+    with pytest.raises(SnapshotInvalidError, match=r"record 0 \('weight'\): meta is nested too deeply"):
+        _describe_mismatch(parsed, live, "manifest.json: record 0")
+    with pytest.raises(UnsupportedError, match="nested too deeply"):
+        check_regions([BytesRegion("weight", "weights", bytes(4096), meta=deep)])

@@ -185,8 +185,9 @@ def test_a_cancelled_spill_publishes_nothing(tmp_path: Path) -> None:
         calls[0] += 1
         return calls[0] > 3
 
+    # Asked once per run of chunks a stager takes (at most 8 MiB): 48 MiB is called off midway.
     with SpillRoot(root_path, create=True) as root, pytest.raises(AbortedError, match="called off"):
-        write_snapshot(root, regions_of(256 * KiB), producer={}, options=OPTIONS, cancelled=cancelled)
+        write_snapshot(root, regions_of(12 * 1024 * KiB), producer={}, options=OPTIONS, cancelled=cancelled)
     assert not root_path.exists()  # a failed first sleep leaves no directory behind
 
 

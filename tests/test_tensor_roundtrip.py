@@ -182,3 +182,26 @@ def test_untrackable_objects_are_refused_clearly(fresh_agent, bad, message: str)
 def test_bad_tag_is_refused(fresh_agent) -> None:
     with pytest.raises(UsageError, match="tag"):
         hibernate.track(torch.ones(1), tag="a/b")
+
+
+def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
+    """The writer skips checking a PlainMeta: every meta the tensor pool builds must pass the full check."""
+    from hibernate.pools.tensors import TensorPool
+    from hibernate.store.format import PlainMeta, _is_plain, check_meta
+
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    model = torch.nn.Linear(4, 3)
+    model.bias.grad = torch.zeros(3)
+    pool = TensorPool()
+    pool.track(
+        {"base": base, "slice": base[2:, 1::2], "t": base.t(), "empty": torch.empty(0)},
+        tag="weights",
+        keep=False,
+        name="tensors",
+    )
+    pool.track(model, tag="model", keep=True, name="model")
+    metas = [region.meta for region in pool.regions()]
+    assert metas and all(type(meta) is PlainMeta for meta in metas)
+    for meta in metas:
+        check_meta(meta, "meta")
+        assert _is_plain(dict(meta)), meta

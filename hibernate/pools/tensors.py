@@ -51,7 +51,7 @@ from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import CudaCopies, DeviceCopies
-from hibernate.store.format import gc_paused
+from hibernate.store.format import PlainMeta, gc_paused
 from hibernate.store.regions import memory_at
 
 
@@ -202,7 +202,9 @@ class StorageRegion(RegionAttributes):
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
         on_device: tuple[Callable[[], DeviceCopies], int] | None = None,
     ) -> None:
-        super().__init__(key, tag, keep, storage.nbytes(), {"device": str(storage.device), "views": views})
+        # Strings and ints only (see TensorPool._regions): plain by construction.
+        meta = PlainMeta(device=str(storage.device), views=views)
+        super().__init__(key, tag, keep, storage.nbytes(), meta)
         self._storage = storage
         self._device = storage.device
         self._on_device = on_device

@@ -48,6 +48,7 @@ from hibernate.store.format import (
     Manifest,
     Record,
     align_up,
+    check_meta,
     checksum,
     gc_paused,
     plain_meta,
@@ -140,8 +141,13 @@ def _first_difference(saved: Any, live: Any, path: str) -> str | None:
     return None
 
 
-def _describe_mismatch(record: Record, region: Region) -> str | None:
-    """What differs between a record and its region, or None (the manifest's meta was checked when parsed)."""
+def _describe_mismatch(record: Record, region: Region, where: str) -> str | None:
+    """What differs between a record and its region, or None; refuses a record's meta that breaks the rules.
+
+    Meta is checked here, not when the manifest is parsed: equal to the
+    process's own, it is as plain as that (the writer checked it); one that
+    differs is checked before it is walked to say where.
+    """
     if record.key != region.key:
         return f"holds {record.key!r} where the process has {region.key!r}"
     if record.tag != region.tag:
@@ -150,6 +156,7 @@ def _describe_mismatch(record: Record, region: Region) -> str | None:
         return f"{record.key!r}: {record.nbytes} bytes in the snapshot, {region.nbytes} in the process"
     if record.meta == region.meta:
         return None
+    check_meta(record.meta, f"{where} ({record.key!r})")
     difference = _first_difference(dict(record.meta), plain_meta(region.meta), "")
     return f"{record.key!r}: {difference}" if difference is not None else None
 
@@ -281,7 +288,8 @@ class SnapshotReader:
         All records are compared at once (tuples and dicts compared in C, 1 us
         a record where one comparison each cost 40); only when they differ is
         each record looked at, to say where. Equal meta has the process's own
-        depth and values, which the writer checked when it wrote them.
+        depth and values, which the writer checked when it wrote them; the meta
+        of a record that differs is checked before it is described.
         """
         records = self.manifest.records
         where = self.root.path / self.manifest.snapshot / "manifest.json"
@@ -296,7 +304,7 @@ class SnapshotReader:
         if same:
             return
         for index, (record, region) in enumerate(zip(records, regions, strict=True)):
-            problem = _describe_mismatch(record, region)
+            problem = _describe_mismatch(record, region, f"{where}: record {index}")
             if problem is not None:
                 raise SnapshotInvalidError(f"{where}: record {index} {problem}")
 

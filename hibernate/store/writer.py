@@ -92,8 +92,9 @@ MIN_BUFFER_BYTES = 4 * ARENAS * ALIGNMENT
 FREE_SPACE_MARGIN = 1 << 20  # the manifest and the filesystem's own bookkeeping
 _BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see _Stream._take_tasks)
 _BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
-# Host chunks up to this size are copied by a slice assignment (which holds the GIL, but takes
-# less time than the region's call); larger ones through copy_out, which releases it.
+# Host chunks up to this size are staged in runs and copied by a slice assignment (which holds
+# the GIL, but takes less time than the region's call); larger ones through copy_out, which
+# releases it.
 _SMALL_COPY = 256 << 10
 _ZEROS = memoryview(bytes(ALIGNMENT))  # padding: a chunk's last page, past its end
 
@@ -359,7 +360,7 @@ class _Slot:
     length: int
     padded: int
     digest: str = ""
-    live: bool = True
+    live: bool = False  # set once staged; a slot given up midway is not written
     done: bool = False
 
 
@@ -411,17 +412,29 @@ class _Packer:
             return not arena.slots
         return arena.used + padded <= arena.buffer.size
 
-    def reserve(self, task: int, length: int) -> tuple[_Arena, _Slot]:
-        padded = align_up(length)
+    def reserve(self, chunks: Sequence[tuple[int, int]]) -> tuple[_Arena, list[_Slot]]:
+        """Places in one arena for the first of ``chunks`` (task, length), as many as fit there.
+
+        A stager reserves a run of small chunks at once and finishes them
+        together: a lock and a wakeup per chunk cost more than copying and
+        hashing a small tensor. It finishes them before reserving the next
+        run, so it never holds unfinished places in an arena while it waits
+        for another.
+        """
         while True:
             with self._lock:
                 arena = self._current
-                if arena is not None and self._fits(arena, padded):
-                    slot = _Slot(task, arena.used, length, padded)
-                    arena.used += padded
-                    arena.pending += 1
-                    arena.slots.append(slot)
-                    return arena, slot
+                if arena is not None and self._fits(arena, align_up(chunks[0][1])):
+                    slots: list[_Slot] = []
+                    for task, length in chunks:
+                        padded = align_up(length)
+                        if slots and not self._fits(arena, padded):
+                            break
+                        slots.append(_Slot(task, arena.used, length, padded))
+                        arena.used += padded
+                        arena.slots.append(slots[-1])
+                    arena.pending += len(slots)
+                    return arena, slots
                 if arena is not None:
                     self._seal(arena)
                     self._current = None
@@ -435,14 +448,13 @@ class _Packer:
             if not installed:
                 self._pool.give(fresh)  # another stager installed one first
 
-    def finish(self, arena: _Arena, slot: _Slot, digest: str, live: bool) -> None:
+    def finish(self, arena: _Arena, slots: Sequence[_Slot]) -> None:
+        """``slots`` are staged (their digest and liveness set) or given up (left not live)."""
         with self._lock:
-            if slot.done:
-                return
-            slot.done = True
-            slot.digest = digest
-            slot.live = live
-            arena.pending -= 1
+            for slot in slots:
+                if not slot.done:
+                    slot.done = True
+                    arena.pending -= 1
             if arena.sealed and arena.pending == 0:
                 arena.filled.set()
 
@@ -752,43 +764,80 @@ class _Stream:
     def _stage(self, packer: _Packer, abort: threading.Event) -> None:
         cancelled = self._cancelled
         while tasks := self._take_tasks(abort):
+            if cancelled is not None and cancelled():
+                raise AbortedError("the spill was called off before it finished; nothing was published")
+            small: list[tuple[int, memoryview]] = []
             reused = 0
             for task in tasks:
-                if cancelled is not None and cancelled():
-                    raise AbortedError("the spill was called off before it finished; nothing was published")
-                if not self._stage_one(packer, task):
-                    reused += self._tasks[task][2]
+                index, offset, length = self._tasks[task]
+                view = self._regions[index].host_view(offset, length) if length <= _SMALL_COPY else None
+                if view is not None:
+                    small.append((task, view))
+                else:
+                    reused += self._stage_one(packer, task)
+            if small:
+                reused += self._stage_small(packer, small)
             if reused:
                 self._advance(0, reused)  # written bytes count once the writer has written them
 
-    def _stage_one(self, packer: _Packer, task: int) -> bool:
-        """Stage one chunk (or find its bytes already written); True if it will be written."""
+    def _stage_small(self, packer: _Packer, chunks: list[tuple[int, memoryview]]) -> int:
+        """Stage a run of small host chunks; the bytes found already written (nothing is copied for them).
+
+        Copied by slice assignment (which holds the GIL, but takes less time
+        than a call through the region) and hashed as copied, so the
+        checksum is of the very bytes written.
+        """
+        reused = 0
+        if self._hash_in_place:
+            changed = []
+            for task, view in chunks:
+                if self._reuse(task, (checksum(view), len(view)), claim=False):
+                    reused += len(view)
+                else:
+                    changed.append((task, view))
+            chunks = changed
+        start = 0
+        while start < len(chunks):
+            arena, slots = packer.reserve([(task, len(view)) for task, view in chunks[start:]])
+            buffer = arena.buffer.view
+            try:
+                for slot, (task, view) in zip(slots, chunks[start:], strict=False):
+                    end = slot.position + slot.length
+                    buffer[slot.position : end] = view
+                    if slot.padded > slot.length:
+                        buffer[end : slot.position + slot.padded] = _ZEROS[: slot.padded - slot.length]
+                    slot.digest = checksum(buffer[slot.position : end])
+                    slot.live = not self._reuse(task, (slot.digest, slot.length), claim=True)
+                    if not slot.live:
+                        reused += slot.length
+            finally:
+                del buffer
+                packer.finish(arena, slots)
+            start += len(slots)
+        return reused
+
+    def _stage_one(self, packer: _Packer, task: int) -> int:
+        """Stage one chunk through its region's copy; its bytes if found already written, else 0."""
         index, offset, length = self._tasks[task]
         region = self._regions[index]
-        in_place = region.host_view(offset, length) if self._hash_in_place or length <= _SMALL_COPY else None
-        if (
-            in_place is not None
-            and self._hash_in_place
-            and self._reuse(task, (checksum(in_place), length), claim=False)
-        ):
-            return False
-        arena, slot = packer.reserve(task, length)
-        digest, live = "", False
+        if self._hash_in_place:
+            in_place = region.host_view(offset, length)
+            if in_place is not None and self._reuse(task, (checksum(in_place), length), claim=False):
+                return length
+            del in_place
+        arena, slots = packer.reserve([(task, length)])
+        slot = slots[0]
         try:
             target = arena.buffer.view[slot.position : slot.position + slot.padded]
-            if in_place is not None and length <= _SMALL_COPY:
-                target[:length] = in_place  # a small copy: cheaper here than through the region's call
-            else:
-                region.copy_out(offset, target[:length])
+            region.copy_out(offset, target[:length])
             if slot.padded > length:
                 target[length:] = _ZEROS[: slot.padded - length]
-            digest = checksum(target[:length])
+            slot.digest = checksum(target[:length])
             del target
-            live = not self._reuse(task, (digest, length), claim=True)
+            slot.live = not self._reuse(task, (slot.digest, length), claim=True)
         finally:
-            del in_place
-            packer.finish(arena, slot, digest, live)
-        return live
+            packer.finish(arena, slots)
+        return 0 if slot.live else length
 
     def _write(self, packer: _Packer, pool: StagingPool, abort: threading.Event) -> None:
         while True:
