@@ -301,9 +301,12 @@ def test_names_with_dot_dot_or_absolute_paths_are_refused(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (
-            '{"format": "hibernate-snapshot", "version": "1.0", "created_unix": NaN}',
-            "NaN is not a JSON number",
+        ('{"format": "hibernate-snapshot", "version": "1.0", "created_unix": NaN}', "not valid JSON"),
+        ('{"format": "hibernate-snapshot", "version": "1.0", "created_unix": 1e999}', "not valid JSON"),
+        (  # a number past 64 bits reads as a float, which no integer field takes
+            '{"format":"hibernate-snapshot","version":"3.0","snapshot":"snap-000001","checksum_algorithm":'
+            '"xxh3-64","alignment":4096,"chunk_bytes":1' + "0" * 30 + "}",
+            "chunk_bytes must be an integer >= 4096, got 1e+30",
         ),
         ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
         ('{"format": "safetensors"}', "not a hibernate snapshot"),

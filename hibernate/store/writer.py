@@ -69,6 +69,7 @@ from hibernate.store.format import (
     ChunkRef,
     FileIdentity,
     Manifest,
+    PlainMeta,
     Record,
     align_up,
     check_region,
@@ -575,7 +576,7 @@ def _write_locked(
             producer=dict(producer),
             chunk_bytes=chunk_bytes,
             records=tuple(
-                Record(region.key, region.tag, region.nbytes, dict(region.meta), tuple(chunks[index]))
+                Record(region.key, region.tag, region.nbytes, _own_meta(region.meta), tuple(chunks[index]))
                 for index, region in enumerate(regions)
             ),
             owner=root.owner,
@@ -609,6 +610,14 @@ def _write_locked(
         manifest=manifest,
         warnings=warnings,
     )
+
+
+def _own_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A region's meta as its record keeps it: a copy, but for a PlainMeta, which its maker built for this.
+
+    A PlainMeta stays one, so the manifest's columns take the fast encoding (see format._canonical).
+    """
+    return meta if type(meta) is PlainMeta else dict(meta)
 
 
 def _check_free_space(
