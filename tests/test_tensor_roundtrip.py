@@ -205,3 +205,30 @@ def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
     for meta in metas:
         check_meta(meta, "meta")
         assert _is_plain(dict(meta)), meta
+
+
+def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
+    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent keeps the manifest its wake parsed: the next sleep neither parses it nor writes again."""
+    from hibernate.store.layout import SpillRoot
+
+    tensor = random_tensor(torch.float32, (256, 64), seed=4)
+    expected = tensor.clone()
+    hibernate.track(tensor, name="t")
+    hibernate.sleep(work_dir)
+    hibernate.wake()
+    parsed: list[str] = []
+    read_manifest = SpillRoot.read_manifest
+
+    def counting(self: SpillRoot, name: str) -> object:
+        parsed.append(name)
+        return read_manifest(self, name)
+
+    monkeypatch.setattr(SpillRoot, "read_manifest", counting)
+    report = hibernate.sleep(work_dir)
+    assert parsed == [], "the newest snapshot's manifest came from the wake, not from disk"
+    assert report["spill"]["written_bytes"] == 0, "and its chunks were reused all the same"
+    hibernate.wake()
+    assert parsed, "the wake reads the new snapshot's manifest from disk"
+    assert same_bytes(tensor, expected)

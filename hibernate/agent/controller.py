@@ -50,6 +50,7 @@ from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
+from hibernate.store.format import Manifest
 from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
@@ -197,6 +198,9 @@ class Hibernator:
         self._state = AgentState.RUNNING
         self._sleep: _Sleep | None = None
         self._last_snapshot: dict[str, Any] | None = None
+        # The manifest the last wake read, and its root: the next sleep's reuse needs it and
+        # need not parse it again. Held while awake only: a sleep drops it.
+        self._known: tuple[Path, Manifest] | None = None
         self.default_dir: Path | None = None
         self.sleep_driver: SleepDriver | None = None
         self._transfer: dict[str, Any] | None = None  # the newest progress of a spill or restore
@@ -327,6 +331,8 @@ class Hibernator:
                 pool.synchronize()  # work the program queued on any stream lands before a byte is read
             sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.owner), "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
+            with self._mutex:
+                known, self._known = self._known, None
             with SpillRoot(sleeping.root, create=True, owner=self.owner) as root:
                 result = write_snapshot(
                     root,
@@ -342,7 +348,9 @@ class Hibernator:
                     progress=self._reporter(session, "spill"),
                     cancelled=session.cancelled,
                     pin=pin,
+                    known=known[1] if known is not None and known[0] == sleeping.root else None,
                 )
+                del known
                 verified = (
                     verify_snapshot(
                         root, result.snapshot, io_mode=options.io_mode, buffer_bytes=options.buffer_bytes
@@ -476,6 +484,9 @@ class Hibernator:
                 for pool, _ in sleeping.regions:
                     pool.after_release()
                 raise
+            if reader is not None:
+                with self._mutex:
+                    self._known = (sleeping.root, reader.manifest)
         report["zeroed_bytes"] = sum(r.nbytes for r in chosen if not r.keep)
         report["restored_regions"] = len(chosen)
         return report
