@@ -145,8 +145,9 @@ def _describe_mismatch(record: Record, region: Region, where: str) -> str | None
     """What differs between a record and its region, or None; refuses a record's meta that breaks the rules.
 
     Meta is checked here, not when the manifest is parsed: equal to the
-    process's own, it is as plain as that (the writer checked it); one that
-    differs is checked before it is walked to say where.
+    process's own, it is as plain as that (its pool built it plain, or the
+    writer checked it); one that differs is checked before it is walked to
+    say where.
     """
     if record.key != region.key:
         return f"holds {record.key!r} where the process has {region.key!r}"
@@ -359,6 +360,8 @@ class SnapshotReader:
         snapshot's largest chunks if that is more), and no more than the
         snapshot needs; buffers are allocated as the reads need them. On any
         failure the regions hold partial data: the caller releases them again.
+        Regions :meth:`check_matches` already accepted (the same sequence,
+        unchanged since) are not compared again.
         """
         with gc_paused():  # one object per chunk below: see gc_paused
             return self._read_into(regions, buffer_bytes, threads, progress, cancelled, pin)

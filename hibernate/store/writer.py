@@ -834,7 +834,6 @@ class _Stream:
                     if not slot.live:
                         reused += slot.length
             finally:
-                del buffer
                 packer.finish(arena, slots)
             start += len(slots)
         return reused
