@@ -50,11 +50,10 @@ from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
-from hibernate.store.format import Manifest
 from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
-from hibernate.store.writer import WriteOptions, write_snapshot
+from hibernate.store.writer import ReuseSource, WriteOptions, write_snapshot
 from hibernate.version import __version__
 
 
@@ -198,9 +197,10 @@ class Hibernator:
         self._state = AgentState.RUNNING
         self._sleep: _Sleep | None = None
         self._last_snapshot: dict[str, Any] | None = None
-        # The manifest the last wake read, and its root: the next sleep's reuse needs it and
-        # need not parse it again. Held while awake only: a sleep drops it.
-        self._known: tuple[Path, Manifest] | None = None
+        # What the next sleep's reuse needs of the snapshot the last wake read (not its keys or
+        # meta), and its root: that sleep need not parse the manifest again. Held while awake
+        # only: a sleep drops it.
+        self._known: tuple[Path, ReuseSource] | None = None
         self.default_dir: Path | None = None
         self.sleep_driver: SleepDriver | None = None
         self._transfer: dict[str, Any] | None = None  # the newest progress of a spill or restore
@@ -486,7 +486,7 @@ class Hibernator:
                 raise
             if reader is not None:
                 with self._mutex:
-                    self._known = (sleeping.root, reader.manifest)
+                    self._known = (sleeping.root, ReuseSource.of(reader.manifest))
         report["zeroed_bytes"] = sum(r.nbytes for r in chosen if not r.keep)
         report["restored_regions"] = len(chosen)
         return report

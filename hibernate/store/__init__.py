@@ -5,7 +5,7 @@ from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import ReadResult, SnapshotReader, verify_snapshot
 from hibernate.store.regions import Region
-from hibernate.store.writer import WriteOptions, WriteResult, write_snapshot
+from hibernate.store.writer import ReuseSource, WriteOptions, WriteResult, write_snapshot
 
 __all__ = [
     "Manifest",
@@ -13,6 +13,7 @@ __all__ = [
     "ReadResult",
     "Record",
     "Region",
+    "ReuseSource",
     "SnapshotReader",
     "SpillRoot",
     "WriteOptions",

@@ -53,10 +53,9 @@ import xxhash
 
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store.format import Manifest
 from hibernate.store.reader import read_request_bytes
 from hibernate.store.regions import memory_at
-from hibernate.store.writer import arena_bytes_for
+from hibernate.store.writer import ReuseSource, arena_bytes_for
 
 MiB = 1 << 20
 SIMPLE_REQUEST = 64 * MiB  # the single-request loop reported beside the shaped limits
@@ -363,11 +362,11 @@ class Hibernate:
         self.regions = list(self.pool.regions())
         self.total = sum(r.nbytes for r in self.regions)
         self.snapshot = ""
-        self.manifest: Manifest | None = None
+        self.known: ReuseSource | None = None
 
     def fresh(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
-        self.manifest = None
+        self.known = None
 
     def spill(self) -> Transfer:
         gc.collect()
@@ -378,11 +377,11 @@ class Hibernate:
                 self.regions,
                 producer={"bench": "bench-store"},
                 options=self.options,
-                known=self.manifest,  # as an agent holds the manifest its last wake read
+                known=self.known,  # as an agent holds what its last wake read
             )
             seconds = time.perf_counter() - started
         self.snapshot = result.snapshot
-        self.manifest = result.manifest
+        self.known = ReuseSource.of(result.manifest)
         return Transfer(
             seconds, sampler.rss_growth, sampler.cache_growth, result.io_mode, result.written_bytes
         )
@@ -997,8 +996,8 @@ METHOD = (
     "page cache is evicted before every read. A restore first releases the tensors and then refills "
     "freshly allocated memory, faulting it in as part of the restore, as a wake does. Raw runs allocate "
     "their buffer anew each time, as hibernate allocates its staging. Baselines are each paired with one "
-    "shaped raw run. The unchanged second spill is handed the first one's manifest, as an agent holds the "
-    "manifest its last wake read"
+    "shaped raw run. The unchanged second spill is handed the first one's files and chunks, as an "
+    "agent keeps those of the manifest its last wake read"
 )
 
 
