@@ -171,6 +171,36 @@ def test_unchanged_regions_write_no_data_and_changed_chunks_only_are_rewritten(s
     assert [x.data for x in blanks] == [a.data, b.data]
 
 
+def test_a_known_previous_snapshot_is_used_only_while_it_is_the_newest(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a caller keeps from a wake saves the parse; a stale one is set aside for the disk's newest."""
+    from hibernate.store.writer import ReuseSource
+
+    a = BytesRegion("w/a", "w", os.urandom(40 * KiB))
+    first = write(scratch, [a])
+    kept = ReuseSource.of(first.manifest)
+    parsed: list[str] = []
+    read_manifest = SpillRoot.read_manifest
+
+    def counting(self: SpillRoot, name: str) -> Any:
+        parsed.append(name)
+        return read_manifest(self, name)
+
+    monkeypatch.setattr(SpillRoot, "read_manifest", counting)
+    with SpillRoot(scratch, create=True) as root:
+        second = write_snapshot(root, [a], producer={}, options=small_options(), known=kept)
+    assert (parsed, second.written_bytes) == ([], 0), "the newest snapshot, as kept: no parse, all reused"
+    a.data[0] ^= 0xFF
+    with SpillRoot(scratch, create=True) as root:
+        third = write_snapshot(root, [a], producer={}, options=small_options(), known=kept)
+    assert parsed == [second.snapshot], "the kept one is no longer the newest: the newest is read"
+    assert third.written_bytes == 4 * KiB, "and only the changed chunk is written"
+    blank = a.blank()
+    read_back(scratch, third.snapshot, [blank])
+    assert blank.data == a.data
+
+
 def punches_holes(directory: Path) -> bool:
     """Whether this filesystem gives blocks back for a punched range (ext4, xfs, btrfs, tmpfs do)."""
     from hibernate.store.layout import _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE, _fallocate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,8 +211,9 @@ def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
 def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The agent keeps the manifest its wake parsed: the next sleep neither parses it nor writes again."""
+    """The agent keeps what reuse needs of the manifest its wake parsed: the next sleep parses nothing."""
     from hibernate.store.layout import SpillRoot
+    from hibernate.store.reader import SnapshotReader
 
     tensor = random_tensor(torch.float32, (256, 64), seed=4)
     expected = tensor.clone()
@@ -229,6 +231,15 @@ def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     report = hibernate.sleep(work_dir)
     assert parsed == [], "the newest snapshot's manifest came from the wake, not from disk"
     assert report["spill"]["written_bytes"] == 0, "and its chunks were reused all the same"
+    checks: list[int] = []
+    check_matches = SnapshotReader.check_matches
+
+    def counting_checks(self: SnapshotReader, regions: Any) -> None:
+        checks.append(len(regions))
+        check_matches(self, regions)
+
+    monkeypatch.setattr(SnapshotReader, "check_matches", counting_checks)
     hibernate.wake()
     assert parsed, "the wake reads the new snapshot's manifest from disk"
+    assert len(checks) == 1, "and checks it against the process once, before touching memory"
     assert same_bytes(tensor, expected)
