@@ -116,6 +116,22 @@ def cudart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The snapshots whose manifest is read from disk (SpillRoot.read_manifest) from now on, in order."""
+    from hibernate.store.layout import SpillRoot
+
+    names: list[str] = []
+    read_manifest = SpillRoot.read_manifest
+
+    def counting(self: SpillRoot, name: str) -> Any:
+        names.append(name)
+        return read_manifest(self, name)
+
+    monkeypatch.setattr(SpillRoot, "read_manifest", counting)
+    return names
+
+
+@pytest.fixture
 def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A short, private HIBERNATE_RUNTIME_DIR for this test and every process it starts."""
     path = Path(tempfile.mkdtemp(prefix="hb-run-", dir="/tmp"))

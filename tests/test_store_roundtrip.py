@@ -172,7 +172,7 @@ def test_unchanged_regions_write_no_data_and_changed_chunks_only_are_rewritten(s
 
 
 def test_a_known_previous_snapshot_is_used_only_while_it_is_the_newest(
-    scratch: Path, monkeypatch: pytest.MonkeyPatch
+    scratch: Path, manifest_reads: list[str]
 ) -> None:
     """What a caller keeps from a wake saves the parse; a stale one is set aside for the disk's newest."""
     from hibernate.store.writer import ReuseSource
@@ -180,14 +180,8 @@ def test_a_known_previous_snapshot_is_used_only_while_it_is_the_newest(
     a = BytesRegion("w/a", "w", os.urandom(40 * KiB))
     first = write(scratch, [a])
     kept = ReuseSource.of(first.manifest)
-    parsed: list[str] = []
-    read_manifest = SpillRoot.read_manifest
-
-    def counting(self: SpillRoot, name: str) -> Any:
-        parsed.append(name)
-        return read_manifest(self, name)
-
-    monkeypatch.setattr(SpillRoot, "read_manifest", counting)
+    parsed = manifest_reads
+    parsed.clear()
     with SpillRoot(scratch, create=True) as root:
         second = write_snapshot(root, [a], producer={}, options=small_options(), known=kept)
     assert (parsed, second.written_bytes) == ([], 0), "the newest snapshot, as kept: no parse, all reused"

@@ -209,10 +209,9 @@ def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
 
 
 def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
-    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch, manifest_reads: list[str]
 ) -> None:
     """The agent keeps what reuse needs of the manifest its wake parsed: the next sleep parses nothing."""
-    from hibernate.store.layout import SpillRoot
     from hibernate.store.reader import SnapshotReader
 
     tensor = random_tensor(torch.float32, (256, 64), seed=4)
@@ -220,14 +219,8 @@ def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     hibernate.track(tensor, name="t")
     hibernate.sleep(work_dir)
     hibernate.wake()
-    parsed: list[str] = []
-    read_manifest = SpillRoot.read_manifest
-
-    def counting(self: SpillRoot, name: str) -> object:
-        parsed.append(name)
-        return read_manifest(self, name)
-
-    monkeypatch.setattr(SpillRoot, "read_manifest", counting)
+    parsed = manifest_reads
+    parsed.clear()
     report = hibernate.sleep(work_dir)
     assert parsed == [], "the newest snapshot's manifest came from the wake, not from disk"
     assert report["spill"]["written_bytes"] == 0, "and its chunks were reused all the same"
