@@ -509,13 +509,11 @@ class SnapshotReader:
                     f"{self._where(piece)}: checksum mismatch; the data on disk is corrupted"
                 )
             region = regions[piece.region]
-            if length <= _SMALL_COPY_IN:
-                target = region.host_view(piece.region_offset, length)
-                if target is not None and not target.readonly:
-                    target[:] = view  # as in the writer: a small copy costs less than the region's call
-                    copied += length
-                    continue
-            region.copy_in(piece.region_offset, view)
+            target = region.host_view(piece.region_offset, length) if length <= _SMALL_COPY_IN else None
+            if target is not None and not target.readonly:
+                target[:] = view  # as in the writer: a small copy costs less than the region's call
+            else:
+                region.copy_in(piece.region_offset, view)
             copied += length
         return copied
 

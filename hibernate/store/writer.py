@@ -847,14 +847,9 @@ class _Stream:
             arena, slots = packer.reserve([(task, len(view)) for task, view in chunks[start:]])
             buffer = arena.buffer.view
             try:
-                for slot, (task, view) in zip(slots, chunks[start:], strict=False):
-                    end = slot.position + slot.length
-                    buffer[slot.position : end] = view
-                    if slot.padded > slot.length:
-                        buffer[end : slot.position + slot.padded] = _ZEROS[: slot.padded - slot.length]
-                    slot.digest = checksum(buffer[slot.position : end])
-                    slot.live = not self._reuse(task, (slot.digest, slot.length), claim=True)
-                    if not slot.live:
+                for slot, (_, view) in zip(slots, chunks[start:], strict=False):
+                    buffer[slot.position : slot.position + slot.length] = view
+                    if not self._hash_staged(buffer, slot):
                         reused += slot.length
             finally:
                 packer.finish(arena, slots)
@@ -871,18 +866,25 @@ class _Stream:
                 return length
             del in_place
         arena, slots = packer.reserve([(task, length)])
-        slot = slots[0]
         try:
-            target = arena.buffer.view[slot.position : slot.position + slot.padded]
-            region.copy_out(offset, target[:length])
-            if slot.padded > length:
-                target[length:] = _ZEROS[: slot.padded - length]
-            slot.digest = checksum(target[:length])
-            del target
-            slot.live = not self._reuse(task, (slot.digest, length), claim=True)
+            region.copy_out(offset, arena.buffer.view[slots[0].position : slots[0].position + length])
+            live = self._hash_staged(arena.buffer.view, slots[0])
         finally:
             packer.finish(arena, slots)
-        return 0 if slot.live else length
+        return 0 if live else length
+
+    def _hash_staged(self, buffer: memoryview, slot: _Slot) -> bool:
+        """A chunk copied into its slot: pad it to its page, checksum it, and say whether it is written.
+
+        The checksum is of the staged copy, the very bytes the writer writes;
+        the chunk is not written (not live) if the same bytes are already.
+        """
+        end = slot.position + slot.length
+        if slot.padded > slot.length:
+            buffer[end : slot.position + slot.padded] = _ZEROS[: slot.padded - slot.length]
+        slot.digest = checksum(buffer[slot.position : end])
+        slot.live = not self._reuse(slot.task, (slot.digest, slot.length), claim=True)
+        return slot.live
 
     def _write(self, packer: _Packer, pool: StagingPool, abort: threading.Event) -> None:
         while True:
