@@ -253,12 +253,22 @@ def link_reusable(
     return index, links, warnings
 
 
-def _used_ranges(chunks: list[list[ChunkRef]]) -> dict[str, list[tuple[int, int]]]:
-    """Per data file, the sorted and merged byte ranges the chunks use, padding included."""
+def _used_ranges(chunks: list[list[ChunkRef]], links: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per linked data file the chunks use, the sorted and merged byte ranges they use, padding included.
+
+    Only a link can hold bytes the new snapshot does not use (a file this
+    sleep wrote holds only what it wrote), so only links are walked chunk by
+    chunk; at 100,000 tensors that walk took 0.1 s of a first sleep.
+    """
+    linked = set(links)
     spans: dict[str, list[tuple[int, int]]] = {}
-    for region in chunks:
-        for chunk in region:
-            spans.setdefault(chunk.file, []).append((chunk.offset, chunk.offset + align_up(chunk.length)))
+    if linked:
+        for region in chunks:
+            for chunk in region:
+                if chunk.file in linked:
+                    spans.setdefault(chunk.file, []).append(
+                        (chunk.offset, chunk.offset + align_up(chunk.length))
+                    )
     merged: dict[str, list[tuple[int, int]]] = {}
     for file, ranges in spans.items():
         out: list[tuple[int, int]] = []
@@ -586,14 +596,13 @@ def _write_locked(
             stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
             chunks = stream.run(pin)
             segments.finish()
-            used = _used_ranges(chunks)
-            _trim_links(tmp_fd, links, used)
+            _trim_links(tmp_fd, links, _used_ranges(chunks, links))
             # The older snapshots go now, not after the publish: removing a link changes the
             # change time of the file it shares with ours, which must be final when recorded.
             # They were a cache of bytes the process still holds, so nothing is lost if the
             # publish then fails.
             root.retire_all_but(None)
-            files = _identities(tmp_fd, set(used))
+            files = _identities(tmp_fd, {chunk.file for region in chunks for chunk in region})
             faults.point("store.write")  # data durable, nothing published yet
         except OSError as exc:
             raise _io_error(exc, root, None, stream.written, total) from exc
