@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -219,6 +220,28 @@ def test_a_step_that_hangs_is_abandoned_after_its_timeout(
             timeout=30,
             what="the abandoned checkpoint call to return",
         )
+
+
+def test_an_abandoned_call_logs_into_the_world_it_started_in(
+    world: World, sleeper: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What keeps a test's stray driver call out of the next test's world (it once failed CI)."""
+    world.register(sleeper)
+    cp = make("driver", StepTimeouts(checkpoint=0.3))
+    cp.lock(sleeper, 1000)
+    monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", None, "hang")))
+    monkeypatch.setenv("HIBERNATE_STANDIN_HANG_S", "1.5")
+    with pytest.raises(CheckpointStepError) as hung:
+        cp.checkpoint(sleeper)
+    assert hung.value.timed_out
+    later = World(world.built, tmp_path / "later")  # what the next test would set up meanwhile
+    monkeypatch.setenv("HIBERNATE_STANDIN_DIR", str(later.dir))
+    wait_until(
+        lambda: ("checkpoint", sleeper) in [(step, pid) for _, step, pid, _ in world.calls()],
+        timeout=30,
+        what="the abandoned checkpoint call to return",
+    )
+    assert later.calls() == []
 
 
 def test_old_drivers_are_refused_with_the_version_they_lack(

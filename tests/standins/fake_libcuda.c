@@ -86,6 +86,11 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
     int code = CUDA_SUCCESS;
     int fault = standin_fault(step, pid, &code);
     if (fault == FAULT_HANG || fault == FAULT_STUCK) {
+        /* The call belongs to the world it started in: a caller that gave up on it may have moved
+         * on to another world (the next test's) by the time it returns. */
+        char started_in[4096] = "";
+        const char *dir = standin_dir();
+        if (dir) snprintf(started_in, sizeof started_in, "%s", dir);
         if (fault == FAULT_HANG && strcmp(step, "lock") == 0 && timeout_ms) {
             standin_sleep_ms(timeout_ms); /* the work never drains: the lock gives up, still running */
             code = CUDA_ERROR_NOT_READY;
@@ -93,7 +98,7 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
             standin_sleep_ms(standin_hang_ms());
             code = CUDA_ERROR_UNKNOWN;
         }
-        standin_log(caller, step, pid, code);
+        standin_log_in(started_in[0] ? started_in : NULL, caller, step, pid, code);
         return code;
     }
     int world = standin_lock();

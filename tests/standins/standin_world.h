@@ -202,9 +202,9 @@ static unsigned long long standin_gpu_used_by_procs(int gpu) {
     return used;
 }
 
-static void standin_log(const char *caller, const char *step, int pid, int result) {
+/* Append one call to the log of the world in `dir` (none if NULL). */
+static void standin_log_in(const char *dir, const char *caller, const char *step, int pid, int result) {
     char path[4096];
-    const char *dir = standin_dir();
     if (!dir) return;
     snprintf(path, sizeof path, "%s/calls.log", dir);
     int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
@@ -216,6 +216,10 @@ static void standin_log(const char *caller, const char *step, int pid, int resul
     if (write(fd, line, (size_t)n) < 0) { /* nothing to do */
     }
     close(fd);
+}
+
+static void standin_log(const char *caller, const char *step, int pid, int result) {
+    standin_log_in(standin_dir(), caller, step, pid, result);
 }
 
 enum { FAULT_NONE = 0, FAULT_ERROR = 1, FAULT_HANG = 2, FAULT_STUCK = 3 };
