@@ -274,8 +274,9 @@ def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
                     api.count("cancelled")
                     self.close_connection = True
                     return
-            self.wfile.write(b"0\r\n\r\n")
+            # Counted before the last frame: a client that has the whole answer finds it counted.
             api.count("streams_finished")
+            self.wfile.write(b"0\r\n\r\n")
 
         def _step(self) -> bool:
             """Wait for the next POST /demo/step; False when the client left first."""
