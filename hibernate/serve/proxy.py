@@ -171,6 +171,8 @@ class Proxy:
                     self.recorder.latency(name, (time.monotonic() - started - waited) - (answered - asked))
                     async for chunk in upstream.content.iter_any():
                         await response.write(chunk)
+                    # Counted before the end goes out: a client holding the whole answer finds it counted.
+                    self.recorder.request(name, response.status)
                     await response.write_eof()
             except (ClientError, TimeoutError) as exc:
                 if response is not None and response.prepared:
@@ -180,5 +182,4 @@ class Proxy:
                 )
                 self.recorder.request(name, error.status)
                 return error_response(error)
-        self.recorder.request(name, response.status)
         return response
