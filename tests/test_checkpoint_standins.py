@@ -21,7 +21,6 @@ from hibernate.checkpoint import nvml
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.binary import BinaryCheckpointer, BinaryUnavailable
 from hibernate.checkpoint.driver import DriverCheckpointer, DriverUnavailable
-from tests.conftest import wait_until
 from tests.standins.world import GIB, World, spec
 
 
@@ -214,12 +213,8 @@ def test_a_step_that_hangs_is_abandoned_after_its_timeout(
     assert world.state(sleeper) == "locked"
     if checkpointer_kind == "driver":
         # The abandoned call still hangs in a thread of this process (the binary's child was killed):
-        # let it return here, so that it logs into this test's world and not into the next test's.
-        wait_until(
-            lambda: ("checkpoint", sleeper) in [(step, pid) for _, step, pid, _ in world.calls()],
-            timeout=30,
-            what="the abandoned checkpoint call to return",
-        )
+        # let it return here, not in the next test.
+        world.wait_for_call("checkpoint", sleeper)
 
 
 def test_an_abandoned_call_logs_into_the_world_it_started_in(
@@ -236,11 +231,7 @@ def test_an_abandoned_call_logs_into_the_world_it_started_in(
     assert hung.value.timed_out
     later = World(world.built, tmp_path / "later")  # what the next test would set up meanwhile
     monkeypatch.setenv("HIBERNATE_STANDIN_DIR", str(later.dir))
-    wait_until(
-        lambda: ("checkpoint", sleeper) in [(step, pid) for _, step, pid, _ in world.calls()],
-        timeout=30,
-        what="the abandoned checkpoint call to return",
-    )
+    world.wait_for_call("checkpoint", sleeper)
     assert later.calls() == []
 
 

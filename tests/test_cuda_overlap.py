@@ -22,7 +22,6 @@ from hibernate.checkpoint.detect import survey
 from hibernate.checkpoint.driver import DriverCheckpointer
 from hibernate.checkpoint.phase import CudaPhase
 from hibernate.errors import HibernateTimeoutError, NeedsRecoveryError
-from tests.conftest import wait_until
 from tests.standins.world import World, spec
 
 EVERY_STEP = ("state", "lock", "checkpoint", "restore", "unlock")
@@ -89,10 +88,5 @@ def test_a_call_still_running_past_the_bound_is_not_overlapped_and_both_are_name
     assert f"cuCheckpointProcessGetState({holder}) was not called over it" in message
     assert [s for _, s, pid, _ in world.calls(EVERY_STEP) if pid == holder] == ["lock"]  # nothing overlapped
     assert world.state(holder) == "locked" and os.getpid() != holder
-    # The stray call still hangs in a thread of this process: let it return here, so that it
-    # logs into this test's world and not into whatever world the next test has set up.
-    wait_until(
-        lambda: ("checkpoint", holder) in [(s, pid) for _, s, pid, _ in world.calls(EVERY_STEP)],
-        timeout=30,
-        what="the timed-out checkpoint call to return",
-    )
+    # The stray call still hangs in a thread of this process: let it return here, not in the next test.
+    world.wait_for_call("checkpoint", holder)

@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.conftest import wait_until
+
 SOURCES = Path(__file__).resolve().parent
 STATES = ("running", "locked", "checkpointed", "failed")
 GIB = 1 << 30
@@ -172,6 +174,18 @@ class World:
             if step in steps:
                 out.append((caller, step, int(pid), result))
         return out
+
+    def wait_for_call(self, step: str, pid: int) -> None:
+        """Wait until a ``step`` call on ``pid`` has returned and been logged.
+
+        A call a test gave up on still runs in a thread of the test process;
+        the test lets it return before it ends rather than leave it behind.
+        """
+        wait_until(
+            lambda: (step, pid) in [(s, p) for _, s, p, _ in self.calls((step,))],
+            timeout=30,
+            what=f"the abandoned {step} call on {pid} to return",
+        )
 
     def clear_calls(self) -> None:
         (self.dir / "calls.log").unlink(missing_ok=True)
