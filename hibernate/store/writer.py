@@ -330,6 +330,10 @@ def check_regions(regions: Sequence[Region]) -> None:
         seen.add(region.key)
 
 
+def _segment_name(index: int) -> str:
+    return f"data-{index:03d}.bin"
+
+
 class _Segments:
     """Data files of the snapshot being written, appended to in order."""
 
@@ -341,22 +345,24 @@ class _Segments:
         self._io_mode = options.io_mode
         self._lock = threading.Lock()
         self.files: list[DataFile] = []
+        self.names: list[str] = []  # of the files, in the manifest; each holds chunks written to it
         self._offset = 0
 
     def allocate(self, nbytes: int) -> tuple[DataFile, str, int]:
         """Where the next ``nbytes`` go: (file, its name in the manifest, offset)."""
         with self._lock:
             if not self.files or (self._offset and self._offset + nbytes > self._segment_bytes):
-                name = f"data-{len(self.files):03d}.bin"
+                name = _segment_name(len(self.files))
                 self.files.append(create_data_file(self._dir_fd, name, self._io_mode))
+                self.names.append(name)
                 self._offset = 0
             offset = self._offset
             self._offset += nbytes
-            return self.files[-1], f"data-{len(self.files) - 1:03d}.bin", offset
+            return self.files[-1], self.names[-1], offset
 
     def next_path(self) -> Path:
         """Where the data file being created lies (for messages when creating it fails)."""
-        return self._root.path / self._tmp_name / f"data-{len(self.files):03d}.bin"
+        return self._root.path / self._tmp_name / _segment_name(len(self.files))
 
     def path_of(self, name: str) -> Path:
         """Where data file ``name`` lies while it is being written."""
@@ -596,13 +602,16 @@ def _write_locked(
             stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
             chunks = stream.run(pin)
             segments.finish()
-            _trim_links(tmp_fd, links, _used_ranges(chunks, links))
+            used = _used_ranges(chunks, links)
+            _trim_links(tmp_fd, links, used)
             # The older snapshots go now, not after the publish: removing a link changes the
             # change time of the file it shares with ours, which must be final when recorded.
             # They were a cache of bytes the process still holds, so nothing is lost if the
             # publish then fails.
             root.retire_all_but(None)
-            files = _identities(tmp_fd, {chunk.file for region in chunks for chunk in region})
+            # The files the chunks use: those this sleep wrote (one is created only to write
+            # chunks into it) and the links they use.
+            files = _identities(tmp_fd, {*segments.names, *used})
             faults.point("store.write")  # data durable, nothing published yet
         except OSError as exc:
             raise _io_error(exc, root, None, stream.written, total) from exc
