@@ -32,6 +32,7 @@ from hibernate.errors import (
     StorageError,
 )
 from hibernate.fsutil import open_dir
+from hibernate.store import bulk
 from hibernate.store.directio import (
     DIRECT,
     DataFile,
@@ -49,7 +50,6 @@ from hibernate.store.format import (
     Record,
     align_up,
     check_meta,
-    checksum,
     gc_paused,
     plain_meta,
 )
@@ -69,9 +69,10 @@ _READ_REQUEST_BYTES = 32 << 20
 # A worker takes the small chunks of a request in groups of about this many bytes (a large
 # chunk is a group of its own): handing them out one by one cost more than verifying them.
 _GROUP_BYTES = 4 << 20
-# Verified chunks up to this size are copied into the region by a slice assignment, which
-# holds the GIL: cheaper than the region's call for small ones, but a larger copy into memory
-# not yet faulted in stalls the other workers (100-KiB tensors restored at half the speed).
+# Without the compiled helper (bulk.NATIVE), verified chunks up to this size are copied into
+# the region by a slice assignment, which holds the GIL: cheaper than the region's call for
+# small ones, but a larger copy into memory not yet faulted in stalls the other workers
+# (100-KiB tensors restored at half the speed). The helper copies any size without the GIL.
 _SMALL_COPY_IN = 16 << 10
 # Regions smaller than this are not faulted in ahead of the copies (see fault_in).
 _POPULATE_MIN_BYTES = 64 << 10
@@ -490,31 +491,47 @@ class SnapshotReader:
     def _verify_and_copy(self, batch: _Loaded, group: list[_Piece], regions: Sequence[Region]) -> int:
         """Verify each piece of ``group`` where it lies in the buffer, then copy it in; the bytes copied.
 
-        A group at a time, names bound once: a wake of 100,000 tensors runs
-        this loop 100,000 times, and a call per piece cost more than its copy.
+        A group at a time, in one call (bulk.verify_copy): a wake of 100,000
+        tensors verifies 100,000 chunks, and a call per chunk cost more than
+        its copy. Pieces whose region has no writable host view (device
+        memory), and without the compiled helper the large ones (see
+        _SMALL_COPY_IN), are verified in that call and copied by their region.
         """
         view_of, base, got = batch.buffer.view, batch.request.offset, batch.got
+        largest_direct = None if bulk.NATIVE else _SMALL_COPY_IN
+        items: list[bulk.VerifyItem] = []
+        by_region: list[tuple[_Piece, int]] = []
+        truncated: tuple[_Piece, int] | None = None
         copied = 0
         for piece in group:
-            chunk = piece.chunk
-            start = chunk.offset - base
-            length = chunk.length
+            start = piece.chunk.offset - base
+            length = piece.chunk.length
             if got < start + length:
-                raise SnapshotInvalidError(
-                    f"{self._where(piece)}: file is truncated ({max(0, got - start)} of {length} bytes read)"
-                )
-            view = view_of[start : start + length]
-            if checksum(view) != chunk.checksum:
-                raise SnapshotInvalidError(
-                    f"{self._where(piece)}: checksum mismatch; the data on disk is corrupted"
-                )
-            region = regions[piece.region]
-            target = region.host_view(piece.region_offset, length) if length <= _SMALL_COPY_IN else None
-            if target is not None and not target.readonly:
-                target[:] = view  # as in the writer: a small copy costs less than the region's call
-            else:
-                region.copy_in(piece.region_offset, view)
+                truncated = (piece, start)
+                break
+            target = (
+                regions[piece.region].host_view(piece.region_offset, length)
+                if largest_direct is None or length <= largest_direct
+                else None
+            )
+            if target is None or target.readonly:
+                target = None
+                by_region.append((piece, start))
+            items.append((start, length, piece.chunk.checksum, target))
             copied += length
+        failed = bulk.verify_copy(view_of, items)
+        if failed >= 0:
+            raise SnapshotInvalidError(
+                f"{self._where(group[failed])}: checksum mismatch; the data on disk is corrupted"
+            )
+        if truncated is not None:
+            piece, start = truncated
+            raise SnapshotInvalidError(
+                f"{self._where(piece)}: file is truncated "
+                f"({max(0, got - start)} of {piece.chunk.length} bytes read)"
+            )
+        for piece, start in by_region:
+            regions[piece.region].copy_in(piece.region_offset, view_of[start : start + piece.chunk.length])
         return copied
 
     def _where(self, piece: _Piece) -> str:

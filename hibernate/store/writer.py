@@ -49,6 +49,7 @@ from typing import Any
 from hibernate import faults
 from hibernate.errors import AbortedError, SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.fsutil import free_bytes, write_file_atomic
+from hibernate.store import bulk
 from hibernate.store.directio import (
     BUFFERED,
     DIRECT,
@@ -847,15 +848,16 @@ class _Stream:
     def _stage_small(self, packer: _Packer, chunks: list[tuple[int, memoryview]]) -> int:
         """Stage a run of small host chunks; the bytes found already written (nothing is copied for them).
 
-        Copied by slice assignment (which holds the GIL, but takes less time
-        than a call through the region) and hashed as copied, so the
-        checksum is of the very bytes written.
+        Hashed in place and copied a run at a time (bulk.checksums and
+        bulk.stage), not through the region's call per chunk; each checksum
+        is of the staged copy, the very bytes written.
         """
         reused = 0
         if self._hash_in_place:
             changed = []
-            for task, view in chunks:
-                if self._reuse(task, (checksum(view), len(view)), claim=False):
+            digests = bulk.checksums([view for _, view in chunks])
+            for (task, view), digest in zip(chunks, digests, strict=True):
+                if self._reuse(task, (digest, len(view)), claim=False):
                     reused += len(view)
                 else:
                     changed.append((task, view))
@@ -863,11 +865,11 @@ class _Stream:
         start = 0
         while start < len(chunks):
             arena, slots = packer.reserve([(task, len(view)) for task, view in chunks[start:]])
-            buffer = arena.buffer.view
             try:
-                for slot, (_, view) in zip(slots, chunks[start:], strict=False):
-                    buffer[slot.position : slot.position + slot.length] = view
-                    if not self._hash_staged(buffer, slot):
+                run = chunks[start : start + len(slots)]  # what fits in this arena
+                staged = [(s.position, s.padded, view) for s, (_, view) in zip(slots, run, strict=True)]
+                for slot, digest in zip(slots, bulk.stage(arena.buffer.view, staged), strict=True):
+                    if not self._claim(slot, digest):
                         reused += slot.length
             finally:
                 packer.finish(arena, slots)
@@ -892,16 +894,19 @@ class _Stream:
         return 0 if live else length
 
     def _hash_staged(self, buffer: memoryview, slot: _Slot) -> bool:
-        """A chunk copied into its slot: pad it to its page, checksum it, and say whether it is written.
-
-        The checksum is of the staged copy, the very bytes the writer writes;
-        the chunk is not written (not live) if the same bytes are already.
-        """
+        """A chunk copied into its slot: pad it to its page, checksum it, and say whether it is written."""
         end = slot.position + slot.length
         if slot.padded > slot.length:
             buffer[end : slot.position + slot.padded] = _ZEROS[: slot.padded - slot.length]
-        slot.digest = checksum(buffer[slot.position : end])
-        slot.live = not self._reuse(slot.task, (slot.digest, slot.length), claim=True)
+        return self._claim(slot, checksum(buffer[slot.position : end]))
+
+    def _claim(self, slot: _Slot, digest: str) -> bool:
+        """Record a staged chunk's checksum; whether it is written (live), not found written already.
+
+        The checksum is of the staged copy, the very bytes the writer writes.
+        """
+        slot.digest = digest
+        slot.live = not self._reuse(slot.task, (digest, slot.length), claim=True)
         return slot.live
 
     def _write(self, packer: _Packer, pool: StagingPool, abort: threading.Event) -> None:

@@ -25,7 +25,8 @@ ensure_venv() {
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
   venv="${HIBERNATE_VENV:-$root/.venv}"
   stamp="$venv/.hibernate-deps"
-  want="$(cat "$root/pyproject.toml" "$root/scripts/lib/venv.sh" | sha256sum | cut -c1-16)"
+  # The compiled helper is built by the editable install: a change to it installs again.
+  want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/hibernate/store/_bulk.c" "$root/scripts/lib/venv.sh" | sha256sum | cut -c1-16)"
   if [ ! -x "$venv/bin/python" ]; then
     echo "creating virtual environment in $venv" >&2
     python3 -m venv "$venv"
