@@ -48,7 +48,6 @@ from hibernate.store.format import (
     ChunkRef,
     Manifest,
     Record,
-    align_up,
     check_meta,
     gc_paused,
     plain_meta,
@@ -175,6 +174,7 @@ class _Piece(NamedTuple):
     region: int
     region_offset: int
     chunk: ChunkRef
+    padded: int  # the bytes it takes on disk: its length rounded up to the alignment
 
 
 @dataclass
@@ -192,7 +192,7 @@ def _split(request: _Request, at: int) -> list[_Request]:
     parts = []
     for pieces in (request.pieces[:at], request.pieces[at:]):
         part = _Request(request.file, pieces[0].chunk.offset, pieces)
-        part.size = sum(align_up(p.chunk.length) for p in pieces)
+        part.size = sum(p.padded for p in pieces)
         parts.append(part)
     return parts
 
@@ -311,21 +311,30 @@ class SnapshotReader:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
         self._matched = regions
 
-    def _requests(self, largest: int) -> list[_Request]:
-        """Every chunk in file order, neighbours in a file merged into requests of up to ``largest`` bytes."""
+    def _pieces(self) -> tuple[list[_Piece], int, int]:
+        """Every chunk in file order, with the bytes they take on disk (padded) in all and the largest."""
         pieces: list[_Piece] = []
         add = pieces.append
+        total = largest = 0
         for index, record in enumerate(self.manifest.records):
             offset = 0
             for chunk in record.chunks:
-                add(_Piece(chunk.file, chunk.offset, index, offset, chunk))
+                padded = (chunk.length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+                add(_Piece(chunk.file, chunk.offset, index, offset, chunk, padded))
                 offset += chunk.length
+                total += padded
+                if padded > largest:
+                    largest = padded
         pieces.sort()
+        return pieces, total, largest
+
+    @staticmethod
+    def _requests(pieces: list[_Piece], largest: int) -> list[_Request]:
+        """``pieces`` (in file order), neighbours in a file merged in requests of up to ``largest`` bytes."""
         requests: list[_Request] = []
         last: _Request | None = None
         for piece in pieces:
-            file, at, _, _, chunk = piece
-            padded = (chunk.length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            file, at, _, _, _, padded = piece
             if (
                 last is None
                 or last.file != file
@@ -379,11 +388,10 @@ class SnapshotReader:
         if self._matched is not regions:  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        padded = [align_up(c.length) for r in self.manifest.records for c in r.chunks]
-        largest = max(padded, default=ALIGNMENT)
-        arena = arena_bytes_for(buffer_bytes, sum(padded), largest)
-        size = read_request_bytes(arena, largest)
-        requests = self._requests(size)
+        pieces, padded, largest = self._pieces()
+        arena = arena_bytes_for(buffer_bytes, padded, largest or ALIGNMENT)
+        size = read_request_bytes(arena, largest or ALIGNMENT)
+        requests = self._requests(pieces, size)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)
         pipeline = Pipeline()
