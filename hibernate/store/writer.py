@@ -592,15 +592,17 @@ def _write_locked(
         ) from exc
     previous = _previous(root, known) if options.reuse else None
     chunk_bytes = options.effective_chunk_bytes
-    total = sum(r.nbytes for r in regions)
+    # Read once: a region's size is a property, and four steps below need every one of them.
+    sizes = [region.nbytes for region in regions]
+    total = sum(sizes)
     sequence = root.next_sequence()
     name = snapshot_name(sequence)
     with root.staging_dir(sequence, secrets.token_hex(4)) as (tmp_name, tmp_fd):
         reusable, links, warnings = link_reusable(root, previous, tmp_fd)
-        _check_free_space(root, regions, reusable)
+        _check_free_space(root, sizes, reusable)
         segments = _Segments(root, tmp_fd, tmp_name, options)
         try:
-            stream = _Stream(regions, segments, reusable, options, total, progress, cancelled, root)
+            stream = _Stream(regions, sizes, segments, reusable, options, total, progress, cancelled, root)
             chunks = stream.run(pin)
             segments.finish()
             used = _used_ranges(chunks, links)
@@ -625,8 +627,8 @@ def _write_locked(
             producer=dict(producer),
             chunk_bytes=chunk_bytes,
             records=tuple(
-                Record(region.key, region.tag, region.nbytes, _own_meta(region.meta), tuple(chunks[index]))
-                for index, region in enumerate(regions)
+                Record(region.key, region.tag, size, _own_meta(region.meta), refs)
+                for region, size, refs in zip(regions, sizes, map(tuple, chunks), strict=True)
             ),
             owner=root.owner,
             files=files,
@@ -680,12 +682,12 @@ def _own_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _check_free_space(
     root: SpillRoot,
-    regions: Sequence[Region],
+    sizes: Sequence[int],
     reusable: Mapping[tuple[str, int], ChunkRef],
 ) -> None:
     """Refuse before writing anything when even the best reuse could not make the snapshot fit."""
     # Chunks are whole pages but for each region's last, so a region takes its size rounded up.
-    needed = sum(align_up(r.nbytes) for r in regions)
+    needed = sum((size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for size in sizes)
     needed = max(0, needed - sum(align_up(c.length) for c in reusable.values()))
     free = free_bytes(root.path)
     if needed + FREE_SPACE_MARGIN > free:
@@ -706,6 +708,7 @@ class _Stream:
     def __init__(
         self,
         regions: Sequence[Region],
+        sizes: Sequence[int],
         segments: _Segments,
         reusable: dict[tuple[str, int], ChunkRef],
         options: WriteOptions,
@@ -724,9 +727,9 @@ class _Stream:
         self._cancelled = cancelled
         self._root = root
         self._tasks = [
-            (index, offset, min(chunk, region.nbytes - offset))
-            for index, region in enumerate(regions)
-            for offset in range(0, region.nbytes, chunk)
+            (index, offset, min(chunk, size - offset))
+            for index, size in enumerate(sizes)
+            for offset in range(0, size, chunk)
         ]
         # Each task ends up a ChunkRef, or the index of an earlier task with the same bytes.
         self._placed: list[ChunkRef | int | None] = [None] * len(self._tasks)
