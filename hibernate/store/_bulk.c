@@ -60,6 +60,36 @@ static PyObject *digest_text(uint64_t value) {
     return PyUnicode_FromStringAndSize(text, 16);
 }
 
+static PyObject *digest_list(const uint64_t *values, Py_ssize_t n) {
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *text = digest_text(values[i]);
+        if (text == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, text);
+    }
+    return result;
+}
+
+/* A call's (buffer, sequence of items) arguments, both held until release_call. */
+static int open_call(PyObject *args, const char *format, int flags, const char *items_error, Py_buffer *buffer,
+                     PyObject **items) {
+    PyObject *buffer_object, *sequence;
+    if (!PyArg_ParseTuple(args, format, &buffer_object, &sequence)) return -1;
+    if (require_bound() < 0) return -1;
+    if (PyObject_GetBuffer(buffer_object, buffer, flags) < 0) return -1;
+    *items = PySequence_Fast(sequence, items_error);
+    if (*items == NULL) {
+        PyBuffer_Release(buffer);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_call(Py_buffer *buffer, PyObject *items) {
+    Py_DECREF(items);
+    PyBuffer_Release(buffer);
+}
+
 /* A checksum's 16 lower-case hex digits as a number; 0 for anything else, which matches nothing. */
 static int parse_digest(PyObject *text, uint64_t *value) {
     Py_ssize_t length;
@@ -126,12 +156,7 @@ static PyObject *checksums(PyObject *self, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) values[i] = xxh3_64(held.views[i].buf, (size_t)held.views[i].len);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *text = digest_text(values[i]);
-        if (text == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, i, text);
-    }
+    result = digest_list(values, n);
 done:
     if (held.views != NULL) let_go(&held);
     PyMem_Free(values);
@@ -145,16 +170,11 @@ typedef struct {
 } Staged;
 
 static PyObject *stage(PyObject *self, PyObject *args) {
-    PyObject *target_object, *arg;
-    if (!PyArg_ParseTuple(args, "OO:stage", &target_object, &arg)) return NULL;
-    if (require_bound() < 0) return NULL;
     Py_buffer target;
-    if (PyObject_GetBuffer(target_object, &target, PyBUF_WRITABLE) < 0) return NULL;
-    PyObject *items = PySequence_Fast(arg, "stage() takes a sequence of (position, padded, view)");
-    if (items == NULL) {
-        PyBuffer_Release(&target);
+    PyObject *items;
+    if (open_call(args, "OO:stage", PyBUF_WRITABLE, "stage() takes a sequence of (position, padded, view)",
+                  &target, &items) < 0)
         return NULL;
-    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
     PyObject *result = NULL;
     Staged *plan = PyMem_Calloc(n ? n : 1, sizeof(Staged));
@@ -188,18 +208,12 @@ static PyObject *stage(PyObject *self, PyObject *args) {
         values[i] = xxh3_64(slot, (size_t)plan[i].length);
     }
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *text = digest_text(values[i]);
-        if (text == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, i, text);
-    }
+    result = digest_list(values, n);
 done:
     if (held.views != NULL) let_go(&held);
     PyMem_Free(plan);
     PyMem_Free(values);
-    Py_DECREF(items);
-    PyBuffer_Release(&target);
+    release_call(&target, items);
     return result;
 }
 
@@ -211,16 +225,11 @@ typedef struct {
 } Check;
 
 static PyObject *verify_copy(PyObject *self, PyObject *args) {
-    PyObject *source_object, *arg;
-    if (!PyArg_ParseTuple(args, "OO:verify_copy", &source_object, &arg)) return NULL;
-    if (require_bound() < 0) return NULL;
     Py_buffer source;
-    if (PyObject_GetBuffer(source_object, &source, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *items = PySequence_Fast(arg, "verify_copy() takes a sequence of (start, length, checksum, target)");
-    if (items == NULL) {
-        PyBuffer_Release(&source);
+    PyObject *items;
+    if (open_call(args, "OO:verify_copy", PyBUF_SIMPLE,
+                  "verify_copy() takes a sequence of (start, length, checksum, target)", &source, &items) < 0)
         return NULL;
-    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(items), failed = -1;
     PyObject *result = NULL;
     Check *plan = PyMem_Calloc(n ? n : 1, sizeof(Check));
@@ -268,8 +277,7 @@ static PyObject *verify_copy(PyObject *self, PyObject *args) {
 done:
     if (held.views != NULL) let_go(&held);
     PyMem_Free(plan);
-    Py_DECREF(items);
-    PyBuffer_Release(&source);
+    release_call(&source, items);
     return result;
 }
 

@@ -94,9 +94,9 @@ MIN_BUFFER_BYTES = 4 * ARENAS * ALIGNMENT
 FREE_SPACE_MARGIN = 1 << 20  # the manifest and the filesystem's own bookkeeping
 _BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see _Stream._take_tasks)
 _BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
-# Host chunks up to this size are staged in runs and copied by a slice assignment (which holds
-# the GIL, but takes less time than the region's call); larger ones through copy_out, which
-# releases it.
+# Host chunks up to this size are staged in runs, one bulk.stage call per run (without the
+# compiled helper a slice assignment each, which holds the GIL but takes less time than the
+# region's call); larger ones one by one through copy_out, which releases it.
 _SMALL_COPY = 256 << 10
 _ZEROS = memoryview(bytes(ALIGNMENT))  # padding: a chunk's last page, past its end
 
