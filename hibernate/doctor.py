@@ -129,6 +129,7 @@ class Doctor:
         self.check_gpus()
         self.check_mig_mps()
         self.check_permissions()
+        self.check_store_helper()
         if self.pid is not None:
             self.check_target()
             self.check_nccl()
@@ -330,6 +331,29 @@ class Doctor:
                 FAIL,
                 f"process {self.pid} belongs to uid {owner}; you are uid {me}",
                 "run hibernate as that user, or as root",
+            )
+
+    def check_store_helper(self) -> None:
+        """Whether this installation checksums and copies chunks in C (hibernate/store/bulk.py).
+
+        Only speed depends on it, and only with many small tensors; it is the
+        CLI's installation that is looked at, and an agent loads the helper of
+        the environment its target runs in.
+        """
+        from hibernate.store import bulk
+
+        if bulk.NATIVE:
+            self.add("store-helper", OK, "compiled: chunks are checksummed and copied in C, without the GIL")
+        elif os.environ.get("HIBERNATE_NATIVE") == "0":
+            self.add("store-helper", WARN, "switched off by HIBERNATE_NATIVE=0: chunks are handled in Python")
+        else:
+            self.add(
+                "store-helper",
+                WARN,
+                "not built (no C compiler when hibernate was installed): chunks are handled in Python, "
+                "so sleeps and wakes of many small tensors take up to a third longer",
+                "install a C compiler (e.g. apt install gcc) and reinstall hibernate, in the target's "
+                "environment too",
             )
 
     def check_target(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from hibernate.checkpoint.nccl import NCCL_SAFE
 from hibernate.errors import ExitCode
+from hibernate.store import bulk
 from tests.conftest import NOBODY, is_root
 from tests.standins.world import GIB, Tree, World
 
@@ -40,10 +41,19 @@ def test_doctor_on_a_machine_without_a_gpu(cli: Callable[..., Any], tmp_path: Pa
     assert found["cuda-checkpoint"]["status"] == "warn" and found["checkpointer"]["status"] == "warn"
     assert found["gpus"]["status"] == "ok" and "no NVIDIA GPU" in found["gpus"]["detail"]
     assert found["mig"]["status"] == found["mps"]["status"] == found["user"]["status"] == "ok"
+    assert found["store-helper"]["status"] == ("ok" if bulk.NATIVE else "warn")
     assert {c["status"] for c in found.values()} <= {"ok", "warn"}
     human = cli("doctor", env=no_driver_env(tmp_path))
     assert human.returncode == 0 and "verdict: ready" in human.stdout
     assert "fix: install the NVIDIA driver, 570 or newer" in human.stdout
+
+
+def test_doctor_says_whether_chunks_are_handled_in_c(cli: Callable[..., Any], tmp_path: Path) -> None:
+    off = checks(cli("doctor", "--json", env={**no_driver_env(tmp_path), "HIBERNATE_NATIVE": "0"}))
+    assert off["store-helper"]["status"] == "warn" and "HIBERNATE_NATIVE=0" in off["store-helper"]["detail"]
+    if bulk.NATIVE:
+        on = checks(cli("doctor", "--json", env=no_driver_env(tmp_path)))
+        assert on["store-helper"]["status"] == "ok" and "compiled" in on["store-helper"]["detail"]
 
 
 def test_doctor_with_the_stand_in_driver(world: World, cli: Callable[..., Any]) -> None:
