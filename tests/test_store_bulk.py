@@ -144,11 +144,92 @@ def test_verify_copy_refuses_items_outside_the_source_or_a_target_of_another_siz
         assert target == bytes(3), "nothing is copied when an item is refused"
 
 
-@needs_compiled
-def test_the_helper_refuses_a_read_only_target() -> None:
-    assert compiled is not None
+@pytest.mark.parametrize("verify_copy", VERIFIES)
+def test_bad_items_are_refused_alike_and_before_anything_is_copied(verify_copy: Callable[..., Any]) -> None:
+    source = memoryview(b"abcdef")
+    good = checksum(b"abc")
+    first = bytearray(3)
+    for items, error in (
+        ([(0, 3, good, memoryview(first)), [3, 3, good, None]], TypeError),  # a list, not a tuple
+        ([(0, 3, good, memoryview(first)), (3, 3, good)], TypeError),
+        ([(0, 3, good, memoryview(first)), (3, 3, good, memoryview(b"xyz"))], BufferError),  # read-only
+        ([(0, 3, good, memoryview(first)), (3, 3, good, b"xyz")], BufferError),
+        ([(0, 3, good, memoryview(first)), (2**63, 3, good, None)], ValueError),
+    ):
+        with pytest.raises(error):
+            verify_copy(source, items)
+        assert first == bytes(3), f"{items!r} copied before it was refused"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_staging_refuses_bad_views_alike(stage: Callable[..., Any]) -> None:
+    target = memoryview(bytearray(8192))
+    strided = memoryview(bytearray(64))[::2]
     with pytest.raises(BufferError):
-        compiled.verify_copy(memoryview(b"abc"), [(0, 3, checksum(b"abc"), memoryview(b"xyz"))])
+        stage(target, [(0, 512, strided)])
+    with pytest.raises(BufferError):
+        stage(memoryview(bytes(8192)), [(0, 512, memoryview(b"x"))])  # a read-only target
+    with pytest.raises(ValueError):
+        stage(target, [(2**63, 512, memoryview(b"x"))])
+
+
+@pytest.mark.parametrize(("stage", "verify_copy"), list(zip(STAGES, VERIFIES, strict=True)))
+def test_views_of_wider_items_count_in_bytes(
+    stage: Callable[..., Any], verify_copy: Callable[..., Any]
+) -> None:
+    words = memoryview(bytearray(range(16))).cast("I")  # 4 items of 4 bytes
+    target = bytearray(4096)
+    assert stage(memoryview(target), [(0, 512, words)]) == [checksum(bytes(range(16)))]
+    assert target[:16] == bytes(range(16))
+    into = memoryview(bytearray(16)).cast("I")
+    assert verify_copy(memoryview(bytes(range(16))), [(0, 16, checksum(bytes(range(16))), into)]) == -1
+    assert into.tobytes() == bytes(range(16))
+
+
+@pytest.mark.parametrize(("stage", "verify_copy"), list(zip(STAGES, VERIFIES, strict=True)))
+def test_overlapping_source_and_target_copy_as_if_through_a_buffer(
+    stage: Callable[..., Any], verify_copy: Callable[..., Any]
+) -> None:
+    data = bytes(range(64))
+    staged = bytearray(data + bytes(1024))
+    view = memoryview(staged)
+    assert stage(view, [(4, 512, view[0:32])]) == [checksum(data[:32])]
+    assert staged[4:36] == data[:32]
+    copied = bytearray(data)
+    view = memoryview(copied)
+    assert verify_copy(view, [(0, 32, checksum(data[:32]), view[4:36])]) == -1
+    assert copied[4:36] == data[:32]
+
+
+@pytest.mark.parametrize("verify_copy", VERIFIES)
+def test_items_given_as_an_iterator_are_all_checked(verify_copy: Callable[..., Any]) -> None:
+    target = bytearray(3)
+    items = ((0, 3, "0" * 16, memoryview(target)) for _ in range(1))
+    assert verify_copy(memoryview(b"abc"), items) == 0
+    assert target == bytes(3)
+
+
+class _Shrinks:
+    """An index that empties the list of items being parsed: the helper must not read freed items."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __index__(self) -> int:
+        self.items.clear()
+        return 8
+
+
+@needs_compiled
+def test_the_helper_survives_items_that_change_while_it_reads_them() -> None:
+    assert compiled is not None
+    items: list[Any] = []
+    items += [(_Shrinks(items), 8, memoryview(bytearray(b"abc")))] + [(0, 8, memoryview(b"x"))] * 50
+    digests = compiled.stage(memoryview(bytearray(4096)), items)
+    assert len(digests) == 51 and items == []
+    checks: list[Any] = []
+    checks += [(0, _Shrinks(checks), checksum(b"abcdefgh"), None)] * 3
+    assert compiled.verify_copy(memoryview(b"abcdefgh"), checks) == -1
 
 
 # -- through the reader and the writer ---------------------------------------------------------

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,19 +27,24 @@ static hash_fn xxh3_64 = NULL;
 static const char HEX[] = "0123456789abcdef";
 
 static PyObject *bind(PyObject *self, PyObject *arg) {
-    const char *path = PyUnicode_AsUTF8(arg);
-    if (path == NULL) return NULL;
+    if (xxh3_64 != NULL) Py_RETURN_NONE; /* bound once for the process's lifetime */
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(arg, &encoded)) return NULL;
+    const char *path = PyBytes_AS_STRING(encoded);
     void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (handle == NULL) {
         PyErr_Format(PyExc_OSError, "cannot load %s: %s", path, dlerror());
+        Py_DECREF(encoded);
         return NULL;
     }
     hash_fn found = (hash_fn)dlsym(handle, "XXH3_64bits");
     if (found == NULL) {
         dlclose(handle);
         PyErr_Format(PyExc_OSError, "%s has no XXH3_64bits", path);
+        Py_DECREF(encoded);
         return NULL;
     }
+    Py_DECREF(encoded);
     xxh3_64 = found; /* the handle stays open: the function lives in it */
     Py_RETURN_NONE;
 }
@@ -77,8 +83,14 @@ static int open_call(PyObject *args, const char *format, int flags, const char *
     if (!PyArg_ParseTuple(args, format, &buffer_object, &sequence)) return -1;
     if (require_bound() < 0) return -1;
     if (PyObject_GetBuffer(buffer_object, buffer, flags) < 0) return -1;
-    *items = PySequence_Fast(sequence, items_error);
+    /* An owned tuple, not the caller's list: parsing an item may run Python code (__index__), which
+       must not be able to shrink or free what is being read. */
+    *items = PySequence_Tuple(sequence);
     if (*items == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, items_error);
+        }
         PyBuffer_Release(buffer);
         return -1;
     }
@@ -88,6 +100,28 @@ static int open_call(PyObject *args, const char *format, int flags, const char *
 static void release_call(Py_buffer *buffer, PyObject *items) {
     Py_DECREF(items);
     PyBuffer_Release(buffer);
+}
+
+/* Item i of a call: a tuple of exactly `size` values parsed by `format`. Numbers past what a
+   Py_ssize_t holds are refused as ValueError, as the Python functions refuse them. */
+static int parse_item(PyObject *items, Py_ssize_t i, Py_ssize_t size, const char *format, ...) {
+    PyObject *item = PyTuple_GET_ITEM(items, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != size) {
+        PyErr_Format(PyExc_TypeError, "item %zd must be a tuple of %zd values", i, size);
+        return -1;
+    }
+    va_list values;
+    va_start(values, format);
+    int parsed = PyArg_VaParse(item, format, values);
+    va_end(values);
+    if (!parsed) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "item %zd holds a number out of range", i);
+        }
+        return -1;
+    }
+    return 0;
 }
 
 /* A checksum's 16 lower-case hex digits as a number; 0 for anything else, which matches nothing. */
@@ -139,9 +173,9 @@ static void let_go(Held *held) {
 
 static PyObject *checksums(PyObject *self, PyObject *arg) {
     if (require_bound() < 0) return NULL;
-    PyObject *items = PySequence_Fast(arg, "checksums() takes a sequence of buffers");
+    PyObject *items = PySequence_Tuple(arg); /* owned: see open_call */
     if (items == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     PyObject *result = NULL;
     uint64_t *values = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
     Held held;
@@ -152,7 +186,7 @@ static PyObject *checksums(PyObject *self, PyObject *arg) {
     }
     if (hold(&held, n) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (hold_one(&held, PySequence_Fast_GET_ITEM(items, i), PyBUF_SIMPLE) < 0) goto done;
+        if (hold_one(&held, PyTuple_GET_ITEM(items, i), PyBUF_SIMPLE) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) values[i] = xxh3_64(held.views[i].buf, (size_t)held.views[i].len);
     Py_END_ALLOW_THREADS
@@ -175,7 +209,7 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     if (open_call(args, "OO:stage", PyBUF_WRITABLE, "stage() takes a sequence of (position, padded, view)",
                   &target, &items) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     PyObject *result = NULL;
     Staged *plan = PyMem_Calloc(n ? n : 1, sizeof(Staged));
     uint64_t *values = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
@@ -188,8 +222,7 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *view;
         Py_ssize_t position, padded;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(items, i), "nnO:stage item", &position, &padded, &view))
-            goto done;
+        if (parse_item(items, i, 3, "nnO", &position, &padded, &view) < 0) goto done;
         if (hold_one(&held, view, PyBUF_SIMPLE) < 0) goto done;
         Py_ssize_t length = held.views[i].len;
         if (position < 0 || length > padded || padded > target.len - position) {
@@ -203,7 +236,7 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     char *base = target.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         char *slot = base + plan[i].position;
-        memcpy(slot, plan[i].source, (size_t)plan[i].length);
+        memmove(slot, plan[i].source, (size_t)plan[i].length);
         memset(slot + plan[i].length, 0, (size_t)(plan[i].padded - plan[i].length));
         values[i] = xxh3_64(slot, (size_t)plan[i].length);
     }
@@ -230,7 +263,7 @@ static PyObject *verify_copy(PyObject *self, PyObject *args) {
     if (open_call(args, "OO:verify_copy", PyBUF_SIMPLE,
                   "verify_copy() takes a sequence of (start, length, checksum, target)", &source, &items) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), failed = -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(items), failed = -1;
     PyObject *result = NULL;
     Check *plan = PyMem_Calloc(n ? n : 1, sizeof(Check));
     Held held = {NULL, 0};
@@ -242,9 +275,7 @@ static PyObject *verify_copy(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *expected, *target;
         Py_ssize_t start, length;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(items, i), "nnOO:verify_copy item", &start, &length,
-                              &expected, &target))
-            goto done;
+        if (parse_item(items, i, 4, "nnOO", &start, &length, &expected, &target) < 0) goto done;
         if (start < 0 || length < 0 || length > source.len - start) {
             PyErr_Format(PyExc_ValueError, "item %zd (%zd bytes at %zd) lies outside the %zd-byte source", i,
                          length, start, source.len);
@@ -270,7 +301,7 @@ static PyObject *verify_copy(PyObject *self, PyObject *args) {
             failed = i;
             break;
         }
-        if (plan[i].target != NULL) memcpy(plan[i].target, bytes, (size_t)plan[i].length);
+        if (plan[i].target != NULL) memmove(plan[i].target, bytes, (size_t)plan[i].length);
     }
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(failed);
@@ -294,4 +325,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bulk", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__bulk(void) { return PyModule_Create(&module); }
+/* Raised whenever what a function does changes, so that bulk.py refuses a module built from an
+   older _bulk.c (the build lands in the source tree of an editable install). */
+#define BULK_VERSION 2
+
+PyMODINIT_FUNC PyInit__bulk(void) {
+    PyObject *made = PyModule_Create(&module);
+    if (made != NULL && PyModule_AddIntConstant(made, "VERSION", BULK_VERSION) < 0) Py_CLEAR(made);
+    return made;
+}
