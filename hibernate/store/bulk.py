@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-import xxhash
-
 from hibernate.store.format import checksum
 
 # (start, length, checksum, target): a chunk at ``start`` of a source, and where it goes (None: nowhere).
@@ -104,8 +102,8 @@ def _checked(items: Sequence[tuple[Any, ...]], size: int) -> tuple[tuple[Any, ..
 
 
 def python_checksums(views: Sequence[memoryview]) -> list[str]:
-    """The checksum of each view (see format.checksum)."""
-    return [f"{xxhash.xxh3_64_intdigest(view):016x}" for view in views]
+    """The checksum of each view (format.checksum)."""
+    return [checksum(view) for view in views]
 
 
 def python_stage(target: memoryview, items: Sequence[StageItem]) -> list[str]:

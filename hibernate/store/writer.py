@@ -687,7 +687,7 @@ def _check_free_space(
 ) -> None:
     """Refuse before writing anything when even the best reuse could not make the snapshot fit."""
     # Chunks are whole pages but for each region's last, so a region takes its size rounded up.
-    needed = sum((size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for size in sizes)
+    needed = sum(map(align_up, sizes))
     needed = max(0, needed - sum(align_up(c.length) for c in reusable.values()))
     free = free_bytes(root.path)
     if needed + FREE_SPACE_MARGIN > free:
