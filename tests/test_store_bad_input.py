@@ -205,7 +205,9 @@ def test_an_edited_dtype_shape_or_stride_does_not_match_the_process(
 ) -> None:
     document = spilled.manifest()
     records = document["records"]
-    records["meta"][records["key"].index("weights/model.w")]["views"][0][field] = value
+    metas = json.loads(records["meta"])  # format 4 stores the records' meta as one JSON text
+    metas[records["key"].index("weights/model.w")]["views"][0][field] = value
+    records["meta"] = json.dumps(metas)
     spilled.rewrite_manifest(document, resign=False)
     refused(spilled, "manifest checksum does not match")
     spilled.rewrite_manifest(document, resign=True)
@@ -223,9 +225,9 @@ def test_a_truncated_manifest_is_refused(spilled: Spilled) -> None:
 
 def test_an_unknown_major_version_is_refused_with_a_hint(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["version"] = "4.0"
+    document["version"] = "5.0"
     spilled.rewrite_manifest(document, resign=True)
-    error = refused(spilled, r"format version 4\.0 is not supported \(this hibernate reads 3\.x\)")
+    error = refused(spilled, r"format version 5\.0 is not supported \(this hibernate reads 3\.x and 4\.x\)")
     assert error.hint is not None and "wake it with the version that wrote it" in error.hint
 
 
@@ -233,14 +235,14 @@ def test_a_format_1_snapshot_is_refused_with_a_hint(spilled: Spilled) -> None:
     document = spilled.manifest()
     document["version"] = "1.0"
     spilled.rewrite_manifest(document, resign=True)
-    refused(spilled, r"format version 1\.0 is not supported \(this hibernate reads 3\.x\)")
+    refused(spilled, r"format version 1\.0 is not supported \(this hibernate reads 3\.x and 4\.x\)")
 
 
 def test_a_format_2_snapshot_is_refused_with_a_hint(spilled: Spilled) -> None:
     document = spilled.manifest()
     document["version"] = "2.0"
     spilled.rewrite_manifest(document, resign=True)
-    error = refused(spilled, r"format version 2\.0 is not supported \(this hibernate reads 3\.x\)")
+    error = refused(spilled, r"format version 2\.0 is not supported \(this hibernate reads 3\.x and 4\.x\)")
     assert error.hint is not None and "wake it with the version that wrote it" in error.hint
 
 
@@ -265,11 +267,56 @@ def test_an_edited_checksum_digit_is_refused_by_record_and_chunk(spilled: Spille
 
 def test_a_newer_minor_version_with_unknown_fields_is_read(spilled: Spilled) -> None:
     document = spilled.manifest()
-    document["version"] = "3.9"
+    document["version"] = "4.9"
     document["a_field_from_the_future"] = {"ignored": True}
     spilled.rewrite_manifest(document, resign=True)
     spilled.read()
     assert spilled.intact()
+
+
+def test_a_format_3_snapshot_with_meta_as_values_is_still_read(spilled: Spilled) -> None:
+    """A process put to sleep by the previous release wakes after an upgrade."""
+    document = spilled.manifest()
+    document["version"] = "3.0"
+    document["records"]["meta"] = json.loads(document["records"]["meta"])
+    spilled.rewrite_manifest(document, resign=True)
+    spilled.read()
+    assert spilled.intact()
+
+
+def test_a_format_3_snapshot_with_a_meta_that_differs_names_the_difference(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["version"] = "3.0"
+    document["records"]["meta"] = json.loads(document["records"]["meta"])
+    document["records"]["meta"][0]["device"] = "cuda:3"
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"record 0 'weights/model\.w': device is 'cuda:3' in the snapshot, 'cpu' in the process")
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ("[{", r"records\.meta is not valid JSON"),
+        ("[]", r"records\.meta must hold one object for each of the 2 records"),
+        ("[{}, 1]", r"records\.meta must hold one object for each of the 2 records"),
+        ('{"views": []}', r"records\.meta must hold one object for each of the 2 records"),
+    ],
+)
+def test_a_meta_text_that_is_not_an_array_of_objects_is_refused(
+    spilled: Spilled, meta: str, message: str
+) -> None:
+    document = spilled.manifest()
+    document["records"]["meta"] = meta
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, message)
+    assert all(raw_bytes(t) == bytes(t.nbytes) for t in spilled.tensors.values()), "nothing was copied in"
+
+
+def test_a_meta_given_as_values_in_format_4_is_refused(spilled: Spilled) -> None:
+    document = spilled.manifest()
+    document["records"]["meta"] = json.loads(document["records"]["meta"])
+    spilled.rewrite_manifest(document, resign=True)
+    refused(spilled, r"records\.meta must be a string \(the JSON text of an array\)")
 
 
 @pytest.mark.parametrize(
@@ -454,6 +501,7 @@ def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_i
     from hibernate.store.format import (
         MAX_META_DEPTH,
         ChunkRef,
+        Columns,
         FileIdentity,
         Manifest,
         Record,
@@ -471,7 +519,7 @@ def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_i
         "snap-000001",
         {"name": "hibernate"},
         1 << 20,
-        (record,),
+        Columns.of([record]),
         Owner.current(),
         {"data-000.bin": FileIdentity(4096, 1, 2, 3, 4)},
     )
@@ -481,3 +529,22 @@ def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_i
         _describe_mismatch(parsed, live, "manifest.json: record 0")
     with pytest.raises(UnsupportedError, match="nested too deeply"):
         check_regions([BytesRegion("weight", "weights", bytes(4096), meta=deep)])
+
+
+def test_a_meta_text_equal_to_the_process_s_is_not_parsed(spilled: Spilled) -> None:
+    with SpillRoot(spilled.root) as root, SnapshotReader(root, spilled.snapshot) as reader:
+        reader.read_into(spilled.regions)
+        assert reader.manifest.columns._metas is None, "the texts were equal: nothing to parse"
+    assert spilled.intact()
+
+
+def test_a_meta_text_written_another_way_is_compared_by_its_values(spilled: Spilled) -> None:
+    """The text form is only a shortcut: other spacing and key order still mean the same meta."""
+    document = spilled.manifest()
+    metas = json.loads(document["records"]["meta"])
+    document["records"]["meta"] = json.dumps(metas, indent=1, sort_keys=True)
+    spilled.rewrite_manifest(document, resign=True)
+    with SpillRoot(spilled.root) as root, SnapshotReader(root, spilled.snapshot) as reader:
+        reader.read_into(spilled.regions)
+        assert reader.manifest.columns._metas == metas
+    assert spilled.intact()

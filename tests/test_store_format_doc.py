@@ -6,7 +6,7 @@ import json
 import re
 
 from hibernate.store import directio, format, writer
-from hibernate.store.format import ChunkRef, FileIdentity, Manifest, Record, parse_manifest
+from hibernate.store.format import ChunkRef, Columns, FileIdentity, Manifest, Record, parse_manifest
 from hibernate.store.layout import MARKER_FORMAT, MARKER_NAME
 from hibernate.store.owner import Owner
 from tests.conftest import REPO
@@ -31,7 +31,7 @@ def test_every_field_written_is_documented_and_nothing_else() -> None:
     record = Record("w/x", "w", 1, {}, (chunk,))
     owner = Owner("boot", 1, 2, 3, "host", 4)
     manifest = Manifest(
-        "snap-000001", {}, 4096, (record,), owner, {"data-000.bin": FileIdentity(1, 2, 3, 4, 5)}
+        "snap-000001", {}, 4096, Columns.of([record]), owner, {"data-000.bin": FileIdentity(1, 2, 3, 4, 5)}
     )
     body = {**manifest.body(), "manifest_checksum": ""}
     assert documented_fields("## 3. The manifest") == set(body)
@@ -41,7 +41,8 @@ def test_every_field_written_is_documented_and_nothing_else() -> None:
 
 def test_the_documented_constants_are_the_code_s() -> None:
     assert format.FORMAT_NAME == "hibernate-snapshot" and f'`"{format.FORMAT_NAME}"`' in DOC
-    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (3, 0) and "this document is `3.0`" in DOC
+    assert (format.FORMAT_MAJOR, format.FORMAT_MINOR) == (4, 0) and "this document is `4.0`" in DOC
+    assert format.READABLE_MAJORS == (3, 4) and "this hibernate reads 3.x and 4.x" in DOC
     assert format.CHECKSUM_ALGORITHM == "xxh3-64" and f'`"{format.CHECKSUM_ALGORITHM}"`' in DOC
     assert format.ALIGNMENT == 4096 and "multiple of **4096**" in DOC
     assert format.MAX_CHUNK_BYTES == 1 << 30 and "at most 1 GiB" in DOC
@@ -63,5 +64,5 @@ def test_the_example_manifest_is_valid() -> None:
     assert example is not None
     manifest = parse_manifest(example.group(1).encode(), "docs/format.md example")
     assert manifest.snapshot == "snap-000001"
-    assert json.loads(example.group(1))["version"] == "3.0"
+    assert json.loads(example.group(1))["version"] == "4.0"
     assert [r.nbytes for r in manifest.records] == [8388608, 8192]

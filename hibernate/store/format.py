@@ -21,6 +21,7 @@ lists of numbers and strings are encoded and parsed at C speed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -38,8 +39,9 @@ from hibernate.errors import SnapshotInvalidError
 from hibernate.store.owner import Owner, parse_owner
 
 FORMAT_NAME = "hibernate-snapshot"
-FORMAT_MAJOR = 3
+FORMAT_MAJOR = 4
 FORMAT_MINOR = 0
+READABLE_MAJORS = (3, 4)  # 3.x holds each record's meta as an object, 4.x as one text (see Columns)
 CHECKSUM_ALGORITHM = "xxh3-64"
 ALIGNMENT = 4096  # data offsets and write sizes, for O_DIRECT on every common block size
 MANIFEST_NAME = "manifest.json"
@@ -184,6 +186,220 @@ class Record(NamedTuple):
         }
 
 
+class ChunkColumns(NamedTuple):
+    """Every chunk of a snapshot in record order, one list per field, as the manifest stores them.
+
+    A wake plans its reads and a sleep finds reusable bytes from these lists
+    directly: at 100,000 tensors, a ChunkRef and a Record per tensor cost
+    more than the rest of parsing them (see docs/performance.md).
+    """
+
+    files: list[str]
+    offsets: list[int]
+    lengths: list[int]
+    checksums: str  # 16 hex digits per chunk, back to back
+
+    @classmethod
+    def of(cls, chunks: Sequence[ChunkRef]) -> ChunkColumns:
+        return cls(
+            [chunk.file for chunk in chunks],
+            [chunk.offset for chunk in chunks],
+            [chunk.length for chunk in chunks],
+            "".join([chunk.checksum for chunk in chunks]),
+        )
+
+    def checksum(self, index: int) -> str:
+        return self.checksums[16 * index : 16 * index + 16]
+
+    def refs(self) -> list[ChunkRef]:
+        checksums = self.checksums
+        return list(
+            map(
+                ChunkRef,
+                self.files,
+                self.offsets,
+                self.lengths,
+                [checksums[i : i + 16] for i in range(0, len(checksums), 16)],
+            )
+        )
+
+
+class Columns:
+    """A snapshot's records as the manifest stores them: one list per field, and their chunks.
+
+    ``counts`` says how many of the chunks (in order) each record has.
+    :meth:`records` turns them into one Record per region for those who want
+    that; a wake does not.
+
+    Since format 4 the records' meta is stored as one JSON text (see
+    :func:`meta_text`) and parsed only when asked for: a wake compares that
+    text with the process's own, and at 100,000 tensors parsing and
+    comparing 100,000 meta objects cost three times as much as encoding the
+    process's. A format-3 manifest gives its meta as parsed values instead.
+    """
+
+    def __init__(
+        self,
+        keys: list[str],
+        tags: list[str],
+        sizes: list[int],
+        counts: list[int],
+        chunks: ChunkColumns,
+        *,
+        metas: list[Mapping[str, Any]] | None = None,
+        stored_meta_text: str | None = None,
+        where: str = MANIFEST_NAME,
+    ) -> None:
+        if metas is None and stored_meta_text is None:
+            raise ValueError("the records' meta must be given, as values or as text")
+        self.keys, self.tags, self.sizes, self.counts, self.chunks = keys, tags, sizes, counts, chunks
+        self._metas = metas
+        self.stored_meta_text = stored_meta_text  # None where the manifest held values (format 3)
+        self._where = where
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Columns):
+            return NotImplemented
+        return (self.keys, self.tags, self.sizes, self.counts, self.chunks, self.metas) == (
+            other.keys,
+            other.tags,
+            other.sizes,
+            other.counts,
+            other.chunks,
+            other.metas,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable lists inside
+
+    @property
+    def metas(self) -> list[Mapping[str, Any]]:
+        """Each record's meta, parsed from the stored text the first time it is asked for."""
+        if self._metas is None:
+            assert self.stored_meta_text is not None
+            self._metas = parse_meta_text(self.stored_meta_text, len(self.keys), self._where)
+        return self._metas
+
+    @classmethod
+    def of(cls, records: Sequence[Record]) -> Columns:
+        return cls.build(
+            [record.key for record in records],
+            [record.tag for record in records],
+            [record.nbytes for record in records],
+            [record.meta for record in records],
+            [record.chunks for record in records],
+        )
+
+    @classmethod
+    def build(
+        cls,
+        keys: list[str],
+        tags: list[str],
+        sizes: list[int],
+        metas: list[Mapping[str, Any]],
+        chunks: Sequence[Sequence[ChunkRef]],
+    ) -> Columns:
+        """Columns from each record's fields and chunks, without a Record per region."""
+        flat = [chunk for refs in chunks for chunk in refs]
+        text = meta_text(metas)
+        if text is None:  # the writer checked meta first (check_region): only a caller's mistake
+            raise SnapshotInvalidError("meta holds a value that is not plain JSON")
+        return cls(
+            keys,
+            tags,
+            sizes,
+            [len(refs) for refs in chunks],
+            ChunkColumns.of(flat),
+            metas=metas,
+            stored_meta_text=text,
+        )
+
+    def first_chunks(self) -> list[int]:
+        """The index of each record's first chunk, and after them the number of chunks."""
+        return [0, *itertools.accumulate(self.counts)]
+
+    def record(self, index: int) -> Record:
+        """Record ``index`` alone (to describe it: it walks the counts)."""
+        first = sum(self.counts[:index])
+        chunks = self.chunks
+        refs = tuple(
+            ChunkRef(chunks.files[i], chunks.offsets[i], chunks.lengths[i], chunks.checksum(i))
+            for i in range(first, first + self.counts[index])
+        )
+        return Record(self.keys[index], self.tags[index], self.sizes[index], self.metas[index], refs)
+
+    def records(self) -> tuple[Record, ...]:
+        refs = self.chunks.refs()
+        per_record = [tuple(refs[a:b]) for a, b in itertools.pairwise(self.first_chunks())]
+        return tuple(map(Record, self.keys, self.tags, self.sizes, self.metas, per_record))
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        """The manifest's ``records`` and ``chunks`` objects.
+
+        One list per field instead of one object per record and per chunk:
+        JSON encodes and parses a list of numbers or strings at C speed, while
+        each object costs a dict and its keys. At 100,000 one-chunk records
+        the manifest shrank by a quarter and encoded twice as fast.
+        """
+        text = self.stored_meta_text
+        if text is None:
+            text = meta_text(self.metas)
+            if text is None:
+                raise SnapshotInvalidError(f"{self._where}: meta holds a value that is not plain JSON")
+        chunks = self.chunks
+        return {
+            "records": {
+                "chunks": self.counts,
+                "key": self.keys,
+                "meta": text,
+                "nbytes": self.sizes,
+                "tag": self.tags,
+            },
+            "chunks": {
+                "checksum": chunks.checksums,
+                "file": chunks.files,
+                "length": chunks.lengths,
+                "offset": chunks.offsets,
+            },
+        }
+
+
+def meta_text(metas: Sequence[Mapping[str, Any]]) -> str | None:
+    """The records' meta as format 4 stores it: the compact JSON text of an array, one object each.
+
+    The same values in the same order give the same text, which is what a
+    wake relies on to compare a snapshot's meta with the process's without
+    parsing it (any other difference, such as keys in another order, only
+    sends it to comparing the values). orjson encodes a PlainMeta, which is
+    plain by construction, 6-8 times faster than json.dumps; any other
+    meta goes through json.dumps, which refuses what is not strict JSON.
+    None if some meta is not (a NaN, an object that is not JSON).
+    """
+    if all(type(meta) is PlainMeta for meta in metas):
+        try:
+            return orjson.dumps(metas).decode()
+        except TypeError:  # an int past 64 bits
+            pass
+    try:
+        return json.dumps(
+            [plain_meta(meta) for meta in metas], separators=(",", ":"), allow_nan=False, ensure_ascii=False
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_meta_text(text: str, records: int, where: str) -> list[Mapping[str, Any]]:
+    """The records' meta from its stored text: an array of ``records`` objects (depth is checked on use)."""
+    try:
+        metas = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise SnapshotInvalidError(f"{where}: records.meta is not valid JSON ({exc})") from exc
+    if not isinstance(metas, list) or len(metas) != records or set(map(type, metas)) - {dict}:
+        raise SnapshotInvalidError(
+            f"{where}: records.meta must hold one object for each of the {records} records"
+        )
+    return metas
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A whole snapshot: what was written, by whom, and where every byte lies."""
@@ -191,14 +407,19 @@ class Manifest:
     snapshot: str
     producer: Mapping[str, Any]
     chunk_bytes: int
-    records: tuple[Record, ...]
+    columns: Columns
     owner: Owner
     files: Mapping[str, FileIdentity] = field(default_factory=dict)
     created_unix: float = 0.0
 
+    @functools.cached_property
+    def records(self) -> tuple[Record, ...]:
+        """One Record per region, built the first time they are asked for (a wake does not)."""
+        return self.columns.records()
+
     @property
     def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
+        return sum(self.columns.sizes)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -212,7 +433,7 @@ class Manifest:
             "chunk_bytes": self.chunk_bytes,
             "owner": self.owner.to_json(),
             "files": {name: identity.to_json() for name, identity in sorted(self.files.items())},
-            **_columns(self.records),
+            **self.columns.to_json(),
         }
 
     def encode(self) -> bytes:
@@ -225,34 +446,8 @@ class Manifest:
         with gc_paused():
             canonical = _canonical(self.body())
         data = canonical[:-1] + b',"manifest_checksum":"' + checksum(canonical).encode() + b'"}\n'
-        check_manifest_size(len(data), len(self.records))
+        check_manifest_size(len(data), len(self.columns.keys))
         return data
-
-
-def _columns(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
-    """The records and their chunks as columns: the manifest's ``records`` and ``chunks`` objects.
-
-    One list per field instead of one object per record and per chunk: JSON
-    encodes and parses a list of numbers or strings at C speed, while each
-    object costs a dict and its keys. At 100,000 one-chunk records the
-    manifest shrank by a quarter and encoded twice as fast.
-    """
-    chunks = [chunk for record in records for chunk in record.chunks]
-    return {
-        "records": {
-            "chunks": [len(record.chunks) for record in records],
-            "key": [record.key for record in records],
-            "meta": [meta if isinstance(meta := record.meta, dict) else dict(meta) for record in records],
-            "nbytes": [record.nbytes for record in records],
-            "tag": [record.tag for record in records],
-        },
-        "chunks": {
-            "checksum": "".join([chunk.checksum for chunk in chunks]),
-            "file": [chunk.file for chunk in chunks],
-            "length": [chunk.length for chunk in chunks],
-            "offset": [chunk.offset for chunk in chunks],
-        },
-    }
 
 
 def check_manifest_size(nbytes: int, records: int, where: str = MANIFEST_NAME) -> None:
@@ -400,16 +595,16 @@ def _fast_canonical(name: str, value: Any) -> bytes | None:
     They are the same for strings, exact ints of 64 bits, lists and
     string-keyed dicts, provided the text is ASCII without DEL (json.dumps
     escapes both, orjson does not): so floats (formatted differently, and
-    NaN written as null) must be absent, which the column's int types and
-    a tensor's PlainMeta guarantee; an int past 64 bits makes orjson refuse.
+    NaN written as null) must be absent, which the columns' int types and
+    the meta column being one string guarantee; an int past 64 bits makes
+    orjson refuse.
     """
     if not isinstance(value, dict):
         return None
     if name == "chunks":
         numbers = [value.get("length"), value.get("offset")]
     elif name == "records":
-        metas = value.get("meta")
-        if not isinstance(metas, list) or not all(type(meta) is PlainMeta for meta in metas):
+        if not isinstance(value.get("meta"), str):  # format 3's values may hold floats
             return None
         numbers = [value.get("nbytes"), value.get("chunks")]
     else:
@@ -563,19 +758,20 @@ def _verified_fast(data: bytes) -> bool | None:
     return f"{xxhash.xxh3_64_intdigest(canonical):016x}" == match.group(1).decode()
 
 
-RECORD_COLUMNS = ("key", "tag", "nbytes", "meta", "chunks")
+RECORD_COLUMNS = ("key", "tag", "nbytes", "chunks")  # and meta (see _parse_columns)
 CHUNK_COLUMNS = ("file", "offset", "length", "checksum")
 
 
 def _parse_columns(
-    body: Mapping[str, Any], where: str, chunk_bytes: int, files: Mapping[str, FileIdentity]
-) -> tuple[Record, ...]:
-    """The records from the manifest's columns; every check of a record and chunk, most in bulk.
+    body: Mapping[str, Any], where: str, chunk_bytes: int, files: Mapping[str, FileIdentity], major: int
+) -> Columns:
+    """The manifest's columns, checked: every check of a record and chunk, most in bulk.
 
-    All but the depth of meta, which a reader checks where it uses meta: a
-    wake compares it with the live process's (equal, it is the process's
-    own), and checks one that differs before saying how (see
-    :func:`check_meta`).
+    All but meta, which a reader checks where it uses it: a wake compares it
+    with the live process's (equal, it is the process's own), and checks
+    one that differs before saying how (see :func:`check_meta`). Format 4
+    stores it as text, parsed only then (see :class:`Columns`); format 3 as
+    values, each of which must be an object.
 
     Bulk first: types by the set of a column's item types, ranges by min and
     max, alignment by one ``map``, all checksums by one regular expression,
@@ -587,12 +783,23 @@ def _parse_columns(
     records_raw, chunks_raw = body.get("records"), body.get("chunks")
     if not isinstance(records_raw, dict) or not isinstance(chunks_raw, dict):
         raise SnapshotInvalidError(f"{where}: records and chunks must be objects (of columns)")
-    columns = [records_raw.get(name) for name in RECORD_COLUMNS]
-    if not all(isinstance(column, list) for column in columns):
+    record_columns = [records_raw.get(name) for name in RECORD_COLUMNS]
+    if not all(isinstance(column, list) for column in record_columns):
         raise SnapshotInvalidError(f"{where}: records must hold lists {', '.join(RECORD_COLUMNS)}")
-    keys, tags, sizes, metas, counts = cast("list[list[Any]]", columns)
-    if not len(keys) == len(tags) == len(sizes) == len(metas) == len(counts):
+    keys, tags, sizes, counts = cast("list[list[Any]]", record_columns)
+    if not len(keys) == len(tags) == len(sizes) == len(counts):
         raise SnapshotInvalidError(f"{where}: the records' columns differ in length")
+    meta_raw = records_raw.get("meta")
+    text: str | None = None
+    metas: list[Any] | None = None
+    if major >= 4:
+        if not isinstance(meta_raw, str):
+            raise SnapshotInvalidError(f"{where}: records.meta must be a string (the JSON text of an array)")
+        text = meta_raw
+    else:
+        if not isinstance(meta_raw, list) or len(meta_raw) != len(keys):
+            raise SnapshotInvalidError(f"{where}: records.meta must be a list, one object per record")
+        metas = meta_raw
     file_col, offset_col, length_col, digests = (chunks_raw.get(name) for name in CHUNK_COLUMNS)
     if not (isinstance(file_col, list) and isinstance(offset_col, list) and isinstance(length_col, list)):
         raise SnapshotInvalidError(f"{where}: chunks must hold lists file, offset and length")
@@ -604,17 +811,18 @@ def _parse_columns(
         raise SnapshotInvalidError(
             f"{where}: records.chunks must count each record's chunks, {len(file_col)} in all"
         )
-    checksums = [digests[i : i + 16] for i in range(0, len(digests), 16)]
-    refs = list(map(ChunkRef, file_col, offset_col, length_col, checksums))
-    bounds = [0, *itertools.accumulate(counts)]
-    per_record = [tuple(refs[a:b]) for a, b in itertools.pairwise(bounds)]
-    if _columns_plain(
-        keys, tags, sizes, metas, file_col, offset_col, length_col, digests, chunk_bytes, files
+    chunks = ChunkColumns(file_col, offset_col, length_col, digests)
+    columns = Columns(keys, tags, sizes, counts, chunks, metas=metas, stored_meta_text=text, where=where)
+    bounds = columns.first_chunks()
+    if (metas is None or set(map(type, metas)) <= {dict}) and _columns_plain(
+        keys, tags, sizes, file_col, offset_col, length_col, digests, chunk_bytes, files
     ):
         covered = [0, *itertools.accumulate(length_col)]
         if [covered[b] - covered[a] for a, b in itertools.pairwise(bounds)] == sizes:
-            return tuple(map(Record, keys, tags, sizes, metas, per_record))
+            return columns
     # Something is off: look at each record on its own, to say which and what.
+    refs = columns.chunks.refs()
+    per_record = [tuple(refs[a:b]) for a, b in itertools.pairwise(bounds)]
     raw = [
         {
             "key": key,
@@ -623,7 +831,7 @@ def _parse_columns(
             "meta": meta,
             "chunks": [chunk.to_json() for chunk in chunks],
         }
-        for key, tag, nbytes, meta, chunks in zip(keys, tags, sizes, metas, per_record, strict=True)
+        for key, tag, nbytes, meta, chunks in zip(keys, tags, sizes, columns.metas, per_record, strict=True)
     ]
     records = tuple(_parse_record(r, f"{where}: record {i}", chunk_bytes) for i, r in enumerate(raw))
     keys_seen = [r.key for r in records]
@@ -636,14 +844,15 @@ def _parse_columns(
                     f"{where}: record {record.key!r} uses {chunk.file!r}, which is not among the "
                     "snapshot's files"
                 )
-    return records
+    # Every record passed on its own: the bulk checks' alarm was a false one (a key with
+    # "//" inside, meta of a kind they do not vouch for), and the records are as parsed.
+    return Columns.of(records)
 
 
 def _columns_plain(
     keys: list[Any],
     tags: list[Any],
     sizes: list[Any],
-    metas: list[Any],
     file_col: list[Any],
     offset_col: list[Any],
     length_col: list[Any],
@@ -659,9 +868,6 @@ def _columns_plain(
         and min(sizes) >= 0
         and keys_plain(keys)
         and tags_plain(tags)
-        # Parsed JSON holds only plain values; the depth of meta is checked where it is
-        # used (see reader.check_matches): a wake compares it with the process's own.
-        and set(map(type, metas)) == {dict}
         and _CHECKSUMS_RE.fullmatch(digests)
     ):
         return False
@@ -702,9 +908,10 @@ def _parse_manifest(data: bytes, where: str) -> Manifest:
     major_text, _, minor_text = str(version).partition(".")
     if not (isinstance(version, str) and major_text.isdigit() and minor_text.isdigit()):
         raise SnapshotInvalidError(f"{where}: version {version!r} is not of the form MAJOR.MINOR")
-    if int(major_text) != FORMAT_MAJOR:
+    if int(major_text) not in READABLE_MAJORS:
         raise SnapshotInvalidError(
-            f"{where}: format version {version} is not supported (this hibernate reads {FORMAT_MAJOR}.x)",
+            f"{where}: format version {version} is not supported "
+            f"(this hibernate reads {' and '.join(f'{major}.x' for major in READABLE_MAJORS)})",
             hint="a snapshot is woken by the hibernate that put its process to sleep: "
             "wake it with the version that wrote it",
         )
@@ -730,13 +937,13 @@ def _parse_manifest(data: bytes, where: str) -> Manifest:
     files = _parse_files(body.get("files"), where)
     keys = body.get("records", {}).get("key") if isinstance(body.get("records"), dict) else None
     check_manifest_size(len(data), len(keys) if isinstance(keys, list) else 0, where)
-    records = _parse_columns(body, where, chunk_bytes, files)
+    columns = _parse_columns(body, where, chunk_bytes, files, int(major_text))
     created = body.get("created_unix", 0.0)
     manifest = Manifest(
         snapshot=name,
         producer=_validate_meta(producer, where),
         chunk_bytes=chunk_bytes,
-        records=records,
+        columns=columns,
         owner=owner,
         files=files,
         created_unix=float(created) if isinstance(created, (int, float)) else 0.0,

@@ -14,7 +14,10 @@ copy meanwhile; another faults the destination memory in a step ahead of them.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
+import operator
 import os
 import queue
 import stat
@@ -45,11 +48,13 @@ from hibernate.store.directio import (
 )
 from hibernate.store.format import (
     ALIGNMENT,
-    ChunkRef,
+    ChunkColumns,
+    Columns,
     Manifest,
     Record,
     check_meta,
     gc_paused,
+    meta_text,
     plain_meta,
 )
 from hibernate.store.hugepages import huge_pages_pay_off
@@ -84,22 +89,45 @@ def read_request_bytes(arena: int, largest_chunk: int) -> int:
     return max(largest_chunk, min(_READ_REQUEST_BYTES, arena))
 
 
-def _groups(pieces: list[_Piece]) -> list[list[_Piece]]:
-    """A request's pieces as the workers take them: consecutive runs of about _GROUP_BYTES."""
-    if len(pieces) == 1:
-        return [pieces]
-    groups: list[list[_Piece]] = []
-    current: list[_Piece] = []
+def _groups(chunks: list[int], lengths: Sequence[int]) -> list[list[int]]:
+    """A request's chunks as the workers take them: consecutive runs of about _GROUP_BYTES."""
+    if len(chunks) == 1:
+        return [chunks]
+    groups: list[list[int]] = []
+    current: list[int] = []
     size = 0
-    for piece in pieces:
-        current.append(piece)
-        size += piece.chunk.length
+    for chunk in chunks:
+        current.append(chunk)
+        size += lengths[chunk]
         if size >= _GROUP_BYTES:
             groups.append(current)
             current, size = [], 0
     if current:
         groups.append(current)
     return groups
+
+
+def _destinations(columns: Columns) -> tuple[Sequence[int], Sequence[int]]:
+    """Each chunk's region (record index) and offset in it, by chunk index; in bulk, not per chunk."""
+    counts = columns.counts
+    if counts.count(1) == len(counts):  # one chunk per record, as with most tensors
+        return range(len(counts)), [0] * len(counts)
+    region_of = list(itertools.chain.from_iterable(map(itertools.repeat, range(len(counts)), counts)))
+    covered = list(itertools.accumulate(columns.chunks.lengths, initial=0))
+    starts = [covered[first] for first in columns.first_chunks()]
+    return region_of, list(map(operator.sub, covered, map(starts.__getitem__, region_of)))
+
+
+def _file_order(chunks: ChunkColumns) -> Sequence[int]:
+    """The chunks' indices in file order (file, then offset): the order they are read in.
+
+    A snapshot that one sleep wrote whole is in that order already, which is
+    checked in bulk rather than sorted.
+    """
+    files, offsets = chunks.files, chunks.offsets
+    if len(set(files)) <= 1 and all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):
+        return range(len(offsets))
+    return sorted(range(len(offsets)), key=list(zip(files, offsets, strict=True)).__getitem__)
 
 
 @dataclass
@@ -141,7 +169,7 @@ def _first_difference(saved: Any, live: Any, path: str) -> str | None:
     return None
 
 
-def _describe_mismatch(record: Record, region: Region, where: str) -> str | None:
+def _describe_mismatch(record: _Described, region: Region, where: str) -> str | None:
     """What differs between a record and its region, or None; refuses a record's meta that breaks the rules.
 
     Meta is checked here, not when the manifest is parsed: equal to the
@@ -162,37 +190,34 @@ def _describe_mismatch(record: Record, region: Region, where: str) -> str | None
     return f"{record.key!r}: {difference}" if difference is not None else None
 
 
-class _Piece(NamedTuple):
-    """One chunk to restore: where on disk, and which region, where in it.
+class _Described(NamedTuple):
+    """What a record says of its region: what a wake compares with the process."""
 
-    A tuple whose natural order is file order (file, then offset): a wake
-    sorts one per chunk, and a tuple sorts without a key function.
-    """
+    key: str
+    tag: str
+    nbytes: int
+    meta: Mapping[str, Any]
 
-    file: str
-    offset: int
-    region: int
-    region_offset: int
-    chunk: ChunkRef
-    padded: int  # the bytes it takes on disk: its length rounded up to the alignment
+
+_KEY_TAG_SIZE = operator.attrgetter("key", "tag", "nbytes")
 
 
 @dataclass
 class _Request:
-    """Chunks lying back to back in one file, read with one request into one buffer."""
+    """Chunks (by index) lying back to back in one file, read with one request into one buffer."""
 
     file: str
     offset: int
-    pieces: list[_Piece] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
     size: int = 0
 
 
-def _split(request: _Request, at: int) -> list[_Request]:
-    """``request`` as two requests, the first holding its first ``at`` pieces."""
+def _split(request: _Request, at: int, offsets: Sequence[int], padded: Sequence[int]) -> list[_Request]:
+    """``request`` as two requests, the first holding its first ``at`` chunks."""
     parts = []
-    for pieces in (request.pieces[:at], request.pieces[at:]):
-        part = _Request(request.file, pieces[0].chunk.offset, pieces)
-        part.size = sum(p.padded for p in pieces)
+    for chunks in (request.chunks[:at], request.chunks[at:]):
+        part = _Request(request.file, offsets[chunks[0]], chunks)
+        part.size = sum(padded[chunk] for chunk in chunks)
         parts.append(part)
     return parts
 
@@ -216,6 +241,9 @@ class SnapshotReader:
             raise BusyError(f"{root.path} is being written or collected by another hibernate")
         self._files: dict[str, DataFile] = {}
         self._matched: Sequence[Region] | None = None  # the regions check_matches last accepted
+        # Each chunk's region and offset in it, by chunk index (see _destinations), once reading.
+        self._regions_of: Sequence[int] = ()
+        self._region_offsets: Sequence[int] = ()
         try:
             self.manifest: Manifest = root.read_manifest(name)
             self._open_files(io_mode)
@@ -236,12 +264,15 @@ class SnapshotReader:
         self.close()
 
     def _open_files(self, io_mode: str) -> None:
-        needed: dict[str, tuple[int, Record]] = {}
-        for record in self.manifest.records:
-            for chunk in record.chunks:
-                end = chunk.offset + chunk.length
-                if end > needed.get(chunk.file, (0, record))[0]:
-                    needed[chunk.file] = (end, record)
+        chunks = self.manifest.columns.chunks
+        ends = list(map(operator.add, chunks.offsets, chunks.lengths))
+        needed: dict[str, int] = {}
+        if len(set(chunks.files)) == 1:
+            needed[chunks.files[0]] = max(ends)
+        else:
+            for name, end in zip(chunks.files, ends, strict=True):
+                if end > needed.get(name, 0):
+                    needed[name] = end
         directory = self.manifest.snapshot
         try:
             dir_fd = open_dir(directory, dir_fd=self.root.fd)
@@ -254,12 +285,23 @@ class SnapshotReader:
         except PermissionError as exc:
             raise StorageError(f"cannot open {self.root.path / directory}: permission denied") from exc
         try:
-            for name, (end, record) in sorted(needed.items()):
-                self._open_file(dir_fd, name, end, record, io_mode)
+            for name, end in sorted(needed.items()):
+                self._open_file(dir_fd, name, end, io_mode)
         finally:
             os.close(dir_fd)
 
-    def _open_file(self, dir_fd: int, name: str, end: int, record: Record, io_mode: str) -> None:
+    def _key_needing(self, name: str, end: int) -> str:
+        """The key of a record with a chunk in file ``name`` that ends at ``end`` (for a refusal)."""
+        columns = self.manifest.columns
+        chunks = columns.chunks
+        for index, (file, offset, length) in enumerate(
+            zip(chunks.files, chunks.offsets, chunks.lengths, strict=True)
+        ):
+            if file == name and offset + length == end:
+                return columns.keys[bisect.bisect_right(columns.first_chunks(), index) - 1]
+        raise AssertionError(f"no chunk of {name} ends at {end}")
+
+    def _open_file(self, dir_fd: int, name: str, end: int, io_mode: str) -> None:
         path = self.root.path / self.manifest.snapshot / name
         try:
             data = open_data_file(dir_fd, name, io_mode)
@@ -269,7 +311,9 @@ class SnapshotReader:
                 hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
             ) from exc
         except FileNotFoundError as exc:
-            raise SnapshotInvalidError(f"{path} is missing (needed by {record.key!r})") from exc
+            raise SnapshotInvalidError(
+                f"{path} is missing (needed by {self._key_needing(name, end)!r})"
+            ) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise SnapshotInvalidError(
@@ -282,75 +326,65 @@ class SnapshotReader:
             raise SnapshotInvalidError(f"{path} is not a regular file")
         if info.st_size < end:
             raise SnapshotInvalidError(
-                f"{path} is truncated: {info.st_size} bytes, but {record.key!r} needs {end}"
+                f"{path} is truncated: {info.st_size} bytes, but {self._key_needing(name, end)!r} needs {end}"
             )
 
     def check_matches(self, regions: Sequence[Region]) -> None:
         """The snapshot must describe exactly these regions, in this order.
 
-        All records are compared at once (tuples and dicts compared in C, 1 us
-        a record where one comparison each cost 40); only when they differ is
-        each record looked at, to say where. Equal meta has the process's own
-        depth and values, which the writer checked when it wrote them; the meta
-        of a record that differs is checked before it is described.
+        All records are compared at once (tuples compared in C, 1 us a record
+        where one comparison each cost 40); only when they differ is each
+        record looked at, to say where. The meta is first compared as text: a
+        format-4 manifest stores it as the text :func:`meta_text` makes, so
+        the process's, encoded the same way, is the same text unless
+        something differs, and the stored one need not be parsed at all.
+        Where the texts differ (or a format-3 manifest holds values), the
+        values are compared. Equal meta has the process's own depth and
+        values, which the writer checked when it wrote them; the meta of a
+        record that differs is checked before it is described.
         """
-        records = self.manifest.records
+        columns = self.manifest.columns
         where = self.root.path / self.manifest.snapshot / "manifest.json"
-        if len(records) != len(regions):
+        if len(columns.keys) != len(regions):
             raise SnapshotInvalidError(
-                f"{where}: {len(records)} records in the snapshot, {len(regions)} regions in the process"
+                f"{where}: {len(columns.keys)} records in the snapshot, {len(regions)} regions in the process"
             )
         with gc_paused():
-            same = [(r.key, r.tag, r.nbytes, r.meta) for r in records] == [
-                (r.key, r.tag, r.nbytes, r.meta) for r in regions
-            ]
+            same = list(zip(columns.keys, columns.tags, columns.sizes, strict=True)) == list(
+                map(_KEY_TAG_SIZE, regions)
+            )
+            if same:
+                live = [region.meta for region in regions]
+                text = columns.stored_meta_text
+                same = (text is not None and text == meta_text(live)) or columns.metas == live
         if not same:
+            records = zip(columns.keys, columns.tags, columns.sizes, columns.metas, strict=True)
             for index, (record, region) in enumerate(zip(records, regions, strict=True)):
-                problem = _describe_mismatch(record, region, f"{where}: record {index}")
+                problem = _describe_mismatch(_Described(*record), region, f"{where}: record {index}")
                 if problem is not None:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
         self._matched = regions
 
-    def _pieces(self) -> tuple[list[_Piece], int, int]:
-        """Every chunk in file order, with the bytes they take on disk (padded) in all and the largest."""
-        pieces: list[_Piece] = []
-        add = pieces.append
-        total = largest = 0
-        for index, record in enumerate(self.manifest.records):
-            offset = 0
-            for chunk in record.chunks:
-                padded = (chunk.length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-                add(_Piece(chunk.file, chunk.offset, index, offset, chunk, padded))
-                offset += chunk.length
-                total += padded
-                if padded > largest:
-                    largest = padded
-        pieces.sort()
-        return pieces, total, largest
-
-    @staticmethod
-    def _requests(pieces: list[_Piece], largest: int) -> list[_Request]:
-        """``pieces`` (in file order), neighbours in a file merged in requests of up to ``largest`` bytes."""
+    def _requests(self, order: Sequence[int], padded: Sequence[int], largest: int) -> list[_Request]:
+        """The chunks in file ``order``, file neighbours merged in requests of at most ``largest`` bytes."""
+        files, offsets = self.manifest.columns.chunks.files, self.manifest.columns.chunks.offsets
         requests: list[_Request] = []
-        last: _Request | None = None
-        for piece in pieces:
-            file, at, _, _, _, padded = piece
-            if (
-                last is None
-                or last.file != file
-                or last.offset + last.size != at
-                or last.size + padded > largest
-            ):
-                last = _Request(file, at)
+        last = _Request("", -1)
+        end = -1
+        for chunk in order:
+            at, size = offsets[chunk], padded[chunk]
+            if at != end or files[chunk] != last.file or last.size + size > largest:
+                last = _Request(files[chunk], at)
                 requests.append(last)
-            last.pieces.append(piece)
-            last.size += padded
+            last.chunks.append(chunk)
+            last.size += size
+            end = at + size
         # A short first request gets the workers going sooner; a short last one leaves
         # them less to do once the disk has finished.
-        if requests and len(requests[0].pieces) > 1:
-            requests[0:1] = _split(requests[0], 1)
-        if requests and len(requests[-1].pieces) > 1:
-            requests[-1:] = _split(requests[-1], len(requests[-1].pieces) - 1)
+        if requests and len(requests[0].chunks) > 1:
+            requests[0:1] = _split(requests[0], 1, offsets, padded)
+        if requests and len(requests[-1].chunks) > 1:
+            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, offsets, padded)
         return requests
 
     def read_into(
@@ -388,14 +422,17 @@ class SnapshotReader:
         if self._matched is not regions:  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        pieces, padded, largest = self._pieces()
-        arena = arena_bytes_for(buffer_bytes, padded, largest or ALIGNMENT)
-        size = read_request_bytes(arena, largest or ALIGNMENT)
-        requests = self._requests(pieces, size)
+        chunks = self.manifest.columns.chunks
+        padded = [(length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for length in chunks.lengths]
+        largest = max(padded, default=ALIGNMENT)
+        arena = arena_bytes_for(buffer_bytes, sum(padded), largest)
+        size = read_request_bytes(arena, largest)
+        requests = self._requests(_file_order(chunks), padded, size)
+        self._regions_of, self._region_offsets = _destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)
         pipeline = Pipeline()
-        loaded: queue.Queue[tuple[_Loaded, list[_Piece]] | None] = queue.Queue()
+        loaded: queue.Queue[tuple[_Loaded, list[int]] | None] = queue.Queue()
         lock = threading.Lock()
         state = {"done": 0}
         reading = threading.Event()  # the reader has its first buffer
@@ -413,7 +450,7 @@ class SnapshotReader:
                     except BaseException:
                         pool.give(buffer)
                         raise
-                    groups = _groups(request.pieces)
+                    groups = _groups(request.chunks, chunks.lengths)
                     batch = _Loaded(request, buffer, got, len(groups))
                     for group in groups:
                         loaded.put((batch, group))
@@ -459,13 +496,15 @@ class SnapshotReader:
             # Small regions are left to fault as they are copied into: one system call
             # each would cost more than the faults it saves (a wake of 100,000 tensors).
             order: dict[int, memoryview] = {}
+            regions_of = self._regions_of
             for request in requests:
-                for piece in request.pieces:
-                    region = regions[piece.region]
-                    if region.nbytes >= _POPULATE_MIN_BYTES and piece.region not in order:
+                for chunk in request.chunks:
+                    index = regions_of[chunk]
+                    region = regions[index]
+                    if region.nbytes >= _POPULATE_MIN_BYTES and index not in order:
                         view = region.host_view(0, region.nbytes)
                         if view is not None and not view.readonly:
-                            order[piece.region] = view
+                            order[index] = view
             huge = huge_pages_pay_off(sum(len(view) for view in order.values()))
             for view in order.values():
                 populate(view, pipeline.abort, huge=huge)
@@ -496,36 +535,39 @@ class SnapshotReader:
                 f"cannot read {self.root.path / self.manifest.snapshot / request.file}: {exc.strerror}"
             ) from exc
 
-    def _verify_and_copy(self, batch: _Loaded, group: list[_Piece], regions: Sequence[Region]) -> int:
-        """Verify each piece of ``group`` where it lies in the buffer, then copy it in; the bytes copied.
+    def _verify_and_copy(self, batch: _Loaded, group: list[int], regions: Sequence[Region]) -> int:
+        """Verify each chunk of ``group`` where it lies in the buffer, then copy it in; the bytes copied.
 
         A group at a time, in one call (bulk.verify_copy): a wake of 100,000
         tensors verifies 100,000 chunks, and a call per chunk cost more than
-        its copy. Pieces whose region has no writable host view (device
+        its copy. Chunks whose region has no writable host view (device
         memory), and without the compiled helper the large ones (see
         _SMALL_COPY_IN), are verified in that call and copied by their region.
         """
         view_of, base, got = batch.buffer.view, batch.request.offset, batch.got
+        chunks = self.manifest.columns.chunks
+        offsets, lengths, checksums = chunks.offsets, chunks.lengths, chunks.checksums
+        regions_of, region_offsets = self._regions_of, self._region_offsets
         largest_direct = None if bulk.NATIVE else _SMALL_COPY_IN
         items: list[bulk.VerifyItem] = []
-        by_region: list[tuple[_Piece, int]] = []
-        truncated: tuple[_Piece, int] | None = None
+        by_region: list[tuple[int, int]] = []
+        truncated: tuple[int, int] | None = None
         copied = 0
-        for piece in group:
-            start = piece.chunk.offset - base
-            length = piece.chunk.length
+        for chunk in group:
+            start = offsets[chunk] - base
+            length = lengths[chunk]
             if got < start + length:
-                truncated = (piece, start)
+                truncated = (chunk, start)
                 break
             target = (
-                regions[piece.region].host_view(piece.region_offset, length)
+                regions[regions_of[chunk]].host_view(region_offsets[chunk], length)
                 if largest_direct is None or length <= largest_direct
                 else None
             )
             if target is None or target.readonly:
                 target = None
-                by_region.append((piece, start))
-            items.append((start, length, piece.chunk.checksum, target))
+                by_region.append((chunk, start))
+            items.append((start, length, checksums[16 * chunk : 16 * chunk + 16], target))
             copied += length
         failed = bulk.verify_copy(view_of, items)
         if failed >= 0:
@@ -533,22 +575,28 @@ class SnapshotReader:
                 f"{self._where(group[failed])}: checksum mismatch; the data on disk is corrupted"
             )
         if truncated is not None:
-            piece, start = truncated
+            chunk, start = truncated
             raise SnapshotInvalidError(
-                f"{self._where(piece)}: file is truncated "
-                f"({max(0, got - start)} of {piece.chunk.length} bytes read)"
+                f"{self._where(chunk)}: file is truncated "
+                f"({max(0, got - start)} of {lengths[chunk]} bytes read)"
             )
-        for piece, start in by_region:
-            regions[piece.region].copy_in(piece.region_offset, view_of[start : start + piece.chunk.length])
+        for chunk, start in by_region:
+            regions[regions_of[chunk]].copy_in(region_offsets[chunk], view_of[start : start + lengths[chunk]])
         return copied
 
-    def _where(self, piece: _Piece) -> str:
+    def _where(self, chunk: int) -> str:
         """A chunk named for a refusal (built only then: a wake verifies one chunk per tensor)."""
-        chunk = piece.chunk
-        record = self.manifest.records[piece.region]
+        columns = self.manifest.columns
+        file, offset, length = (
+            columns.chunks.files[chunk],
+            columns.chunks.offsets[chunk],
+            columns.chunks.lengths[chunk],
+        )
+        key = columns.keys[self._regions_of[chunk]]
+        at = self._region_offsets[chunk]
         return (
-            f"{self.root.path / self.manifest.snapshot / chunk.file}: record {record.key!r} bytes "
-            f"{piece.region_offset}..{piece.region_offset + chunk.length} (file offset {chunk.offset})"
+            f"{self.root.path / self.manifest.snapshot / file}: record {key!r} bytes "
+            f"{at}..{at + length} (file offset {offset})"
         )
 
 

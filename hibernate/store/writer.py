@@ -67,11 +67,12 @@ from hibernate.store.format import (
     MANIFEST_NAME,
     MAX_CHUNK_BYTES,
     MAX_RECORDS,
+    ChunkColumns,
     ChunkRef,
+    Columns,
     FileIdentity,
     Manifest,
     PlainMeta,
-    Record,
     align_up,
     check_region,
     checksum,
@@ -190,15 +191,11 @@ class ReuseSource:
 
     snapshot: str
     files: Mapping[str, FileIdentity]
-    chunks: tuple[ChunkRef, ...]
+    chunks: ChunkColumns
 
     @classmethod
     def of(cls, manifest: Manifest) -> ReuseSource:
-        return cls(
-            manifest.snapshot,
-            dict(manifest.files),
-            tuple(chunk for record in manifest.records for chunk in record.chunks),
-        )
+        return cls(manifest.snapshot, dict(manifest.files), manifest.columns.chunks)
 
 
 def _unchanged(root: SpillRoot, previous: ReuseSource, name: str) -> bool:
@@ -245,12 +242,14 @@ def link_reusable(
             continue
         renamed[name] = link
         links.append(link)
-    for chunk in previous.chunks:
-        if chunk.file in renamed:
-            index.setdefault(
-                (chunk.checksum, chunk.length),
-                ChunkRef(renamed[chunk.file], chunk.offset, chunk.length, chunk.checksum),
-            )
+    chunks = previous.chunks
+    for at, (file, offset, length) in enumerate(
+        zip(chunks.files, chunks.offsets, chunks.lengths, strict=True)
+    ):
+        linked_as = renamed.get(file)
+        if linked_as is not None:
+            digest = chunks.checksum(at)
+            index.setdefault((digest, length), ChunkRef(linked_as, offset, length, digest))
     return index, links, warnings
 
 
@@ -626,9 +625,12 @@ def _write_locked(
             snapshot=name,
             producer=dict(producer),
             chunk_bytes=chunk_bytes,
-            records=tuple(
-                Record(region.key, region.tag, size, _own_meta(region.meta), refs)
-                for region, size, refs in zip(regions, sizes, map(tuple, chunks), strict=True)
+            columns=Columns.build(
+                [region.key for region in regions],
+                [region.tag for region in regions],
+                sizes,
+                [_own_meta(region.meta) for region in regions],
+                chunks,
             ),
             owner=root.owner,
             files=files,
