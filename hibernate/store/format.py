@@ -685,8 +685,6 @@ def _parse_chunk(raw: object, where: str) -> ChunkRef:
     if not isinstance(raw, dict):
         raise SnapshotInvalidError(f"{where}: chunk must be an object")
     offset = _int_field(raw, "offset", where)
-    if offset % ALIGNMENT:
-        raise SnapshotInvalidError(f"{where}: offset {offset} is not {ALIGNMENT}-byte aligned")
     length = _int_field(raw, "length", where, minimum=1)
     if offset + length > MAX_FILE_OFFSET:
         raise SnapshotInvalidError(f"{where}: offset {offset} + length {length} lies beyond any data file")
@@ -879,7 +877,6 @@ def _columns_plain(
         and set(map(type, offset_col)) == {int}
         and set(map(type, length_col)) == {int}
         and min(offset_col) >= 0
-        and not any(map(ALIGNMENT.__rmod__, offset_col))
         and min(length_col) >= 1
         and max(length_col) <= chunk_bytes
         and max(offset_col) + max(length_col) <= MAX_FILE_OFFSET

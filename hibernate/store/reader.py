@@ -52,6 +52,7 @@ from hibernate.store.format import (
     Columns,
     Manifest,
     Record,
+    align_up,
     check_meta,
     gc_paused,
     meta_text,
@@ -212,12 +213,13 @@ class _Request:
     size: int = 0
 
 
-def _split(request: _Request, at: int, offsets: Sequence[int], padded: Sequence[int]) -> list[_Request]:
+def _split(request: _Request, at: int, offsets: Sequence[int], lengths: Sequence[int]) -> list[_Request]:
     """``request`` as two requests, the first holding its first ``at`` chunks."""
     parts = []
     for chunks in (request.chunks[:at], request.chunks[at:]):
-        part = _Request(request.file, offsets[chunks[0]], chunks)
-        part.size = sum(padded[chunk] for chunk in chunks)
+        first = offsets[chunks[0]]
+        part = _Request(request.file, first - first % ALIGNMENT, chunks)
+        part.size = max(align_up(offsets[chunk] + lengths[chunk]) for chunk in chunks) - part.offset
         parts.append(part)
     return parts
 
@@ -365,26 +367,36 @@ class SnapshotReader:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
         self._matched = regions
 
-    def _requests(self, order: Sequence[int], padded: Sequence[int], largest: int) -> list[_Request]:
-        """The chunks in file ``order``, file neighbours merged in requests of at most ``largest`` bytes."""
-        files, offsets = self.manifest.columns.chunks.files, self.manifest.columns.chunks.offsets
+    def _requests(self, order: Sequence[int], largest: int) -> list[_Request]:
+        """The chunks in file ``order``, read in requests of whole pages of at most ``largest`` bytes.
+
+        A request takes the next chunk while it starts within or right after
+        the request's last page: chunks packed back to back share pages, and
+        a chunk named twice (equal bytes, written once) is read once.
+        """
+        chunks = self.manifest.columns.chunks
+        files, offsets, lengths = chunks.files, chunks.offsets, chunks.lengths
         requests: list[_Request] = []
         last = _Request("", -1)
-        end = -1
+        end = -1  # where the last request's pages end
         for chunk in order:
-            at, size = offsets[chunk], padded[chunk]
-            if at != end or files[chunk] != last.file or last.size + size > largest:
-                last = _Request(files[chunk], at)
+            start = offsets[chunk]
+            first_page = start - start % ALIGNMENT
+            stop = (start + lengths[chunk] + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            if first_page > end or files[chunk] != last.file or max(end, stop) - last.offset > largest:
+                last = _Request(files[chunk], first_page)
                 requests.append(last)
+                end = first_page
             last.chunks.append(chunk)
-            last.size += size
-            end = at + size
+            if stop > end:
+                end = stop
+                last.size = end - last.offset
         # A short first request gets the workers going sooner; a short last one leaves
         # them less to do once the disk has finished.
         if requests and len(requests[0].chunks) > 1:
-            requests[0:1] = _split(requests[0], 1, offsets, padded)
+            requests[0:1] = _split(requests[0], 1, offsets, lengths)
         if requests and len(requests[-1].chunks) > 1:
-            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, offsets, padded)
+            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, offsets, lengths)
         return requests
 
     def read_into(
@@ -423,11 +435,15 @@ class SnapshotReader:
             self.check_matches(regions)
         started = time.perf_counter()
         chunks = self.manifest.columns.chunks
-        padded = [(length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for length in chunks.lengths]
-        largest = max(padded, default=ALIGNMENT)
-        arena = arena_bytes_for(buffer_bytes, sum(padded), largest)
+        # The pages each chunk lies in: what reading it alone takes.
+        pages = [
+            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT - offset + offset % ALIGNMENT
+            for offset, length in zip(chunks.offsets, chunks.lengths, strict=True)
+        ]
+        largest = max(pages, default=ALIGNMENT)
+        arena = arena_bytes_for(buffer_bytes, sum(pages), largest)
         size = read_request_bytes(arena, largest)
-        requests = self._requests(_file_order(chunks), padded, size)
+        requests = self._requests(_file_order(chunks), size)
         self._regions_of, self._region_offsets = _destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)
