@@ -1,4 +1,4 @@
-"""The on-disk snapshot format, version 3: a JSON manifest plus raw data files.
+"""The on-disk snapshot format, version 4: a JSON manifest plus raw data files.
 
 The manifest is the only structured thing read back, and it is plain JSON:
 nothing in a snapshot is ever executed. Every field that steers a read (file,
@@ -16,6 +16,10 @@ reuses only files that nobody has touched since.
 Version 3 stores the records and their chunks as columns (one list per
 field): a model of many tensors pays per record for every JSON object, and
 lists of numbers and strings are encoded and parsed at C speed.
+
+Version 4 packs small chunks back to back (see writer._Packer) and keeps the
+records' meta as one JSON text, which a wake compares with the process's
+own as text (see :class:`Columns`). Version 3 snapshots are still read.
 """
 
 from __future__ import annotations
