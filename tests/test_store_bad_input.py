@@ -276,20 +276,23 @@ def test_a_newer_minor_version_with_unknown_fields_is_read(spilled: Spilled) -> 
     assert spilled.intact()
 
 
-def test_a_format_3_snapshot_with_meta_as_values_is_still_read(spilled: Spilled) -> None:
-    """A process put to sleep by the previous release wakes after an upgrade."""
-    document = spilled.manifest()
+def as_format_3(document: dict[str, Any]) -> dict[str, Any]:
+    """A format-4 manifest as the previous release wrote it: meta as values, not text (packing
+    aside, which a reader does not see)."""
     document["version"] = "3.0"
     document["records"]["meta"] = json.loads(document["records"]["meta"])
-    spilled.rewrite_manifest(document, resign=True)
+    return document
+
+
+def test_a_format_3_snapshot_with_meta_as_values_is_still_read(spilled: Spilled) -> None:
+    """A process put to sleep by the previous release wakes after an upgrade."""
+    spilled.rewrite_manifest(as_format_3(spilled.manifest()), resign=True)
     spilled.read()
     assert spilled.intact()
 
 
 def test_a_format_3_snapshot_with_a_meta_that_differs_names_the_difference(spilled: Spilled) -> None:
-    document = spilled.manifest()
-    document["version"] = "3.0"
-    document["records"]["meta"] = json.loads(document["records"]["meta"])
+    document = as_format_3(spilled.manifest())
     document["records"]["meta"][0]["device"] = "cuda:3"
     spilled.rewrite_manifest(document, resign=True)
     refused(spilled, r"record 0 'weights/model\.w': device is 'cuda:3' in the snapshot, 'cpu' in the process")
