@@ -47,7 +47,7 @@ FORMAT_MAJOR = 4
 FORMAT_MINOR = 0
 READABLE_MAJORS = (3, 4)  # 3.x holds each record's meta as an object, 4.x as one text (see Columns)
 CHECKSUM_ALGORITHM = "xxh3-64"
-ALIGNMENT = 4096  # data offsets and write sizes, for O_DIRECT on every common block size
+ALIGNMENT = 4096  # where writes and reads start and what they cover, for O_DIRECT on every common block size
 MANIFEST_NAME = "manifest.json"
 # What a reader accepts, and so what a writer refuses to publish: a manifest over these
 # limits would leave its process asleep for good. 1,000,000 one-view tensor records take
@@ -321,16 +321,6 @@ class Columns:
         """The index of each record's first chunk, and after them the number of chunks."""
         return [0, *itertools.accumulate(self.counts)]
 
-    def record(self, index: int) -> Record:
-        """Record ``index`` alone (to describe it: it walks the counts)."""
-        first = sum(self.counts[:index])
-        chunks = self.chunks
-        refs = tuple(
-            ChunkRef(chunks.files[i], chunks.offsets[i], chunks.lengths[i], chunks.checksum(i))
-            for i in range(first, first + self.counts[index])
-        )
-        return Record(self.keys[index], self.tags[index], self.sizes[index], self.metas[index], refs)
-
     def records(self) -> tuple[Record, ...]:
         refs = self.chunks.refs()
         per_record = [tuple(refs[a:b]) for a, b in itertools.pairwise(self.first_chunks())]
@@ -376,18 +366,18 @@ def meta_text(metas: Sequence[Mapping[str, Any]]) -> str | None:
     sends it to comparing the values). orjson encodes a PlainMeta, which is
     plain by construction, 6-8 times faster than json.dumps; any other
     meta goes through json.dumps, which refuses what is not strict JSON.
-    None if some meta is not (a NaN, an object that is not JSON).
+    None if some meta is not (a NaN, an object that is not JSON, a nesting too deep to encode).
     """
     if all(type(meta) is PlainMeta for meta in metas):
         try:
             return orjson.dumps(metas).decode()
-        except TypeError:  # an int past 64 bits
+        except TypeError:  # an int past 64 bits, or nested deeper than orjson goes
             pass
     try:
         return json.dumps(
             [plain_meta(meta) for meta in metas], separators=(",", ":"), allow_nan=False, ensure_ascii=False
         )
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # RecursionError: a meta nested hundreds deep
         return None
 
 
@@ -767,7 +757,7 @@ CHUNK_COLUMNS = ("file", "offset", "length", "checksum")
 def _parse_columns(
     body: Mapping[str, Any], where: str, chunk_bytes: int, files: Mapping[str, FileIdentity], major: int
 ) -> Columns:
-    """The manifest's columns, checked: every check of a record and chunk, most in bulk.
+    """The manifest's columns, checked: every check of a record and chunk but meta's, most in bulk.
 
     All but meta, which a reader checks where it uses it: a wake compares it
     with the live process's (equal, it is the process's own), and checks
@@ -776,7 +766,7 @@ def _parse_columns(
     values, each of which must be an object.
 
     Bulk first: types by the set of a column's item types, ranges by min and
-    max, alignment by one ``map``, all checksums by one regular expression,
+    max, all checksums by one regular expression,
     keys joined and searched once (see :func:`keys_plain`). If anything is
     off, the columns are turned back into one object per record and each is
     checked on its own (:func:`_parse_record`), so a refusal names the

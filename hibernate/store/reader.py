@@ -650,6 +650,7 @@ def verify_snapshot(
     try:
         with SnapshotReader(root, name, io_mode=io_mode) as reader:
             records = [Discard(record) for record in reader.manifest.records]
+            reader._matched = records  # the manifest's own records: nothing to compare them with
             return reader.read_into(records, buffer_bytes=buffer_bytes)
     except (SnapshotInvalidError, StorageError) as exc:
         if root.lock(exclusive=True):
