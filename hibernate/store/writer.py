@@ -248,14 +248,15 @@ def link_reusable(
             continue
         renamed[name] = link
         links.append(link)
+    # Built with map and one dict rather than a statement per chunk (an unchanged re-sleep reuses
+    # every chunk); in reverse, so that of chunks with equal bytes the first is the one kept.
     chunks = previous.chunks
-    for at, (file, offset, length) in enumerate(
-        zip(chunks.files, chunks.offsets, chunks.lengths, strict=True)
-    ):
-        linked_as = renamed.get(file)
-        if linked_as is not None:
-            digest = chunks.checksum(at)
-            index.setdefault((digest, length), ChunkRef(linked_as, offset, length, digest))
+    digests = [chunks.checksums[at : at + 16] for at in range(0, len(chunks.checksums), 16)]
+    linked_as = [renamed.get(file, "") for file in chunks.files]  # "": a file not linked
+    refs = map(ChunkRef, linked_as, chunks.offsets, chunks.lengths, digests)
+    keys = zip(digests, chunks.lengths, strict=True)
+    found = [(key, ref) for key, ref in zip(keys, refs, strict=True) if ref.file]
+    index.update(reversed(found))
     return index, links, warnings
 
 
@@ -270,10 +271,13 @@ def _used_ranges(chunks: list[list[ChunkRef]], links: list[str]) -> dict[str, li
     spans: dict[str, list[tuple[int, int]]] = {}
     if linked:
         for region in chunks:
-            for chunk in region:
-                if chunk.file in linked:
-                    spans.setdefault(chunk.file, []).append(
-                        (chunk.offset - chunk.offset % ALIGNMENT, align_up(chunk.offset + chunk.length))
+            for file, offset, length, _ in region:
+                if file in linked:  # the pages it lies in (align_up written out: once per chunk)
+                    spans.setdefault(file, []).append(
+                        (
+                            offset - offset % ALIGNMENT,
+                            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT,
+                        )
                     )
     merged: dict[str, list[tuple[int, int]]] = {}
     for file, ranges in spans.items():
