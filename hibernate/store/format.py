@@ -215,17 +215,13 @@ class ChunkColumns(NamedTuple):
     def checksum(self, index: int) -> str:
         return self.checksums[16 * index : 16 * index + 16]
 
-    def refs(self) -> list[ChunkRef]:
+    def digests(self) -> list[str]:
+        """Every chunk's checksum, in order."""
         checksums = self.checksums
-        return list(
-            map(
-                ChunkRef,
-                self.files,
-                self.offsets,
-                self.lengths,
-                [checksums[i : i + 16] for i in range(0, len(checksums), 16)],
-            )
-        )
+        return [checksums[at : at + 16] for at in range(0, len(checksums), 16)]
+
+    def refs(self) -> list[ChunkRef]:
+        return list(map(ChunkRef, self.files, self.offsets, self.lengths, self.digests()))
 
 
 class Columns:
@@ -304,9 +300,7 @@ class Columns:
     ) -> Columns:
         """Columns from each record's fields and chunks, without a Record per region."""
         flat = [chunk for refs in chunks for chunk in refs]
-        text = meta_text(metas)
-        if text is None:  # the writer checked meta first (check_region): only a caller's mistake
-            raise SnapshotInvalidError("meta holds a value that is not plain JSON")
+        text = _required_meta_text(metas, MANIFEST_NAME)
         return cls(
             keys,
             tags,
@@ -336,9 +330,7 @@ class Columns:
         """
         text = self.stored_meta_text
         if text is None:
-            text = meta_text(self.metas)
-            if text is None:
-                raise SnapshotInvalidError(f"{self._where}: meta holds a value that is not plain JSON")
+            text = _required_meta_text(self.metas, self._where)
         chunks = self.chunks
         return {
             "records": {
@@ -379,6 +371,15 @@ def meta_text(metas: Sequence[Mapping[str, Any]]) -> str | None:
         )
     except (TypeError, ValueError, RecursionError):  # RecursionError: a meta nested hundreds deep
         return None
+
+
+def _required_meta_text(metas: Sequence[Mapping[str, Any]], where: str) -> str:
+    """meta_text for a manifest being written; the writer checked meta first (check_region), so a
+    refusal here is a maker's broken promise (a PlainMeta holding something that is not JSON)."""
+    text = meta_text(metas)
+    if text is None:
+        raise SnapshotInvalidError(f"{where}: meta holds a value that is not plain JSON")
+    return text
 
 
 def parse_meta_text(text: str, records: int, where: str) -> list[Mapping[str, Any]]:

@@ -52,7 +52,6 @@ from hibernate.store.format import (
     Columns,
     Manifest,
     Record,
-    align_up,
     check_meta,
     gc_paused,
     meta_text,
@@ -213,13 +212,12 @@ class _Request:
     size: int = 0
 
 
-def _split(request: _Request, at: int, offsets: Sequence[int], lengths: Sequence[int]) -> list[_Request]:
+def _split(request: _Request, at: int, firsts: Sequence[int], stops: Sequence[int]) -> list[_Request]:
     """``request`` as two requests, the first holding its first ``at`` chunks."""
     parts = []
     for chunks in (request.chunks[:at], request.chunks[at:]):
-        first = offsets[chunks[0]]
-        part = _Request(request.file, first - first % ALIGNMENT, chunks)
-        part.size = max(align_up(offsets[chunk] + lengths[chunk]) for chunk in chunks) - part.offset
+        part = _Request(request.file, firsts[chunks[0]], chunks)
+        part.size = max(stops[chunk] for chunk in chunks) - part.offset
         parts.append(part)
     return parts
 
@@ -367,22 +365,22 @@ class SnapshotReader:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
         self._matched = regions
 
-    def _requests(self, order: Sequence[int], largest: int) -> list[_Request]:
+    def _requests(
+        self, order: Sequence[int], firsts: Sequence[int], stops: Sequence[int], largest: int
+    ) -> list[_Request]:
         """The chunks in file ``order``, read in requests of whole pages of at most ``largest`` bytes.
 
-        A request takes the next chunk while it starts within or right after
+        ``firsts`` and ``stops`` are where each chunk's pages start and end. A
+        request takes the next chunk while it starts within or right after
         the request's last page: chunks packed back to back share pages, and
         a chunk named twice (equal bytes, written once) is read once.
         """
-        chunks = self.manifest.columns.chunks
-        files, offsets, lengths = chunks.files, chunks.offsets, chunks.lengths
+        files = self.manifest.columns.chunks.files
         requests: list[_Request] = []
         last = _Request("", -1)
         end = -1  # where the last request's pages end
         for chunk in order:
-            start = offsets[chunk]
-            first_page = start - start % ALIGNMENT
-            stop = (start + lengths[chunk] + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            first_page, stop = firsts[chunk], stops[chunk]
             if first_page > end or files[chunk] != last.file or max(end, stop) - last.offset > largest:
                 last = _Request(files[chunk], first_page)
                 requests.append(last)
@@ -394,9 +392,9 @@ class SnapshotReader:
         # A short first request gets the workers going sooner; a short last one leaves
         # them less to do once the disk has finished.
         if requests and len(requests[0].chunks) > 1:
-            requests[0:1] = _split(requests[0], 1, offsets, lengths)
+            requests[0:1] = _split(requests[0], 1, firsts, stops)
         if requests and len(requests[-1].chunks) > 1:
-            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, offsets, lengths)
+            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, firsts, stops)
         return requests
 
     def read_into(
@@ -435,15 +433,18 @@ class SnapshotReader:
             self.check_matches(regions)
         started = time.perf_counter()
         chunks = self.manifest.columns.chunks
-        # The pages each chunk lies in: what reading it alone takes.
-        pages = [
-            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT - offset + offset % ALIGNMENT
+        # Where each chunk's pages start and end (align_up written out: once per chunk), worked
+        # out once for planning; reading one chunk alone takes the difference.
+        firsts = [offset - offset % ALIGNMENT for offset in chunks.offsets]
+        stops = [
+            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
             for offset, length in zip(chunks.offsets, chunks.lengths, strict=True)
         ]
+        pages = list(map(operator.sub, stops, firsts))
         largest = max(pages, default=ALIGNMENT)
         arena = arena_bytes_for(buffer_bytes, sum(pages), largest)
         size = read_request_bytes(arena, largest)
-        requests = self._requests(_file_order(chunks), size)
+        requests = self._requests(_file_order(chunks), firsts, stops, size)
         self._regions_of, self._region_offsets = _destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)

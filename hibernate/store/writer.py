@@ -251,7 +251,7 @@ def link_reusable(
     # Built with map and one dict rather than a statement per chunk (an unchanged re-sleep reuses
     # every chunk); in reverse, so that of chunks with equal bytes the first is the one kept.
     chunks = previous.chunks
-    digests = [chunks.checksums[at : at + 16] for at in range(0, len(chunks.checksums), 16)]
+    digests = chunks.digests()
     linked_as = [renamed.get(file, "") for file in chunks.files]  # "": a file not linked
     refs = map(ChunkRef, linked_as, chunks.offsets, chunks.lengths, digests)
     keys = zip(digests, chunks.lengths, strict=True)
