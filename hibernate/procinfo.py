@@ -65,8 +65,8 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every live descendant, parents before children."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live process's children, by parent pid: one walk of /proc, a read per process."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -74,6 +74,17 @@ def descendants(pid: int) -> list[int]:
         ppid = parent_pid(int(entry))
         if ppid is not None:
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """``pid`` and every live descendant, parents before children.
+
+    ``children``: a :func:`children_by_parent` taken once for several pids, since
+    walking /proc reads a file per process of the node.
+    """
+    if children is None:
+        children = children_by_parent()
     ordered, frontier = [pid], [pid]
     while frontier:
         nxt = []

@@ -165,9 +165,12 @@ def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = Fals
     """
     targets: list[Target] = []
     claimed: set[ProcessIdentity] = set()
+    children: dict[int, list[int]] | None = None  # walked once, at the first accessible pid
     for pid in pids:
         check_access(pid)
-        tree = procinfo.descendants(pid)
+        if children is None:
+            children = procinfo.children_by_parent()
+        tree = procinfo.descendants(pid, children)
         target = Target(requested_pid=pid, processes=tree)
         for member in tree:
             ident = procinfo.identity(member)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from hibernate import procinfo
 from hibernate.errors import ExitCode, UsageError
 from hibernate.targets import (
     cgroup_members,
@@ -173,6 +174,25 @@ def test_climbing_stops_at_the_edge_of_the_selection() -> None:
 
 def test_topmost_keeps_order_and_drops_descendants() -> None:
     assert topmost([103, 300, 100, 104, 100], PARENTS.get) == [300, 100]
+
+
+def test_a_process_tree_lists_parents_before_children_from_one_walk_of_proc() -> None:
+    children = {100: [102, 101], 101: [104, 103], 300: [301]}
+    assert procinfo.descendants(100, children) == [100, 101, 102, 103, 104]
+    assert procinfo.descendants(104, children) == [104]
+
+
+def test_the_walk_of_proc_finds_a_real_child() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        try:
+            assert child.pid in procinfo.children_by_parent()[os.getpid()]
+            assert procinfo.descendants(os.getpid())[:1] == [os.getpid()]
+            assert child.pid in procinfo.descendants(os.getpid())
+        finally:
+            assert child.stdin is not None
+            child.stdin.close()
 
 
 # -- the selectors, with real processes ---------------------------------------------------
