@@ -4,6 +4,7 @@ Python twin give the same results, and the helper is built wherever a C compiler
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
@@ -28,11 +29,11 @@ needs_compiled = pytest.mark.skipif(compiled is None, reason="the compiled helpe
 
 CHECKSUMS: list[Callable[..., Any]] = [bulk.python_checksums]
 STAGES: list[Callable[..., Any]] = [bulk.python_stage]
-VERIFIES: list[Callable[..., Any]] = [bulk.python_verify_copy]
+VERIFIES: list[Callable[..., Any]] = [bulk.python_verify_copy_at]
 if compiled is not None:
     CHECKSUMS.append(compiled.checksums)
     STAGES.append(compiled.stage)
-    VERIFIES.append(compiled.verify_copy)
+    VERIFIES.append(compiled.verify_copy_at)
 
 
 def test_the_helper_is_built_and_used_wherever_a_c_compiler_is() -> None:
@@ -44,10 +45,10 @@ def test_the_helper_is_built_and_used_wherever_a_c_compiler_is() -> None:
 
 
 def test_hibernate_native_0_chooses_the_python_functions() -> None:
-    code = "from hibernate.store import bulk; print(bulk.NATIVE, bulk.verify_copy.__name__)"
+    code = "from hibernate.store import bulk; print(bulk.NATIVE, bulk.verify_copy_at.__name__)"
     env = {**os.environ, "HIBERNATE_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "python_verify_copy"]
+    assert out.stdout.split() == ["False", "python_verify_copy_at"]
 
 
 chunk_bytes = st.binary(min_size=0, max_size=9000)
@@ -93,72 +94,139 @@ def test_staging_refuses_an_item_that_does_not_fit(stage: Callable[..., Any]) ->
         stage(target, [(0, 10, memoryview(b"x" * 100))])  # longer than its padded size
 
 
-def _verify_case(chunks: Sequence[bytes], corrupt: int | None) -> tuple[bytes, list[Any], list[bytearray]]:
-    source = b"".join(chunks)
-    targets = [bytearray(len(c)) for c in chunks]
-    items: list[Any] = []
-    start = 0
-    for index, chunk in enumerate(chunks):
-        expected = checksum(chunk) if index != corrupt else checksum(chunk + b"!")
-        items.append((start, len(chunk), expected, memoryview(targets[index]) if index % 3 else None))
-        start += len(chunk)
-    return source, items, targets
+SENTINEL = b"\xee"
 
 
-@pytest.mark.parametrize("verify_copy", VERIFIES)
+def address_of(buffer: bytearray) -> int:
+    """Where a bytearray's bytes are (it is not resized while a test uses the address)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+class VerifyCase:
+    """Chunks back to back in a source read from file offset ``base``, each with a target buffer
+    (every third verified only) and a checksum, the ``corrupt`` one's wrong."""
+
+    def __init__(self, chunks: Sequence[bytes], corrupt: int | None, base: int = 0) -> None:
+        self.chunks, self.base = list(chunks), base
+        self.source = b"".join(chunks)
+        self.buffers = [bytearray(SENTINEL * (len(c) + 1)) for c in chunks]  # the last byte: never written
+        self.offsets = [base + sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]
+        self.lengths = [len(c) for c in chunks]
+        self.checksums = "".join(
+            checksum(c) if i != corrupt else checksum(c + b"!") for i, c in enumerate(chunks)
+        )
+        self.targets = [address_of(b) if i % 3 else 0 for i, b in enumerate(self.buffers)]
+
+    def run(self, verify_copy_at: Callable[..., Any], group: list[int], got: int | None = None) -> Any:
+        size = len(self.source) if got is None else got
+        return verify_copy_at(
+            memoryview(self.source),
+            self.base,
+            size,
+            group,
+            self.offsets,
+            self.lengths,
+            self.checksums,
+            self.targets,
+        )
+
+    def holds(self, index: int, copied: bool) -> bool:
+        """Whether chunk ``index``'s buffer holds the chunk (``copied``) or is as it was."""
+        expected = self.chunks[index] if copied else SENTINEL * self.lengths[index]
+        return self.buffers[index] == expected + SENTINEL
+
+
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
 @given(chunks=st.lists(chunk_bytes, min_size=1, max_size=8), data=st.data())
 @settings(max_examples=60, deadline=None)
-def test_verify_copy_copies_what_matches_and_stops_at_the_first_mismatch(
-    verify_copy: Callable[..., Any], chunks: list[bytes], data: st.DataObject
+def test_verify_copy_at_copies_what_matches_in_the_groups_order_and_stops_at_the_first_mismatch(
+    verify_copy_at: Callable[..., Any], chunks: list[bytes], data: st.DataObject
 ) -> None:
     corrupt = data.draw(st.none() | st.integers(0, len(chunks) - 1))
-    source, items, targets = _verify_case(chunks, corrupt)
-    assert verify_copy(memoryview(source), items) == (-1 if corrupt is None else corrupt)
-    for index, (chunk, item) in enumerate(zip(chunks, items, strict=True)):
-        copied = item[3] is not None and (corrupt is None or index < corrupt)
-        assert targets[index] == (chunk if copied else bytes(len(chunk)))
+    group = data.draw(st.permutations(range(len(chunks))))
+    case = VerifyCase(chunks, corrupt, base=data.draw(st.integers(0, 1 << 40)))
+    expected = -1 if corrupt is None else group.index(corrupt)
+    assert case.run(verify_copy_at, group) == (expected, False)
+    for position, chunk in enumerate(group):
+        assert case.holds(chunk, copied=case.targets[chunk] != 0 and (expected < 0 or position < expected))
 
 
-@pytest.mark.parametrize("verify_copy", VERIFIES)
-@pytest.mark.parametrize("expected", ["", "0" * 15, "0" * 17, "ABCDEF0123456789", "zz" * 8, None, 7])
-def test_a_malformed_checksum_matches_nothing(verify_copy: Callable[..., Any], expected: object) -> None:
-    target = bytearray(3)
-    assert verify_copy(memoryview(b"abc"), [(0, 3, expected, memoryview(target))]) == 0
-    assert target == bytes(3)
-
-
-@pytest.mark.parametrize("verify_copy", VERIFIES)
-def test_verify_copy_refuses_items_outside_the_source_or_a_target_of_another_size(
-    verify_copy: Callable[..., Any],
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
+def test_a_chunk_the_read_did_not_reach_is_reported_after_the_ones_before_it_are_checked(
+    verify_copy_at: Callable[..., Any],
 ) -> None:
-    source = memoryview(b"abcdef")
-    good = checksum(b"abc")
-    target = bytearray(3)
-    for items in (
-        [(0, 3, good, memoryview(target)), (4, 3, good, None)],  # past the end
-        [(0, 3, good, memoryview(target)), (-1, 3, good, None)],
-        [(0, 3, good, memoryview(bytearray(2)))],
-    ):
-        with pytest.raises(ValueError):
-            verify_copy(source, items)
-        assert target == bytes(3), "nothing is copied when an item is refused"
+    chunks = [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100]
+    case = VerifyCase(chunks, None)
+    assert case.run(verify_copy_at, [0, 1, 2, 3], got=250) == (2, True)
+    assert case.holds(1, copied=True) and case.holds(2, copied=False) and case.holds(3, copied=False)
+    corrupted = VerifyCase(chunks, 1)
+    assert corrupted.run(verify_copy_at, [0, 1, 2, 3], got=250) == (1, False), "a mismatch comes first"
+    assert VerifyCase(chunks, None).run(verify_copy_at, [3, 0], got=0) == (0, True)
 
 
-@pytest.mark.parametrize("verify_copy", VERIFIES)
-def test_bad_items_are_refused_alike_and_before_anything_is_copied(verify_copy: Callable[..., Any]) -> None:
-    source = memoryview(b"abcdef")
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
+@pytest.mark.parametrize("expected", ["0" * 16, "ABCDEF0123456789", "zz" * 8, "-" * 16, "é" * 16])
+def test_a_malformed_checksum_matches_nothing(verify_copy_at: Callable[..., Any], expected: str) -> None:
+    target = bytearray(4)
+    result = verify_copy_at(memoryview(b"abc"), 0, 3, [0], [0], [3], expected, [address_of(target)])
+    assert result == (0, False)
+    assert target == bytes(4)
+
+
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
+def test_bad_arguments_are_refused_alike_and_before_anything_is_copied(
+    verify_copy_at: Callable[..., Any],
+) -> None:
+    target = bytearray(4)
     good = checksum(b"abc")
-    first = bytearray(3)
-    for items, error in (
-        ([(0, 3, good, memoryview(first)), [3, 3, good, None]], TypeError),  # a list, not a tuple
-        ([(0, 3, good, memoryview(first)), (3, 3, good)], TypeError),
-        ([(0, 3, good, memoryview(first)), (3, 3, good, memoryview(b"xyz"))], BufferError),  # read-only
-        ([(0, 3, good, memoryview(first)), (3, 3, good, b"xyz")], BufferError),
-        ([(0, 3, good, memoryview(first)), (2**63, 3, good, None)], ValueError),
+    address = address_of(target)
+    shrinks: list[Any] = [0, 3]
+
+    class Shrinks:
+        """An index that would empty a list being read, were it asked: it must not be."""
+
+        def __index__(self) -> int:
+            shrinks.clear()
+            return 0
+
+    for args, error in (
+        ((1, 6, [0, 1], [0, 4], [3, 3], good * 2, [address, 0]), ValueError),  # chunk 0 before it
+        ((0, 7, [0], [0], [3], good, [address]), ValueError),  # more read than the source holds
+        ((0, 6, [0, 1], [0, 3], [3, 3], good, [address, 0]), ValueError),  # no checksum for chunk 1
+        ((0, 6, [0, 1], [0, 3], [3, -3], good * 2, [address, 0]), ValueError),
+        ((0, 6, [0, 2], [0, 3], [3, 3], good * 2, [address, 0]), IndexError),
+        ((0, 6, [0, -1], [0, 3], [3, 3], good * 2, [address, 0]), IndexError),
+        ((0, 6, [0, 1], [0, 2**63], [3, 3], good * 2, [address, 0]), ValueError),
+        ((0, 6, [0, 1], [0, 3.0], [3, 3], good * 2, [address, 0]), TypeError),
+        ((0, 6, [0, 1], [0, Shrinks()], [3, 3], good * 2, [address, 0]), TypeError),
+        ((0, 6, [0, 1], (0, 3), [3, 3], good * 2, [address, 0]), TypeError),  # a tuple, not a list
+        ((0, 6, [0, 1], [0, 3], [3, 3], good.encode() * 2, [address, 0]), TypeError),
     ):
         with pytest.raises(error):
-            verify_copy(source, items)
-        assert first == bytes(3), f"{items!r} copied before it was refused"
+            verify_copy_at(memoryview(b"abcabc"), *args)
+        assert target == bytes(4), f"{args!r} copied before it was refused"
+    assert shrinks == [0, 3], "no Python code runs while the lists are read"
+
+
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
+def test_a_source_of_wider_items_counts_in_bytes_and_may_overlap_its_target(
+    verify_copy_at: Callable[..., Any],
+) -> None:
+    data = bytes(range(64))
+    words = memoryview(bytearray(data)).cast("I")  # 16 items of 4 bytes
+    target = bytearray(17)
+    assert verify_copy_at(words, 0, 64, [0], [16], [16], checksum(data[16:32]), [address_of(target)]) == (
+        -1,
+        False,
+    )
+    assert target[:16] == data[16:32]
+    copied = bytearray(data)
+    view = memoryview(copied)
+    assert verify_copy_at(view, 0, 64, [0], [0], [32], checksum(data[:32]), [address_of(copied) + 4]) == (
+        -1,
+        False,
+    )
+    assert copied[4:36] == data[:32], "as if through a buffer"
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -173,40 +241,23 @@ def test_staging_refuses_bad_views_alike(stage: Callable[..., Any]) -> None:
         stage(target, [(2**63, 512, memoryview(b"x"))])
 
 
-@pytest.mark.parametrize(("stage", "verify_copy"), list(zip(STAGES, VERIFIES, strict=True)))
-def test_views_of_wider_items_count_in_bytes(
-    stage: Callable[..., Any], verify_copy: Callable[..., Any]
-) -> None:
+@pytest.mark.parametrize("stage", STAGES)
+def test_views_of_wider_items_are_staged_in_bytes(stage: Callable[..., Any]) -> None:
     words = memoryview(bytearray(range(16))).cast("I")  # 4 items of 4 bytes
     target = bytearray(4096)
     assert stage(memoryview(target), [(0, 512, words)]) == [checksum(bytes(range(16)))]
     assert target[:16] == bytes(range(16))
-    into = memoryview(bytearray(16)).cast("I")
-    assert verify_copy(memoryview(bytes(range(16))), [(0, 16, checksum(bytes(range(16))), into)]) == -1
-    assert into.tobytes() == bytes(range(16))
 
 
-@pytest.mark.parametrize(("stage", "verify_copy"), list(zip(STAGES, VERIFIES, strict=True)))
-def test_overlapping_source_and_target_copy_as_if_through_a_buffer(
-    stage: Callable[..., Any], verify_copy: Callable[..., Any]
+@pytest.mark.parametrize("stage", STAGES)
+def test_staging_from_a_view_of_its_own_target_copies_as_if_through_a_buffer(
+    stage: Callable[..., Any],
 ) -> None:
     data = bytes(range(64))
     staged = bytearray(data + bytes(1024))
     view = memoryview(staged)
     assert stage(view, [(4, 512, view[0:32])]) == [checksum(data[:32])]
     assert staged[4:36] == data[:32]
-    copied = bytearray(data)
-    view = memoryview(copied)
-    assert verify_copy(view, [(0, 32, checksum(data[:32]), view[4:36])]) == -1
-    assert copied[4:36] == data[:32]
-
-
-@pytest.mark.parametrize("verify_copy", VERIFIES)
-def test_items_given_as_an_iterator_are_all_checked(verify_copy: Callable[..., Any]) -> None:
-    target = bytearray(3)
-    items = ((0, 3, "0" * 16, memoryview(target)) for _ in range(1))
-    assert verify_copy(memoryview(b"abc"), items) == 0
-    assert target == bytes(3)
 
 
 class _Shrinks:
@@ -227,9 +278,6 @@ def test_the_helper_survives_items_that_change_while_it_reads_them() -> None:
     items += [(_Shrinks(items), 8, memoryview(bytearray(b"abc")))] + [(0, 8, memoryview(b"x"))] * 50
     digests = compiled.stage(memoryview(bytearray(4096)), items)
     assert len(digests) == 51 and items == []
-    checks: list[Any] = []
-    checks += [(0, _Shrinks(checks), checksum(b"abcdefgh"), None)] * 3
-    assert compiled.verify_copy(memoryview(b"abcdefgh"), checks) == -1
 
 
 # -- through the reader and the writer ---------------------------------------------------------
@@ -238,13 +286,13 @@ def test_the_helper_survives_items_that_change_while_it_reads_them() -> None:
 @contextlib.contextmanager
 def python_only() -> Iterator[None]:
     """The store as it runs where the helper was not built."""
-    saved = (bulk.NATIVE, bulk.checksums, bulk.stage, bulk.verify_copy)
+    saved = (bulk.NATIVE, bulk.checksums, bulk.stage, bulk.verify_copy_at)
     bulk.NATIVE, bulk.checksums = False, bulk.python_checksums
-    bulk.stage, bulk.verify_copy = bulk.python_stage, bulk.python_verify_copy
+    bulk.stage, bulk.verify_copy_at = bulk.python_stage, bulk.python_verify_copy_at
     try:
         yield
     finally:
-        bulk.NATIVE, bulk.checksums, bulk.stage, bulk.verify_copy = saved
+        bulk.NATIVE, bulk.checksums, bulk.stage, bulk.verify_copy_at = saved
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store.format import ALIGNMENT, align_up
+from hibernate.store.format import ALIGNMENT, ChunkColumns, align_up
+from hibernate.store.reader import _file_order
 from hibernate.store.writer import PACKED_ALIGNMENT
 
 KiB = 1024
@@ -53,6 +54,10 @@ class BytesRegion:
 
     def host_view(self, offset: int, length: int) -> memoryview | None:
         return memoryview(self.data)[offset : offset + length] if self.host else None
+
+    def host_address(self) -> int | None:
+        # The bytearray is never resized while a restore runs, so its buffer stays where it is.
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.data)) if self.host and self.data else None
 
     def blank(self) -> BytesRegion:
         """A region of the same shape whose bytes must all be overwritten by a restore."""
@@ -384,6 +389,18 @@ def test_small_chunks_are_packed_back_to_back_and_read_back(scratch: Path) -> No
     blanks = [r.blank() for r in regions]
     read_back(scratch, result.snapshot, blanks)
     assert [b.data for b in blanks] == [r.data for r in regions]
+
+
+def test_chunks_are_read_in_file_order_whatever_order_the_stagers_packed_them_in() -> None:
+    digests = "0" * 16 * 4
+    in_order = ChunkColumns(["a.bin"] * 4, [0, 64, 4096, 8192], [64, 64, 100, 100], digests)
+    assert list(_file_order(in_order)) == [0, 1, 2, 3]
+    interleaved = ChunkColumns(["a.bin"] * 4, [4096, 4160, 0, 64], [64, 64, 64, 64], digests)
+    assert list(_file_order(interleaved)) == [2, 3, 0, 1]
+    named_twice = ChunkColumns(["a.bin"] * 4, [4096, 0, 4096, 0], [64, 64, 64, 64], digests)
+    assert list(_file_order(named_twice)) == [1, 3, 0, 2]
+    two_files = ChunkColumns(["b.bin", "a.bin", "b.bin", "a.bin"], [0, 4096, 4096, 0], [1, 1, 1, 1], digests)
+    assert list(_file_order(two_files)) == [3, 1, 0, 2]
 
 
 def test_a_region_without_a_host_view_is_staged_and_verified_the_same(scratch: Path) -> None:

@@ -265,6 +265,11 @@ class StorageRegion(RegionAttributes):
             self._view_address = address
         return self._view[offset : offset + length]
 
+    def host_address(self) -> int | None:
+        if not self._in_host_memory or self.released:
+            return None
+        return int(self._storage.data_ptr())
+
     def release(self) -> None:
         """Free the memory; first put its tensors to sleep, so that new uses raise, not crash."""
         if self.released:

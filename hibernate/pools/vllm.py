@@ -184,6 +184,9 @@ class CuMemRegion(RegionAttributes):
     def host_view(self, offset: int, length: int) -> memoryview | None:
         return None  # device memory: the store stages it
 
+    def host_address(self) -> int | None:
+        return None
+
     def release(self) -> None:
         """vLLM's ``unmap_and_release``; bookkeeping as vLLM's own sleep leaves it."""
         if self.live() and not self._data.is_asleep:

@@ -124,14 +124,8 @@ static int parse_item(PyObject *items, Py_ssize_t i, Py_ssize_t size, const char
     return 0;
 }
 
-/* A checksum's 16 lower-case hex digits as a number; 0 for anything else, which matches nothing. */
-static int parse_digest(PyObject *text, uint64_t *value) {
-    Py_ssize_t length;
-    const char *chars = PyUnicode_Check(text) ? PyUnicode_AsUTF8AndSize(text, &length) : NULL;
-    if (chars == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
+/* `length` characters of lower-case hex as a number; 0 (matches nothing) for anything else. */
+static int parse_hex(const char *chars, Py_ssize_t length, uint64_t *value) {
     if (length != 16) return 0;
     uint64_t out = 0;
     for (int i = 0; i < 16; i++) {
@@ -250,65 +244,89 @@ done:
     return result;
 }
 
+/* Entry `index` of `list`, which must be an int (no __index__: no Python code may run while the
+   lists are read), as a Py_ssize_t; `name` says which list in an error. */
+static int list_entry(PyObject *list, Py_ssize_t index, const char *name, Py_ssize_t *value) {
+    if (index < 0 || index >= PyList_GET_SIZE(list)) {
+        PyErr_Format(PyExc_IndexError, "chunk %zd is not in %s", index, name);
+        return -1;
+    }
+    PyObject *item = PyList_GET_ITEM(list, index);
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "%s[%zd] must be an int", name, index);
+        return -1;
+    }
+    *value = PyLong_AsSsize_t(item);
+    if (*value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s[%zd] is out of range", name, index);
+        return -1;
+    }
+    return 0;
+}
+
 typedef struct {
-    Py_ssize_t start, length;
+    const char *bytes;
+    size_t length;
     uint64_t expected;
     int comparable; /* the expected checksum was well formed */
     char *target;   /* NULL: verify only */
 } Check;
 
-static PyObject *verify_copy(PyObject *self, PyObject *args) {
+static PyObject *verify_copy_at(PyObject *self, PyObject *args) {
     Py_buffer source;
-    PyObject *items;
-    if (open_call(args, "OO:verify_copy", PyBUF_SIMPLE,
-                  "verify_copy() takes a sequence of (start, length, checksum, target)", &source, &items) < 0)
+    Py_ssize_t base, got;
+    PyObject *group, *offsets, *lengths, *digests, *targets;
+    if (require_bound() < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnO!O!O!UO!:verify_copy_at", &source, &base, &got, &PyList_Type, &group,
+                          &PyList_Type, &offsets, &PyList_Type, &lengths, &digests, &PyList_Type, &targets))
         return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(items), failed = -1;
+    Py_ssize_t n = PyList_GET_SIZE(group), stop = n, failed = -1, digits = 0;
+    int truncated = 0;
     PyObject *result = NULL;
     Check *plan = PyMem_Calloc(n ? n : 1, sizeof(Check));
-    Held held = {NULL, 0};
-    if (plan == NULL) {
-        PyErr_NoMemory();
+    const char *text = PyUnicode_AsUTF8AndSize(digests, &digits);
+    if (plan == NULL) PyErr_NoMemory();
+    if (plan == NULL || text == NULL) goto done;
+    if (got < 0 || got > source.len) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes read into a %zd-byte source", got, source.len);
         goto done;
     }
-    if (hold(&held, n) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *expected, *target;
-        Py_ssize_t start, length;
-        if (parse_item(items, i, 4, "nnOO", &start, &length, &expected, &target) < 0) goto done;
-        if (start < 0 || length < 0 || length > source.len - start) {
-            PyErr_Format(PyExc_ValueError, "item %zd (%zd bytes at %zd) lies outside the %zd-byte source", i,
-                         length, start, source.len);
+        Py_ssize_t chunk, offset, length, address;
+        if (list_entry(group, i, "the group", &chunk) < 0 || list_entry(offsets, chunk, "offsets", &offset) < 0 ||
+            list_entry(lengths, chunk, "lengths", &length) < 0 ||
+            list_entry(targets, chunk, "targets", &address) < 0)
+            goto done;
+        Py_ssize_t start = offset - base;
+        if (start < 0 || length < 0 || chunk > digits / 16 - 1) {
+            PyErr_Format(PyExc_ValueError, "chunk %zd (%zd bytes at file offset %zd) is not in the source", chunk,
+                         length, offset);
             goto done;
         }
-        plan[i] = (Check){start, length, 0, 0, NULL};
-        plan[i].comparable = parse_digest(expected, &plan[i].expected);
-        if (target != Py_None) {
-            if (hold_one(&held, target, PyBUF_WRITABLE) < 0) goto done;
-            if (held.views[held.held - 1].len != length) {
-                PyErr_Format(PyExc_ValueError, "item %zd: a target of %zd bytes for %zd", i,
-                             held.views[held.held - 1].len, length);
-                goto done;
-            }
-            plan[i].target = held.views[held.held - 1].buf;
+        if (length > got - start) { /* the read ended before it: the chunks before it are still checked */
+            stop = i;
+            truncated = 1;
+            break;
         }
+        plan[i] = (Check){(const char *)source.buf + start, (size_t)length, 0, 0, (char *)address};
+        plan[i].comparable = parse_hex(text + 16 * chunk, 16, &plan[i].expected);
     }
     Py_BEGIN_ALLOW_THREADS
-    const char *base = source.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *bytes = base + plan[i].start;
-        if (!plan[i].comparable || xxh3_64(bytes, (size_t)plan[i].length) != plan[i].expected) {
+    for (Py_ssize_t i = 0; i < stop; i++) {
+        if (!plan[i].comparable || xxh3_64(plan[i].bytes, plan[i].length) != plan[i].expected) {
             failed = i;
             break;
         }
-        if (plan[i].target != NULL) memmove(plan[i].target, bytes, (size_t)plan[i].length);
+        if (plan[i].target != NULL) memmove(plan[i].target, plan[i].bytes, plan[i].length);
     }
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(failed);
+    if (failed >= 0) truncated = 0;
+    else if (truncated) failed = stop;
+    result = Py_BuildValue("(nO)", failed, truncated ? Py_True : Py_False);
 done:
-    if (held.views != NULL) let_go(&held);
     PyMem_Free(plan);
-    release_call(&source, items);
+    PyBuffer_Release(&source);
     return result;
 }
 
@@ -317,9 +335,9 @@ static PyMethodDef methods[] = {
     {"checksums", checksums, METH_O, "The checksum of each buffer, as 16 hex digits."},
     {"stage", stage, METH_VARARGS,
      "Copy each (position, padded, view) into the target, zero its padding; the checksums of the copies."},
-    {"verify_copy", verify_copy, METH_VARARGS,
-     "Check each (start, length, checksum, target) of the source in order and copy it to its target; "
-     "the index of the first that does not match, or -1."},
+    {"verify_copy_at", verify_copy_at, METH_VARARGS,
+     "Check the group's chunks in the source in order and copy each to its target address; "
+     "(position of the first that failed or -1, whether it failed for lack of bytes read)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -327,7 +345,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bulk", NULL, -1, me
 
 /* Raised whenever what a function does changes, so that bulk.py refuses a module built from an
    older _bulk.c (the build lands in the source tree of an editable install). */
-#define BULK_VERSION 2
+#define BULK_VERSION 3
 
 PyMODINIT_FUNC PyInit__bulk(void) {
     PyObject *made = PyModule_Create(&module);

@@ -18,6 +18,7 @@ the regions' own copies.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 from collections.abc import Sequence
@@ -25,15 +26,14 @@ from types import ModuleType
 from typing import Any
 
 from hibernate.store.format import checksum
+from hibernate.store.regions import memory_at
 
-# (start, length, checksum, target): a chunk at ``start`` of a source, and where it goes (None: nowhere).
-VerifyItem = tuple[int, int, str, "memoryview | None"]
 # (position, padded, view): a chunk to copy to ``position`` of a staging buffer, zero-padded to ``padded``.
 StageItem = tuple[int, int, memoryview]
 
 
 # The _bulk.c this module expects (its VERSION): a module built from an older source is not used.
-_COMPILED_VERSION = 2
+_COMPILED_VERSION = 3
 
 
 def _load() -> ModuleType | None:
@@ -65,12 +65,23 @@ def _agrees(compiled: ModuleType) -> bool:
     staged = [bytearray(len(data) * slot), bytearray(len(data) * slot)]
     items = [(i * slot, slot, memoryview(chunk)) for i, chunk in enumerate(data)]
     digests = python_checksums([memoryview(chunk) for chunk in data])
-    check = [(0, 1280, digests[0], None), (1280, 0, digests[1], None), (1280, 9, digests[0], None)]
+    copies = [bytearray(len(source)), bytearray(len(source))]
+    holds = [ctypes.c_char.from_buffer(copy) for copy in copies]  # their addresses stay valid meanwhile
+    # Chunks 0 and 2 match; chunk 1 claims the checksum of chunk 0; a fourth lies past what was read.
+    offsets, lengths = [0, 1280, 1280, 1280], [1280, 0, 9, 16]
+    sums = digests[0] + digests[0] + digests[2] + digests[2]
+    results = [
+        function(source, 0, len(source), [0, 2, 1, 3], offsets, lengths, sums, [ctypes.addressof(hold)] * 4)
+        for function, hold in ((compiled.verify_copy_at, holds[0]), (python_verify_copy_at, holds[1]))
+    ]
+    del holds
     return bool(
         compiled.checksums(data) == digests
         and compiled.stage(memoryview(staged[0]), items) == python_stage(memoryview(staged[1]), items)
         and staged[0] == staged[1]
-        and compiled.verify_copy(source, check) == python_verify_copy(source, check) == 2
+        and results[0] == results[1] == (2, False)
+        and copies[0] == copies[1]
+        and copies[0][:9] == b"hibernate"
     )
 
 
@@ -126,34 +137,76 @@ def python_stage(target: memoryview, items: Sequence[StageItem]) -> list[str]:
     return digests
 
 
-def python_verify_copy(source: memoryview, items: Sequence[VerifyItem]) -> int:
-    """Check each item's bytes of ``source`` against its checksum, in order, and copy them to its
-    target once they match; the index of the first that does not (nothing copied from it on), or -1.
-    A checksum that is not 16 lower-case hex digits matches nothing. Items that lie outside the
-    source, or whose target is not their length, are refused before anything is copied."""
+def _entry(values: list[int], index: int, name: str) -> int:
+    """``values[index]``, refused as the compiled function refuses it (an index past it, not an int,
+    past what a C Py_ssize_t holds)."""
+    if not 0 <= index < len(values):
+        raise IndexError(f"chunk {index} is not in {name}")
+    value = values[index]
+    if not isinstance(value, int):
+        raise TypeError(f"{name}[{index}] must be an int")
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ValueError(f"{name}[{index}] is out of range")
+    return value
+
+
+def python_verify_copy_at(
+    source: memoryview,
+    base: int,
+    got: int,
+    group: list[int],
+    offsets: list[int],
+    lengths: list[int],
+    checksums: str,
+    targets: list[int],
+) -> tuple[int, bool]:
+    """Check each chunk of ``group`` where it lies in ``source`` (which holds the file's bytes from
+    offset ``base``, ``got`` of them read) against its checksum, in order, and copy it to its
+    target address once it matches (a target of 0: verify only). ``offsets``, ``lengths``,
+    ``checksums`` (16 hex digits each) and ``targets`` are by chunk index, as the manifest's columns.
+
+    Returns the position in ``group`` of the first chunk that failed (nothing copied from it on)
+    and whether it failed because the read ended before its end, else ``(-1, False)``; the chunks
+    before one that was not read whole are still checked, and a mismatch among them is the
+    failure. A chunk that lies before the source, or a list that is not one, is refused before
+    anything is copied. The targets must stay mapped for the call, as with the regions' own copies.
+    """
     source = _bytes_of(source)
-    size = len(source)
-    plan = [
-        (start, length, expected, None if target is None else _bytes_of(target, writable=True))
-        for start, length, expected, target in _checked(items, 4)
-    ]
-    for start, length, _, target in plan:
-        if start < 0 or length < 0 or start + length > size:
-            raise ValueError(f"{length} bytes at {start} lie outside the {size}-byte source")
-        if target is not None and len(target) != length:
-            raise ValueError(f"a target of {len(target)} bytes for {length}")
-    for index, (start, length, expected, target) in enumerate(plan):
+    if not all(type(values) is list for values in (group, offsets, lengths, targets)):
+        raise TypeError("the group, offsets, lengths and targets must be lists")
+    if type(checksums) is not str:
+        raise TypeError("checksums must be a str")
+    if not 0 <= got <= len(source):
+        raise ValueError(f"{got} bytes read into a {len(source)}-byte source")
+    plan = []
+    stop, truncated = len(group), False
+    for position in range(len(group)):
+        chunk = _entry(group, position, "the group")
+        offset, length = _entry(offsets, chunk, "offsets"), _entry(lengths, chunk, "lengths")
+        address = _entry(targets, chunk, "targets")
+        start = offset - base
+        if start < 0 or length < 0 or 16 * chunk + 16 > len(checksums):
+            raise ValueError(f"chunk {chunk} ({length} bytes at file offset {offset}) is not in the source")
+        if start + length > got:
+            stop, truncated = position, True
+            break
+        plan.append((start, length, checksums[16 * chunk : 16 * chunk + 16], address))
+    # Copies of a writable source by ctypes.memmove, which lets the GIL go as the compiled one does.
+    source_address = None if source.readonly else ctypes.addressof(ctypes.c_char.from_buffer(source))
+    for position, (start, length, expected, address) in enumerate(plan):
         view = source[start : start + length]
         if checksum(view) != expected:
-            return index
-        if target is not None:
-            target[:] = view
-    return -1
+            return position, False
+        if address and source_address is not None:
+            ctypes.memmove(address, source_address + start, length)
+        elif address:
+            memory_at(address, length)[:] = view
+    return (stop, True) if truncated else (-1, False)
 
 
 _native = _load()
-# Whether the compiled helper does the work (the reader then copies chunks of any size itself).
+# Whether the compiled helper does the work.
 NATIVE = _native is not None
 checksums = _native.checksums if _native is not None else python_checksums
 stage = _native.stage if _native is not None else python_stage
-verify_copy = _native.verify_copy if _native is not None else python_verify_copy
+verify_copy_at = _native.verify_copy_at if _native is not None else python_verify_copy_at

@@ -73,11 +73,6 @@ _READ_REQUEST_BYTES = 32 << 20
 # A worker takes the small chunks of a request in groups of about this many bytes (a large
 # chunk is a group of its own): handing them out one by one cost more than verifying them.
 _GROUP_BYTES = 4 << 20
-# Without the compiled helper (bulk.NATIVE), verified chunks up to this size are copied into
-# the region by a slice assignment, which holds the GIL: cheaper than the region's call for
-# small ones, but a larger copy into memory not yet faulted in stalls the other workers
-# (100-KiB tensors restored at half the speed). The helper copies any size without the GIL.
-_SMALL_COPY_IN = 16 << 10
 # Regions smaller than this are not faulted in ahead of the copies (see fault_in).
 _POPULATE_MIN_BYTES = 64 << 10
 
@@ -118,6 +113,22 @@ def _destinations(columns: Columns) -> tuple[Sequence[int], Sequence[int]]:
     return region_of, list(map(operator.sub, covered, map(starts.__getitem__, region_of)))
 
 
+def _targets(
+    regions: Sequence[Region], regions_of: Sequence[int], region_offsets: Sequence[int]
+) -> list[int]:
+    """Each chunk's address in host memory, by chunk index; 0 where its region has none (device memory).
+
+    Asked of each region once per wake, so that verifying and copying a group of
+    chunks is one call with no Python per chunk (bulk.verify_copy_at): asking for
+    a view of each chunk's destination cost about 1 us a chunk, under the GIL.
+    """
+    bases = [region.host_address() or 0 for region in regions]
+    if isinstance(regions_of, range):  # one chunk per region, at its start (see _destinations)
+        return bases
+    placed = zip(regions_of, region_offsets, strict=True)
+    return [bases[region] + offset if bases[region] else 0 for region, offset in placed]
+
+
 def _file_order(chunks: ChunkColumns) -> Sequence[int]:
     """The chunks' indices in file order (file, then offset): the order they are read in.
 
@@ -125,9 +136,12 @@ def _file_order(chunks: ChunkColumns) -> Sequence[int]:
     checked in bulk rather than sorted.
     """
     files, offsets = chunks.files, chunks.offsets
-    if len(set(files)) <= 1 and all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):
+    if len(set(files)) > 1:
+        return sorted(range(len(offsets)), key=list(zip(files, offsets, strict=True)).__getitem__)
+    if all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):
         return range(len(offsets))
-    return sorted(range(len(offsets)), key=list(zip(files, offsets, strict=True)).__getitem__)
+    # Two stagers fill the arenas side by side, so packed runs of small chunks interleave.
+    return sorted(range(len(offsets)), key=offsets.__getitem__)
 
 
 @dataclass
@@ -244,6 +258,8 @@ class SnapshotReader:
         # Each chunk's region and offset in it, by chunk index (see _destinations), once reading.
         self._regions_of: Sequence[int] = ()
         self._region_offsets: Sequence[int] = ()
+        self._targets: list[int] = []  # see _targets
+        self._all_host = True
         try:
             self.manifest: Manifest = root.read_manifest(name)
             self._open_files(io_mode)
@@ -453,6 +469,7 @@ class SnapshotReader:
         lock = threading.Lock()
         state = {"done": 0}
         reading = threading.Event()  # the reader has its first buffer
+        placed = threading.Event()  # every chunk's destination is known (see fault_in)
         workers = max(1, threads)
 
         def read() -> None:
@@ -477,6 +494,9 @@ class SnapshotReader:
                     loaded.put(None)
 
         def work() -> None:
+            while not placed.wait(0.05):
+                if pipeline.abort.is_set():
+                    return
             while True:
                 item = loaded.get()
                 if item is None or pipeline.abort.is_set():
@@ -497,15 +517,21 @@ class SnapshotReader:
                     progress(done, total)
 
         def fault_in() -> None:
-            """Fault in staging and the regions' host memory, in the order the reads and copies need it.
+            """Find where each chunk goes, then fault in staging and the regions' host memory, in the
+            order the reads and copies need it.
 
-            The reader allocates its first buffer; one more for each worker
+            The destinations (asked of every region: 0.05-0.07 s at 100,000
+            tensors) are worked out here while the first reads are in flight,
+            not before them. The reader allocates its first buffer; one more for each worker
             (each holds at most one while the reader fills the next) is
             allocated here once the reader has its own: faulting huge pages
             in took up to 0.3 s for three buffers, time the disk idled when
             the reader allocated them itself, and faulting them in alongside
             the reader's first one delayed it (0.17 s instead of 0.09).
             """
+            self._targets = _targets(regions, self._regions_of, self._region_offsets)
+            self._all_host = all(self._targets)
+            placed.set()
             while not reading.wait(0.05):
                 if pipeline.abort.is_set():
                     return
@@ -555,51 +581,37 @@ class SnapshotReader:
     def _verify_and_copy(self, batch: _Loaded, group: list[int], regions: Sequence[Region]) -> int:
         """Verify each chunk of ``group`` where it lies in the buffer, then copy it in; the bytes copied.
 
-        A group at a time, in one call (bulk.verify_copy): a wake of 100,000
-        tensors verifies 100,000 chunks, and a call per chunk cost more than
-        its copy. Chunks whose region has no writable host view (device
-        memory), and without the compiled helper the large ones (see
-        _SMALL_COPY_IN), are verified in that call and copied by their region.
+        A group at a time, in one call (bulk.verify_copy_at) that copies each
+        verified chunk to its address in host memory: a wake of 100,000 tensors
+        verifies 100,000 chunks, and Python per chunk cost more than its copy.
+        Chunks whose region has no host memory (device memory) are verified in
+        that call and then copied by their region.
         """
-        view_of, base, got = batch.buffer.view, batch.request.offset, batch.got
         chunks = self.manifest.columns.chunks
-        offsets, lengths, checksums = chunks.offsets, chunks.lengths, chunks.checksums
-        regions_of, region_offsets = self._regions_of, self._region_offsets
-        largest_direct = None if bulk.NATIVE else _SMALL_COPY_IN
-        items: list[bulk.VerifyItem] = []
-        by_region: list[tuple[int, int]] = []
-        truncated: tuple[int, int] | None = None
-        copied = 0
-        for chunk in group:
-            start = offsets[chunk] - base
-            length = lengths[chunk]
-            if got < start + length:
-                truncated = (chunk, start)
-                break
-            target = (
-                regions[regions_of[chunk]].host_view(region_offsets[chunk], length)
-                if largest_direct is None or length <= largest_direct
-                else None
-            )
-            if target is None or target.readonly:
-                target = None
-                by_region.append((chunk, start))
-            items.append((start, length, checksums[16 * chunk : 16 * chunk + 16], target))
-            copied += length
-        failed = bulk.verify_copy(view_of, items)
+        offsets, lengths = chunks.offsets, chunks.lengths
+        view, base, got, targets = batch.buffer.view, batch.request.offset, batch.got, self._targets
+        failed, truncated = bulk.verify_copy_at(
+            view, base, got, group, offsets, lengths, chunks.checksums, targets
+        )
         if failed >= 0:
+            chunk = group[failed]
+            if truncated:
+                raise SnapshotInvalidError(
+                    f"{self._where(chunk)}: file is truncated "
+                    f"({max(0, got - (offsets[chunk] - base))} of {lengths[chunk]} bytes read)"
+                )
             raise SnapshotInvalidError(
-                f"{self._where(group[failed])}: checksum mismatch; the data on disk is corrupted"
+                f"{self._where(chunk)}: checksum mismatch; the data on disk is corrupted"
             )
-        if truncated is not None:
-            chunk, start = truncated
-            raise SnapshotInvalidError(
-                f"{self._where(chunk)}: file is truncated "
-                f"({max(0, got - start)} of {lengths[chunk]} bytes read)"
-            )
-        for chunk, start in by_region:
-            regions[regions_of[chunk]].copy_in(region_offsets[chunk], view_of[start : start + lengths[chunk]])
-        return copied
+        if not self._all_host:
+            regions_of, region_offsets = self._regions_of, self._region_offsets
+            for chunk in group:
+                if not targets[chunk]:
+                    start = offsets[chunk] - base
+                    regions[regions_of[chunk]].copy_in(
+                        region_offsets[chunk], view[start : start + lengths[chunk]]
+                    )
+        return sum(map(lengths.__getitem__, group))
 
     def _where(self, chunk: int) -> str:
         """A chunk named for a refusal (built only then: a wake verifies one chunk per tensor)."""
@@ -635,6 +647,9 @@ class Discard:
         pass
 
     def host_view(self, offset: int, length: int) -> memoryview | None:
+        return None
+
+    def host_address(self) -> int | None:
         return None
 
 

@@ -63,7 +63,15 @@ class Region(Protocol):
 
         The writer hashes it in place (an unchanged chunk is then neither copied
         nor written) and copies small chunks out of it; the reader faults it in
-        (MADV_POPULATE_WRITE) ahead of copying into it, and copies small
-        verified chunks into it (a writable view), bypassing copy_in.
+        (MADV_POPULATE_WRITE) ahead of copying into it.
+        """
+        ...
+
+    def host_address(self) -> int | None:
+        """Where the region's writable host memory starts (valid until it is released), or None.
+
+        The reader copies verified chunks straight there, a group of chunks in
+        one call, bypassing copy_in: asked once per region and wake, not once
+        per chunk (see SnapshotReader.read_into).
         """
         ...
