@@ -309,7 +309,7 @@ static PyObject *verify_copy_at(PyObject *self, PyObject *args) {
             truncated = 1;
             break;
         }
-        plan[i] = (Check){(const char *)source.buf + start, (size_t)length, 0, 0, (char *)address};
+        plan[i] = (Check){(const char *)source.buf + start, (size_t)length, 0, 0, (char *)(intptr_t)address};
         plan[i].comparable = parse_hex(text + 16 * chunk, 16, &plan[i].expected);
     }
     Py_BEGIN_ALLOW_THREADS

@@ -192,7 +192,8 @@ def python_verify_copy_at(
             break
         plan.append((start, length, checksums[16 * chunk : 16 * chunk + 16], address))
     # Copies of a writable source by ctypes.memmove, which lets the GIL go as the compiled one does.
-    source_address = None if source.readonly else ctypes.addressof(ctypes.c_char.from_buffer(source))
+    writable = not source.readonly and len(source) > 0  # ctypes takes no empty buffer
+    source_address = ctypes.addressof(ctypes.c_char.from_buffer(source)) if writable else None
     for position, (start, length, expected, address) in enumerate(plan):
         view = source[start : start + length]
         if checksum(view) != expected:
