@@ -165,7 +165,7 @@ def test_a_chunk_the_read_did_not_reach_is_reported_after_the_ones_before_it_are
 
 
 @pytest.mark.parametrize("verify_copy_at", VERIFIES)
-@pytest.mark.parametrize("expected", ["0" * 16, "ABCDEF0123456789", "zz" * 8, "-" * 16, "é" * 16])
+@pytest.mark.parametrize("expected", ["0" * 16, "ABCDEF0123456789", "zz" * 8, "-" * 16])
 def test_a_malformed_checksum_matches_nothing(verify_copy_at: Callable[..., Any], expected: str) -> None:
     target = bytearray(4)
     result = verify_copy_at(memoryview(b"abc"), 0, 3, [0], [0], [3], expected, [address_of(target)])
@@ -192,6 +192,10 @@ def test_bad_arguments_are_refused_alike_and_before_anything_is_copied(
     for args, error in (
         ((1, 6, [0, 1], [0, 4], [3, 3], good * 2, [address, 0]), ValueError),  # chunk 0 before it
         ((0, 7, [0], [0], [3], good, [address]), ValueError),  # more read than the source holds
+        ((-1, 6, [0], [0], [3], good, [address]), ValueError),  # a source before the file's start
+        ((2**63, 6, [0], [0], [3], good, [address]), OverflowError),
+        ((0, 6.0, [0], [0], [3], good, [address]), TypeError),
+        ((0, 6, [0], [0], [3], "é" * 16, [address]), ValueError),  # not hex, and not 16 bytes either
         ((0, 6, [0, 1], [0, 3], [3, 3], good, [address, 0]), ValueError),  # no checksum for chunk 1
         ((0, 6, [0, 1], [0, 3], [3, -3], good * 2, [address, 0]), ValueError),
         ((0, 6, [0, 2], [0, 3], [3, 3], good * 2, [address, 0]), IndexError),
@@ -206,6 +210,23 @@ def test_bad_arguments_are_refused_alike_and_before_anything_is_copied(
             verify_copy_at(memoryview(b"abcabc"), *args)
         assert target == bytes(4), f"{args!r} copied before it was refused"
     assert shrinks == [0, 3], "no Python code runs while the lists are read"
+
+
+@pytest.mark.parametrize("verify_copy_at", VERIFIES)
+def test_an_empty_group_checks_nothing_and_bools_count_as_ints_alike(
+    verify_copy_at: Callable[..., Any],
+) -> None:
+    target = bytearray(2)
+    assert verify_copy_at(memoryview(b"ab"), 0, 2, [], [], [], "", []) == (-1, False)
+    digests = checksum(b"ab") + checksum(b"b")
+    assert verify_copy_at(memoryview(b"ab"), 0, True, [0], [True], [1], digests, [0]) == (0, True)
+    assert verify_copy_at(
+        memoryview(b"ab"), 0, 2, [True], [0, True], [2, True], digests, [0, address_of(target)]
+    ) == (
+        -1,
+        False,
+    )
+    assert target == b"b\0"
 
 
 @pytest.mark.parametrize("verify_copy_at", VERIFIES)
@@ -302,8 +323,8 @@ def scratch() -> Iterator[Path]:
 
 
 MODES = ["python", pytest.param("compiled", marks=needs_compiled)]
-# Small chunks go through the run-at-a-time paths, large ones (past 16 and 256 KiB) through the
-# region's own copy where there is no helper; a region without a host view stands for device memory.
+# A sleep stages chunks up to 256 KiB in runs and larger ones one by one; a wake copies every chunk
+# to its region's address; a region without host memory stands for device memory.
 LAYOUT = [1, 4095, 4096, 20 * KiB, 100 * KiB, 300 * KiB, 3 * 1024 * KiB + 7]
 
 

@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import ALIGNMENT, ChunkColumns, align_up
@@ -389,6 +390,20 @@ def test_small_chunks_are_packed_back_to_back_and_read_back(scratch: Path) -> No
     blanks = [r.blank() for r in regions]
     read_back(scratch, result.snapshot, blanks)
     assert [b.data for b in blanks] == [r.data for r in regions]
+
+
+def test_regions_changed_after_they_were_checked_are_checked_again(scratch: Path) -> None:
+    """The copies go to each region's own address: a list the caller changed after check_matches must
+    not be taken as checked (the old region's size, a shorter new one: a write past its end)."""
+    regions = [BytesRegion("w/a", "w", os.urandom(8 * KiB)), BytesRegion("w/b", "w", os.urandom(100))]
+    result = write(scratch, regions)
+    blanks = [r.blank() for r in regions]
+    with SpillRoot(scratch) as root, SnapshotReader(root, result.snapshot) as reader:
+        reader.check_matches(blanks)
+        blanks[0] = BytesRegion("w/a", "w", bytes(16))
+        with pytest.raises(SnapshotInvalidError, match="record 0"):
+            reader.read_into(blanks)
+    assert blanks[0].data == bytes(16)
 
 
 def test_chunks_are_read_in_file_order_whatever_order_the_stagers_packed_them_in() -> None:

@@ -208,7 +208,7 @@ class StorageRegion(RegionAttributes):
         self._storage = storage
         self._device = storage.device
         self._on_device = on_device
-        # Decided once: a wake asks host_view once per chunk, and device.type alone cost 0.26 us.
+        # Decided once: a sleep asks host_view once per chunk, and device.type alone cost 0.26 us.
         self._in_host_memory = on_device is None and storage.device.type == "cpu"
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False

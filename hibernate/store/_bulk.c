@@ -288,8 +288,13 @@ static PyObject *verify_copy_at(PyObject *self, PyObject *args) {
     const char *text = PyUnicode_AsUTF8AndSize(digests, &digits);
     if (plan == NULL) PyErr_NoMemory();
     if (plan == NULL || text == NULL) goto done;
-    if (got < 0 || got > source.len) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes read into a %zd-byte source", got, source.len);
+    if (!PyUnicode_IS_ASCII(digests)) {
+        PyErr_SetString(PyExc_ValueError, "checksums must be hex digits");
+        goto done;
+    }
+    if (base < 0 || got < 0 || got > source.len) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes read from file offset %zd into a %zd-byte source", got, base,
+                     source.len);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -10,16 +10,19 @@ with the GIL released: at 100,000 tensors that took half a second off a wake
 (see docs/performance.md). Elsewhere the same functions run in Python, with
 the same results; ``HIBERNATE_NATIVE=0`` chooses them, to compare.
 
-The memory a view points at must stay mapped for the whole call, which runs
-without the GIL: the views the store passes are of staging buffers and of
-regions of a process that hibernate holds paused (see agent.guard), as for
-the regions' own copies.
+The memory a view or an address points at must stay mapped for the whole
+call, which runs without the GIL: the views the store passes are of staging
+buffers and of regions of a process that hibernate holds paused (see
+agent.guard), as for the regions' own copies, and an address of a region's
+host memory (Region.host_address) is good for the region's ``nbytes``, which
+the reader has checked against the snapshot's record before it copies.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import operator
 import os
 from collections.abc import Sequence
 from types import ModuleType
@@ -172,12 +175,17 @@ def python_verify_copy_at(
     anything is copied. The targets must stay mapped for the call, as with the regions' own copies.
     """
     source = _bytes_of(source)
-    if not all(type(values) is list for values in (group, offsets, lengths, targets)):
+    base, got = operator.index(base), operator.index(got)
+    if not all(-(1 << 63) <= value < 1 << 63 for value in (base, got)):
+        raise OverflowError("base or got is out of range")
+    if not all(isinstance(values, list) for values in (group, offsets, lengths, targets)):
         raise TypeError("the group, offsets, lengths and targets must be lists")
-    if type(checksums) is not str:
+    if not isinstance(checksums, str):
         raise TypeError("checksums must be a str")
-    if not 0 <= got <= len(source):
-        raise ValueError(f"{got} bytes read into a {len(source)}-byte source")
+    if not checksums.isascii():
+        raise ValueError("checksums must be hex digits")
+    if base < 0 or not 0 <= got <= len(source):
+        raise ValueError(f"{got} bytes read from file offset {base} into a {len(source)}-byte source")
     plan = []
     stop, truncated = len(group), False
     for position in range(len(group)):

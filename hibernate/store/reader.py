@@ -254,7 +254,9 @@ class SnapshotReader:
         if not root.lock(exclusive=False):
             raise BusyError(f"{root.path} is being written or collected by another hibernate")
         self._files: dict[str, DataFile] = {}
-        self._matched: Sequence[Region] | None = None  # the regions check_matches last accepted
+        # The regions check_matches last accepted, as they were then: a list changed in between
+        # is checked again, since the copies go to the addresses of the regions it holds.
+        self._matched: tuple[Region, ...] | None = None
         # Each chunk's region and offset in it, by chunk index (see _destinations), once reading.
         self._regions_of: Sequence[int] = ()
         self._region_offsets: Sequence[int] = ()
@@ -379,7 +381,7 @@ class SnapshotReader:
                 problem = _describe_mismatch(_Described(*record), region, f"{where}: record {index}")
                 if problem is not None:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
-        self._matched = regions
+        self._matched = tuple(regions)
 
     def _requests(
         self, order: Sequence[int], firsts: Sequence[int], stops: Sequence[int], largest: int
@@ -445,7 +447,7 @@ class SnapshotReader:
         cancelled: CancelledFn | None,
         pin: PinFn | None,
     ) -> ReadResult:
-        if self._matched is not regions:  # the caller may have checked them already
+        if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
         chunks = self.manifest.columns.chunks
@@ -666,7 +668,7 @@ def verify_snapshot(
     try:
         with SnapshotReader(root, name, io_mode=io_mode) as reader:
             records = [Discard(record) for record in reader.manifest.records]
-            reader._matched = records  # the manifest's own records: nothing to compare them with
+            reader._matched = tuple(records)  # the manifest's own records: nothing to compare them with
             return reader.read_into(records, buffer_bytes=buffer_bytes)
     except (SnapshotInvalidError, StorageError) as exc:
         if root.lock(exclusive=True):
