@@ -180,15 +180,7 @@ def test_bad_arguments_are_refused_alike_and_before_anything_is_copied(
     target = bytearray(4)
     good = checksum(b"abc")
     address = address_of(target)
-    shrinks: list[Any] = [0, 3]
-
-    class Shrinks:
-        """An index that would empty a list being read, were it asked: it must not be."""
-
-        def __index__(self) -> int:
-            shrinks.clear()
-            return 0
-
+    shrinks: list[Any] = [0, 3]  # emptied by _Shrinks.__index__, were it ever asked
     for args, error in (
         ((1, 6, [0, 1], [0, 4], [3, 3], good * 2, [address, 0]), ValueError),  # chunk 0 before it
         ((0, 7, [0], [0], [3], good, [address]), ValueError),  # more read than the source holds
@@ -202,7 +194,7 @@ def test_bad_arguments_are_refused_alike_and_before_anything_is_copied(
         ((0, 6, [0, -1], [0, 3], [3, 3], good * 2, [address, 0]), IndexError),
         ((0, 6, [0, 1], [0, 2**63], [3, 3], good * 2, [address, 0]), ValueError),
         ((0, 6, [0, 1], [0, 3.0], [3, 3], good * 2, [address, 0]), TypeError),
-        ((0, 6, [0, 1], [0, Shrinks()], [3, 3], good * 2, [address, 0]), TypeError),
+        ((0, 6, [0, 1], [0, _Shrinks(shrinks)], [3, 3], good * 2, [address, 0]), TypeError),
         ((0, 6, [0, 1], (0, 3), [3, 3], good * 2, [address, 0]), TypeError),  # a tuple, not a list
         ((0, 6, [0, 1], [0, 3], [3, 3], good.encode() * 2, [address, 0]), TypeError),
     ):

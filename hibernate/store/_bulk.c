@@ -124,9 +124,8 @@ static int parse_item(PyObject *items, Py_ssize_t i, Py_ssize_t size, const char
     return 0;
 }
 
-/* `length` characters of lower-case hex as a number; 0 (matches nothing) for anything else. */
-static int parse_hex(const char *chars, Py_ssize_t length, uint64_t *value) {
-    if (length != 16) return 0;
+/* A checksum's 16 lower-case hex digits as a number; 0 (matches nothing) for anything else. */
+static int parse_digest(const char *chars, uint64_t *value) {
     uint64_t out = 0;
     for (int i = 0; i < 16; i++) {
         char c = chars[i];
@@ -315,7 +314,7 @@ static PyObject *verify_copy_at(PyObject *self, PyObject *args) {
             break;
         }
         plan[i] = (Check){(const char *)source.buf + start, (size_t)length, 0, 0, (char *)(intptr_t)address};
-        plan[i].comparable = parse_hex(text + 16 * chunk, 16, &plan[i].expected);
+        plan[i].comparable = parse_digest(text + 16 * chunk, &plan[i].expected);
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < stop; i++) {
