@@ -341,6 +341,11 @@ def serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             handle(conn)
 
+    # Handlers still running when serve returns are waited for (a while): a daemon thread that
+    # drops the last reference to the model while the interpreter shuts down is ended inside
+    # torch's tensor deallocation, which aborts the process ("terminate called without an
+    # active exception", seen after a wake and a quit).
+    handlers: list[threading.Thread] = []
     server.settimeout(0.2)
     try:
         while not stop.is_set():
@@ -349,12 +354,16 @@ def serve(args: argparse.Namespace) -> int:
             except TimeoutError:
                 continue
             conn.settimeout(None)
-            threading.Thread(target=handle_quietly, args=(conn,), daemon=True).start()
+            handlers = [thread for thread in handlers if thread.is_alive()]
+            handlers.append(threading.Thread(target=handle_quietly, args=(conn,), daemon=True))
+            handlers[-1].start()
         return 0
     finally:
         server.close()
         with contextlib.suppress(FileNotFoundError):
             control.unlink()
+        for thread in handlers:
+            thread.join(timeout=10)
 
 
 def request(control: str, command: str, timeout: float = 120.0) -> dict[str, Any]:
