@@ -227,9 +227,10 @@ def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     checks: list[int] = []
     check_matches = SnapshotReader.check_matches
 
-    def counting_checks(self: SnapshotReader, regions: Any) -> None:
+    def counting_checks(self: SnapshotReader, regions: Any, **options: Any) -> None:
         checks.append(len(regions))
-        check_matches(self, regions)
+        assert options.get("written") is not None, "against what the sleep wrote (see check_matches)"
+        check_matches(self, regions, **options)
 
     monkeypatch.setattr(SnapshotReader, "check_matches", counting_checks)
     hibernate.wake()

@@ -50,6 +50,7 @@ from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
+from hibernate.store.format import WrittenRecords
 from hibernate.store.layout import SpillRoot
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
@@ -146,6 +147,8 @@ class _Sleep:
     regions: list[tuple[Pool, list[SpillableRegion]]]
     root: Path
     snapshot: str
+    # What the sleep wrote of the kept regions: the wake compares the snapshot with it (check_matches).
+    written: WrittenRecords | None = None
     restored: set[int] = field(default_factory=set)  # indices into all_regions a partial restore brought back
 
     @property
@@ -359,6 +362,7 @@ class Hibernator:
                     else None
                 )
             sleeping.snapshot = result.snapshot
+            sleeping.written = WrittenRecords.of(result.manifest.columns)
             with self._mutex:
                 self._sleep = sleeping
                 self._last_snapshot = {
@@ -448,7 +452,7 @@ class Hibernator:
             if fill:  # refuse what can be found wrong before any memory is touched
                 root = stack.enter_context(SpillRoot(sleeping.root, owner=self.owner))
                 reader = stack.enter_context(SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode))
-                reader.check_matches(targets)
+                reader.check_matches(targets, written=sleeping.written)
             try:
                 for region in chosen:
                     region.reallocate()

@@ -349,6 +349,30 @@ class Columns:
         }
 
 
+class WrittenRecords(NamedTuple):
+    """The records a sleep wrote, as a wake compares them: keys, tags, sizes and the meta text.
+
+    A process that wrote a snapshot holds the very regions it described (same
+    objects, whose key, tag, size and meta do not change), so its wake can
+    compare the snapshot with what it wrote rather than with each region: four
+    list comparisons, where building and comparing a tuple per region and
+    encoding every region's meta again took 0.15 s at 100,000 tensors (see
+    SnapshotReader.check_matches). The key and tag lists are the regions' own
+    strings; the meta text is the one copy held beyond them.
+    """
+
+    keys: list[str]
+    tags: list[str]
+    sizes: list[int]
+    meta_text: str
+
+    @classmethod
+    def of(cls, columns: Columns) -> WrittenRecords:
+        """What a manifest being written says of its records (a format-4 Columns holds its meta text)."""
+        assert columns.stored_meta_text is not None, "a manifest being written has its meta text"
+        return cls(columns.keys, columns.tags, columns.sizes, columns.stored_meta_text)
+
+
 def meta_text(metas: Sequence[Mapping[str, Any]]) -> str | None:
     """The records' meta as format 4 stores it: the compact JSON text of an array, one object each.
 

@@ -52,6 +52,7 @@ from hibernate.store.format import (
     Columns,
     Manifest,
     Record,
+    WrittenRecords,
     check_meta,
     gc_paused,
     meta_text,
@@ -214,6 +215,18 @@ class _Described(NamedTuple):
 
 
 _KEY_TAG_SIZE = operator.attrgetter("key", "tag", "nbytes")
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _as_written(columns: Columns, written: WrittenRecords, regions: Sequence[Region]) -> bool:
+    """Whether a snapshot's records are those ``written`` says were written, at the regions' sizes."""
+    return (
+        columns.stored_meta_text == written.meta_text
+        and columns.sizes == written.sizes
+        and columns.keys == written.keys
+        and columns.tags == written.tags
+        and list(map(_NBYTES, regions)) == columns.sizes
+    )
 
 
 @dataclass
@@ -347,19 +360,27 @@ class SnapshotReader:
                 f"{path} is truncated: {info.st_size} bytes, but {self._key_needing(name, end)!r} needs {end}"
             )
 
-    def check_matches(self, regions: Sequence[Region]) -> None:
+    def check_matches(self, regions: Sequence[Region], *, written: WrittenRecords | None = None) -> None:
         """The snapshot must describe exactly these regions, in this order.
 
-        All records are compared at once (tuples compared in C, 1 us a record
-        where one comparison each cost 40); only when they differ is each
-        record looked at, to say where. The meta is first compared as text: a
-        format-4 manifest stores it as the text :func:`meta_text` makes, so
-        the process's, encoded the same way, is the same text unless
-        something differs, and the stored one need not be parsed at all.
-        Where the texts differ (or a format-3 manifest holds values), the
-        values are compared. Equal meta has the process's own depth and
-        values, which the writer checked when it wrote them; the meta of a
-        record that differs is checked before it is described.
+        ``written``: what the caller's own sleep wrote of these very regions
+        (WrittenRecords.of its manifest's columns), as an agent keeps it. The
+        snapshot's records are then compared with that, list by list, and only
+        the sizes with the regions themselves: the sizes are what the copies'
+        bounds rest on, so they never depend on the caller's word (7 ms at
+        100,000 regions, where the whole comparison below took 0.15 s).
+
+        Otherwise, or where they differ, all records are compared with the
+        regions at once (tuples compared in C, 1 us a record where one
+        comparison each cost 40); only when they differ is each record looked
+        at, to say where. The meta is first compared as text: a format-4
+        manifest stores it as the text :func:`meta_text` makes, so the
+        process's, encoded the same way, is the same text unless something
+        differs, and the stored one need not be parsed at all. Where the
+        texts differ (or a format-3 manifest holds values), the values are
+        compared. Equal meta has the process's own depth and values, which
+        the writer checked when it wrote them; the meta of a record that
+        differs is checked before it is described.
         """
         columns = self.manifest.columns
         where = self.root.path / self.manifest.snapshot / "manifest.json"
@@ -368,13 +389,15 @@ class SnapshotReader:
                 f"{where}: {len(columns.keys)} records in the snapshot, {len(regions)} regions in the process"
             )
         with gc_paused():
-            same = list(zip(columns.keys, columns.tags, columns.sizes, strict=True)) == list(
-                map(_KEY_TAG_SIZE, regions)
-            )
-            if same:
-                live = [region.meta for region in regions]
-                text = columns.stored_meta_text
-                same = (text is not None and text == meta_text(live)) or columns.metas == live
+            same = written is not None and _as_written(columns, written, regions)
+            if not same:
+                same = list(zip(columns.keys, columns.tags, columns.sizes, strict=True)) == list(
+                    map(_KEY_TAG_SIZE, regions)
+                )
+                if same:
+                    live = [region.meta for region in regions]
+                    text = columns.stored_meta_text
+                    same = (text is not None and text == meta_text(live)) or columns.metas == live
         if not same:
             records = zip(columns.keys, columns.tags, columns.sizes, columns.metas, strict=True)
             for index, (record, region) in enumerate(zip(records, regions, strict=True)):

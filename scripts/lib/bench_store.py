@@ -53,6 +53,7 @@ import xxhash
 
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.format import WrittenRecords
 from hibernate.store.reader import read_request_bytes
 from hibernate.store.regions import memory_at
 from hibernate.store.writer import ReuseSource, arena_bytes_for
@@ -363,6 +364,7 @@ class Hibernate:
         self.total = sum(r.nbytes for r in self.regions)
         self.snapshot = ""
         self.known: ReuseSource | None = None
+        self.written: WrittenRecords | None = None
 
     def fresh(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -382,6 +384,7 @@ class Hibernate:
             seconds = time.perf_counter() - started
         self.snapshot = result.snapshot
         self.known = ReuseSource.of(result.manifest)
+        self.written = WrittenRecords.of(result.manifest.columns)  # as an agent keeps it for its wake
         return Transfer(
             seconds, sampler.rss_growth, sampler.cache_growth, result.io_mode, result.written_bytes
         )
@@ -397,6 +400,7 @@ class Hibernate:
             for region in self.regions:
                 region.reallocate()
             with SpillRoot(self.path) as root, SnapshotReader(root, self.snapshot) as reader:
+                reader.check_matches(self.regions, written=self.written)
                 result = reader.read_into(self.regions, buffer_bytes=self.options.buffer_bytes)
             seconds = time.perf_counter() - started
         # The restore legitimately grows RSS by the tensors it refills; the rest is its own.
