@@ -417,9 +417,12 @@ def test_a_meta_given_as_values_in_format_4_is_refused(spilled: Spilled) -> None
         ("file", "other-000.bin", r"uses 'other-000\.bin', which is not among the snapshot's files"),
         ("key", "../escape", r"key '\.\./escape' contains '\.\.' or is absolute"),
         ("key", "/abs/key", r"key '/abs/key' contains '\.\.' or is absolute"),
+        ("key", "w/\x1b[31mred", r"key 'w/\\x1b\[31mred' contains control characters"),
+        ("key", "w/gr\u00fc\u00dfe\x7f", r"key 'w/gr\u00fc\u00dfe\\x7f' contains control characters"),
+        ("key", "w/\u65e5\u672c\x00", r"key 'w/\u65e5\u672c\\x00' contains control characters"),
     ],
 )
-def test_names_with_dot_dot_or_absolute_paths_are_refused(
+def test_names_with_dot_dot_or_absolute_paths_or_control_characters_are_refused(
     spilled: Spilled, where: str, value: str, message: str
 ) -> None:
     document = spilled.manifest()

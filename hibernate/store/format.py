@@ -64,6 +64,7 @@ DATA_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
 _CHECKSUMS_RE = re.compile(r"(?:[0-9a-f]{16})*")  # many checksums joined: one match checks them all
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_BYTES = bytes(range(0x20)) + b"\x7f"
 _CHECKSUM_SUFFIX_RE = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\n?$')
 
 
@@ -543,10 +544,16 @@ def keys_plain(keys: list[str]) -> bool:
     if set(map(type, keys)) != {str}:
         return False
     joined = "/" + "/".join(keys) + "/"
+    try:
+        encoded = joined.encode()
+    except UnicodeEncodeError:  # a lone surrogate: the per-key checks refuse it
+        return False
     return not (
         not min(map(len, keys))
         or max(map(len, keys)) > MAX_KEY_LENGTH
-        or _CONTROL_RE.search(joined)
+        # No control character, looked for in the UTF-8 bytes, where each is its own byte and
+        # no other character's: 2 ms for 100,000 keys where a regular expression took 14.
+        or len(encoded.translate(None, _CONTROL_BYTES)) != len(encoded)
         or "//" in joined
         or "/../" in joined
         or len(set(keys)) != len(keys)
@@ -771,8 +778,11 @@ def _verified_fast(data: bytes) -> bool | None:
     match = _CHECKSUM_SUFFIX_RE.search(data, max(0, len(data) - 64))
     if match is None:
         return None
-    canonical = data[: match.start()] + b"}"
-    return f"{xxhash.xxh3_64_intdigest(canonical):016x}" == match.group(1).decode()
+    # Hashed in place, then the closing brace: copying 25 MB to build the canonical bytes
+    # cost 25 ms where the hash takes 1.
+    canonical = xxhash.xxh3_64(memoryview(data)[: match.start()])
+    canonical.update(b"}")
+    return f"{canonical.intdigest():016x}" == match.group(1).decode()
 
 
 RECORD_COLUMNS = ("key", "tag", "nbytes", "chunks")  # and meta (see _parse_columns)
