@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hibernate import faults
 from hibernate.errors import AbortedError, SnapshotInvalidError, StorageError, UnsupportedError
@@ -260,7 +260,7 @@ def link_reusable(
     return index, links, warnings
 
 
-def _used_ranges(chunks: list[list[ChunkRef]], links: list[str]) -> dict[str, list[tuple[int, int]]]:
+def _used_ranges(chunks: Sequence[ChunkRef], links: list[str]) -> dict[str, list[tuple[int, int]]]:
     """Per linked data file the chunks use, the sorted and merged pages they use, padding included.
 
     Only a link can hold bytes the new snapshot does not use (a file this
@@ -270,15 +270,14 @@ def _used_ranges(chunks: list[list[ChunkRef]], links: list[str]) -> dict[str, li
     linked = set(links)
     spans: dict[str, list[tuple[int, int]]] = {}
     if linked:
-        for region in chunks:
-            for file, offset, length, _ in region:
-                if file in linked:  # the pages it lies in (align_up written out: once per chunk)
-                    spans.setdefault(file, []).append(
-                        (
-                            offset - offset % ALIGNMENT,
-                            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT,
-                        )
+        for file, offset, length, _ in chunks:
+            if file in linked:  # the pages it lies in (align_up written out: once per chunk)
+                spans.setdefault(file, []).append(
+                    (
+                        offset - offset % ALIGNMENT,
+                        (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT,
                     )
+                )
     merged: dict[str, list[tuple[int, int]]] = {}
     for file, ranges in spans.items():
         out: list[tuple[int, int]] = []
@@ -655,6 +654,7 @@ def _write_locked(
                     [region.tag for region in regions],
                     sizes,
                     [_own_meta(region.meta) for region in regions],
+                    stream.counts(),
                     chunks,
                 ),
                 owner=root.owner,
@@ -774,7 +774,7 @@ class _Stream:
         # Hashing in place first pays only when there is something to reuse.
         self._hash_in_place = bool(reusable)
 
-    def run(self, pin: PinFn | None) -> list[list[ChunkRef]]:
+    def run(self, pin: PinFn | None) -> list[ChunkRef]:
         padded = [align_up(length) for _, _, length in self._tasks]
         arena = arena_bytes_for(self._options.buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
         pool = StagingPool(ARENAS * arena, arena, pin)
@@ -804,14 +804,20 @@ class _Stream:
             pool.close()
         return self._resolve()
 
-    def _resolve(self) -> list[list[ChunkRef]]:
-        chunks: list[list[ChunkRef]] = [[] for _ in self._regions]
-        for (index, _, _), placed in zip(self._tasks, self._placed, strict=True):
-            if isinstance(placed, int):
-                placed = self._placed[placed]
-            assert isinstance(placed, ChunkRef), "every chunk is placed once the pipeline finished cleanly"
-            chunks[index].append(placed)
-        return chunks
+    def _resolve(self) -> list[ChunkRef]:
+        """Every chunk's ref in record order (the tasks' order), a task with another's bytes given its ref."""
+        placed = self._placed
+        chunks = [ref if type(ref) is ChunkRef else placed[cast(int, ref)] for ref in placed]
+        if not all(type(ref) is ChunkRef for ref in chunks):
+            raise AssertionError("every chunk is placed once the pipeline finished cleanly")
+        return cast("list[ChunkRef]", chunks)
+
+    def counts(self) -> list[int]:
+        """How many chunks each region has, in order (what the manifest's records.chunks holds)."""
+        counts = [0] * len(self._regions)
+        for index, _, _ in self._tasks:
+            counts[index] += 1
+        return counts
 
     def _advance(self, wrote: int, reused: int) -> None:
         with self._lock:
