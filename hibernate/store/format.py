@@ -298,10 +298,13 @@ class Columns:
         metas: list[Mapping[str, Any]],
         counts: list[int],
         chunks: Sequence[ChunkRef],
+        *,
+        text: str | None = None,
     ) -> Columns:
         """Columns from each record's fields and all chunks in order (``counts`` of them per record),
-        without a Record per region."""
-        text = _required_meta_text(metas, MANIFEST_NAME)
+        without a Record per region. ``text``: the metas' :func:`meta_text` if the caller has it."""
+        if text is None:
+            text = _required_meta_text(metas, MANIFEST_NAME)
         return cls(keys, tags, sizes, counts, ChunkColumns.of(chunks), metas=metas, stored_meta_text=text)
 
     def first_chunks(self) -> list[int]:

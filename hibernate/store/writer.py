@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from hibernate import faults
 from hibernate.errors import AbortedError, SnapshotInvalidError, StorageError, UnsupportedError
@@ -80,6 +80,7 @@ from hibernate.store.format import (
     check_region,
     checksum,
     gc_paused,
+    meta_text,
     regions_plain,
     snapshot_name,
 )
@@ -90,6 +91,7 @@ from hibernate.store.regions import Region
 ProgressFn = Callable[[int, int], None]
 CancelledFn = Callable[[], bool]
 PinFn = Callable[[memoryview], Callable[[], None]]
+T = TypeVar("T")
 
 IO_MODES = ("auto", "direct", "buffered")
 ARENAS = 2  # staging is split in two arenas: one is written while the other is filled
@@ -625,7 +627,7 @@ def _write_locked(
         segments = _Segments(root, tmp_fd, tmp_name, options)
         try:
             stream = _Stream(regions, sizes, segments, reusable, options, total, progress, cancelled, root)
-            chunks = stream.run(pin)
+            chunks, (keys, tags, metas, text) = stream.run(pin, meanwhile=lambda: _records(regions))
             segments.finish()
             used = _used_ranges(chunks, links)
             _trim_links(tmp_fd, links, used)
@@ -649,14 +651,7 @@ def _write_locked(
                 snapshot=name,
                 producer=dict(producer),
                 chunk_bytes=chunk_bytes,
-                columns=Columns.build(
-                    [region.key for region in regions],
-                    [region.tag for region in regions],
-                    sizes,
-                    [_own_meta(region.meta) for region in regions],
-                    stream.counts(),
-                    chunks,
-                ),
+                columns=Columns.build(keys, tags, sizes, metas, stream.counts(), chunks, text=text),
                 owner=root.owner,
                 files=files,
                 created_unix=time.time(),
@@ -696,6 +691,20 @@ def _previous(root: SpillRoot, known: ReuseSource | None) -> ReuseSource | None:
         return known
     latest = root.latest_manifest()
     return ReuseSource.of(latest) if latest is not None else None
+
+
+def _records(
+    regions: Sequence[Region],
+) -> tuple[list[str], list[str], list[Mapping[str, Any]], str | None]:
+    """The records' keys, tags, meta and meta text: what the manifest needs of them but their chunks.
+
+    Worked out while the chunks stream (see _Stream.run): an unchanged
+    re-sleep only hashes, in threads that let the GIL go, so this costs it
+    nothing there. None for the text where a meta is not plain JSON; the
+    manifest's build refuses that, once the chunks are written.
+    """
+    metas = [_own_meta(region.meta) for region in regions]
+    return [region.key for region in regions], [region.tag for region in regions], metas, meta_text(metas)
 
 
 def _own_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -774,7 +783,12 @@ class _Stream:
         # Hashing in place first pays only when there is something to reuse.
         self._hash_in_place = bool(reusable)
 
-    def run(self, pin: PinFn | None) -> list[ChunkRef]:
+    def run(self, pin: PinFn | None, meanwhile: Callable[[], T]) -> tuple[list[ChunkRef], T]:
+        """Stage, hash and write every chunk; their refs, and what ``meanwhile`` returned.
+
+        ``meanwhile`` runs on the calling thread while the workers stream, which it
+        would otherwise spend waiting for them; if it fails, the stream is stopped.
+        """
         padded = [align_up(length) for _, _, length in self._tasks]
         arena = arena_bytes_for(self._options.buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
         pool = StagingPool(ARENAS * arena, arena, pin)
@@ -798,11 +812,18 @@ class _Stream:
                 pipeline.start(f"write-{n}", lambda: self._write(packer, pool, pipeline.abort))
             for n in range(self._options.stage_threads):
                 pipeline.start(f"stage-{n}", stage_then_close)
+            try:
+                extra = meanwhile()
+            except BaseException:
+                pipeline.abort.set()
+                with contextlib.suppress(Exception):  # its own failure is the one to report
+                    pipeline.join()
+                raise
             pipeline.join()
         finally:
             self.staging_bytes = pool.total_bytes
             pool.close()
-        return self._resolve()
+        return self._resolve(), extra
 
     def _resolve(self) -> list[ChunkRef]:
         """Every chunk's ref in record order (the tasks' order), a task with another's bytes given its ref."""
