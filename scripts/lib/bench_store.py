@@ -520,6 +520,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.size_mb < 64 or args.tensors < 2 or args.reps < 1 or args.procs < 1:
         parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1, --procs >= 1")
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not a directory")
+    if args.json_out is not None and not args.json_out.parent.is_dir():
+        # Checked before a run of minutes, not when its document is written at the end.
+        parser.error(f"--json-out {args.json_out}: {args.json_out.parent} is not a directory")
 
     run_started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="hibernate-bench-", dir=args.dir))
