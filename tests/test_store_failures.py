@@ -221,8 +221,11 @@ def test_a_failing_region_copy_aborts_and_its_error_comes_through(tmp_path: Path
 def test_a_failure_while_the_chunks_stream_stops_them_and_comes_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The records' columns are worked out while the workers stream the chunks (see _Stream.run):
-    a failure there stops the workers, publishes nothing, and is the error reported."""
+    """A re-sleep works out the records' columns while the workers stream the chunks (see
+    _Stream.run): a failure there stops the workers, publishes nothing, and is the error reported."""
+    root_path = tmp_path / "proc"
+    regions = regions_of(12 * 1024 * KiB)
+    first = write(root_path, regions)
     real = os.pwritev
     written = [0]
     first_write = threading.Event()
@@ -239,10 +242,11 @@ def test_a_failure_while_the_chunks_stream_stops_them_and_comes_through(
 
     monkeypatch.setattr(os, "pwritev", counting_pwritev)
     monkeypatch.setattr(writer_module, "_records", records_fail)
+    changed = [BytesRegion(r.key, r.tag, os.urandom(r.nbytes)) for r in regions]  # all to write again
     before = {thread.ident for thread in threading.enumerate()}
-    regions = regions_of(12 * 1024 * KiB)
     with pytest.raises(RuntimeError, match="out of memory encoding the records"):
-        write(tmp_path / "proc", regions)
-    assert not (tmp_path / "proc").exists()
+        write(root_path, changed)
     assert {thread.ident for thread in threading.enumerate()} <= before, "no worker is left running"
-    assert written[0] < sum(r.nbytes for r in regions) // 2, "the workers were stopped, not waited for"
+    assert written[0] < sum(r.nbytes for r in changed) // 2, "the workers were stopped, not waited for"
+    monkeypatch.undo()
+    assert_previous_intact(root_path, first.snapshot, regions)

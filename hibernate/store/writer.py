@@ -627,7 +627,12 @@ def _write_locked(
         segments = _Segments(root, tmp_fd, tmp_name, options)
         try:
             stream = _Stream(regions, sizes, segments, reusable, options, total, progress, cancelled, root)
-            chunks, (keys, tags, metas, text) = stream.run(pin, meanwhile=lambda: _records(regions))
+            # A re-sleep that can reuse mostly hashes in place (threads that let the GIL go) and
+            # stages little: the records are worked out meanwhile. A first sleep allocates all its
+            # staging as it streams, so they wait until that is freed: at 100,000 tensors they hold
+            # 20 MiB, which would add to the sleep's peak memory.
+            chunks, meanwhile = stream.run(pin, (lambda: _records(regions)) if reusable else None)
+            keys, tags, metas, text = meanwhile or _records(regions)
             segments.finish()
             used = _used_ranges(chunks, links)
             _trim_links(tmp_fd, links, used)
@@ -698,9 +703,9 @@ def _records(
 ) -> tuple[list[str], list[str], list[Mapping[str, Any]], str | None]:
     """The records' keys, tags, meta and meta text: what the manifest needs of them but their chunks.
 
-    Worked out while the chunks stream (see _Stream.run): an unchanged
-    re-sleep only hashes, in threads that let the GIL go, so this costs it
-    nothing there. None for the text where a meta is not plain JSON; the
+    A re-sleep works them out while the chunks stream (see _Stream.run): an
+    unchanged one only hashes, in threads that let the GIL go, so this costs
+    it nothing there. None for the text where a meta is not plain JSON; the
     manifest's build refuses that, once the chunks are written.
     """
     metas = [_own_meta(region.meta) for region in regions]
@@ -783,7 +788,9 @@ class _Stream:
         # Hashing in place first pays only when there is something to reuse.
         self._hash_in_place = bool(reusable)
 
-    def run(self, pin: PinFn | None, meanwhile: Callable[[], T]) -> tuple[list[ChunkRef], T]:
+    def run(
+        self, pin: PinFn | None, meanwhile: Callable[[], T] | None = None
+    ) -> tuple[list[ChunkRef], T | None]:
         """Stage, hash and write every chunk; their refs, and what ``meanwhile`` returned.
 
         ``meanwhile`` runs on the calling thread while the workers stream, which it
@@ -813,7 +820,7 @@ class _Stream:
             for n in range(self._options.stage_threads):
                 pipeline.start(f"stage-{n}", stage_then_close)
             try:
-                extra = meanwhile()
+                extra = meanwhile() if meanwhile is not None else None
             except BaseException:
                 pipeline.abort.set()
                 with contextlib.suppress(Exception):  # its own failure is the one to report
