@@ -411,10 +411,11 @@ def _read_manifest_file(snap_fd: int, where: str) -> bytes:
         check_manifest_size(info.st_size, 0, where)
         # One read of the whole file (a manifest of 100,000 tensors is 25 MB; read in 1 MiB parts
         # and joined, it was copied twice), then whatever it grew by since the fstat.
-        parts = [os.read(fd, info.st_size + 1)]
-        while len(parts) == 1 or parts[-1]:
-            parts.append(os.read(fd, 1 << 20))
-        return parts[0] if len(parts) == 2 else b"".join(parts)
+        data = os.read(fd, info.st_size + 1)
+        grown = []
+        while chunk := os.read(fd, 1 << 20):
+            grown.append(chunk)
+        return b"".join([data, *grown]) if grown else data
     except OSError as exc:
         raise _storage_error(exc, "read", Path(where)) from exc
     finally:

@@ -631,8 +631,8 @@ def _write_locked(
             # stages little: the records are worked out meanwhile. A first sleep allocates all its
             # staging as it streams, so they wait until that is freed: at 100,000 tensors they hold
             # 20 MiB, which would add to the sleep's peak memory.
-            chunks, meanwhile = stream.run(pin, (lambda: _records(regions)) if reusable else None)
-            keys, tags, metas, text = meanwhile or _records(regions)
+            chunks, records = stream.run(pin, (lambda: _records(regions)) if reusable else None)
+            keys, tags, metas, text = records or _records(regions)
             segments.finish()
             used = _used_ranges(chunks, links)
             _trim_links(tmp_fd, links, used)
