@@ -100,6 +100,9 @@ def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> Age
         return None
     if status.get("pid") != ident.pid or status.get("start_time") != ident.start_time:
         return None  # a socket named for another process: never trusted
+    theirs, ours = status.get("pid_namespace"), procinfo.pid_namespace(ident.pid)
+    if theirs is not None and ours is not None and theirs != ours:
+        return None  # the same pid and start tick in another pid namespace: another process
     return AgentRef(ident, sock, status)
 
 

@@ -24,7 +24,7 @@ from hibernate.agent.client import AgentClient
 from hibernate.agent.controller import Hibernator
 from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name, sweep_stale_sockets
 from hibernate.agent.server import AgentServer
-from hibernate.errors import BusyError, ProtocolError
+from hibernate.errors import BusyError, ProtocolError, UsageError
 from hibernate.pools.tensors import TensorPool
 from tests.conftest import NOBODY, is_root, source_root_for, wait_until
 
@@ -239,3 +239,33 @@ def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
         timeout=30,
     )
     assert "PermissionDeniedError uid 65534 may not control process" in out.stdout, out.stderr
+
+
+def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_over(
+    agent, runtime_dir: Path
+) -> None:
+    """Two containers sharing a runtime directory can each hold a pid 1 started in the same clock
+    tick. The second agent must not take the first's socket: the first's commands would reach it."""
+    hibernator, server = agent
+    twin = Hibernator(hibernator.identity)  # what another container's process looks like from here
+    with pytest.raises(UsageError, match=r"is the live socket of another process") as refused:
+        AgentServer(twin, runtime_dir)
+    assert "HIBERNATE_RUNTIME_DIR" in (refused.value.hint or "")
+    with AgentClient(server.path) as client:
+        assert client.call("hello")["pid"] == os.getpid(), "the first agent still answers"
+
+
+def test_an_agent_of_another_pid_namespace_is_not_taken_for_the_target(
+    agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pid and start tick in another pid namespace is another process: never acted on."""
+    from hibernate import targets
+
+    hibernator, server = agent
+    with AgentClient(server.path) as client:
+        assert client.call("hello")["pid_namespace"] == procinfo.pid_namespace()
+    assert targets.probe_agent(hibernator.identity, server.path) is not None
+    ours = procinfo.pid_namespace()
+    assert ours is not None
+    monkeypatch.setattr(procinfo, "pid_namespace", lambda pid="self": ours + 1 if pid != "self" else ours)
+    assert targets.probe_agent(hibernator.identity, server.path) is None

@@ -247,6 +247,9 @@ class Hibernator:
             "hibernate": __version__,
             "pid": self.identity.pid,
             "start_time": self.identity.start_time,
+            # Two containers sharing a runtime directory can each hold a pid 1 started in the same
+            # clock tick: the namespace tells their agents apart (see targets.probe_agent).
+            "pid_namespace": procinfo.pid_namespace(),
             "uid": os.getuid(),
             "name": self.name,
             "kind": self.kind,

@@ -134,6 +134,18 @@ class _Connection:
         raise ProtocolError(f"unknown operation {op!r}")
 
 
+def _answers(path: Path) -> bool:
+    """Whether a process listens on the socket at ``path`` (a leftover refuses the connection)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(os.fspath(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 class AgentServer:
     """Listens on the process's socket until :meth:`stop` or process exit."""
 
@@ -142,8 +154,16 @@ class AgentServer:
         self.directory = directory
         ensure_private_dir(directory)
         self.path = socket_path(directory, hibernator.identity)
+        if _answers(self.path):
+            # Same pid and start tick, yet alive: a process of another pid namespace (a container
+            # sharing this directory). Taking its socket over would hand its commands to us.
+            raise UsageError(
+                f"{self.path} is the live socket of another process with this pid and start time "
+                "(a process of another container sharing this runtime directory)",
+                hint="give each container its own runtime directory (HIBERNATE_RUNTIME_DIR)",
+            )
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # same pid and start time: a leftover of this very process
+            os.unlink(self.path)  # nobody answers there: a leftover of this very process
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         old_umask = os.umask(0o177)
         try:
