@@ -11,7 +11,6 @@ import errno
 import os
 import re
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,37 +215,3 @@ def test_a_failing_region_copy_aborts_and_its_error_comes_through(tmp_path: Path
     with pytest.raises(RuntimeError, match="device lost"):
         write(tmp_path / "proc", regions)
     assert not (tmp_path / "proc").exists()
-
-
-def test_a_failure_while_the_chunks_stream_stops_them_and_comes_through(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A re-sleep works out the records' columns while the workers stream the chunks (see
-    _Stream.run): a failure there stops the workers, publishes nothing, and is the error reported."""
-    root_path = tmp_path / "proc"
-    regions = regions_of(12 * 1024 * KiB)
-    first = write(root_path, regions)
-    real = os.pwritev
-    written = [0]
-    first_write = threading.Event()
-
-    def counting_pwritev(fd: int, buffers: Any, offset: int) -> int:
-        n = real(fd, buffers, offset)
-        written[0] += n
-        first_write.set()
-        return n
-
-    def records_fail(regions: Any) -> Any:
-        assert first_write.wait(30), "the workers write while the records are worked out"
-        raise RuntimeError("out of memory encoding the records")
-
-    monkeypatch.setattr(os, "pwritev", counting_pwritev)
-    monkeypatch.setattr(writer_module, "_records", records_fail)
-    changed = [BytesRegion(r.key, r.tag, os.urandom(r.nbytes)) for r in regions]  # all to write again
-    before = {thread.ident for thread in threading.enumerate()}
-    with pytest.raises(RuntimeError, match="out of memory encoding the records"):
-        write(root_path, changed)
-    assert {thread.ident for thread in threading.enumerate()} <= before, "no worker is left running"
-    assert written[0] < sum(r.nbytes for r in changed) // 2, "the workers were stopped, not waited for"
-    monkeypatch.undo()
-    assert_previous_intact(root_path, first.snapshot, regions)

@@ -569,12 +569,12 @@ class PlainMeta(dict[str, Any]):
     """
 
 
-def tags_plain(tags: list[object]) -> bool:
+def tags_plain(tags: Sequence[object]) -> bool:
     """True if every tag is a non-empty string, checked in bulk."""
     return not tags or (set(map(type, tags)) == {str} and "" not in set(tags))
 
 
-def regions_plain(keys: list[str], tags: list[object], metas: list[object]) -> bool:
+def regions_plain(keys: list[str], tags: Sequence[object], metas: Sequence[object]) -> bool:
     """True if every region certainly passes :func:`check_region` and the keys are unique."""
     return (
         keys_plain(keys)
