@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store import writer as writer_module
 from hibernate.store.format import ALIGNMENT, ChunkColumns, align_up
 from hibernate.store.reader import _file_order
 from hibernate.store.writer import PACKED_ALIGNMENT
@@ -230,6 +231,11 @@ def allocated(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("data-*.bin"))
 
 
+def stored(path: Path) -> int:
+    """What every data file holds on disk, links included (all the snapshots' files are counted)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*.bin"))
+
+
 def test_reused_bytes_are_linked_in_and_the_old_snapshot_goes_whole(scratch: Path) -> None:
     if not punches_holes(scratch):
         pytest.skip("this filesystem cannot punch holes; data goes only with whole files")
@@ -248,6 +254,43 @@ def test_reused_bytes_are_linked_in_and_the_old_snapshot_goes_whole(scratch: Pat
     third = write(scratch, [a, b])
     assert not (third.path / "reused-001.bin").exists()
     assert allocated(scratch) <= 128 * KiB + 16 * KiB
+
+
+def test_an_unchanged_resleep_trims_nothing_and_a_changed_one_still_does(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When every chunk of the last snapshot is used again, its links are kept whole without
+    walking the chunks for the pages in use; once one is not, the walk and the trim come back."""
+    a = BytesRegion("w/a", "w", os.urandom(64 * KiB))
+    b = BytesRegion("w/b", "w", os.urandom(64 * KiB))
+    same_as_a = BytesRegion("w/c", "w", bytes(a.data))  # its chunks refer to a's: not indexed twice
+    walks: list[int] = []
+    real = writer_module._used_ranges
+
+    def counted(chunks: Any, links: list[str]) -> Any:
+        walks.append(len(chunks))
+        return real(chunks, links)
+
+    monkeypatch.setattr(writer_module, "_used_ranges", counted)
+    write(scratch, [a, b])
+    walks.clear()  # a first sleep has no links: its walk finds nothing to do
+    size = stored(scratch)
+    unchanged = write(scratch, [a, b])
+    assert (unchanged.written_bytes, walks, stored(scratch)) == (0, [], size)
+    blanks = [a.blank(), b.blank()]
+    read_back(scratch, unchanged.snapshot, blanks)
+    assert [r.data for r in blanks] == [a.data, b.data]
+
+    b.data[:] = os.urandom(64 * KiB)
+    changed = write(scratch, [a, b])
+    assert (changed.written_bytes, len(walks)) == (64 * KiB, 1), "b's old chunks are trimmed away"
+
+    with_copy = write(scratch, [a, same_as_a, b])  # uses every chunk of the last one: no walk
+    again = write(scratch, [a, same_as_a, b])  # the last one holds a's bytes twice: walked, to be safe
+    assert (with_copy.written_bytes, again.written_bytes, len(walks)) == (0, 0, 2)
+    blanks = [a.blank(), same_as_a.blank(), b.blank()]
+    read_back(scratch, again.snapshot, blanks)
+    assert [r.data for r in blanks] == [a.data, a.data, b.data]
 
 
 def test_without_reuse_everything_is_written_again(scratch: Path) -> None:

@@ -263,6 +263,26 @@ def link_reusable(
     return index, links, warnings
 
 
+def _uses_every_chunk(
+    chunks: list[ChunkRef],
+    reusable: Mapping[tuple[str, int], ChunkRef],
+    previous: ReuseSource | None,
+) -> bool:
+    """Whether the new snapshot refers to every chunk of the previous one, each through its link.
+
+    A previous snapshot's data file holds its chunks' pages and holes punched
+    before, nothing else; so if every one of its chunks was linked and indexed
+    (none in a file left unlinked, no two with the same bytes) and every one is
+    used now, its link has nothing to trim. That is an unchanged re-sleep, for
+    which walking the chunks to find the pages in use took 10-18 ms at 20,000
+    tensors.
+    """
+    if previous is None or len(reusable) != len(previous.chunks.files):
+        return False
+    in_use = set(map(id, chunks))
+    return all(id(ref) in in_use for ref in reusable.values())
+
+
 def _used_ranges(chunks: Sequence[ChunkRef], links: list[str]) -> dict[str, list[tuple[int, int]]]:
     """Per linked data file the chunks use, the sorted and merged pages they use, padding included.
 
@@ -641,8 +661,12 @@ def _write_locked(
             chunks = stream.run(pin)
             keys, tags, metas = described or _described(regions)
             segments.finish()
-            used = _used_ranges(chunks, links)
-            _trim_links(tmp_fd, links, used)
+            if _uses_every_chunk(chunks, reusable, previous):
+                in_use = set(links)  # each link holds only chunks this snapshot uses: nothing to trim
+            else:
+                used = _used_ranges(chunks, links)
+                _trim_links(tmp_fd, links, used)
+                in_use = set(used)
             # The older snapshots go now, not after the publish: removing a link changes the
             # change time of the file it shares with ours, which must be final when recorded.
             # They were a cache of bytes the process still holds, so nothing is lost if the
@@ -650,7 +674,7 @@ def _write_locked(
             root.retire_all_but(None)
             # The files the chunks use: those this sleep wrote (one is created only to write
             # chunks into it) and the links they use.
-            files = _identities(tmp_fd, {*segments.names, *used})
+            files = _identities(tmp_fd, {*segments.names, *in_use})
             faults.point("store.write")  # data durable, nothing published yet
         except OSError as exc:
             raise _io_error(exc, root, None, stream.written, total) from exc
