@@ -83,6 +83,23 @@ def test_an_unchanged_snapshot_is_still_reused_in_full(tmp_path: Path) -> None:
     assert (third.written_bytes, third.reused_bytes) == (0, 192 * KiB), "a reused file stays reusable"
 
 
+def test_of_two_files_only_the_damaged_one_is_written_again(tmp_path: Path) -> None:
+    regions = [BytesRegion(f"w/{i}", "w", os.urandom(64 * KiB)) for i in range(3)]
+    options = WriteOptions(chunk_bytes=16 * KiB, buffer_bytes=128 * KiB)
+    with SpillRoot(tmp_path / "proc", create=True) as root:
+        write_snapshot(root, regions, producer={}, options=options)
+        regions[2].data[:] = os.urandom(64 * KiB)
+        second = write_snapshot(root, regions, producer={}, options=options)
+        assert sorted(second.manifest.files) == ["data-000.bin", "reused-000.bin"]
+        flip_one_byte(second.path / "data-000.bin", keep_mtime=True)  # region 2's bytes, damaged
+        third = write_snapshot(root, regions, producer={}, options=options)
+        assert (third.written_bytes, third.reused_bytes) == (64 * KiB, 128 * KiB)
+        blanks = [BytesRegion(r.key, r.tag, bytes(r.nbytes)) for r in regions]
+        with SnapshotReader(root, third.snapshot) as reader:
+            reader.read_into(blanks, buffer_bytes=128 * KiB)
+    assert [b.data for b in blanks] == [r.data for r in regions]
+
+
 def test_verify_reads_the_snapshot_back_before_anything_is_released(
     start_demo: Any, cli: Any, work_dir: Path
 ) -> None:

@@ -254,12 +254,14 @@ def link_reusable(
     # Built with map and one dict rather than a statement per chunk (an unchanged re-sleep reuses
     # every chunk); in reverse, so that of chunks with equal bytes the first is the one kept.
     chunks = previous.chunks
-    digests = chunks.digests()
+    digests, lengths = chunks.digests(), chunks.lengths
     linked_as = [renamed.get(file, "") for file in chunks.files]  # "": a file not linked
-    refs = map(ChunkRef, linked_as, chunks.offsets, chunks.lengths, digests)
-    keys = zip(digests, chunks.lengths, strict=True)
-    found = [(key, ref) for key, ref in zip(keys, refs, strict=True) if ref.file]
-    index.update(reversed(found))
+    refs = list(map(ChunkRef, linked_as, chunks.offsets, lengths, digests))
+    if len(renamed) < len(previous.files):  # the chunks of a file not linked are not offered
+        refs = [ref for ref in refs if ref.file]
+        digests, lengths = [ref.checksum for ref in refs], [ref.length for ref in refs]
+    keys = zip(reversed(digests), reversed(lengths), strict=True)
+    index.update(zip(keys, reversed(refs), strict=True))
     return index, links, warnings
 
 
