@@ -281,8 +281,7 @@ def _uses_every_chunk(
     """
     if previous is None or len(reusable) != len(previous.chunks.files):
         return False
-    in_use = set(map(id, chunks))
-    return all(id(ref) in in_use for ref in reusable.values())
+    return set(map(id, chunks)).issuperset(map(id, reusable.values()))
 
 
 def _used_ranges(chunks: Sequence[ChunkRef], links: list[str]) -> dict[str, list[tuple[int, int]]]:
