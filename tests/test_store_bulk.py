@@ -346,7 +346,9 @@ def test_a_corrupted_chunk_is_refused_by_name_either_way(mode: str, scratch: Pat
     chunk = first.manifest.records[3].chunks[0]  # the 20 KiB region
     with open(scratch / first.snapshot / chunk.file, "r+b") as f:
         f.seek(chunk.offset + 100)
-        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 100)  # the read moved past it
+        f.write(bytes([byte ^ 0xFF]))
     blanks = [region.blank() for region in regions]
     refusal = pytest.raises(SnapshotInvalidError, match=r"record 'w/3' bytes 0\.\.20480 .*checksum mismatch")
     with python_only() if mode == "python" else contextlib.nullcontext(), refusal:
