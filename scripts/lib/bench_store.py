@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 import torch
 import xxhash
 
+from hibernate.operation.options import StagingShare, share_staging
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store.format import WrittenRecords
@@ -296,13 +298,16 @@ class Raw:
         buffer.write(os.urandom(MiB) * (size // MiB))
         return buffer
 
-    def write(self) -> float:
+    def write(self, ready: Callable[[], object] | None = None) -> float:
+        """Seconds to write; ``ready`` is called once the buffer is allocated, before the timing."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         buffer = self._buffer(self.request)
         view = memoryview(buffer)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
         try:
+            if ready is not None:
+                ready()
             started = time.perf_counter()
             for offset in range(0, self.total, self.request):
                 n = min(self.request, self.total - offset)
@@ -315,7 +320,8 @@ class Raw:
             view.release()
             buffer.close()
 
-    def read(self) -> float:
+    def read(self, ready: Callable[[], object] | None = None) -> float:
+        """Seconds to read; ``ready`` as for :meth:`write`."""
         evict(self.path)
         if self.fresh:
             buffer = mmap.mmap(-1, self.total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -324,6 +330,8 @@ class Raw:
         view = memoryview(buffer)
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
+            if ready is not None:
+                ready()
             started = time.perf_counter()
             for offset in range(0, self.total, self.request):
                 n = min(self.request, self.total - offset)
@@ -551,6 +559,20 @@ def paired(first: Callable[[], A], second: Callable[[], B], swap: bool) -> tuple
     return a, second()
 
 
+def between(
+    before: Callable[[], A], measured: Callable[[], B], after: Callable[[], A], swap: bool
+) -> tuple[A, B, A]:
+    """Run ``measured`` between two baselines, swapping their order when ``swap``; returns
+    (before's, measured's, after's) figures whatever the order."""
+    if swap:
+        second = after()
+        result = measured()
+        return before(), result, second
+    first = before()
+    result = measured()
+    return first, result, after()
+
+
 def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
     tensors = make_tensors(args.size_mb * MiB, args.tensors)
     total = sum(t.nbytes for t in tensors.values())
@@ -775,8 +797,6 @@ class Targets:
 
 def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> int:
     """--procs N: N processes sleep and wake at once against one disk, one staging budget."""
-    from hibernate.operation.options import share_staging
-
     count = args.procs
     snapshots = work / "snapshots"
     targets = Targets(work, count, max(1, args.size_mb // count))
@@ -785,7 +805,9 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
         share = share_staging(args.buffer_mb, count)
         reps: list[dict[str, Any]] = []
         total = targets.weight_bytes - targets.weight_bytes % SIMPLE_REQUEST
-        limits = RawLimits(work / "raw.bin", total, WriteOptions(buffer_bytes=args.buffer_mb * MiB))
+        options = WriteOptions(buffer_bytes=args.buffer_mb * MiB)
+        limits = RawLimits(work / "raw.bin", total, options)
+        shares = RawShares(work, total, count, share, options.effective_chunk_bytes)
         budget_flag = ["--buffer-mb", str(args.buffer_mb)]
         for rep in range(args.reps):
             swap = rep % 2 == 1
@@ -800,7 +822,8 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
                 slept = targets.hibernate("sleep", *targets.pids, "--to", str(into), *budget_flag)
                 return float(slept["seconds"])
 
-            raw_write, sleep_seconds = paired(limits.write.write, sleep, swap)
+            # The sleep between its two baselines, which of them goes first alternating.
+            raw_write, sleep_seconds, shares_write = between(limits.write.write, sleep, shares.write, swap)
             assert slept is not None
             evict(snapshots)
             woken = None
@@ -810,7 +833,7 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
                 woken = targets.hibernate("wake", *targets.pids, *budget_flag)
                 return float(woken["seconds"])
 
-            raw_read, wake_seconds = paired(limits.read.read, wake, swap)
+            raw_read, wake_seconds, shares_read = between(limits.read.read, wake, shares.read, swap)
             assert woken is not None
             if targets.digests() != references:
                 raise SystemExit("a target answered differently after its wake")
@@ -824,6 +847,10 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
                     "wake_gbps": gbps(restored, wake_seconds),
                     "sleep_ratio": gbps(written, sleep_seconds) / gbps(limits.total, raw_write),
                     "wake_ratio": gbps(restored, wake_seconds) / gbps(limits.total, raw_read),
+                    "shares_write_gbps": gbps(shares.total, shares_write),
+                    "shares_read_gbps": gbps(shares.total, shares_read),
+                    "sleep_shares_ratio": gbps(written, sleep_seconds) / gbps(shares.total, shares_write),
+                    "wake_shares_ratio": gbps(restored, wake_seconds) / gbps(shares.total, shares_read),
                     "written_bytes": written,
                     "restored_bytes": restored,
                     "sleep_staging_bytes": [p["staging_bytes"] for p in slept["processes"]],
@@ -833,6 +860,7 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
                 }
             )
         limits.close()
+        shares.close()
     finally:
         targets.close()
 
@@ -868,16 +896,21 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
         "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "filesystem": filesystem_of(work)},
         "data": {"processes": count, "bytes_per_process": max(1, args.size_mb // count) * MiB},
         "staging": {"budget_bytes": budget, "each_bytes": share.buffer_mb * MiB, "at_once": share.at_once},
+        "share_requests": {"write_bytes": shares.write_request, "read_bytes": shares.read_request},
         "method": PROCS_METHOD,
         "spread": {
             key: spread([r[key] for r in reps])
             for key in (
                 "raw_write_gbps",
                 "raw_read_gbps",
+                "shares_write_gbps",
+                "shares_read_gbps",
                 "sleep_gbps",
                 "wake_gbps",
                 "sleep_ratio",
                 "wake_ratio",
+                "sleep_shares_ratio",
+                "wake_shares_ratio",
             )
         },
         "repetitions": reps,
@@ -891,8 +924,10 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
 
 PROCS_METHOD = (
     "N demo targets (python -m hibernate.demo serve) share the bytes; each repetition runs `hibernate sleep "
-    "PID...` and `hibernate wake PID...` through the CLI, each paired with a raw O_DIRECT write or read of "
-    "the same number of bytes shaped as one process's transfer with the whole budget, in alternating order; "
+    "PID...` and `hibernate wake PID...` through the CLI, each between two raw O_DIRECT writes or reads of "
+    "the same number of bytes, which of them goes first alternating: the limit, shaped as one process's "
+    "transfer with the whole budget (judged), and N writers or readers at once, each with its own file and "
+    "the requests of its process's share of the budget (for scale); "
     "aggregate throughput is all processes' bytes over the operation's whole time as its report gives it "
     "(connect, quiesce, transfers, release, journal); the page cache is evicted before every wake; "
     "hibernate's modules keep their bytecode between commands, as an installed copy does"
@@ -912,13 +947,20 @@ def print_processes_table(doc: dict[str, Any]) -> None:
         f"{staging['each_bytes'] / MiB:.0f} MiB each, {staging['at_once']} processes at once"
     )
     print()
+    requests = doc["share_requests"]
+    write_mib, read_mib = requests["write_bytes"] // MiB, requests["read_bytes"] // MiB
+    at_once = staging["at_once"]
     for label, key in (
         ("raw O_DIRECT write (the limit)", "raw_write_gbps"),
+        (f"raw, {at_once} writers of {write_mib} MiB requests", "shares_write_gbps"),
         ("hibernate sleep, all processes", "sleep_gbps"),
         ("  x raw", "sleep_ratio"),
+        (f"  x {at_once} writers (for scale)", "sleep_shares_ratio"),
         ("raw O_DIRECT read (the limit)", "raw_read_gbps"),
+        (f"raw, {at_once} readers of {read_mib} MiB requests", "shares_read_gbps"),
         ("hibernate wake, all processes", "wake_gbps"),
         ("  x raw", "wake_ratio"),
+        (f"  x {at_once} readers (for scale)", "wake_shares_ratio"),
     ):
         s = spreads[key]
         print(f"{label:<34} {s['median']:>6.2f} ({s['min']:.2f}-{s['max']:.2f})")
@@ -998,6 +1040,67 @@ class RawLimits:
 
     def close(self) -> None:
         self.write.close()
+
+
+# A raw transfer that calls its argument once its buffer is allocated, before its timing starts.
+RawTransfer = Callable[[Callable[[], object] | None], float]
+
+
+class RawShares:
+    """The same bytes split among ``count`` writers or readers at once, each with its own file and
+    the requests its share of the staging budget gives hibernate's process (``at_once`` of them
+    move together, as the CLI lets them): what this disk does with the transfers of a
+    multi-process sleep or wake. Shown beside the one-transfer limit, which is what is judged.
+    """
+
+    def __init__(self, work: Path, total: int, count: int, share: StagingShare, chunk_bytes: int) -> None:
+        each = total // count
+        write_request = arena_bytes_for(share.buffer_mb * MiB, each, chunk_bytes)
+        read_request = read_request_bytes(write_request, chunk_bytes)
+        paths = [work / f"raw-share-{n}.bin" for n in range(count)]
+        self.total = each * count
+        self.at_once = share.at_once
+        self.write_request, self.read_request = write_request, read_request
+        self.writers = [Raw(path, each, write_request) for path in paths]
+        self.readers = [Raw(path, each, read_request, huge=True) for path in paths]
+
+    def write(self) -> float:
+        return self._waves([raw.write for raw in self.writers])
+
+    def read(self) -> float:
+        return self._waves([raw.read for raw in self.readers])
+
+    def _waves(self, transfers: list[RawTransfer]) -> float:
+        """Seconds for all of them, ``at_once`` at a time."""
+        waves = range(0, len(transfers), self.at_once)
+        return sum(self._wave(transfers[start : start + self.at_once]) for start in waves)
+
+    @staticmethod
+    def _wave(wave: list[RawTransfer]) -> float:
+        """From when every buffer of the wave is allocated to when its slowest transfer ends."""
+        ready = threading.Barrier(len(wave))
+        times: list[float] = []
+        failures: list[BaseException] = []
+
+        def run(transfer: RawTransfer) -> None:
+            try:
+                times.append(transfer(ready.wait))
+            except BaseException as exc:  # reported below, on the calling thread
+                failures.append(exc)
+                ready.abort()
+
+        threads = [threading.Thread(target=run, args=(transfer,)) for transfer in wave]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return max(times)
+
+    def close(self) -> None:
+        for raw in self.writers:
+            raw.close()
 
 
 METHOD = (
