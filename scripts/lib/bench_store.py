@@ -1054,7 +1054,7 @@ class RawShares:
     """
 
     def __init__(self, work: Path, total: int, count: int, share: StagingShare, chunk_bytes: int) -> None:
-        each = total // count
+        each = total // count // MiB * MiB  # whole MiB: every O_DIRECT request stays aligned
         write_request = arena_bytes_for(share.buffer_mb * MiB, each, chunk_bytes)
         read_request = read_request_bytes(write_request, chunk_bytes)
         paths = [work / f"raw-share-{n}.bin" for n in range(count)]
