@@ -237,3 +237,35 @@ def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     assert parsed, "the wake reads the new snapshot's manifest from disk"
     assert len(checks) == 1, "and checks it against the process once, before touching memory"
     assert same_bytes(tensor, expected)
+
+
+def test_a_cpu_sleep_and_wake_never_ask_whether_cuda_is_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.cuda.is_available() initializes the CUDA driver, whose cuInit opens the NVIDIA device
+    files: on a GPU machine a CPU-only process then looked like a CUDA process, and the next sleep
+    of four of them was refused (the NCCL check for CUDA processes checkpointed together)."""
+    from hibernate.pools.tensors import TensorPool, allocator_segments
+    from hibernate.store import SnapshotReader, SpillRoot, write_snapshot
+
+    asked: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append("device_count") or 0)
+    weights = {"w": torch.arange(4096, dtype=torch.float32)}
+    reference = weights["w"].clone()
+    pool = TensorPool()
+    pool.track(weights, tag="weights", keep=True, name="model")
+    for _ in range(2):  # a sleep and a wake, twice
+        regions = list(pool.regions())
+        with SpillRoot(tmp_path / "proc", create=True) as root:
+            written = write_snapshot(root, regions, producer={})
+        for region in regions:
+            region.release()
+        pool.after_release()
+        for region in regions:
+            region.reallocate()
+        with SpillRoot(tmp_path / "proc") as root, SnapshotReader(root, written.snapshot) as reader:
+            reader.read_into(regions, buffer_bytes=1 << 20)
+    assert allocator_segments() == []
+    assert torch.equal(weights["w"], reference)
+    assert asked == []

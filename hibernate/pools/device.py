@@ -298,5 +298,6 @@ class CudaDeviceMemory(CudaCopies):
         """What vLLM's own sleep does after releasing: collect, then empty torch's cache."""
         gc.collect()
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Not is_available(): that initializes the driver in a process that never used CUDA.
+        if torch is not None and torch.cuda.is_initialized():
             torch.cuda.empty_cache()

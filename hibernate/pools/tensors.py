@@ -425,7 +425,10 @@ DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache()
 
 def allocator_segments() -> list[dict[str, Any]]:
     """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    # is_initialized, never is_available: asking whether CUDA is available initializes its driver
+    # (cuInit opens the NVIDIA device files), after which a CPU-only process looks like a CUDA
+    # process to the next sleep on a GPU machine.
+    if not torch.cuda.is_initialized():
         return []
     try:
         return list(torch.cuda.memory_snapshot(include_traces=False))
@@ -625,7 +628,7 @@ class TensorPool:
 
     def after_release(self) -> None:
         _trim_host_heap()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # not is_available(): see allocator_segments
             torch.cuda.empty_cache()
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:

@@ -785,7 +785,10 @@ class Targets:
         command = [sys.executable, "-W", "ignore", "-m", "hibernate", *argv, "--json"]
         done = subprocess.run(command, env=self.env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise SystemExit(f"hibernate {' '.join(argv)} failed ({done.returncode}): {done.stderr}")
+            # With --json the error is in the report on stdout, not on stderr.
+            raise SystemExit(
+                f"hibernate {' '.join(argv)} failed ({done.returncode}): {done.stdout.strip()} {done.stderr}"
+            )
         report: dict[str, Any] = json.loads(done.stdout)
         return report
 
