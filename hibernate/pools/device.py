@@ -39,6 +39,18 @@ Handle = tuple[int, int, int, Any]
 PinFn = Callable[[memoryview], Callable[[], None]]
 
 
+def torch_cuda_in_use() -> bool:
+    """Whether torch in this process has started CUDA: only then is there a cache to empty or list.
+
+    Never torch.cuda.is_available(): asking it initializes the CUDA driver (its
+    cuInit opens the NVIDIA device files), after which a CPU-only process looks
+    like a CUDA process to the next sleep on a GPU machine; four such processes
+    were refused there as CUDA processes checkpointed together.
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 class DeviceMemoryError(HibernateError):
     """A device call failed (the CUDA runtime's own words are in the message)."""
 
@@ -297,7 +309,5 @@ class CudaDeviceMemory(CudaCopies):
     def empty_cache(self) -> None:
         """What vLLM's own sleep does after releasing: collect, then empty torch's cache."""
         gc.collect()
-        torch = sys.modules.get("torch")
-        # Not is_available(): that initializes the driver in a process that never used CUDA.
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        if torch_cuda_in_use():
+            sys.modules["torch"].cuda.empty_cache()

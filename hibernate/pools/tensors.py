@@ -50,7 +50,7 @@ import torch
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import CudaCopies, DeviceCopies
+from hibernate.pools.device import CudaCopies, DeviceCopies, torch_cuda_in_use
 from hibernate.store.format import PlainMeta, gc_paused
 from hibernate.store.regions import memory_at
 
@@ -425,10 +425,7 @@ DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache()
 
 def allocator_segments() -> list[dict[str, Any]]:
     """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
-    # is_initialized, never is_available: asking whether CUDA is available initializes its driver
-    # (cuInit opens the NVIDIA device files), after which a CPU-only process looks like a CUDA
-    # process to the next sleep on a GPU machine.
-    if not torch.cuda.is_initialized():
+    if not torch_cuda_in_use():
         return []
     try:
         return list(torch.cuda.memory_snapshot(include_traces=False))
@@ -628,7 +625,7 @@ class TensorPool:
 
     def after_release(self) -> None:
         _trim_host_heap()
-        if torch.cuda.is_initialized():  # not is_available(): see allocator_segments
+        if torch_cuda_in_use():
             torch.cuda.empty_cache()
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
