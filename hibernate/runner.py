@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from hibernate import orchestrator
-from hibernate.agent.signals import ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, parse_signal
+from hibernate.agent.signals import ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
 from hibernate.errors import HibernateError, UsageError
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)
@@ -55,8 +55,8 @@ def run(
     """Run ``command`` until it exits, hibernating it on signals; returns its exit status."""
     if not command:
         raise UsageError("no command given", hint="hibernate run --to DIR -- CMD [ARGS...]")
-    sleep_sig = parse_signal(sleep_signal)
-    wake_sig = parse_signal(wake_signal) if wake_signal else None
+    sleep_sig = trigger_signal(sleep_signal, "--on-signal")
+    wake_sig = trigger_signal(wake_signal, "--wake-signal") if wake_signal else None
     if wake_sig == sleep_sig or sleep_sig in FORWARDED or wake_sig in FORWARDED:
         raise UsageError("the sleep and wake signals must differ from each other and from TERM/HUP")
     directory = Path(directory).expanduser().absolute()

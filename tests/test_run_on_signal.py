@@ -141,3 +141,25 @@ def test_signal_names(name: str, expected: signal.Signals) -> None:
 def test_unknown_signal_names_are_refused() -> None:
     with pytest.raises(UsageError, match="not a signal name"):
         parse_signal("USR9")
+
+
+@pytest.mark.parametrize(
+    "flag, name",
+    [("--on-signal", "KILL"), ("--on-signal", "STOP"), ("--wake-signal", "SIGKILL"), ("--on-signal", "SEGV")],
+)
+def test_run_refuses_a_signal_that_cannot_trigger_before_starting_the_job(
+    cli, work_dir: Path, flag: str, name: str
+) -> None:
+    started = work_dir / "started"
+    result = cli("run", flag, name, "--to", str(work_dir / "snap"), "--", "touch", str(started))
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    assert "Traceback" not in result.stderr and "Errno" not in result.stderr
+    assert f"{flag} {name}" in result.stderr
+    assert not started.exists()  # refused before the job was started
+
+
+def test_an_agent_refuses_a_sleep_signal_it_could_never_receive(fresh_agent: None, work_dir: Path) -> None:
+    import hibernate
+
+    with pytest.raises(UsageError, match="sleep signal STOP: SIGSTOP cannot be caught"):
+        hibernate.track([], on_signal="STOP", to=work_dir)
