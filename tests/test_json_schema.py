@@ -268,5 +268,8 @@ def test_completion_completes_commands_and_the_new_options() -> None:
     assert complete("hibernate sl") == ["sleep"]
     assert {"--job", "--json"} <= set(complete("hibernate sleep --j"))
     assert complete("hibernate node") == []  # node-step is for scripts: hidden
-    script = as_installed("--show-completion", "bash").stdout
+    # The shell is named, not detected: typer detects it among this process's ancestors, and a test
+    # run need not have one (typer's own tests set this variable for the same reason).
+    named_shell = {**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+    script = as_installed("--show-completion", "bash", env=named_shell).stdout
     assert "_HIBERNATE_COMPLETE=complete_bash" in script
