@@ -36,16 +36,25 @@ def is_root() -> bool:
 def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:
     """Where process ``pid`` (of this pid namespace) keeps its snapshots under ``base``.
 
-    Computed from the process's identity as its agent computes it, so a test
-    checks the real name rather than globbing for one.
+    A root's name has a random part its agent draws (store.owner.spill_root_name),
+    so the root is found as gc finds roots: by the marker inside, naming the
+    process by pid and start time. A path that does not exist when there is none.
     """
     from hibernate import procinfo
-    from hibernate.store.owner import Owner, spill_root_name
 
+    label = label or f"proc-{pid}"
     started = procinfo.start_time(pid)
     assert started is not None, f"process {pid} is gone"
-    owner = Owner(procinfo.boot_id(), procinfo.pid_namespace(pid) or 0, pid, started)
-    return base / spill_root_name(label or f"proc-{pid}", owner)
+    found = []
+    for path in sorted(base.glob(f"{label}-*")):
+        try:
+            owner = json.loads((path / ".hibernate-root").read_text())["owner"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if (owner["pid"], owner["start_time"]) == (pid, started):
+            found.append(path)
+    assert len(found) <= 1, f"process {pid} has {len(found)} roots under {base}: {found}"
+    return found[0] if found else base / f"{label}-none"
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

@@ -48,12 +48,12 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
     demo = start_demo(size_mb=48)
     reference = demo.infer()["digest"]
     fds, rss, disk = [], [], []
-    root = spill_root_of(work_dir, demo.pid)
     for cycle in range(20):
         asleep = cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet")
         assert asleep.returncode == 0, f"cycle {cycle}: {asleep.stderr}"
         woken = cli("wake", str(demo.pid), "--quiet")
         assert woken.returncode == 0, f"cycle {cycle}: {woken.stderr}"
+        root = spill_root_of(work_dir, demo.pid)
         # Sampled before the demo's inference allocates (and fragments) activation memory of its own.
         fds.append(demo.open_fds())
         rss.append(demo.rss())

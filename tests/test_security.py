@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -38,13 +39,18 @@ def test_everything_hibernate_creates_is_private(start_demo, cli, work_dir: Path
 
 
 def test_a_planted_symlink_for_a_process_directory_is_refused(start_demo, cli, work_dir: Path) -> None:
+    """The root's name cannot be known before its first sleep, so the link is planted after it."""
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
+    snaps = work_dir / "snaps"
+    assert cli("sleep", str(demo.pid), "--to", str(snaps), "-q").returncode == 0
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    root = spill_root_of(snaps, demo.pid)
     elsewhere = work_dir / "elsewhere"
     elsewhere.mkdir()
-    (work_dir / "snaps").mkdir()
-    spill_root_of(work_dir / "snaps", demo.pid).symlink_to(elsewhere)
-    result = cli("sleep", str(demo.pid), "--to", str(work_dir / "snaps"))
+    shutil.rmtree(root)
+    root.symlink_to(elsewhere)
+    result = cli("sleep", str(demo.pid), "--to", str(snaps))
     assert result.returncode == ExitCode.PERMISSION_DENIED, result.stderr
     assert "is a symbolic link; refusing to use it" in result.stderr
     assert not any(elsewhere.iterdir()), "nothing was written through the link"
@@ -97,3 +103,52 @@ def test_nothing_read_back_is_ever_executed() -> None:
                 if isinstance(func, ast.Attribute) and func.attr == "load":
                     owner = func.value.id if isinstance(func.value, ast.Name) else ""
                     assert owner not in ("torch", "pickle"), f"{source}:{node.lineno}: {owner}.load"
+
+
+def _names_anyone_can_compute(pid: int) -> list[str]:
+    """Every name of a process's root that public facts (boot id, pid namespace, pid, start time) give:
+    the digest of them that named roots before, and the bare label."""
+    import xxhash
+
+    from hibernate import procinfo
+
+    started = procinfo.start_time(pid)
+    key = "\0".join(map(str, (procinfo.boot_id(), procinfo.pid_namespace(pid) or 0, pid, started)))
+    digest = f"{xxhash.xxh3_64_intdigest(key.encode()):016x}"[:12]
+    return [f"proc-{pid}-{digest}", f"proc-{pid}"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to create directories as another user")
+def test_another_user_cannot_claim_a_processs_directory_in_a_shared_to_in_advance(
+    start_demo, cli, work_dir: Path
+) -> None:
+    nobody = 65534
+    shared = work_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    demo = start_demo(size_mb=8)
+    reference = demo.infer()["digest"]
+    claimed = []
+    for name in _names_anyone_can_compute(demo.pid):
+        path = shared / name
+        path.mkdir()
+        os.chown(path, nobody, nobody)
+        claimed.append(path)
+    result = cli("sleep", str(demo.pid), "--to", str(shared), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    root = spill_root_of(shared, demo.pid)
+    assert root.is_dir() and root not in claimed
+    assert root.stat().st_uid == os.getuid() and stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert all(not any(path.iterdir()) for path in claimed), "nothing was written into another's directory"
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    assert demo.infer()["digest"] == reference
+
+
+def test_two_agents_draw_different_directory_names() -> None:
+    from hibernate import procinfo
+    from hibernate.agent.controller import Hibernator
+
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    first, second = Hibernator(ident), Hibernator(ident)
+    assert len(first.root_token) == 12 and first.root_token != second.root_token

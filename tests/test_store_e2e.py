@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO, spill_root_of
+from tests.conftest import REPO
 
 
 def sleep_json(cli: Any, pid: int, directory: Path) -> dict[str, Any]:
@@ -115,8 +115,12 @@ def test_a_disk_filling_up_during_sleep_leaves_the_process_running(
     result = cli("sleep", str(demo.pid), "--to", str(work_dir), "--json")
     assert result.returncode == ExitCode.IO_ERROR, result.stdout + result.stderr
     error = result.json()["error"]
-    root = spill_root_of(work_dir, demo.pid)
-    assert error["message"].startswith(f"process {demo.pid} (spill): no space left on the device of {root}")
+    root_name = rf"{re.escape(str(work_dir))}/proc-{demo.pid}-[0-9a-f]{{12}}"
+    named = re.match(
+        rf"process {demo.pid} \(spill\): no space left on the device of ({root_name}) ", error["message"]
+    )
+    assert named, error["message"]
+    root = Path(named.group(1))
     assert "nothing was published and the process keeps its memory" in error["message"]
     assert state(cli, demo.pid) == "running"
     assert demo.infer()["digest"] == reference

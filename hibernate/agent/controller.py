@@ -194,6 +194,9 @@ class Hibernator:
         self.kind = kind
         self.guard = Guard()
         self.token = secrets.token_hex(8)
+        # The random part of this process's spill root names (see store.owner.spill_root_name):
+        # drawn once, so every sleep of the process finds its previous snapshot again.
+        self.root_token = secrets.token_hex(6)
         self._pools: list[Pool] = []
         self._mutex = threading.Lock()
         self._owner: Session | None = None
@@ -335,7 +338,7 @@ class Hibernator:
             regions = [(pool, list(pool.regions())) for pool in pools]
             for pool in pools:
                 pool.synchronize()  # work the program queued on any stream lands before a byte is read
-            sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.owner), "")
+            sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.root_token), "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
             with self._mutex:
                 known, self._known = self._known, None

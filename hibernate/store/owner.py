@@ -5,9 +5,10 @@ machine. Two containers (or two nodes of a job on a shared file system) can
 each have a process 4242 writing into the same ``--to`` directory; before
 format 2 they shared ``DIR/proc-4242`` and the second sleep retired the
 first's snapshot. An :class:`Owner` adds the boot id, the pid namespace and
-the start time; a spill root's name carries a digest of them, and its marker
-and every manifest in it carry them whole, so a sleep never reuses, retires
-or punches a snapshot that belongs to another process.
+the start time; a spill root's marker and every manifest in it carry them
+whole, so a sleep never reuses, retires or punches a snapshot that belongs to
+another process. The root's name carries a random part instead (see
+spill_root_name): a name anyone can compute, anyone can take first.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import xxhash
 
 from hibernate import procinfo
 
@@ -56,12 +55,6 @@ class Owner:
     def same_process(self, other: Owner) -> bool:
         return self.key == other.key
 
-    @property
-    def tag(self) -> str:
-        """12 hex digits of the owner's key: the part of a spill root's name beyond the pid."""
-        text = "\0".join(str(part) for part in self.key)
-        return f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"[:12]
-
     def describe(self) -> str:
         return (
             f"pid {self.pid} (started at tick {self.start_time}, pid namespace {self.pid_namespace}, "
@@ -95,13 +88,17 @@ def parse_owner(raw: object) -> Owner | None:
     return Owner(boot_id=boot, hostname=host, **numbers)
 
 
-def spill_root_name(label: str, owner: Owner) -> str:
-    """The directory of ``owner``'s snapshots in a ``--to`` directory: ``<label>-<tag>``.
+def spill_root_name(label: str, token: str) -> str:
+    """The directory of a process's snapshots in a ``--to`` directory: ``<label>-<token>``.
 
     ``label`` says what the process is (``proc-4242``, ``vllm-rank0-pid4242``);
-    the tag makes the name differ for every other process with that label.
+    ``token`` is random, drawn once by the process's agent. Not derived from
+    the process's identity: boot id, pid namespace, pid and start time can all
+    be read by any user, so in a shared (1777) ``--to`` another user could
+    create that directory first and every sleep of the process would be
+    refused. The marker inside, not the name, says whose a root is.
     """
-    return f"{label}-{owner.tag}"
+    return f"{label}-{token}"
 
 
 def liveness(owner: Owner) -> tuple[Liveness, str]:
