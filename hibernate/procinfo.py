@@ -51,6 +51,21 @@ def is_alive(ident: ProcessIdentity) -> bool:
         return False
 
 
+def zombie_wait_status(ident: ProcessIdentity) -> int | None:
+    """How the very process ``ident`` ended (its wait status), while its parent has not reaped it yet.
+
+    /proc/PID/stat's ``exit_code`` (field 52, Linux 3.5+) is the only place anyone but the parent
+    can read it, and only while the process is a zombie. None otherwise.
+    """
+    try:
+        fields = _stat_fields(ident.pid)
+        if int(fields[19]) != ident.start_time or fields[0] != "Z":
+            return None
+        return int(fields[49])  # field 52 overall
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
+
+
 def owner_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid

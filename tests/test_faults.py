@@ -188,7 +188,7 @@ def test_the_agent_killed_during_a_wake(
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
     result = cli("wake", str(demo.pid))
     assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
-    assert f"process {demo.pid} exited during restore" in result.stderr
+    assert f"process {demo.pid} died during its wake (killed by SIGKILL" in result.stderr
     demo.proc.wait(timeout=10)
     assert cli("ls", "--json").json()["agents"] == []
     nothing_left_to_clean(runtime_dir)

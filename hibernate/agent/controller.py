@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import faults, procinfo
+from hibernate.agent.crash import recording_crashes
 from hibernate.agent.guard import Guard
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
@@ -212,6 +213,7 @@ class Hibernator:
         self._transfer: dict[str, Any] | None = None  # the newest progress of a spill or restore
         self._last_operation: dict[str, Any] | None = None  # the report of the newest sleep_here/wake_here
         self.signals_configured = False  # hibernate-on-signal handlers, once per process
+        self.crash_record: Path | None = None  # where a restore's fatal signal is named (agent/crash.py)
 
     # -- pools ---------------------------------------------------------------
 
@@ -436,7 +438,8 @@ class Hibernator:
             report["complete"] = op == "restore"
             return report
 
-        return self._transition(session, op, action)
+        with recording_crashes(self.crash_record):
+            return self._transition(session, op, action)
 
     def _refill(
         self, sleeping: _Sleep, session: Session, args: dict[str, Any], indices: Sequence[int]

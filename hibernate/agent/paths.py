@@ -22,6 +22,7 @@ from hibernate.errors import UsageError
 from hibernate.procinfo import ProcessIdentity
 
 _SOCKET_RE = re.compile(r"^agent-(\d+)-(\d+)\.sock$")
+_CRASH_RE = re.compile(r"^agent-(\d+)-(\d+)\.crash$")
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -50,6 +51,11 @@ def socket_path(directory: Path, ident: ProcessIdentity) -> Path:
     return path
 
 
+def crash_record_path(socket: Path) -> Path:
+    """Where the agent listening at ``socket`` writes how it died during a restore (agent/crash.py)."""
+    return socket.with_suffix(".crash")
+
+
 def parse_socket_name(name: str) -> ProcessIdentity | None:
     match = _SOCKET_RE.match(name)
     return ProcessIdentity(int(match.group(1)), int(match.group(2))) if match else None
@@ -75,8 +81,14 @@ def live_sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
 
 
 def sweep_stale_sockets(directory: Path) -> None:
-    """Delete the sockets of processes that are gone: nobody will ever answer there."""
+    """Delete the sockets (and crash records) of processes that are gone: nobody will ever answer there."""
     for ident, path in _sockets(directory):
         if not procinfo.is_alive(ident):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            match = _CRASH_RE.match(name)
+            if match and not procinfo.is_alive(ProcessIdentity(int(match.group(1)), int(match.group(2)))):
+                with contextlib.suppress(OSError):
+                    os.unlink(directory / name)

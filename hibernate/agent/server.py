@@ -20,7 +20,7 @@ from typing import Any
 
 from hibernate.agent import protocol
 from hibernate.agent.controller import Hibernator, Session, describe_error
-from hibernate.agent.paths import socket_path
+from hibernate.agent.paths import crash_record_path, socket_path
 from hibernate.errors import PermissionDeniedError, ProtocolError, UsageError
 from hibernate.fsutil import ensure_private_dir
 
@@ -171,6 +171,7 @@ class AgentServer:
         finally:
             os.umask(old_umask)
         self._sock.listen(16)
+        hibernator.crash_record = crash_record_path(self.path)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="hibernate-agent", daemon=True)
         self._thread.start()

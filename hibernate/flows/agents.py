@@ -16,7 +16,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
-from hibernate.operation.members import Member, connect_all, hang_up, parallel
+from hibernate.operation.members import Member, connect_all, died_during_wake, hang_up, parallel
 from hibernate.operation.options import share_staging
 from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
@@ -168,6 +168,10 @@ class AgentsUnit(Unit):
             parallel(sleeping, restore, at_once=share.at_once)
         if failures:
             self.resume()
+            # A process that died is no longer asleep: its memory is gone, and no retry brings it back.
+            dead = [member for member, _ in failures if not procinfo.is_alive(member.ref.identity)]
+            if dead:
+                raise died_during_wake(dead[0].ref)
             member, exc = failures[0]
             raise exc.add_context(
                 f"process {member.pid} stays asleep",

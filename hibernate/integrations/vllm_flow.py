@@ -72,7 +72,7 @@ from hibernate.integrations.vllm_server import (
     read_argv,
 )
 from hibernate.operation.ledger import interrupted_operation
-from hibernate.operation.members import exits
+from hibernate.operation.members import died_during_wake, exits
 from hibernate.operation.options import Options
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
@@ -421,7 +421,10 @@ def _woken_directly(
 ) -> list[HibernateError]:
     failures: list[HibernateError] = []
     for pid, outcome in _in_parallel(refs, lambda ref: wake_directly(ref, options)).items():
-        if isinstance(outcome, HibernateError):
+        ref = next(r for r in refs if r.pid == pid)
+        if isinstance(outcome, HibernateError) and not procinfo.is_alive(ref.identity):
+            failures.append(died_during_wake(ref))  # not asleep: gone, and its memory with it
+        elif isinstance(outcome, HibernateError):
             failures.append(outcome.add_context(f"process {pid} stays asleep"))
         elif isinstance(outcome, BaseException):
             raise outcome

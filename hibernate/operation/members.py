@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.paths import crash_record_path
 from hibernate.errors import HibernateTimeoutError, NoSuchProcessError
 from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef
@@ -31,6 +35,82 @@ def exits(identity: ProcessIdentity, within: float = 2.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+# The first line the interpreter's fault handler writes for each fatal signal (agent/crash.py).
+_FATAL_ERRORS = {
+    "Segmentation fault": signal.SIGSEGV,
+    "Bus error": signal.SIGBUS,
+    "Floating-point exception": signal.SIGFPE,
+    "Floating point exception": signal.SIGFPE,
+    "Illegal instruction": signal.SIGILL,
+    "Aborted": signal.SIGABRT,
+}
+_CRASH_RECORD_LIMIT = 64 << 10
+# What a signal means when it ends a process while its memory is written back.
+_LIKELY_CAUSE = {
+    signal.SIGBUS: "memory it had mapped could not be backed: a file it mapped was truncated or "
+    "removed while it slept, or its huge pages or shared memory ran out",
+    signal.SIGKILL: "the kernel's out-of-memory killer, or someone, killed it",
+}
+
+
+def describe_end(wait_status: int | None, crash_record: str) -> str | None:
+    """How a process ended, from its wait status (if a zombie's could be read) or its crash record.
+
+    None when neither says: its parent reaped it, and no fault handler wrote anything.
+    """
+    for line in crash_record.splitlines():
+        if line.startswith("Fatal Python error: "):
+            fatal = _FATAL_ERRORS.get(line.removeprefix("Fatal Python error: ").strip())
+            if fatal is not None:
+                return _with_cause(f"killed by {fatal.name}", fatal)
+    if wait_status is not None and os.WIFSIGNALED(wait_status):
+        number = os.WTERMSIG(wait_status)
+        try:
+            sig = signal.Signals(number)
+        except ValueError:
+            return f"killed by signal {number}"
+        return _with_cause(f"killed by {sig.name}", sig)
+    if wait_status is not None and os.WIFEXITED(wait_status):
+        return f"exited with status {os.WEXITSTATUS(wait_status)}"
+    return None
+
+
+def _with_cause(what: str, sig: signal.Signals) -> str:
+    cause = _LIKELY_CAUSE.get(sig)
+    return f"{what}: {cause}" if cause else what
+
+
+def how_it_ended(ref: AgentRef) -> str | None:
+    """How the process of ``ref`` ended, as far as anyone but its parent can tell (see describe_end)."""
+    record = crash_record_path(ref.socket)
+    text = ""
+    try:
+        with open(record, "rb") as f:
+            text = f.read(_CRASH_RECORD_LIMIT).decode("utf-8", "replace")
+        os.unlink(record)
+    except OSError:
+        pass
+    return describe_end(procinfo.zombie_wait_status(ref.identity), text)
+
+
+def died_during_wake(ref: AgentRef) -> NoSuchProcessError:
+    """The error for a process that died while its memory came back: final, nothing to retry.
+
+    Its snapshot stays (gc deletes it once it sees the process gone), and the
+    message says where, for a user who wants to look at what it held.
+    """
+    how = how_it_ended(ref) or "how it ended is known only to its parent, which has reaped it"
+    snapshot = (ref.status.get("snapshot") or {}).get("path")
+    where = ""
+    if snapshot:
+        base = Path(snapshot).parent.parent
+        where = f"; its snapshot stays in {snapshot} (`hibernate gc {base}` deletes it)"
+    return NoSuchProcessError(
+        f"process {ref.pid} died during its wake ({how}); the memory it held is lost{where}",
+        hint="start the program again: a process that died cannot be woken",
+    )
 
 
 @dataclass
