@@ -203,11 +203,13 @@ def _kind_options(**given: Any) -> dict[str, Any]:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def _select(pids: list[int] | None, every: bool, job: str | None, cgroup: str | None) -> Any:
+def _select(
+    pids: list[int] | None, every: bool, job: str | None, cgroup: str | None, *, sleeping: bool = False
+) -> Any:
     """The targets of a command: its pids and the processes its selectors find (targets.select)."""
     from hibernate.targets import select
 
-    return select(pids, every=every, job=job, cgroup=cgroup)
+    return select(pids, every=every, job=job, cgroup=cgroup, sleeping=sleeping)
 
 
 def _by_selector(selection: Any) -> bool:
@@ -373,7 +375,7 @@ def sleep(
         job=job,
         cgroup=cgroup,
     )
-    selection = _select(pids, every, job, cgroup)
+    selection = _select(pids, every, job, cgroup, sleeping=True)
     options.skip_asleep = _by_selector(selection)  # as a wake skips those awake
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = orchestrator.sleep(selection.pids, to, options, progress)

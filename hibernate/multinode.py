@@ -434,7 +434,7 @@ def node_step(
     chosen: list[int] = []
 
     def act() -> tuple[dict[str, Any], dict[str, Any] | None]:
-        selection = targets.select(pids, every=every, job=job, cgroup=cgroup)
+        selection = targets.select(pids, every=every, job=job, cgroup=cgroup, sleeping=operation == "sleep")
         chosen.extend(selection.pids)
         wire = selection.to_wire()
         with progress() as sink:

@@ -8,6 +8,7 @@ its own environment), so root can act on another user's processes too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -18,7 +19,13 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
-from hibernate.agent.paths import live_sockets, runtime_dir, socket_name, sweep_stale_sockets
+from hibernate.agent.paths import (
+    live_sockets,
+    parse_socket_name,
+    runtime_dir,
+    socket_name,
+    sweep_stale_sockets,
+)
 from hibernate.checkpoint.detect import holds_cuda_context
 from hibernate.errors import (
     HibernateError,
@@ -27,6 +34,7 @@ from hibernate.errors import (
     PermissionDeniedError,
     UsageError,
 )
+from hibernate.fsutil import ensure_private_dir, open_dir, read_small_file, write_file_atomic
 from hibernate.procinfo import ProcessIdentity
 
 NO_AGENT_HINT = (
@@ -193,8 +201,86 @@ def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = Fals
     return targets
 
 
+# -- agents a sleep of ours reached in other runtime directories ----------------------------
+#
+# A process tree may hold agents that listen in several runtime directories (a program started
+# with its own HIBERNATE_RUNTIME_DIR, another user's server under root's launcher). A sleep acts
+# on all of them, but `status` and `--all` look in the caller's own runtime directory: before it
+# acts, a sleep leaves there, in ELSEWHERE, a note per agent listening elsewhere (named as the
+# agent's socket, holding its path), so that everything it put to sleep stays in sight until it
+# is awake again.
+
+ELSEWHERE = "elsewhere"
+_NOTE_LIMIT = 4096
+
+
+def remember_elsewhere(refs: Iterable[AgentRef]) -> None:
+    """Note, in our runtime directory, every agent of ``refs`` that listens in another one."""
+    own = runtime_dir()
+    away = [ref for ref in refs if not _same_directory(ref.socket.parent, own)]
+    if not away:
+        return
+    notes = own / ELSEWHERE
+    ensure_private_dir(notes)
+    dir_fd = open_dir(notes)
+    try:
+        for ref in away:
+            write_file_atomic(dir_fd, socket_name(ref.identity), os.fsencode(ref.socket), durable=False)
+    finally:
+        os.close(dir_fd)
+
+
+def _same_directory(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def agents_elsewhere(timeout: float = 5.0) -> list[AgentRef]:
+    """The agents a sleep of ours noted in other runtime directories that are not awake again.
+
+    A note goes once its agent is gone or running (woken, by us or by anyone):
+    from then on the agent is in sight only where it listens, as before its sleep.
+    """
+    notes = runtime_dir() / ELSEWHERE
+    try:
+        dir_fd = open_dir(notes)
+    except OSError:
+        return []
+    found: list[AgentRef] = []
+    try:
+        for name in sorted(os.listdir(dir_fd)):
+            ident = parse_socket_name(name)
+            if ident is None:
+                continue
+            ref = _noted_agent(dir_fd, name, ident, timeout)
+            if ref is not None and ref.status.get("state") != "running":
+                found.append(ref)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    return found
+
+
+def _noted_agent(dir_fd: int, name: str, ident: ProcessIdentity, timeout: float) -> AgentRef | None:
+    """The agent a note names, if it still answers there as the process the note is named for."""
+    if not procinfo.is_alive(ident):
+        return None
+    try:
+        sock = Path(os.fsdecode(read_small_file(dir_fd, name, _NOTE_LIMIT)))
+    except OSError:
+        return None
+    if sock.name != socket_name(ident) or not sock.is_absolute():
+        return None  # a note hibernate did not write
+    try:
+        return probe_agent(ident, sock, timeout)
+    except HibernateError:
+        return None
+
+
 def all_agents(timeout: float = 5.0) -> list[AgentRef]:
-    """Every live agent in our runtime directory (``hibernate ls``); stale sockets are swept first."""
+    """Every live agent in our runtime directory (``hibernate ls``), and those a sleep of ours put to
+    sleep in other runtime directories (see remember_elsewhere); stale sockets are swept first."""
     sweep_stale_sockets(runtime_dir())
     found = []
     for ident, sock in live_sockets(runtime_dir()):
@@ -204,7 +290,29 @@ def all_agents(timeout: float = 5.0) -> list[AgentRef]:
             continue
         if ref is not None:
             found.append(ref)
+    here = {ref.identity for ref in found}
+    found.extend(ref for ref in agents_elsewhere(timeout) if ref.identity not in here)
     return found
+
+
+def refuse_own_tree(pid: int, caller: int | None = None) -> None:
+    """A sleep of a pid whose process tree holds this very command is refused.
+
+    A sleep acts on every agent of the tree under the pid it is given:
+    ``hibernate sleep 1``, or the pid of the shell or launcher that started
+    this command, would put to sleep every hibernate target under it, in
+    every runtime directory, root's container or not.
+    """
+    caller = os.getpid() if caller is None else caller
+    if pid != caller and pid not in _ancestors(caller, procinfo.parent_pid):
+        return
+    what = "this command itself" if pid == caller else f"an ancestor of this command (pid {caller})"
+    raise UsageError(
+        f"process {pid} is {what}: a sleep of its tree would reach every hibernate agent under it; "
+        "nothing was changed",
+        hint="name the target's own process (its server or launcher), or select targets with --all, "
+        "--job ID or --cgroup PATH",
+    )
 
 
 # -- selecting targets the way a batch scheduler sees them ---------------------
@@ -529,13 +637,21 @@ def select(
     job: str | None = None,
     cgroup: str | Path | None = None,
     timeout: float = 5.0,
+    sleeping: bool = False,
 ) -> Selection:
     """The targets named by pids and selectors together (each selector must find something).
 
     Explicit pids are kept as given (errors about them come from ``resolve``);
     the union is reduced to its topmost processes so no tree is named twice.
+    For a sleep (``sleeping``) a pid named whose tree holds this command is
+    refused (refuse_own_tree); a selector's trees may hold it (a job's batch
+    script running ``hibernate sleep --job``): they hold only the job's own
+    processes, and this command has no agent to put to sleep.
     """
     pids = list(pids or [])
+    if sleeping:
+        for pid in pids:
+            refuse_own_tree(pid)
     parts: list[Selection] = []
     if every:
         parts.append(select_all(timeout))

@@ -31,7 +31,7 @@ from hibernate.operation.recovery import Action, UnitRecord, decide
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.operation.steps import Step, fault_points, run_steps
 from hibernate.operation.unit import Context, Unit
-from hibernate.targets import AgentRef, Target, all_agents, resolve
+from hibernate.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
 
 # A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
 SHARED_DIR_MODE = 0o1777
@@ -241,6 +241,7 @@ def sleep(
             )
     for unit in units:
         unit.check()
+    remember_elsewhere(ref for unit in units for ref in unit.refs)  # so status and --all see them
     operation = Operation(ctx, units, directory)
     with operation.held():
         run_steps(
