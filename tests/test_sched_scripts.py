@@ -130,7 +130,9 @@ def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, w
     wait_until("SIGSTOP after the grace time", lambda: (slurm.world.job(job_id) or {}).get("stopped"))
     log = output.read_text()
     assert f"asleep: pid {server.pid}" in log, log  # asleep before the grace time ran out
-    assert process_state(server.pid) == "T" and process_state(wrapper) == "T"
+    # SIGSTOP is sent, not yet taken: a process shows T once it has been scheduled to stop.
+    stopped = lambda: process_state(server.pid) == "T" and process_state(wrapper) == "T"  # noqa: E731
+    wait_until("both processes stopped by the SIGSTOP", stopped, timeout=30)
     assert list(work_dir.glob("*/snap-*/manifest.json"))
 
     assert slurm.run(["scontrol", "resume", str(job_id)]).returncode == 0
