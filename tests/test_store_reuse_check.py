@@ -225,8 +225,10 @@ def test_a_failing_check_stops_the_stream_and_publishes_nothing(
 
 
 def test_the_check_fits_in_the_staging_budget() -> None:
-    plan = plan_staging(256 * MiB, 32 * MiB, 32 * MiB)
+    plan = plan_staging(256 * MiB, 32 * MiB, 32 * MiB)  # a read holds a chunk at the least
     assert (plan.stream_bytes, plan.check_bytes, plan.request_bytes) == (192 * MiB, 64 * MiB, 32 * MiB)
+    plan = plan_staging(128 * MiB, 8 * MiB, 8 * MiB)  # else an eighth of the budget, up to 32 MiB
+    assert (plan.stream_bytes, plan.check_bytes, plan.request_bytes) == (96 * MiB, 32 * MiB, 16 * MiB)
     small = plan_staging(16 * MiB, 8 * MiB, 8 * MiB)  # two chunks fill the budget: the check comes after
     assert (small.stream_bytes, small.check_bytes, small.request_bytes) == (16 * MiB, 0, 8 * MiB)
     packed = plan_staging(1 * MiB, 64 * KiB, 5 * KiB)  # a packed small chunk may lie across a page more

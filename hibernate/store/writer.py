@@ -784,12 +784,13 @@ class StagingPlan:
 
 def plan_staging(buffer_bytes: int, largest_task: int, largest_reused: int) -> StagingPlan:
     """Share ``buffer_bytes`` between the stream (two arenas of at least its largest chunk) and the
-    reuse check beside it (two buffers of one read request: up to a wake's, at least one chunk's pages).
+    reuse check beside it (two buffers of one read request: at least one chunk's pages).
 
-    The check takes an eighth of the budget per buffer, up to a wake's request (a quarter of the
-    default 256 MiB in all), so the stream's arenas stay large. Where both do not fit (a budget of
-    about four chunks or less), the check runs after the stream with the whole budget, and the
-    sleep costs the sum of its reading and hashing rather than the larger.
+    A check's request is READ_REQUEST_BYTES, or an eighth of the budget if less, or the largest
+    chunk's pages if more: with the default 256 MiB and 32 MiB chunks it takes 64 MiB, and the
+    stream's arenas stay large. Where both do not fit (a budget of about four chunks or less),
+    the check runs after the stream with the whole budget, and the sleep costs the sum of its
+    reading and hashing rather than the larger.
     """
     least = pages_bound(largest_reused)
     request = max(least, min(READ_REQUEST_BYTES, buffer_bytes // 8 // ALIGNMENT * ALIGNMENT))
