@@ -193,7 +193,6 @@ class Outcome:
     failed: list[ChunkRef] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)  # by file: the first thing that went wrong
     read_bytes: int = 0
-    checked_bytes: int = 0
     staging_bytes: int = 0
 
 
@@ -406,7 +405,6 @@ class ReuseCheck:
 
     def _verify(self, plan: Plan, request: Read, view: memoryview, got: int, zeros: list[int]) -> None:
         group = request.group
-        checked = sum(map(plan.lengths.__getitem__, group))
         while group:
             failed, truncated = bulk.verify_copy_at(
                 view, request.offset, got, group, plan.offsets, plan.lengths, plan.checksums, zeros
@@ -418,8 +416,6 @@ class ReuseCheck:
                 break
             self._failed(plan, [group[failed]], request.file, "checksum mismatch")
             group = group[failed + 1 :]
-        with self._lock:
-            self.outcome.checked_bytes += checked
 
     def _failed(self, plan: Plan, positions: Sequence[int], file: str, problem: str) -> None:
         with self._lock:

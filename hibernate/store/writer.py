@@ -10,7 +10,7 @@ split into a few large *arenas*. Two kinds of worker share them:
   whose checksum the previous snapshot already holds is not written again: the
   new snapshot refers to the old bytes. For host memory that test runs on the
   region in place, before any copy, so an unchanged model costs one hashing
-  pass and no I/O at all;
+  pass and no writes (its reused bytes are read back beside it: see below);
 * a writer takes full arenas in the order they were filled and writes each
   one's live chunks with a single vectored request, appending to the current
   data file.
@@ -25,12 +25,19 @@ directory is renamed (see layout.py): a failure anywhere leaves the temporary
 directory removed and the memory untouched.
 
 Release only after proof: a snapshot's every byte is either written now
-(checksummed from memory, fsynced) or lies in a file of the previous
-snapshot whose identity (device, inode, size, mtime, ctime) is still the one
-recorded when that file was verified. Such files are hard-linked into the new
-snapshot's own directory before anything is streamed, so the new snapshot is
-self-contained; a file that changed, vanished or cannot be linked is not
-reused, and its bytes are written again.
+(checksummed from memory, fsynced) or reused from the previous snapshot and
+read back by this sleep, its checksum checked. Candidates for reuse are the
+previous snapshot's files whose identity (device, inode, size, mtime, ctime)
+is still the one recorded when they were verified; they are hard-linked into
+the new snapshot's own directory before anything is streamed, so the new
+snapshot is self-contained; a file that changed, vanished or cannot be linked
+is not reused, and its bytes are written again. Identity cannot see bytes that
+changed below the file system, so every chunk the stream reuses is read back
+beside it (reusecheck.ReuseCheck, within the same staging budget), and one
+that no longer matches, or cannot be read, is written again in a second pass
+(_Stream.rewrite) before the manifest is written. ``check_reuse=False``
+(--skip-reuse-check) trusts identity alone; the result then says how many
+bytes were reused unread.
 """
 
 from __future__ import annotations
