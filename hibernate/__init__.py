@@ -82,7 +82,12 @@ def untrack(obj: Any) -> bool:
 
 
 def sleep(
-    to: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256, verify: bool = False
+    to: str | Path,
+    *,
+    timeout: float = 30.0,
+    buffer_mb: int = 256,
+    verify: bool = False,
+    skip_reuse_check: bool | None = None,
 ) -> dict[str, Any]:
     """Hibernate this process's tracked memory to ``to`` (a directory), from inside.
 
@@ -90,12 +95,20 @@ def sleep(
     from a thread holding the guard. Only tracked memory is released: a process
     cannot take its own CUDA context off the GPU (``hibernate sleep PID`` from
     another process can). ``verify`` reads the snapshot back whole before
-    anything is released.
+    anything is released. ``skip_reuse_check`` (default: ``$HIBERNATE_SKIP_REUSE_CHECK``)
+    reuses the previous snapshot's unchanged chunks without reading them back
+    first; the result's ``spill.warnings`` then says how many bytes were trusted.
     """
+    import os
+
     from hibernate.agent import hibernator
+    from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
 
     directory = Path(to).expanduser().absolute()
-    return hibernator().sleep_here(directory, timeout, {"buffer_mb": buffer_mb, "verify": verify})
+    if skip_reuse_check is None:
+        skip_reuse_check = env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
+    args = {"buffer_mb": buffer_mb, "verify": verify, "skip_reuse_check": skip_reuse_check}
+    return hibernator().sleep_here(directory, timeout, args)
 
 
 def wake(*, buffer_mb: int = 256) -> dict[str, Any]:

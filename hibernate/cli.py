@@ -229,6 +229,15 @@ def _with_selection(document: dict[str, Any], selection: Any) -> dict[str, Any]:
     return document
 
 
+def _skip_reuse_check_by_default() -> bool:
+    """``$HIBERNATE_SKIP_REUSE_CHECK``: the default of ``--skip-reuse-check`` (a yes/no, else refused)."""
+    import os
+
+    from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
+
+    return env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
+
+
 def _io_mode(value: str) -> str:
     if value not in ("auto", "direct", "buffered"):
         raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
@@ -241,6 +250,7 @@ def options_from_flags(
     buffer_mb: int | None = None,
     io_mode: str = "auto",
     verify: bool = False,
+    skip_reuse_check: bool = False,
     checkpointer: str = "auto",
     cuda_checkpoint: Path | None = None,
     no_cuda: bool = False,
@@ -268,7 +278,9 @@ def options_from_flags(
     from hibernate import orchestrator
 
     options = orchestrator.Options(
-        io=orchestrator.IoOptions(io_mode=_io_mode(io_mode), verify=verify),
+        io=orchestrator.IoOptions(
+            io_mode=_io_mode(io_mode), verify=verify, skip_reuse_check=skip_reuse_check
+        ),
         kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
         all_users=_all_users(all_users, job, cgroup),
         **_cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout, no_cuda=no_cuda),
@@ -329,6 +341,16 @@ def sleep(
             "proof over speed, it costs one read of the snapshot.",
         ),
     ] = False,
+    skip_reuse_check: Annotated[
+        bool,
+        typer.Option(
+            "--skip-reuse-check",
+            help="Reuse the previous snapshot's unchanged chunks without reading them back first "
+            "(a re-sleep then costs one hash of the memory, not a read of the disk beside it); "
+            "a change on the disk since the last wake goes unnoticed until the next wake. "
+            "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
+        ),
+    ] = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
@@ -363,6 +385,7 @@ def sleep(
         buffer_mb=buffer_mb,
         io_mode=io_mode,
         verify=verify,
+        skip_reuse_check=skip_reuse_check or _skip_reuse_check_by_default(),
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         no_cuda=no_cuda,

@@ -125,6 +125,14 @@ def _rss_change(before: int | None, after: int | None) -> str:
     return f"RSS {human_bytes(before)} → {human_bytes(after)} ({verb} {human_bytes(abs(change))})"
 
 
+def _reuse_check(read: int, rewritten: int) -> str:
+    """What the reuse check did: read back what was reused, and wrote again what the disk lost."""
+    line = f"read back {human_bytes(read)} of the last snapshot before reusing it"
+    if rewritten:
+        line += f"; {human_bytes(rewritten)} no longer read back as written and was written again"
+    return line
+
+
 def sleep_report(report: SleepReport) -> None:
     for p in report.processes:
         out.print(f"asleep: pid {p.pid} ({p.name}) in {p.phases.get('spill', 0):.2f}s of spill", markup=False)
@@ -135,6 +143,10 @@ def sleep_report(report: SleepReport) -> None:
             else "nothing new to write"
         )
         _line("kept", f"{human_bytes(p.total_bytes)}: {wrote}, reused {human_bytes(p.reused_bytes)}")
+        if p.reuse_read_bytes or p.rewritten_bytes:
+            _line("checked", _reuse_check(p.reuse_read_bytes, p.rewritten_bytes))
+        if p.reused_unread_bytes:
+            _line("checked", f"no: {human_bytes(p.reused_unread_bytes)} reused unread (--skip-reuse-check)")
         dropped_tags = sorted({pool["tag"] for pool in p.pools if not pool["keep"]})
         _line(
             "dropped",

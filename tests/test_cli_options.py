@@ -43,6 +43,13 @@ def test_a_sleep_s_flags_land_where_the_orchestrator_reads_them() -> None:
     assert not options.all_users
 
 
+def test_skipping_the_reuse_check_reaches_the_agents_arguments() -> None:
+    assert options_from_flags().io.to_args()["skip_reuse_check"] is False
+    options = options_from_flags(skip_reuse_check=True)
+    assert options.io == orchestrator.IoOptions(skip_reuse_check=True)
+    assert options.io.to_args()["skip_reuse_check"] is True
+
+
 def test_an_agent_gets_five_seconds_to_answer_even_with_a_zero_timeout() -> None:
     options = options_from_flags(timeout=0.0, lock_timeout=0.0)
     assert options.quiesce_timeout == 0.0 and options.agent_timeout == 5.0

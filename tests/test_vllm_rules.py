@@ -11,13 +11,13 @@ from hibernate.agent.controller import SleepDriver, plan_restore, refuse_client_
 from hibernate.errors import UnsupportedError, UsageError
 from hibernate.integrations.vllm import (
     DEFAULT_DEFERRABLE_TAGS,
-    flag,
     rank_from,
     self_checkpoint_requested,
     spill_base,
     staging_args,
     worker_name,
 )
+from hibernate.operation.options import env_flag
 from hibernate.pools.vllm import keeps, wakes
 
 VLLM_TAGS = ("weights", "kv_cache", "runtime", "workspace", "cudagraph", "default")
@@ -126,10 +126,10 @@ def test_the_spill_base_is_configured_then_env_then_a_per_user_cache(tmp_path: P
 
 
 def test_yes_no_variables_refuse_what_they_cannot_read() -> None:
-    assert flag({"X": "1"}, "X") and flag({"X": "yes"}, "X")
-    assert not flag({}, "X") and not flag({"X": "0"}, "X") and not flag({"X": ""}, "X")
+    assert env_flag({"X": "1"}, "X") and env_flag({"X": "yes"}, "X")
+    assert not env_flag({}, "X") and not env_flag({"X": "0"}, "X") and not env_flag({"X": ""}, "X")
     with pytest.raises(UsageError, match="X='maybe'"):
-        flag({"X": "maybe"}, "X")
+        env_flag({"X": "maybe"}, "X")
 
 
 def test_staging_budget_and_chunk_size_come_from_the_environment_validated() -> None:
@@ -151,7 +151,27 @@ def test_verification_is_asked_for_through_the_environment() -> None:
         staging_args({"HIBERNATE_VERIFY": "perhaps"})
 
 
-def test_sleep_verify_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach(tmp_path: Path) -> None:
+def test_the_reuse_check_is_skipped_through_the_environment() -> None:
+    assert staging_args({"HIBERNATE_SKIP_REUSE_CHECK": "1"}) == {"skip_reuse_check": True}
+    assert staging_args({"HIBERNATE_SKIP_REUSE_CHECK": "no"}) == {"skip_reuse_check": False}
+    with pytest.raises(UsageError, match="HIBERNATE_SKIP_REUSE_CHECK='later'"):
+        staging_args({"HIBERNATE_SKIP_REUSE_CHECK": "later"})
+
+
+@pytest.mark.parametrize(
+    "io, refusal, hint",
+    [
+        ({"verify": True}, "--verify does not reach", "HIBERNATE_VERIFY=1"),
+        (
+            {"skip_reuse_check": True},
+            r"--skip-reuse-check \(or HIBERNATE_SKIP_REUSE_CHECK\) does not reach",
+            "HIBERNATE_SKIP_REUSE_CHECK=1",
+        ),
+    ],
+)
+def test_an_io_option_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach(
+    io: dict[str, bool], refusal: str, hint: str
+) -> None:
     import os
 
     from hibernate import orchestrator, procinfo
@@ -160,7 +180,7 @@ def test_sleep_verify_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach
     from hibernate.operation.unit import Context
     from hibernate.targets import Target
 
-    options = orchestrator.Options(io=orchestrator.IoOptions(verify=True))
+    options = orchestrator.Options(io=orchestrator.IoOptions(**io))
     address = parse_url("http://127.0.0.1:9")
     identity = procinfo.identity(os.getpid())
     assert identity is not None
@@ -168,9 +188,9 @@ def test_sleep_verify_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach
         os.getpid(), identity, Target(os.getpid(), [os.getpid()]), address, VllmServer(address, 1.0)
     )
     unit = VllmServerUnit(Context("sleep", options, orchestrator.ProgressSink()), server)
-    with pytest.raises(UsageError, match="--verify does not reach a vLLM server's workers") as caught:
+    with pytest.raises(UsageError, match=f"{refusal} a vLLM server's workers") as caught:
         unit.check()  # before any lock, any request to the server
-    assert caught.value.hint == "start the server with HIBERNATE_VERIFY=1 in its environment"
+    assert caught.value.hint == f"start the server with {hint} in its environment"
 
 
 def test_self_checkpoint_is_asked_for_with_a_clear_yes() -> None:

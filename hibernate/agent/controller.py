@@ -181,6 +181,7 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
             chunk_bytes=_bytes_option(args, "chunk_mb", 32) * mib,
             io_mode=str(args.get("io_mode", "auto")),
             reuse=bool(args.get("reuse", True)),
+            check_reuse=not bool(args.get("skip_reuse_check", False)),
             verify=bool(args.get("verify", False)),
         )
     except ValueError as exc:
@@ -384,7 +385,11 @@ class Hibernator:
                 report["verify_seconds"] = round(verified.seconds, 6)
             report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
             report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
-            report["warnings"] = [warning for pool in pools for warning in pool.warnings()]
+            # The store's (reused chunks rewritten or left unread, files not linked), then the pools'.
+            report["warnings"] = [
+                *result.warnings,
+                *(warning for pool in pools for warning in pool.warnings()),
+            ]
             return report
 
         return self._transition(session, "spill", action)

@@ -57,6 +57,7 @@ from hibernate.agent.controller import SleepDriver, write_options
 from hibernate.errors import HibernateError, UsageError
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
+from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
 from hibernate.pools.device import DeviceMemory
 from hibernate.pools.vllm import (
     CUMEM_MODULE,
@@ -117,18 +118,9 @@ def spill_base(configured: Path | None, environ: Mapping[str, str]) -> Path:
     return Path(cache).expanduser().absolute() / "hibernate"
 
 
-def flag(environ: Mapping[str, str], name: str) -> bool:
-    """A yes/no environment variable; anything unclear is refused rather than guessed."""
-    raw = environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise UsageError(f"{name}={environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
-
-
 def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Staging budget and chunk size for spill and restore, from the environment, validated."""
+    """Staging budget, chunk size, --verify and --skip-reuse-check for spill and restore, from the
+    environment, validated."""
     args: dict[str, Any] = {}
     for env, key in ((BUFFER_ENV, "buffer_mb"), (CHUNK_ENV, "chunk_mb")):
         raw = environ.get(env, "").strip()
@@ -138,7 +130,9 @@ def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
             raise UsageError(f"{env}={raw!r} is not a whole number of MiB")
         args[key] = int(raw)
     if environ.get(VERIFY_ENV, "").strip():
-        args["verify"] = flag(environ, VERIFY_ENV)
+        args["verify"] = env_flag(environ, VERIFY_ENV)
+    if environ.get(SKIP_REUSE_CHECK_ENV, "").strip():
+        args["skip_reuse_check"] = env_flag(environ, SKIP_REUSE_CHECK_ENV)
     try:
         write_options(args)
     except UsageError as exc:
@@ -153,7 +147,7 @@ def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True
     vLLM from starting); the backend reads it strictly and says what is wrong.
     """
     try:
-        return flag(environ, SELF_CHECKPOINT_ENV)
+        return env_flag(environ, SELF_CHECKPOINT_ENV)
     except UsageError:
         if strict:
             raise
@@ -346,6 +340,8 @@ class HibernateBackend(SleepModeBackend):
             self._self_checkpoint.after_return(caller, threading.get_ident())
         del caller
         spill, release = report["spill"], report["release"]
+        for warning in spill.get("warnings", []):
+            log.warning("hibernate: %s", warning)
         log.info(
             "hibernate: level %d sleep kept %.2f GiB in %s (%.2f GiB written), dropped %.2f GiB, "
             "released %.2f GiB in %.2f s",

@@ -477,6 +477,13 @@ class VllmServerUnit(Unit):
                 "/sleep, with the settings of their environment; nothing was changed",
                 hint="start the server with HIBERNATE_VERIFY=1 in its environment",
             )
+        if options.io.skip_reuse_check:
+            raise UsageError(
+                "--skip-reuse-check (or HIBERNATE_SKIP_REUSE_CHECK) does not reach a vLLM server's workers: "
+                "they sleep through the server's own /sleep, with the settings of their environment; "
+                "nothing was changed",
+                hint="start the server with HIBERNATE_SKIP_REUSE_CHECK=1 in its environment",
+            )
         _refuse_other_backend(self.server)
 
     def connect(self) -> None:

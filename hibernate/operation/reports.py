@@ -46,6 +46,12 @@ class ProcessSleep:
     # Defaulted: a node-step document written before these fields existed still reads back.
     resident_bytes: int = 0  # partial edge pages of host memory freed in place (hibernate.pools.hostpages)
     warnings: list[str] = field(default_factory=list)  # what the sleep left in memory, and why
+    # The reuse check (see hibernate.store.reusecheck): bytes of the previous snapshot read back to
+    # check what is reused, of those written again because the disk no longer held them, and bytes
+    # reused without being read back (--skip-reuse-check).
+    reuse_read_bytes: int = 0
+    rewritten_bytes: int = 0
+    reused_unread_bytes: int = 0
 
     @classmethod
     def from_phases(cls, pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> ProcessSleep:
@@ -68,6 +74,9 @@ class ProcessSleep:
             released_bytes=release.get("released_bytes", 0),
             resident_bytes=release.get("resident_bytes", 0),
             warnings=list(spill.get("warnings", [])),
+            reuse_read_bytes=spill.get("reuse_read_bytes", 0),
+            rewritten_bytes=spill.get("rewritten_bytes", 0),
+            reused_unread_bytes=spill.get("reused_unread_bytes", 0),
             io_mode=spill.get("io_mode"),
             gb_per_s=round(written / spill_seconds / 1e9, 3),
             io_seconds=_io_seconds(spill),

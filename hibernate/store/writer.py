@@ -10,7 +10,7 @@ split into a few large *arenas*. Two kinds of worker share them:
   whose checksum the previous snapshot already holds is not written again: the
   new snapshot refers to the old bytes. For host memory that test runs on the
   region in place, before any copy, so an unchanged model costs one hashing
-  pass and no I/O at all;
+  pass and no writes (its reused bytes are read back beside it: see below);
 * a writer takes full arenas in the order they were filled and writes each
   one's live chunks with a single vectored request, appending to the current
   data file.
@@ -25,12 +25,19 @@ directory is renamed (see layout.py): a failure anywhere leaves the temporary
 directory removed and the memory untouched.
 
 Release only after proof: a snapshot's every byte is either written now
-(checksummed from memory, fsynced) or lies in a file of the previous
-snapshot whose identity (device, inode, size, mtime, ctime) is still the one
-recorded when that file was verified. Such files are hard-linked into the new
-snapshot's own directory before anything is streamed, so the new snapshot is
-self-contained; a file that changed, vanished or cannot be linked is not
-reused, and its bytes are written again.
+(checksummed from memory, fsynced) or reused from the previous snapshot and
+read back by this sleep, its checksum checked. Candidates for reuse are the
+previous snapshot's files whose identity (device, inode, size, mtime, ctime)
+is still the one recorded when they were verified; they are hard-linked into
+the new snapshot's own directory before anything is streamed, so the new
+snapshot is self-contained; a file that changed, vanished or cannot be linked
+is not reused, and its bytes are written again. Identity cannot see bytes that
+changed below the file system, so every chunk the stream reuses is read back
+beside it (reusecheck.ReuseCheck, within the same staging budget), and one
+that no longer matches, or cannot be read, is written again in a second pass
+(_Stream.rewrite) before the manifest is written. ``check_reuse=False``
+(--skip-reuse-check) trusts identity alone; the result then says how many
+bytes were reused unread.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import operator
 import os
 import queue
 import secrets
@@ -87,12 +95,15 @@ from hibernate.store.format import (
 from hibernate.store.layout import SpillRoot, punch_unused
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
+from hibernate.store.reusecheck import READ_REQUEST_BYTES, Outcome, ReuseCheck, pages_bound
+from hibernate.units import human_bytes
 
 ProgressFn = Callable[[int, int], None]
 CancelledFn = Callable[[], bool]
 PinFn = Callable[[memoryview], Callable[[], None]]
 # Each region's key, tag and meta, in order: what a snapshot's records hold of a region but its chunks.
 Described = tuple[list[str], list[str], list[Mapping[str, Any]]]
+_LENGTH = operator.itemgetter(2)  # of a ChunkRef
 
 IO_MODES = ("auto", "direct", "buffered")
 ARENAS = 2  # staging is split in two arenas: one is written while the other is filled
@@ -137,6 +148,9 @@ class WriteOptions:
     stage_threads: int = 2  # copy + checksum workers (and in-place hashing of unchanged chunks)
     io_threads: int = 1  # writers; ext4 serialises appending direct writes, so more did not help
     reuse: bool = True  # refer to unchanged chunks of the previous snapshot
+    # Read every reused chunk back and check it before anything is released (see reusecheck);
+    # False trusts the previous snapshot's files as the last wake left them (--skip-reuse-check).
+    check_reuse: bool = True
     verify: bool = False  # read the published snapshot back before returning (see verify_snapshot)
 
     def __post_init__(self) -> None:
@@ -170,6 +184,11 @@ class WriteResult:
     data_files: int
     manifest: Manifest
     warnings: list[str] = field(default_factory=list)
+    # Of written_bytes, the bytes the previous snapshot held but the disk no longer gave back as
+    # written (or could not read): found by the reuse check, written again from memory.
+    rewritten_bytes: int = 0
+    reuse_read_bytes: int = 0  # read back from the previous snapshot's files to check what is reused
+    reused_unread_bytes: int = 0  # reused without being read back (the check was skipped)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -183,6 +202,9 @@ class WriteResult:
             "staging_bytes": self.staging_bytes,
             "data_files": self.data_files,
             "warnings": self.warnings,
+            "rewritten_bytes": self.rewritten_bytes,
+            "reuse_read_bytes": self.reuse_read_bytes,
+            "reused_unread_bytes": self.reused_unread_bytes,
         }
 
 
@@ -216,21 +238,28 @@ def _unchanged(root: SpillRoot, previous: ReuseSource, name: str) -> bool:
     return stat.S_ISREG(info.st_mode) and FileIdentity.of(info) == previous.files.get(name)
 
 
-def link_reusable(
-    root: SpillRoot, previous: ReuseSource | None, tmp_fd: int
-) -> tuple[dict[tuple[str, int], ChunkRef], list[str], list[str]]:
+@dataclass
+class Linked:
+    """What :func:`link_reusable` made of the previous snapshot."""
+
+    index: dict[tuple[str, int], ChunkRef]  # its chunks by (checksum, length), naming the links
+    links: list[str]  # the links made, in the new snapshot's directory
+    origins: dict[str, str]  # each link's file in the previous snapshot (for messages)
+    warnings: list[str]  # files that could not be linked: their bytes are written again
+
+
+def link_reusable(root: SpillRoot, previous: ReuseSource | None, tmp_fd: int) -> Linked:
     """Hard-link the previous snapshot's unchanged files into the new one; index their chunks.
 
-    Returns the chunks by ``(checksum, length)`` (naming the links), the
-    links made, and warnings for files that could not be linked (a file
-    system without hard links: their bytes are written again).
+    A file that cannot be linked (a file system without hard links) is not
+    reused: its bytes are written again, and a warning says so.
     """
     index: dict[tuple[str, int], ChunkRef] = {}
     links: list[str] = []
     warnings: list[str] = []
-    if previous is None:
-        return index, links, warnings
     renamed: dict[str, str] = {}
+    if previous is None:
+        return Linked(index, links, {}, warnings)
     for name in sorted(previous.files):
         if not _unchanged(root, previous, name):
             continue
@@ -262,7 +291,7 @@ def link_reusable(
         digests, lengths = [ref.checksum for ref in refs], [ref.length for ref in refs]
     keys = zip(reversed(digests), reversed(lengths), strict=True)
     index.update(zip(keys, reversed(refs), strict=True))
-    return index, links, warnings
+    return Linked(index, links, {link: name for name, link in renamed.items()}, warnings)
 
 
 def _uses_every_chunk(
@@ -650,16 +679,41 @@ def _write_locked(
     sequence = root.next_sequence()
     name = snapshot_name(sequence)
     with root.staging_dir(sequence, secrets.token_hex(4)) as (tmp_name, tmp_fd):
-        reusable, links, warnings = link_reusable(root, previous, tmp_fd)
+        linked = link_reusable(root, previous, tmp_fd)
+        reusable, links, warnings = linked.index, linked.links, linked.warnings
         _check_free_space(root, sizes, reusable)
         segments = _Segments(root, tmp_fd, tmp_name, options)
+        check: ReuseCheck | None = None
         try:
             if not reusable:
                 # A first sleep stages all it writes: the regions' descriptions (20 MiB at 100,000
                 # tensors) would add to its peak memory, so they are dropped now, taken again after.
                 described = None
             stream = _Stream(regions, sizes, segments, reusable, options, total, progress, cancelled, root)
-            chunks = stream.run(pin)
+            if reusable and options.check_reuse:
+                check = ReuseCheck(
+                    tmp_fd,
+                    reusable.values(),
+                    stream.marks,
+                    stream.news,
+                    stream.decided,
+                    io_mode=options.io_mode,
+                    cancelled=cancelled,
+                )
+                staging = _stream_then_check(stream, check, options, sizes, reusable, pin)
+                if check.outcome.failed:
+                    stream.rewrite(check.outcome.failed, pin, options.buffer_bytes)
+                    staging = max(staging, stream.staging_bytes)
+                    assert previous is not None  # a chunk was checked: there was a previous snapshot
+                    warnings += _rewritten(check.outcome, linked.origins, root.path / previous.snapshot)
+            else:
+                stream.run(pin, options.buffer_bytes)
+                staging = stream.staging_bytes
+            chunks = stream.resolve()
+            unread = 0 if check is not None else sum(map(_LENGTH, stream.marks))
+            if unread:
+                assert previous is not None  # a chunk was reused: there was a previous snapshot
+                warnings.append(_unread_warning(unread, root.path / previous.snapshot))
             keys, tags, metas = described or _described(regions)
             segments.finish()
             if _uses_every_chunk(chunks, reusable, previous):
@@ -716,10 +770,89 @@ def _write_locked(
         reused_bytes=stream.reused,
         seconds=time.perf_counter() - started,
         io_mode=io_mode,
-        staging_bytes=stream.staging_bytes,
+        staging_bytes=staging,
         data_files=data_files,
         manifest=manifest,
         warnings=warnings,
+        rewritten_bytes=stream.rewritten,
+        reuse_read_bytes=check.outcome.read_bytes if check is not None else 0,
+        reused_unread_bytes=unread,
+    )
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """How a re-sleep shares its staging budget between the stream and the reuse check beside it."""
+
+    stream_bytes: int  # the stream's arenas
+    check_bytes: int  # the check's read buffers; 0: the check runs after the stream, with the whole budget
+    request_bytes: int  # one read of the check
+
+
+def plan_staging(buffer_bytes: int, largest_task: int, largest_reused: int) -> StagingPlan:
+    """Share ``buffer_bytes`` between the stream (two arenas of at least its largest chunk) and the
+    reuse check beside it (two buffers of one read request: at least one chunk's pages).
+
+    A check's request is READ_REQUEST_BYTES, or an eighth of the budget if less, or the largest
+    chunk's pages if more: with the default 256 MiB and 32 MiB chunks it takes 64 MiB, and the
+    stream's arenas stay large. Where both do not fit (a budget of about four chunks or less),
+    the check runs after the stream with the whole budget, and the sleep costs the sum of its
+    reading and hashing rather than the larger.
+    """
+    least = pages_bound(largest_reused)
+    request = max(least, min(READ_REQUEST_BYTES, buffer_bytes // 8 // ALIGNMENT * ALIGNMENT))
+    if buffer_bytes - ARENAS * request >= ARENAS * align_up(largest_task):
+        return StagingPlan(buffer_bytes - ARENAS * request, ARENAS * request, request)
+    alone = max(least, min(READ_REQUEST_BYTES, buffer_bytes // ARENAS // ALIGNMENT * ALIGNMENT))
+    return StagingPlan(buffer_bytes, 0, alone)
+
+
+def _stream_then_check(
+    stream: _Stream,
+    check: ReuseCheck,
+    options: WriteOptions,
+    sizes: Sequence[int],
+    reusable: Mapping[tuple[str, int], ChunkRef],
+    pin: PinFn | None,
+) -> int:
+    """Stream every chunk with the reuse check beside it (or after it, where the budget is too
+    small for both); the staging allocated at most at once."""
+    largest_task = min(options.effective_chunk_bytes, max(sizes, default=0))
+    plan = plan_staging(options.buffer_bytes, largest_task, max(map(_LENGTH, reusable.values())))
+    if not plan.check_bytes:
+        stream.run(pin, options.buffer_bytes)
+        check.run(options.buffer_bytes, plan.request_bytes)
+        return max(stream.staging_bytes, check.outcome.staging_bytes)
+    try:
+        stream.run(
+            pin,
+            plan.stream_bytes,
+            lambda pipeline: check.start(pipeline, plan.check_bytes, plan.request_bytes),
+        )
+    finally:
+        check.close()
+    return stream.staging_bytes + check.outcome.staging_bytes
+
+
+def _rewritten(outcome: Outcome, origins: Mapping[str, str], previous: Path) -> list[str]:
+    """One warning per file of the previous snapshot whose reused chunks the disk no longer held."""
+    lost: dict[str, list[int]] = {}
+    for ref in outcome.failed:
+        lost.setdefault(ref.file, []).append(ref.length)
+    return [
+        f"{previous / origins.get(link, link)}: {len(lengths)} chunk(s) to reuse, "
+        f"{human_bytes(sum(lengths))}, no longer read back as written "
+        f"({outcome.problems.get(link, 'unreadable')}); written again from memory. "
+        "Check the disk (dmesg, smartctl)"
+        for link, lengths in sorted(lost.items())
+    ]
+
+
+def _unread_warning(unread: int, previous: Path) -> str:
+    return (
+        f"{human_bytes(unread)} reused from {previous} without reading them back (the reuse check "
+        "was skipped): a change on the disk since the last wake read them goes unnoticed until the "
+        "next wake"
     )
 
 
@@ -802,6 +935,7 @@ class _Stream:
             for index, size in enumerate(sizes)
             for offset in range(0, size, chunk)
         ]
+        self._queue: Sequence[int] = range(len(self._tasks))  # the tasks this pass stages, in order
         # Each task ends up a ChunkRef, or the index of an earlier task with the same bytes.
         self._placed: list[ChunkRef | int | None] = [None] * len(self._tasks)
         self._owners: dict[tuple[str, int], int] = {}
@@ -810,14 +944,25 @@ class _Stream:
         self._done = 0
         self.written = 0
         self.reused = 0
+        self.rewritten = 0
         self.staging_bytes = 0
         # Hashing in place first pays only when there is something to reuse.
         self._hash_in_place = bool(reusable)
+        # For the reuse check (see reusecheck.ReuseCheck): every previous chunk reused, as it is
+        # decided (an append per chunk reused, no more), a wakeup after each batch of them, and
+        # the end of the decisions.
+        self.marks: list[ChunkRef] = []
+        self.news = threading.Event()
+        self.decided = threading.Event()
 
-    def run(self, pin: PinFn | None) -> list[ChunkRef]:
-        """Stage, hash and write every chunk; their refs, in record order."""
-        padded = [align_up(length) for _, _, length in self._tasks]
-        arena = arena_bytes_for(self._options.buffer_bytes, sum(padded), max(padded, default=ALIGNMENT))
+    def run(self, pin: PinFn | None, budget: int, beside: Callable[[Pipeline], None] | None = None) -> None:
+        """Stage, hash and write every task of this pass, within ``budget`` bytes of staging.
+
+        ``beside`` starts more work in the same pipeline (the reuse check): the
+        first failure of either stops both.
+        """
+        padded = [align_up(self._tasks[task][2]) for task in self._queue]
+        arena = arena_bytes_for(budget, sum(padded), max(padded, default=ALIGNMENT))
         pool = StagingPool(ARENAS * arena, arena, pin)
         pipeline = Pipeline()
         packer = _Packer(pool, pipeline.abort)
@@ -832,20 +977,50 @@ class _Stream:
                     remaining[0] -= 1
                     last = remaining[0] == 0
                 if last:
+                    self.decided.set()
                     packer.close(self._options.io_threads)
 
         try:
+            if beside is not None:
+                beside(pipeline)
             for n in range(self._options.io_threads):
                 pipeline.start(f"write-{n}", lambda: self._write(packer, pool, pipeline.abort))
             for n in range(self._options.stage_threads):
                 pipeline.start(f"stage-{n}", stage_then_close)
             pipeline.join()
         finally:
-            self.staging_bytes = pool.total_bytes
+            self.staging_bytes = max(self.staging_bytes, pool.total_bytes)
             pool.close()
-        return self._resolve()
 
-    def _resolve(self) -> list[ChunkRef]:
+    def rewrite(self, failed: Sequence[ChunkRef], pin: PinFn | None, budget: int) -> None:
+        """Stage and write again every task that was referred to one of the ``failed`` previous chunks.
+
+        A second, small pass through the same machinery, once the reuse check
+        found chunks the disk no longer holds: those chunks leave the reuse
+        index (so that the snapshot's links are trimmed of them), and this pass
+        reuses nothing of the previous snapshot (nothing it could reuse now was
+        read back), so each of their tasks is copied from memory, checksummed and
+        written, or referred to a task of this sleep that wrote the same bytes.
+        """
+        bad = set(map(id, failed))
+        redo = [task for task, ref in enumerate(self._placed) if id(ref) in bad]
+        for ref in failed:
+            key = (ref.checksum, ref.length)
+            if self._previous.get(key) is ref:
+                del self._previous[key]
+        self._previous = {}
+        for task in redo:
+            self._placed[task] = None
+        again = sum(self._tasks[task][2] for task in redo)
+        with self._lock:
+            self.reused -= again
+            self._done -= again
+            written = self.written
+        self._queue, self._next = redo, 0
+        self.run(pin, budget)
+        self.rewritten += self.written - written
+
+    def resolve(self) -> list[ChunkRef]:
         """Every chunk's ref in record order (the tasks' order), a task with another's bytes given its ref."""
         placed = self._placed
         chunks = [ref if type(ref) is ChunkRef else placed[cast(int, ref)] for ref in placed]
@@ -869,7 +1044,7 @@ class _Stream:
         if self._progress is not None:
             self._progress(done, self._total)
 
-    def _take_tasks(self, abort: threading.Event) -> range:
+    def _take_tasks(self, abort: threading.Event) -> Sequence[int]:
         """The next run of tasks for one stager: up to _BATCH_TASKS chunks or _BATCH_BYTES bytes.
 
         Taken in runs, not one by one: with many small regions, a lock, a
@@ -878,17 +1053,17 @@ class _Stream:
         """
         with self._lock:
             first = self._next
-            if first >= len(self._tasks) or abort.is_set():
+            if first >= len(self._queue) or abort.is_set():
                 return range(0)
-            last = min(len(self._tasks), first + _BATCH_TASKS)
+            last = min(len(self._queue), first + _BATCH_TASKS)
             nbytes = 0
-            for task in range(first, last):
-                nbytes += self._tasks[task][2]
+            for at in range(first, last):
+                nbytes += self._tasks[self._queue[at]][2]
                 if nbytes >= _BATCH_BYTES:
-                    last = task + 1
+                    last = at + 1
                     break
             self._next = last
-            return range(first, last)
+            return self._queue[first:last]
 
     def _reuse(self, task: int, key: tuple[str, int], *, claim: bool) -> bool:
         """Refer ``task`` to a chunk with these bytes if there is one; else maybe claim the bytes.
@@ -900,6 +1075,7 @@ class _Stream:
         previous = self._previous.get(key)
         if previous is not None:
             self._placed[task] = previous
+            self.marks.append(previous)
             return True
         owner = self._owners.setdefault(key, task) if claim else self._owners.get(key)
         if owner is None or owner == task:
@@ -925,6 +1101,7 @@ class _Stream:
                 reused += self._stage_small(packer, small)
             if reused:
                 self._advance(0, reused)  # written bytes count once the writer has written them
+                self.news.set()
 
     def _stage_small(self, packer: _Packer, chunks: list[tuple[int, memoryview]]) -> int:
         """Stage a run of small host chunks; the bytes found already written (nothing is copied for them).

@@ -2,8 +2,14 @@
 
   scripts/bench-store [--size-mb 2048] [--tensors 64] [--dir DIR] [--reps 5] [--json-out FILE]
 
-With more than 1,000 tensors it measures per-tensor cost (issue 11): the time a spill or a
-restore takes beyond the raw transfer of the same bytes, per tensor, judged against 10 us.
+With more than 1,000 tensors it measures per-tensor cost: the time a spill or a restore
+takes beyond the raw transfer of the same bytes, per tensor, judged against 10 us.
+
+An unchanged re-sleep is measured both ways, each against the first sleep of the same
+repetition: as it runs by default (every reused chunk read back and checked beside the
+hashing of the memory) and with the check skipped (--skip-reuse-check). The checked one is
+also set beside the larger of a raw O_DIRECT read and a hash of the same bytes, measured
+next to it: what it cannot beat, since it does both at once.
 
 One disk, one set of tensors (bf16, pseudo-random bytes, no two chunks alike so
 nothing is deduplicated by accident). The disk of a shared machine is noisy from
@@ -30,6 +36,7 @@ Prints a table, the targets (PASS/FAIL) and a JSON document; exits 1 if a target
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import mmap
@@ -54,7 +61,7 @@ import xxhash
 
 from hibernate.operation.options import StagingShare, share_staging
 from hibernate.pools.tensors import TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, bulk, write_snapshot
 from hibernate.store.format import WrittenRecords
 from hibernate.store.reader import read_request_bytes
 from hibernate.store.regions import memory_at
@@ -63,7 +70,9 @@ from hibernate.store.writer import ReuseSource, arena_bytes_for
 MiB = 1 << 20
 SIMPLE_REQUEST = 64 * MiB  # the single-request loop reported beside the shaped limits
 TARGET_THROUGHPUT = 0.90
-TARGET_SECOND_SPEEDUP = 5.0
+TARGET_SECOND_SPEEDUP = 5.0  # the re-sleep with the check skipped, against the first sleep
+TARGET_UNCHECKED_SPEEDUP = 1.5  # the same, the floor it must keep
+TARGET_CHECKED_SPEEDUP = 1.0  # the checked re-sleep must beat the first sleep
 SLACK_RSS = 64 * MiB
 CACHE_PER_2GIB = 64 * MiB
 # Past this many tensors the run measures per-tensor cost (issue 11): the targets are in
@@ -358,6 +367,32 @@ class Transfer:
     cache_growth: int
     io_mode: str
     written_bytes: int = 0
+    reuse_read_bytes: int = 0
+
+
+def hash_seconds(tensors: dict[str, torch.Tensor], chunk_bytes: int, threads: int) -> float:
+    """Seconds to checksum every chunk of the tensors where they lie, over ``threads`` threads:
+    what an unchanged re-sleep's stream does, with as many stagers."""
+    views = [
+        view[offset : offset + chunk_bytes]
+        for tensor in tensors.values()
+        for view in (_bytes(tensor),)
+        for offset in range(0, len(view), chunk_bytes)
+    ]
+    ready = threading.Barrier(threads + 1)
+
+    def work(share: list[memoryview]) -> None:
+        ready.wait()
+        bulk.checksums(share)
+
+    workers = [threading.Thread(target=work, args=(views[n::threads],)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    ready.wait()
+    started = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - started
 
 
 class Hibernate:
@@ -378,15 +413,17 @@ class Hibernate:
         shutil.rmtree(self.path, ignore_errors=True)
         self.known = None
 
-    def spill(self) -> Transfer:
+    def spill(self, *, check_reuse: bool = True) -> Transfer:
+        """A sleep's spill; ``check_reuse=False``: what --skip-reuse-check does."""
         gc.collect()
+        options = dataclasses.replace(self.options, check_reuse=check_reuse)
         with SpillRoot(self.path, create=True) as root, Sampler() as sampler:
             started = time.perf_counter()
             result = write_snapshot(
                 root,
                 self.regions,
                 producer={"bench": "bench-store"},
-                options=self.options,
+                options=options,
                 known=self.known,  # as an agent holds what its last wake read
             )
             seconds = time.perf_counter() - started
@@ -394,7 +431,12 @@ class Hibernate:
         self.known = ReuseSource.of(result.manifest)
         self.written = WrittenRecords.of(result.manifest.columns)  # as an agent keeps it for its wake
         return Transfer(
-            seconds, sampler.rss_growth, sampler.cache_growth, result.io_mode, result.written_bytes
+            seconds,
+            sampler.rss_growth,
+            sampler.cache_growth,
+            result.io_mode,
+            result.written_bytes,
+            result.reuse_read_bytes,
         )
 
     def restore(self) -> Transfer:
@@ -496,6 +538,8 @@ def filesystem_of(path: Path) -> str:
 
 
 def _holds(value: float, op: str, limit: float) -> bool:
+    if op == ">":
+        return value > limit
     return value >= limit if op == ">=" else value <= limit
 
 
@@ -586,7 +630,12 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
         swap = rep % 2 == 1  # alternate who goes first, so drift favours neither
         hib.fresh()
         raw_write, spill = paired(lambda: sampled(limits.write.write), hib.spill, swap)
-        second = hib.spill()
+        # The unchanged re-sleep both ways, in alternating order; the checked one beside a raw
+        # read and a hash of the same bytes, the two things it does at once.
+        second, unchecked = paired(hib.spill, lambda: hib.spill(check_reuse=False), swap)
+        check_read = sampled(limits.read.read) * total / limits.total
+        hashed = hash_seconds(tensors, options.effective_chunk_bytes, options.stage_threads)
+        check_limit = max(check_read, hashed)
         simple_write = sampled(limits.simple_write.write)
         raw_read, restore = paired(lambda: sampled(limits.read.read), hib.restore, swap)
         simple_read = sampled(limits.simple_read.read)
@@ -611,7 +660,16 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
                 "spill_seconds": spill.seconds,
                 "second_spill_seconds": second.seconds,
                 "second_spill_written_bytes": second.written_bytes,
+                "second_spill_read_bytes": second.reuse_read_bytes,
                 "second_spill_speedup": spill.seconds / second.seconds,
+                "check_read_seconds": check_read,
+                "check_hash_seconds": hashed,
+                "second_spill_limit_ratio": second.seconds / check_limit,
+                "second_spill_extra_rss": second.rss_growth,
+                "second_spill_cache_growth": second.cache_growth,
+                "unchecked_spill_seconds": unchecked.seconds,
+                "unchecked_spill_written_bytes": unchecked.written_bytes,
+                "unchecked_spill_speedup": spill.seconds / unchecked.seconds,
                 # What a spill or restore takes beyond the raw transfer of the same bytes, per
                 # tensor: the per-tensor cost, measured against the disk of the same moment.
                 "spill_overhead_us_per_tensor": (spill.seconds - raw_write * total / raw_bytes)
@@ -621,6 +679,7 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
                 / len(tensors)
                 * 1e6,
                 "second_spill_us_per_tensor": second.seconds / len(tensors) * 1e6,
+                "unchecked_spill_us_per_tensor": unchecked.seconds / len(tensors) * 1e6,
                 "spill_extra_rss": spill.rss_growth,
                 "spill_cache_growth": spill.cache_growth,
                 "restore_extra_rss": restore.rss_growth,
@@ -652,7 +711,14 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
     cache_allowance = CACHE_PER_2GIB * max(1.0, total / (2048 * MiB))
     worst = {
         key: max(r[key] for r in reps)
-        for key in ("spill_extra_rss", "restore_extra_rss", "spill_cache_growth", "restore_cache_growth")
+        for key in (
+            "spill_extra_rss",
+            "restore_extra_rss",
+            "second_spill_extra_rss",
+            "spill_cache_growth",
+            "restore_cache_growth",
+            "second_spill_cache_growth",
+        )
     }
     many = len(tensors) > MANY_TENSORS
     checks = [
@@ -678,7 +744,36 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
             "<=",
             cache_allowance,
         ),
-        ("unchanged second spill >= 5x faster", median("second_spill_speedup"), ">=", TARGET_SECOND_SPEEDUP),
+        (
+            "peak extra RSS, checked re-sleep <= staging + 64 MiB",
+            worst["second_spill_extra_rss"],
+            "<=",
+            staging + SLACK_RSS,
+        ),
+        (
+            "page-cache growth, checked re-sleep <= 64 MiB per 2 GiB",
+            worst["second_spill_cache_growth"],
+            "<=",
+            cache_allowance,
+        ),
+        (
+            "unchanged re-sleep, checked, faster than the first sleep",
+            median("second_spill_speedup"),
+            ">",
+            TARGET_CHECKED_SPEEDUP,
+        ),
+        (
+            "unchanged re-sleep, --skip-reuse-check, >= 1.5x faster",
+            median("unchecked_spill_speedup"),
+            ">=",
+            TARGET_UNCHECKED_SPEEDUP,
+        ),
+        (
+            "unchanged re-sleep, --skip-reuse-check, >= 5x faster",
+            median("unchecked_spill_speedup"),
+            ">=",
+            TARGET_SECOND_SPEEDUP,
+        ),
     ]
     if many:
         checks += [
@@ -1004,13 +1099,19 @@ SPREAD_KEYS = [
     "restore_simple_ratio",
     "restore_fresh_ratio",
     "second_spill_speedup",
+    "unchecked_spill_speedup",
+    "second_spill_limit_ratio",
 ]
 MEDIAN_ONLY_KEYS = [
     "spill_seconds",
     "second_spill_seconds",
+    "unchecked_spill_seconds",
+    "check_read_seconds",
+    "check_hash_seconds",
     "spill_overhead_us_per_tensor",
     "restore_overhead_us_per_tensor",
     "second_spill_us_per_tensor",
+    "unchecked_spill_us_per_tensor",
 ]
 
 
@@ -1116,8 +1217,10 @@ METHOD = (
     "page cache is evicted before every read. A restore first releases the tensors and then refills "
     "freshly allocated memory, faulting it in as part of the restore, as a wake does. Raw runs allocate "
     "their buffer anew each time, as hibernate allocates its staging. Baselines are each paired with one "
-    "shaped raw run. The unchanged second spill is handed the first one's files and chunks, as an "
-    "agent keeps those of the manifest its last wake read"
+    "shaped raw run. The unchanged re-sleeps (checked, and with --skip-reuse-check, in alternating "
+    "order) are each handed the previous spill's files and chunks, as an agent keeps those of the "
+    "manifest its last wake read; the checked one is set beside the larger of a shaped raw read and a "
+    "hash (as many threads as the stream's stagers) of the same bytes, measured right after it"
 )
 
 
@@ -1175,23 +1278,33 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"{name:<{width}}  {speed:>19}  {ratio:>20}")
     w = doc["worst"]
     print()
+    limit = max(m["check_read_seconds"], m["check_hash_seconds"])
     print(
-        f"unchanged second spill: {m['second_spill_seconds']:.3f} s "
-        f"(first {m['spill_seconds']:.3f} s, {m['second_spill_speedup']:.1f}x faster)"
+        f"unchanged re-sleep, checked: {m['second_spill_seconds']:.3f} s "
+        f"(first {m['spill_seconds']:.3f} s, {m['second_spill_speedup']:.1f}x faster; "
+        f"{m['second_spill_limit_ratio']:.2f}x the larger of a raw read, {m['check_read_seconds']:.3f} s, "
+        f"and a hash, {m['check_hash_seconds']:.3f} s, of the same bytes: {limit:.3f} s)"
+    )
+    print(
+        f"unchanged re-sleep, --skip-reuse-check: {m['unchecked_spill_seconds']:.3f} s "
+        f"(first {m['spill_seconds']:.3f} s, {m['unchecked_spill_speedup']:.1f}x faster)"
     )
     print(
         f"peak extra RSS (worst): spill {w['spill_extra_rss'] / MiB:.0f} MiB, "
-        f"restore {w['restore_extra_rss'] / MiB:.0f} MiB"
+        f"restore {w['restore_extra_rss'] / MiB:.0f} MiB, "
+        f"checked re-sleep {w['second_spill_extra_rss'] / MiB:.0f} MiB"
     )
     print(
         f"page-cache growth (worst): spill {w['spill_cache_growth'] / MiB:.1f} MiB, "
-        f"restore {w['restore_cache_growth'] / MiB:.1f} MiB"
+        f"restore {w['restore_cache_growth'] / MiB:.1f} MiB, "
+        f"checked re-sleep {w['second_spill_cache_growth'] / MiB:.1f} MiB"
     )
     if data["tensors"] > MANY_TENSORS:  # with a few large tensors it is the disk's drift over a count
         print(
             f"per tensor: spill {m['spill_overhead_us_per_tensor']:.1f} us, "
             f"restore {m['restore_overhead_us_per_tensor']:.1f} us beyond the raw transfer; "
-            f"unchanged second spill {m['second_spill_us_per_tensor']:.1f} us in all"
+            f"unchanged re-sleep {m['second_spill_us_per_tensor']:.1f} us in all checked, "
+            f"{m['unchecked_spill_us_per_tensor']:.1f} us with --skip-reuse-check"
         )
     print()
     for target in doc["targets"]:
