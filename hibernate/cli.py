@@ -82,6 +82,16 @@ ForceOption = Annotated[
         show_default=False,
     ),
 ]
+SkipReuseCheckOption = Annotated[
+    bool,
+    typer.Option(
+        "--skip-reuse-check",
+        help="Reuse the previous snapshot's unchanged chunks without reading them back first "
+        "(a re-sleep then costs one hash of the memory, not a read of the disk beside it); "
+        "a change on the disk since the last wake goes unnoticed until the next wake. "
+        "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
+    ),
+]
 NoCudaOption = Annotated[
     bool,
     typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
@@ -341,16 +351,7 @@ def sleep(
             "proof over speed, it costs one read of the snapshot.",
         ),
     ] = False,
-    skip_reuse_check: Annotated[
-        bool,
-        typer.Option(
-            "--skip-reuse-check",
-            help="Reuse the previous snapshot's unchanged chunks without reading them back first "
-            "(a re-sleep then costs one hash of the memory, not a read of the disk beside it); "
-            "a change on the disk since the last wake goes unnoticed until the next wake. "
-            "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
-        ),
-    ] = False,
+    skip_reuse_check: SkipReuseCheckOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
@@ -754,6 +755,7 @@ def node_step(
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
     force: ForceOption = False,
+    skip_reuse_check: SkipReuseCheckOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -782,6 +784,7 @@ def node_step(
             no_cuda=no_cuda,
             force=force,
             lock_timeout=timeout if operation == "sleep" else None,
+            skip_reuse_check=operation == "sleep" and (skip_reuse_check or _skip_reuse_check_by_default()),
             job=job,
             cgroup=cgroup,
         ),

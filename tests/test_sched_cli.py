@@ -106,3 +106,26 @@ def test_node_step_takes_the_cuda_flags_a_job_forwards(cli, start_demo, tmp_path
     assert result.returncode == 0, result.stderr
     assert result.json()["report"]["cuda"]["status"] == "left on the GPU (--checkpointer none)"
     assert cli("wake", str(demo.pid), "-q").returncode == 0
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_a_node_steps_re_sleep_skips_the_reuse_check_as_sleep_does(
+    cli, start_demo, tmp_path: Path, how: str
+) -> None:
+    demo = start_demo(size_mb=16)
+    env = {"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-07"}
+    step = ["node-step", "sleep", str(demo.pid), "--to", str(tmp_path / "snap"), "--json"]
+    (tmp_path / "b1").mkdir()
+    (tmp_path / "b2").mkdir()  # a barrier directory each: a step's agreement stays in it
+    first = cli(*step, "--barrier", str(tmp_path / "b1"), env=env)
+    assert first.returncode == 0, first.stderr
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    extra, skip_env = (
+        (["--skip-reuse-check"], {}) if how == "flag" else ([], {"HIBERNATE_SKIP_REUSE_CHECK": "1"})
+    )
+    again = cli(*step, *extra, "--barrier", str(tmp_path / "b2"), env={**env, **skip_env})
+    assert again.returncode == 0, again.stderr
+    (process,) = again.json()["report"]["processes"]
+    assert process["reused_unread_bytes"] == process["reused_bytes"] > 0
+    assert process["reuse_read_bytes"] == 0
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
