@@ -75,7 +75,7 @@ TARGET_UNCHECKED_SPEEDUP = 1.5  # the same, the floor it must keep
 TARGET_CHECKED_SPEEDUP = 1.0  # the checked re-sleep must beat the first sleep
 SLACK_RSS = 64 * MiB
 CACHE_PER_2GIB = 64 * MiB
-# Past this many tensors the run measures per-tensor cost (issue 11): the targets are in
+# Past this many tensors the run measures per-tensor cost: the targets are in
 # microseconds per tensor, and the throughput ratios are shown but not judged.
 MANY_TENSORS = 1000
 TARGET_US_PER_TENSOR = 10.0
