@@ -48,7 +48,7 @@ def error(exc: HibernateError, as_json: bool) -> int:
             }
         )
     else:
-        err.print(f"[bold red]hibernate: error:[/] {exc.message}", markup=True)
+        err.print(f"[bold red]hibernate: error:[/] {escape(exc.message)}", markup=True)
         if exc.hint:
             err.print(f"  hint: {exc.hint}", markup=False)
     return code
