@@ -28,11 +28,11 @@ from hibernate.serve.discovery import (
     roots,
     server_at,
 )
-from hibernate.serve.hibernator import refuse_other_user, refuse_tree_holding_proxy
+from hibernate.serve.hibernator import Hibernator, refuse_other_user, refuse_tree_holding_proxy
 from hibernate.serve.httplog import LineBudget, OneLine
 from hibernate.serve.leases import Verdict, refusal
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
-from tests.conftest import REPO, run_cli
+from tests.conftest import NOBODY, REPO, as_user_prefix, is_root, run_cli
 
 A = BackendSpec("a", "http://127.0.0.1:8001", prefix="/a")
 B = BackendSpec("b", "http://127.0.0.1:8002", models=("org/model-b", "b-alias"))
@@ -472,9 +472,10 @@ def listen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """A process listening on HOST:PORT, started and ended by the test."""
     started: list[subprocess.Popen[str]] = []
 
-    def start(host: str, port: int, reuse: bool = False) -> subprocess.Popen[str]:
+    def start(host: str, port: int, reuse: bool = False, uid: int | None = None) -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", LISTENER, host, str(port), "reuse" if reuse else "-"]
         proc = subprocess.Popen(
-            [sys.executable, "-c", LISTENER, host, str(port), "reuse" if reuse else "-"],
+            [*as_user_prefix(uid), *command],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         started.append(proc)
@@ -517,6 +518,22 @@ def test_unrelated_processes_behind_one_address_are_refused_with_the_candidates_
     assert (
         refused.value.hint is not None and "pid" in refused.value.hint and "serve.toml" in refused.value.hint
     )
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root (a process of another user)")
+def test_as_root_a_process_of_another_user_found_from_its_address_is_refused(
+    listen: Callable[..., subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    port = free_port()
+    theirs = listen("127.0.0.1", port, uid=NOBODY)
+    hibernator = Hibernator(tmp_path, 5.0)
+    with pytest.raises(PermissionDeniedError) as refused:
+        hibernator.find(BackendSpec("qwen", f"http://127.0.0.1:{port}"))
+    assert f"backend qwen: pid {theirs.pid} on 127.0.0.1:{port} (" in refused.value.message
+    assert f"belongs to nobody (uid {NOBODY})" in refused.value.message
+    assert refused.value.hint is not None and f"pid = {theirs.pid}" in refused.value.hint
+    named = BackendSpec("qwen", f"http://127.0.0.1:{port}", pid=theirs.pid)
+    assert hibernator.find(named) == theirs.pid  # serve.toml names it: adopted as asked
 
 
 @pytest.mark.slow
