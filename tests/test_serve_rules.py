@@ -564,6 +564,11 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             ExitCode.NO_SUCH_PROCESS,
             f"backend a: no process with pid {gone.pid}",
         ),
+        (
+            [*backend, "--to", str(tmp_path), "--", "/nonexistent/server"],
+            ExitCode.USAGE,
+            "-- /nonexistent/server: ",
+        ),
     ]
     try:
         for args, code, words in cases:

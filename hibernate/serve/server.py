@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -39,7 +40,10 @@ def start_command(config: ServeConfig) -> subprocess.Popen[bytes] | None:
     if not config.command:
         return None
     log.info("starting backend %s: %s", config.start, " ".join(config.command))
-    return subprocess.Popen(list(config.command), start_new_session=True)
+    try:
+        return subprocess.Popen(list(config.command), start_new_session=True)
+    except OSError as exc:  # not found, not executable: the command given is wrong
+        raise UsageError(f"-- {config.command[0]}: {exc.strerror or exc}") from None
 
 
 def check_snapshot_dir(directory: Path) -> None:
@@ -61,8 +65,10 @@ def check_snapshot_dir(directory: Path) -> None:
 
 
 def check_at_start(config: ServeConfig) -> None:
-    """What can be refused before anything starts: ``--to``, and the pids serve.toml names."""
+    """What can be refused before anything starts: ``--to``, ``-- COMMAND``, the pids serve.toml names."""
     check_snapshot_dir(config.to)
+    if config.command and shutil.which(config.command[0]) is None:
+        raise UsageError(f"-- {config.command[0]}: no such command (not found, or not executable)")
     for spec in config.backends:
         if spec.pid is not None:
             try:
