@@ -363,8 +363,8 @@ class Hibernator:
         def action() -> dict[str, Any]:
             started = time.perf_counter()
             try:
-                self.close_leases(session, timeout)
-                self.guard.close(max(timeout - (time.perf_counter() - started), 0.0), session.cancelled)
+                self.close_leases(session, timeout)  # at once after a flow's own leases step
+                self.guard.close(timeout, session.cancelled)
             except BaseException:
                 self.leases.reopen(session)
                 raise
