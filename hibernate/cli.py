@@ -685,6 +685,7 @@ def serve(
         command=command or [],
         start=start,
         document=document,
+        source=str(config) if config is not None else "serve.toml",
     )
     try:
         from hibernate.serve import server

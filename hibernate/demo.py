@@ -11,9 +11,10 @@ the model inside ``hibernate.guard()`` (prefill into the KV cache, then a few
 greedy decode steps) and answers the SHA-256 of the final logits' bytes and the
 generated tokens: equal digests before and after a sleep mean bit-exact weights.
 
-With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1 (for
-``hibernate serve``): ``GET /v1/models``, ``POST /v1/completions`` (the same
-inference; ``"stream": true`` sends one server-sent event per token). While the
+With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
+(``--http-host`` for another address) for ``hibernate serve``: ``GET
+/v1/models``, ``POST /v1/completions`` (the same inference; ``"stream":
+true`` sends one server-sent event per token). While the
 process sleeps a completion is refused (503), not held: a proxy that forwarded
 one to a sleeping demo would be caught. Demo-only extensions, for tests: a
 request with ``"paced": true`` streams each token after the first only once
@@ -293,8 +294,8 @@ class DemoHttpServer(ThreadingHTTPServer):
     request_queue_size = 1024  # the listen backlog: a proxy may open hundreds of connections at once
 
 
-def serve_http(api: HttpApi, port: int) -> ThreadingHTTPServer:
-    server = DemoHttpServer(("127.0.0.1", port), http_handler(api))
+def serve_http(api: HttpApi, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    server = DemoHttpServer((host, port), http_handler(api))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -303,7 +304,8 @@ def serve(args: argparse.Namespace) -> int:
     import hibernate
 
     infer, shape = build(args.size_mb, args.dtype, args.device, args.seed)
-    http = serve_http(HttpApi(infer, args.model_name), args.http_port) if args.http_port is not None else None
+    api = HttpApi(infer, args.model_name)
+    http = serve_http(api, args.http_port, args.http_host) if args.http_port is not None else None
     if http is not None:
         shape["http_port"] = http.server_address[1]
     control = Path(args.control) if args.control else Path(f"/tmp/hibernate-demo-{os.getpid()}.sock")
@@ -395,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--http-port", type=int, help="also serve an OpenAI-style API on 127.0.0.1:PORT (0: any)"
     )
+    run.add_argument("--http-host", default="127.0.0.1", help="the address the HTTP API listens on")
     run.add_argument("--model-name", default="demo", help="the model name the HTTP API answers to")
     for name in ("infer", "quit", "hold"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")

@@ -48,7 +48,7 @@ def error(exc: HibernateError, as_json: bool) -> int:
             }
         )
     else:
-        err.print(f"[bold red]hibernate: error:[/] {exc.message}", markup=True)
+        err.print(f"[bold red]hibernate: error:[/] {escape(exc.message)}", markup=True)
         if exc.hint:
             err.print(f"  hint: {exc.hint}", markup=False)
     return code
@@ -278,6 +278,12 @@ def agents_table(entries: list[dict[str, Any]]) -> None:
         )
     out.print(table)
     for e in entries:
+        holders = (e.get("leases") or {}).get("holders") or []
+        if holders:
+            held = "; ".join(
+                f"{h['count']} request{'' if h['count'] == 1 else 's'} through {h['by']}" for h in holders
+            )
+            out.print(f"pid {e['pid']}: held awake (leases) by {held}", markup=False)
         interrupted = e.get("interrupted")
         if interrupted and "resolve" in interrupted:
             done = ", ".join(interrupted["phases"]) or "nothing"

@@ -42,6 +42,7 @@ def test_every_step_boundary_is_a_fault_point_and_the_readme_counts_them() -> No
     assert SLEEP_POINTS == [
         "sleep.after-lock",
         "sleep.after-connect",
+        "sleep.after-leases",
         "sleep.after-quiesce",
         "sleep.during-spill",
         "sleep.after-spill",
@@ -304,7 +305,8 @@ def test_status_tells_a_person_how_to_resolve_an_interrupted_sleep(
     kill_at(cli, "sleep.after-release", "sleep", str(demo.pid), "--to", str(work_dir), "-q")
     human = cli("status", str(demo.pid)).stdout
     assert (
-        f"pid {demo.pid}: a `hibernate sleep` was interrupted after: lock, connect, quiesce, spill, " in human
+        f"pid {demo.pid}: a `hibernate sleep` was interrupted after: lock, connect, leases, quiesce, spill, "
+        in human
     )
     assert f"run `hibernate recover {demo.pid}` to finish or undo it" in human
     recovered = cli("recover", str(demo.pid))

@@ -29,6 +29,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate import orchestrator
+from hibernate.errors import ExitCode
+from hibernate.serve import httplog
 from tests import test_vllm_server as vllm_standin
 from tests.conftest import REPO, forkserver, wait_until
 from tests.standins.world import GIB, World
@@ -70,6 +72,7 @@ class HttpDemo:
     port: int
     model: str
     control: str
+    host: str = "127.0.0.1"
 
     @property
     def pid(self) -> int:
@@ -77,7 +80,7 @@ class HttpDemo:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stats(self) -> dict[str, int]:
         status, body = fetch("GET", self.url + "/demo/stats")
@@ -106,19 +109,21 @@ def start_http_demo(runtime_dir: Path) -> Iterator[Callable[..., HttpDemo]]:
     started: list[HttpDemo] = []
     scratch = Path(tempfile.mkdtemp(prefix="hb-serve-", dir="/tmp"))
 
-    def start(model: str = "demo", seed: int = 0, port: int | None = None) -> HttpDemo:
+    def start(
+        model: str = "demo", seed: int = 0, port: int | None = None, host: str = "127.0.0.1"
+    ) -> HttpDemo:
         index = len(started)
         ready = scratch / f"demo{index}.ready"
         port = port or free_port()
         argv = [
             "serve", "--size-mb", str(DEMO_MB), "--dtype", "float32", "--seed", str(seed),
             "--control", str(scratch / f"demo{index}.sock"), "--ready-file", str(ready),
-            "--http-port", str(port), "--model-name", model,
+            "--http-port", str(port), "--http-host", host, "--model-name", model,
         ]  # fmt: skip
         proc = forkserver().start(
             argv, {**os.environ, "PYTHONPATH": str(REPO)}, REPO, scratch / f"demo{index}.log"
         )
-        demo = HttpDemo(proc, port, model, str(scratch / f"demo{index}.sock"))
+        demo = HttpDemo(proc, port, model, str(scratch / f"demo{index}.sock"), host)
         started.append(demo)
         wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "the demo to start")
         assert proc.poll() is None, (scratch / f"demo{index}.log").read_text()
@@ -332,6 +337,45 @@ def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
     assert proxy.lines("-> awake") == []
 
 
+MALFORMED = (
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+)
+LEAVES_MID_BODY = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model": '
+
+
+@pytest.mark.slow
+def test_a_flood_of_malformed_requests_logs_a_few_lines_and_never_a_traceback(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(demo))
+    status, body = proxy.post(data=b"[" * 100_000 + b"]" * 100_000)  # JSON nested past Python's parser
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert "nested too deeply" in error["message"] and error["type"] == "invalid_request_error"
+    for index in range(100):
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+            if index % 5 == 4:
+                conn.sendall(LEAVES_MID_BODY)  # and gone, the rest of the body never sent
+                continue
+            conn.sendall(MALFORMED[index % 5])
+            status_line = conn.recv(65536).split(b"\r\n")[0]
+            assert status_line.startswith(b"HTTP/1.") and b" 400 " in status_line, status_line
+    assert proxy.post(completion("demo")) == before  # serving all along
+    assert proxy.stop() == 0  # every handler has ended: whatever it logged is in the log
+    lines = proxy.log.read_text().splitlines()
+    assert not any("Traceback" in line or line.startswith("  File ") for line in lines), lines
+    assert not any("RecursionError" in line for line in lines)
+    served = lines[next(i for i, line in enumerate(lines) if "listening on" in line) + 1 :]
+    reported = [line for line in served if "stopping" not in line and line != "hibernate serve: stopped"]
+    assert 0 < len(reported) <= 2 * httplog.LINES, served
+    assert all(line.startswith("hibernate serve: ") for line in reported), reported
+
+
 @pytest.mark.slow
 def test_requests_beyond_max_requests_are_refused_at_once_not_queued(
     start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path
@@ -453,6 +497,92 @@ def test_a_backend_that_died_and_came_back_on_its_port_is_found_again(
     second = start_http_demo(port=first.port)
     assert proxy.post(completion("demo")) == before
     assert proxy.status()["demo"]["pid"] == second.pid
+
+
+@pytest.mark.slow
+def test_a_backend_is_the_process_on_its_own_address_not_another_listening_on_its_port(
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+) -> None:
+    port = free_port()
+    other = start_http_demo("other", seed=1, port=port, host="127.0.0.2")  # started first: the lower pid
+    demo = start_http_demo(port=port)  # 127.0.0.1, the same port
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+    assert proxy.status()["demo"]["pid"] == demo.pid
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the idle backend to be put to sleep")
+    assert demo.state() == "asleep" and other.state() == "running"
+    assert proxy.post(completion("demo")) == before
+    assert other.stats()["completions"] == 0
+
+
+# -- 2b. several proxies, and sleeps by hand ------------------------------------------------------
+
+
+async def _paced_stream(proxy: Proxy, demo: HttpDemo, while_open: Callable[[], Any]) -> bytes:
+    """A paced stream through ``proxy``: ``while_open`` runs (in a thread) once its first event is
+    here, then the rest is stepped out of the demo."""
+    async with aiohttp.ClientSession() as session:
+        body = json.dumps(completion("demo", stream=True, paced=True)).encode()
+        async with session.post(proxy.url + "/v1/completions", data=body) as answer:
+            assert answer.status == 200
+            received = await answer.content.readuntil(b"\n\n")
+            await asyncio.to_thread(while_open)
+            while not received.endswith(b"data: [DONE]\n\n"):
+                await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
+                received += await answer.content.readuntil(b"\n\n")
+    return received
+
+
+@pytest.mark.slow
+def test_two_proxies_and_hand_sleeps_never_forward_a_request_into_a_sleep(
+    start_http_demo: Callable[..., HttpDemo],
+    start_proxy: Callable[..., Proxy],
+    cli: Callable[..., Any],
+    work_dir: Path,
+) -> None:
+    demo = start_http_demo()
+    before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
+    _, whole = fetch("POST", demo.url + "/v1/completions", completion("demo", stream=True))
+    b = start_proxy("--backend", backend_flag(demo))
+
+    # A stream through b holds the backend awake: a sleep by hand waits for it, then is refused as
+    # busy, naming b; the backend runs on untouched.
+    def hand_sleep_refused() -> None:
+        refused = cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "1")
+        assert refused.returncode == ExitCode.BUSY, refused.stderr
+        assert f"1 request in flight through hibernate serve (pid {b.proc.pid}," in refused.stderr
+        assert demo.state() == "running"
+
+    assert asyncio.run(_paced_stream(b, demo, hand_sleep_refused)) == whole
+
+    # Proxy b saw the backend awake; another proxy, a, puts it to sleep (idle): b's next request
+    # wakes it rather than trusting what it saw.
+    a = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+    assert b.post(completion("demo")) == before
+    wait_until(lambda: a.state("demo") == "asleep", 30, "a's idle sleep")
+    assert b.post(completion("demo")) == before
+
+    # A stream of requests through both, with sleeps by hand among them: every request is answered
+    # by the backend awake (woken again where it slept); each sleep either waited or was refused.
+    async def burst() -> tuple[list[tuple[int, bytes]], Any]:
+        requests = [_fetch("POST", p.url + "/v1/completions", completion("demo")) for p in (a, b) * 4]
+        hand = asyncio.to_thread(cli, "sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "10", "-q")
+        *answers, slept = await asyncio.gather(*requests, hand)
+        return answers, slept
+
+    slept_by_hand = 0
+    for _ in range(8):  # until two sleeps by hand went through (one may meet a's idle sleep: busy)
+        answers, slept = asyncio.run(burst())
+        assert answers == [before] * len(answers)
+        assert slept.returncode in (0, ExitCode.BUSY), slept.stderr
+        slept_by_hand += slept.returncode == 0
+        assert b.post(completion("demo")) == before  # the sleep is over by now: woken if it slept
+        if slept_by_hand == 2:
+            break
+    assert slept_by_hand == 2
+    for proxy in (a, b):
+        assert proxy.metric("hibernate_serve_requests_total", code="503") == 0
+        assert proxy.lines("Traceback") == []
 
 
 # -- 3. idle -----------------------------------------------------------------------------------

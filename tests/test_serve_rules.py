@@ -1,22 +1,38 @@
-"""`hibernate serve`'s decisions on their own: configuration, routing, idle and budget (pure functions)."""
+"""`hibernate serve`'s decisions on their own: configuration, routing, idle and budget, which process
+serves an address (pure functions, and real listeners), and what it refuses at start."""
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hibernate.errors import ExitCode, UsageError
+from hibernate.errors import ExitCode, PermissionDeniedError, ProtocolError, UsageError
 from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
-from hibernate.serve.discovery import listening_inodes
-from hibernate.serve.hibernator import refuse_tree_holding_proxy
+from hibernate.serve.discovery import (
+    Listener,
+    Server,
+    host_addresses,
+    listeners,
+    parse_address,
+    reached,
+    roots,
+    server_at,
+)
+from hibernate.serve.hibernator import Hibernator, refuse_other_user, refuse_tree_holding_proxy
+from hibernate.serve.httplog import LineBudget, OneLine
+from hibernate.serve.leases import Verdict, refusal
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
-from tests.conftest import REPO, run_cli
+from tests.conftest import NOBODY, REPO, as_user_prefix, is_root, run_cli
 
 A = BackendSpec("a", "http://127.0.0.1:8001", prefix="/a")
 B = BackendSpec("b", "http://127.0.0.1:8002", models=("org/model-b", "b-alias"))
@@ -96,8 +112,75 @@ def test_toml_tables_give_models_prefixes_pids_idle_times_and_limits() -> None:
         config(document={"idel": 3})
     with pytest.raises(UsageError, match="prefix '/v1' is the proxy's own"):
         config(document={"backend": [{"name": "q", "url": "http://h:1", "prefix": "/v1"}]})
-    with pytest.raises(UsageError, match="max_body_bytes must be a positive integer"):
-        config(document={"limits": {"max_body_bytes": -1}})
+
+
+@pytest.mark.parametrize(
+    ("document", "words"),
+    [
+        (
+            {"limits": {"max_body_bytes": -1}},
+            "serve.toml: [limits] max_body_bytes: must be a positive integer",
+        ),
+        ({"limits": {"body_timeout": 0}}, "serve.toml: [limits] body_timeout: must be a number of seconds"),
+        ({"limits": {"max_bdy_bytes": 1}}, "serve.toml: [limits]: unknown key(s) max_bdy_bytes"),
+        ({"limits": 3}, "serve.toml: [limits]: must be a table"),
+        ({"idel": 3}, "serve.toml: unknown key(s) idel"),
+        ({"idle": -1}, "serve.toml: idle: must be a number of seconds above 0"),
+        ({"wake_timeout": "x"}, "serve.toml: wake_timeout: must be a number of seconds"),
+        ({"sleep_timeout": 0}, "serve.toml: sleep_timeout: must be a number of seconds"),
+        ({"gpu_budget": "lots"}, "serve.toml: gpu_budget: must be a size"),
+        ({"listen": 8000}, "serve.toml: listen: must be HOST:PORT"),
+        ({"to": 5}, "serve.toml: to: must name a directory"),
+        ({"backend": {"name": "q"}}, "serve.toml: backend: backends are [[backend]] tables"),
+        ({"backend": [{"name": "q"}]}, "serve.toml: [[backend]] #1 url: required, as a string"),
+        (
+            {"backend": [{"name": "q", "url": "http://h:1", "pid": 0}]},
+            "serve.toml: [[backend]] #1 pid: must be",
+        ),
+        (
+            {"backend": [{"name": "q", "url": "http://h:1", "idle": 0}]},
+            "serve.toml: [[backend]] #1 idle: must be",
+        ),
+        (
+            {"backend": [{"name": "q", "url": "https://h:1"}]},
+            "serve.toml: [[backend]] #1 url: a backend's address",
+        ),
+        (
+            {"backend": [{"name": "q", "url": "http://h:1", "prefix": "/v1"}]},
+            "serve.toml: [[backend]] #1 prefix: the prefix",
+        ),
+        (
+            {"backend": [{"name": "q q", "url": "http://h:1"}]},
+            "serve.toml: [[backend]] #1 name: a backend name",
+        ),
+        (
+            {"backend": [{"name": "q", "url": "http://h:1", "modle": 1}]},
+            "serve.toml: [[backend]] #1: unknown key",
+        ),
+    ],
+)
+def test_every_serve_toml_error_names_the_file_the_table_and_the_key(
+    document: dict[str, Any], words: str
+) -> None:
+    flags: dict[str, Any] = {"backend_flags": [], "to": None} if "to" in document else {"backend_flags": []}
+    if "backend" not in document:
+        flags["backend_flags"] = ["a=http://127.0.0.1:8001"]
+    with pytest.raises(UsageError) as refused:
+        config(document={"to": "/snap", **document}, **flags)
+    assert refused.value.message.startswith(words), refused.value.message
+
+
+def test_a_serve_toml_error_reaches_the_terminal_whole(tmp_path: Path) -> None:
+    """The table's brackets are text, not markup: nothing of the message is lost on the way."""
+    toml = tmp_path / "serve.toml"
+    toml.write_text(
+        'to = "/snap"\n[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\n[limits]\nmax_body_bytes = 0\n'
+    )
+    result = run_cli("serve", "--config", str(toml))
+    assert result.returncode == ExitCode.USAGE
+    assert result.stderr.splitlines()[0] == (
+        f"hibernate: error: {toml}: [limits] max_body_bytes: must be a positive integer, not 0"
+    )
 
 
 def test_sizes_and_listen_addresses() -> None:
@@ -127,6 +210,8 @@ def test_a_request_is_routed_by_prefix_first_then_by_model() -> None:
         ("POST", "/v1/completions", b'{"model": 3}', 400, "names no model"),
         ("POST", "/v1/completions", b'{"model": "zz"}', 404, "The model `zz` does not exist"),
         ("GET", "/elsewhere", b"", 404, "is not routed"),
+        ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+        ("POST", "/v1/completions", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, 400, "nested too deeply"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(
@@ -202,18 +287,128 @@ def test_measured_room_is_made_on_the_gpu_that_lacks_it() -> None:
     assert plan_room_measured({"GPU-0": 20}, free, others[:1]).action == "never"  # held by someone else
 
 
+# As a little-endian machine prints them: 127.0.0.1:8001 and 127.0.0.2:8001 (one port, two
+# addresses), a connection to the first, 0.0.0.0:8002, and in tcp6 [::1]:8001, [::]:8003 and
+# [::ffff:127.0.0.3]:8004.
 PROC_NET_TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:1F41 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1
-   1: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 5151 1
-   2: 00000000:1F42 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 6363 1
+   1: 0200007F:1F41 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 4343 1
+   2: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 5151 1
+   3: 00000000:1F42 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 6363 1
 """
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:1F41 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 7171 1
+   1: 00000000000000000000000000000000:1F43 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 7272 1
+   2: 0000000000000000FFFF00000300007F:1F44 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 7373 1
+"""  # noqa: E501
+SOCKETS = listeners(PROC_NET_TCP, "little") + listeners(PROC_NET_TCP6, "little")
 
 
-def test_the_listening_socket_of_a_port_is_found_in_proc_net_tcp() -> None:
-    assert listening_inodes(PROC_NET_TCP, 8001) == {4242}  # not the established connection 5151
-    assert listening_inodes(PROC_NET_TCP, 8002) == {6363}
-    assert listening_inodes(PROC_NET_TCP, 9) == set()
+def by_inode(found: list[Listener]) -> list[int]:
+    return [s.inode for s in found]
+
+
+def test_listening_sockets_are_read_from_proc_net_tcp_with_their_addresses() -> None:
+    assert parse_address("0100007F", "little") == ip_address("127.0.0.1")
+    assert parse_address("7F000001", "big") == ip_address("127.0.0.1")
+    assert parse_address("00000000000000000000000001000000", "little") == ip_address("::1")
+    assert parse_address("0000000000000000FFFF00000300007F", "little") == ip_address("127.0.0.3")  # mapped
+    assert [(str(s), s.uid, s.inode) for s in SOCKETS] == [
+        ("127.0.0.1:8001", 1000, 4242),  # not the established connection 5151
+        ("127.0.0.2:8001", 1001, 4343),
+        ("0.0.0.0:8002", 1000, 6363),
+        ("[::1]:8001", 1000, 7171),
+        ("[::]:8003", 1000, 7272),
+        ("127.0.0.3:8004", 1000, 7373),
+    ]
+
+
+def test_a_connection_reaches_the_socket_bound_to_its_address_before_any_wildcard() -> None:
+    loopback, other = ip_address("127.0.0.1"), ip_address("127.0.0.2")
+    assert by_inode(reached(SOCKETS, loopback, 8001)) == [4242]  # not 127.0.0.2's, on the same port
+    assert by_inode(reached(SOCKETS, other, 8001)) == [4343]
+    assert by_inode(reached(SOCKETS, ip_address("127.0.0.9"), 8001)) == []
+    assert by_inode(reached(SOCKETS, loopback, 8002)) == [6363]  # 0.0.0.0 covers every IPv4 address
+    assert by_inode(reached(SOCKETS, ip_address("::1"), 8002)) == []  # ... and no IPv6 one
+    assert by_inode(reached(SOCKETS, loopback, 8003)) == [7272]  # a dual-stack [::] covers IPv4 last
+    assert by_inode(reached(SOCKETS, ip_address("::1"), 8003)) == [7272]
+    assert by_inode(reached(SOCKETS, ip_address("127.0.0.3"), 8004)) == [7373]  # mapped: the same address
+    bound_and_wildcard = [*SOCKETS, Listener(ip_address("0.0.0.0"), 8001, 0, 9999)]
+    assert by_inode(reached(bound_and_wildcard, loopback, 8001)) == [4242]  # the exact address wins
+
+
+def test_a_backend_host_names_its_addresses_and_localhost_names_both_loopbacks() -> None:
+    assert host_addresses("localhost") == [ip_address("127.0.0.1"), ip_address("::1")]
+    assert host_addresses("127.0.0.2") == [ip_address("127.0.0.2")]
+    assert host_addresses("[::1]") == [ip_address("::1")]
+    assert host_addresses("::ffff:127.0.0.1") == [ip_address("127.0.0.1")]
+    resolved = host_addresses("models.internal", lambda name: ["10.0.0.5", "10.0.0.5", "fd00::5"])
+    assert resolved == [ip_address("10.0.0.5"), ip_address("fd00::5")]
+
+
+def test_the_servers_among_socket_holders_are_those_no_other_holder_started() -> None:
+    parents = {10: 1, 11: 10, 12: 11, 20: 1, 30: 99, 99: 1}
+    assert roots([12, 10, 11], parents.get) == [10]  # workers that inherited the server's socket
+    assert roots([10, 20], parents.get) == [10, 20]  # two servers: ambiguous
+    assert roots([30], parents.get) == [30]
+
+
+def test_as_root_another_users_process_is_adopted_only_when_serve_toml_names_it() -> None:
+    listener = Listener(ip_address("127.0.0.1"), 8001, 1000, 4242)
+    theirs = Server(4321, 1000, listener, "python -m vllm serve")
+    with pytest.raises(
+        PermissionDeniedError, match=r"pid 4321 on 127.0.0.1:8001 .*belongs to .*uid 1000"
+    ) as e:
+        refuse_other_user("qwen", theirs, euid=0)
+    assert e.value.hint is not None and "pid = 4321" in e.value.hint
+    refuse_other_user("qwen", Server(4321, 0, listener, "x"), euid=0)  # root's own
+    refuse_other_user("qwen", theirs, euid=1000)  # a user sees only their own processes' sockets
+
+
+def test_a_refused_lease_says_what_the_backend_really_is() -> None:
+    asleep = {"granted": False, "reason": "asleep", "state": "asleep"}
+    busy = {"granted": False, "reason": "busy", "state": "quiesced", "by": ["hibernate (pid 7, uid 0)"]}
+    closed = {"granted": False, "reason": "closed", "by": ["hibernate (pid 8, uid 0)"]}
+    granted = {"granted": True, "held": 1}
+    assert refusal([granted, asleep]) == Verdict(False, "asleep", "asleep")
+    assert refusal([asleep, busy]).reason == "busy"  # a worker asleep while another is being woken
+    assert "hibernate (pid 8, uid 0)" in refusal([closed, granted]).detail
+    gone = refusal([granted, ConnectionResetError("reset")])
+    assert gone.reason == "gone" and "reset" in gone.detail
+    failed = refusal([ProtocolError("unknown operation 'lease'")])  # an agent of another version
+    assert failed == Verdict(False, "failed", "unknown operation 'lease'")
+
+
+def test_log_lines_are_bounded_per_window_and_say_how_many_were_held_back() -> None:
+    budget = LineBudget(lines=2, window=10.0)
+    admitted = [budget.admit(t) for t in (0.0, 1.0, 2.0, 3.0, 9.0, 10.5, 11.0, 12.0)]
+    assert admitted == [
+        (True, 0), (True, 0), (False, 0), (False, 0), (False, 0), (True, 3), (True, 0), (False, 0),
+    ]  # fmt: skip
+
+
+def test_a_bad_request_logged_by_aiohttp_becomes_one_line_without_its_traceback() -> None:
+    now = [0.0]
+    one_line = OneLine(LineBudget(lines=1, window=10.0), clock=lambda: now[0])
+    try:
+        raise ValueError("Invalid header token:\n\n    b'Bad Header'\n         ^")
+    except ValueError:
+        record = logging.LogRecord(
+            "hibernate.serve.http", logging.ERROR, __file__, 1, "Error handling request from %s",
+            ("127.0.0.1",), sys.exc_info(),
+        )  # fmt: skip
+    assert one_line.filter(record)
+    assert record.exc_info is None and record.args is None
+    assert (
+        record.getMessage()
+        == "Error handling request from 127.0.0.1: ValueError: Invalid header token: b'Bad Header' ^"
+    )
+    assert not one_line.filter(logging.LogRecord("h", logging.ERROR, __file__, 1, "again", None, None))
+    now[0] = 11.0
+    record = logging.LogRecord("h", logging.ERROR, __file__, 1, "later", None, None)
+    assert one_line.filter(record) and record.getMessage() == "later (1 more like it not logged)"
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -251,3 +446,136 @@ def test_a_backend_pid_whose_tree_holds_the_proxy_is_refused() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+LISTENER = """
+import socket, sys
+sock = socket.socket()
+if sys.argv[3] == "reuse":
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+sock.bind((sys.argv[1], int(sys.argv[2])))
+sock.listen()
+print("listening", flush=True)
+sys.stdin.read()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def listen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """A process listening on HOST:PORT, started and ended by the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(host: str, port: int, reuse: bool = False, uid: int | None = None) -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", LISTENER, host, str(port), "reuse" if reuse else "-"]
+        proc = subprocess.Popen(
+            [*as_user_prefix(uid), *command],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_two_listeners_on_one_port_each_serve_their_own_address(
+    listen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    port = free_port()
+    other = listen("127.0.0.2", port)  # the first: the lower pid
+    backend = listen("127.0.0.1", port)
+    found = server_at("127.0.0.1", port)
+    assert found is not None and (found.pid, str(found.listener)) == (backend.pid, f"127.0.0.1:{port}")
+    assert getattr(server_at("localhost", port), "pid", None) == backend.pid  # localhost: the loopbacks
+    assert getattr(server_at("127.0.0.2", port), "pid", None) == other.pid
+    assert server_at("127.0.0.3", port) is None
+
+
+def test_unrelated_processes_behind_one_address_are_refused_with_the_candidates_named(
+    listen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    port = free_port()
+    first = listen("127.0.0.1", port, reuse=True)
+    second = listen("127.0.0.1", port, reuse=True)
+    with pytest.raises(UsageError) as refused:
+        server_at("127.0.0.1", port)
+    message = refused.value.message
+    assert f"127.0.0.1:{port} is served by 2 unrelated processes" in message
+    assert (
+        f"pid {first.pid} on 127.0.0.1:{port} (" in message
+        and f"pid {second.pid} on 127.0.0.1:{port} (" in message
+    )
+    assert (
+        refused.value.hint is not None and "pid" in refused.value.hint and "serve.toml" in refused.value.hint
+    )
+
+
+@pytest.mark.skipif(not is_root(), reason="needs root (a process of another user)")
+def test_as_root_a_process_of_another_user_found_from_its_address_is_refused(
+    listen: Callable[..., subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    port = free_port()
+    theirs = listen("127.0.0.1", port, uid=NOBODY)
+    hibernator = Hibernator(tmp_path, 5.0)
+    with pytest.raises(PermissionDeniedError) as refused:
+        hibernator.find(BackendSpec("qwen", f"http://127.0.0.1:{port}"))
+    assert f"backend qwen: pid {theirs.pid} on 127.0.0.1:{port} (" in refused.value.message
+    assert f"belongs to nobody (uid {NOBODY})" in refused.value.message
+    assert refused.value.hint is not None and f"pid = {theirs.pid}" in refused.value.hint
+    named = BackendSpec("qwen", f"http://127.0.0.1:{port}", pid=theirs.pid)
+    assert hibernator.find(named) == theirs.pid  # serve.toml names it: adopted as asked
+
+
+@pytest.mark.slow
+def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\npid = {gone.pid}\n')
+    backend = ["--backend", "a=http://127.0.0.1:9"]
+    cases = [
+        ([*backend, "--to", "/etc/passwd"], ExitCode.USAGE, "--to /etc/passwd is a file, not a directory"),
+        (
+            [*backend, "--to", "/etc/passwd/snap"],
+            ExitCode.USAGE,
+            "--to /etc/passwd/snap cannot be created: /etc/passwd is a file, not a directory",
+        ),
+        (
+            [*backend, "--to", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
+            ExitCode.USAGE,
+            f"--listen 127.0.0.1:{port}: ",
+        ),
+        (
+            ["--to", str(tmp_path), "--config", str(config)],
+            ExitCode.NO_SUCH_PROCESS,
+            f"backend a: no process with pid {gone.pid}",
+        ),
+        (
+            [*backend, "--to", str(tmp_path), "--", "/nonexistent/server"],
+            ExitCode.USAGE,
+            "-- /nonexistent/server: ",
+        ),
+    ]
+    try:
+        for args, code, words in cases:
+            result = run_cli("serve", *args, timeout=60)
+            lines = result.stderr.splitlines()
+            assert result.returncode == code, result.stderr
+            assert lines[0].startswith(f"hibernate: error: {words}"), lines
+            assert len(lines) <= 2 and all(line.startswith("  hint: ") for line in lines[1:]), lines
+    finally:
+        taken.close()

@@ -30,7 +30,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from hibernate import faults, orchestrator, procinfo
+from hibernate import faults, orchestrator, procinfo, targets
+from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
 from hibernate.integrations.vllm_flow import VllmServerUnit
 from hibernate.operation.engine import sleep_points, wake_points
@@ -238,6 +239,7 @@ def test_vllm_steps_have_fault_points() -> None:
     assert VLLM_SLEEP_POINTS == [
         "sleep.after-lock",
         "sleep.after-connect",
+        "sleep.after-leases",
         "sleep.after-configure",
         "sleep.after-drain",
         "sleep.during-vllm-sleep",
@@ -692,6 +694,32 @@ def test_a_failure_in_the_second_servers_drain_leaves_all_three_running_and_a_ki
     nothing_left_to_clean(runtime_dir)
     assert cli("wake", *targets, "-q").returncode == 0
     all_three_awake_and_whole(cli, world, (first, second), demo, before, f"{how}, recovered")
+
+
+@pytest.mark.slow
+def test_a_request_in_flight_through_a_proxy_refuses_the_sleep_before_the_server_is_drained(
+    world: World, start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    """A proxy's lease is checked before the drain: a request forwarded to a paused server would
+    wait there with its lease held, and the sleep would wait for the lease."""
+    server = start_server(workers=1)
+    before = server.digests()
+    worker = targets.find_agent(server.workers[0])
+    assert worker is not None
+    with AgentClient(worker.socket) as proxy:
+        assert proxy.call("lease", {"by": "hibernate serve"})["granted"] is True
+        refused = cli("sleep", str(server.pid), "--to", str(work_dir), "--timeout", "1")
+        assert refused.returncode == ExitCode.BUSY, refused.stderr
+        assert (
+            f"vLLM server {server.pid} (leases): process {server.workers[0]} is held awake by 1 request "
+            in (refused.stderr)
+        )
+        assert f"through hibernate serve (pid {os.getpid()}," in refused.stderr
+        awake_and_whole(cli, server, world, before, "after the refusal")  # never paused, nothing moved
+        assert world.calls() == []
+    assert cli("sleep", str(server.pid), "--to", str(work_dir), "-q").returncode == 0  # gone with its holder
+    assert cli("wake", str(server.pid), "-q").returncode == 0
+    awake_and_whole(cli, server, world, before, "after the wake")
 
 
 @pytest.mark.slow

@@ -27,6 +27,10 @@ instead: ``status`` shows the bytes moved by a transfer in progress
 (``transfer``) and what the last sleep or wake the process ran itself did
 (``last_operation``).
 
+Requests in flight through a proxy hold the process awake with *leases*
+(:mod:`hibernate.agent.leases`): a quiesce first closes their gate and waits
+for them, and a lease is granted only while the process runs.
+
 One client at a time owns the agent (a *session*); another gets a BusyError
 naming the owner. Operations run on the owner's thread; the client's liveness
 is polled through ``Session.cancelled`` so a killed client aborts a spill.
@@ -48,6 +52,7 @@ from typing import Any
 from hibernate import faults, procinfo
 from hibernate.agent.crash import recording_crashes
 from hibernate.agent.guard import Guard
+from hibernate.agent.leases import Leases
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
@@ -131,12 +136,13 @@ def refuse_client_sleep(driver: SleepDriver | None, in_process: bool, pid: int) 
         )
 
 
-@dataclass
+@dataclass(eq=False)  # a session is itself: hashed and compared by identity
 class Session:
     """Whoever drives the agent now: a socket client or the process itself (``in_process``)."""
 
     description: str
     cancelled: Callable[[], bool] = field(default=lambda: False)
+    peer: str = ""  # "pid P, uid U" of a socket client: how its leases are named
     progress: Callable[[dict[str, Any]], None] | None = None
     in_process: bool = False
 
@@ -195,6 +201,7 @@ class Hibernator:
         self.owner = Owner.current()
         self.kind = kind
         self.guard = Guard()
+        self.leases = Leases()
         self.token = secrets.token_hex(8)
         # The random part of this process's spill root names (see store.owner.spill_root_name):
         # drawn once, so every sleep of the process finds its previous snapshot again.
@@ -243,6 +250,7 @@ class Hibernator:
             snapshot = dict(self._last_snapshot) if self._last_snapshot else None
             transfer = dict(self._transfer) if self._transfer else None
             last_operation = self._last_operation
+        leases = self.leases.summary()
         summaries: list[dict[str, Any]] = []
         on_devices: dict[str, int] = {}
         for pool, regions in sleeping.regions if sleeping else [(p, p.regions()) for p in pools]:
@@ -262,6 +270,7 @@ class Hibernator:
             "state": state.value,
             "busy": owner,
             "guard_holders": self.guard.holders,
+            "leases": leases,
             "pools": summaries,
             "device_bytes": on_devices,
             "snapshot": snapshot,
@@ -291,15 +300,50 @@ class Hibernator:
     def end(self, session: Session) -> None:
         """Give up ownership; a half-done sleep or wake is rolled back to running."""
         with self._mutex:
-            if self._owner is not session:
-                return
-            state = self._state
+            owned, state = self._owner is session, self._state
+        if not owned:
+            self.leases.reopen(session)  # (not under the mutex: leases take it after their own lock)
+            return
         try:
             if state in ROLLED_BACK_ON_DISCONNECT:
                 self._transition(session, "resume", self._do_resume)
         finally:
+            self.leases.reopen(session)
             with self._mutex:
                 self._owner = None
+
+    def disconnect(self, session: Session) -> None:
+        """A client's connection ended: its leases are given back, then its session ends."""
+        self.leases.drop(session)
+        self.end(session)
+
+    # -- leases --------------------------------------------------------------
+
+    def lease(self, session: Session, by: str | None = None) -> dict[str, Any]:
+        """One more request of ``session``'s client holds the process awake, if it runs and no sleep
+        waits; else the answer says why (``reason``: asleep, busy or closed)."""
+
+        def refusal() -> dict[str, Any] | None:
+            with self._mutex:
+                state, owner = self._state, self._owner
+            if state is AgentState.RUNNING:
+                return None
+            if state is AgentState.ASLEEP and owner is None:
+                return {"reason": "asleep", "state": state.value}
+            return {"reason": "busy", "state": state.value, "by": [owner.description] if owner else []}
+
+        description = f"{by} ({session.peer})" if by and session.peer else session.description
+        return self.leases.take(session, description, refusal)
+
+    def unlease(self, session: Session) -> dict[str, Any]:
+        return {"held": self.leases.give_back(session)}
+
+    def close_leases(self, session: Session, timeout: float) -> dict[str, Any]:
+        """Refuse new leases until ``session`` resumes the process or ends, and wait (up to ``timeout``)
+        for those held to be given back; BusyError naming their holders if they are not."""
+        what = f"process {self.identity.pid}"
+        seconds = self.leases.close(session, session.description, what, timeout, session.cancelled)
+        return {"seconds": seconds}
 
     def _transition(self, session: Session, op: str, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         with self._mutex:
@@ -324,7 +368,12 @@ class Hibernator:
 
         def action() -> dict[str, Any]:
             started = time.perf_counter()
-            self.guard.close(timeout, session.cancelled)
+            try:
+                self.close_leases(session, timeout)  # at once after a flow's own leases step
+                self.guard.close(timeout, session.cancelled)
+            except BaseException:
+                self.leases.reopen(session)
+                raise
             return {"seconds": time.perf_counter() - started}
 
         return self._transition(session, "quiesce", action)
@@ -510,7 +559,9 @@ class Hibernator:
         return report
 
     def resume(self, session: Session) -> dict[str, Any]:
-        return self._transition(session, "resume", self._do_resume)
+        result = self._transition(session, "resume", self._do_resume)
+        self.leases.reopen(session)
+        return result
 
     def _do_resume(self) -> dict[str, Any]:
         with self._mutex:

@@ -25,6 +25,7 @@ from hibernate.errors import ProtocolError
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
 _HEADER = struct.Struct("!I")
+HEADER_BYTES = _HEADER.size
 MAX_ID = 2**53
 
 
@@ -57,13 +58,19 @@ def receive(sock: socket.socket) -> dict[str, Any] | None:
     header = _recv_exact(sock, _HEADER.size)
     if header is None:
         return None
-    (length,) = _HEADER.unpack(header)
-    if length > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    length = body_length(header)
     body = _recv_exact(sock, length)
     if body is None:
         raise ProtocolError("connection closed in the middle of a message")
     return decode(body)
+
+
+def body_length(header: bytes) -> int:
+    """The length a frame's header (HEADER_BYTES) announces; refused above the limit."""
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    return int(length)
 
 
 def decode(body: bytes) -> dict[str, Any]:

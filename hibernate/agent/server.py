@@ -5,6 +5,7 @@ every connection's peer credentials (SO_PEERCRED) are checked before a byte of
 it is read. Each connection is one session; a long operation runs on the
 connection's thread and polls the socket so that a client that disappears
 (killed, timed out) aborts it instead of leaving the process half asleep.
+The leases a connection holds (a proxy's requests in flight) end with it too.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class _Connection:
         self.session = Session(
             description=f"hibernate (pid {peer_pid}, uid {peer_uid})",
             cancelled=self._peer_gone,
+            peer=f"pid {peer_pid}, uid {peer_uid}",
         )
         self._current_id = 0
         self.session.progress = self._send_progress
@@ -96,7 +98,7 @@ class _Connection:
         except OSError:
             return
         finally:
-            self.hibernator.end(self.session)
+            self.hibernator.disconnect(self.session)
             with contextlib.suppress(OSError):
                 self.conn.close()
 
@@ -115,11 +117,14 @@ class _Connection:
             if directory is not None and (not isinstance(directory, str) or not os.path.isabs(directory)):
                 raise UsageError(f"dir must be an absolute path or null, got {directory!r}")
             return h.configure(Path(directory) if directory else None)
+        if op == "lease":
+            return h.lease(s, _label(args.get("by")))
+        if op == "unlease":
+            return h.unlease(s)
+        if op == "close_leases":
+            return h.close_leases(s, _timeout(args))
         if op == "quiesce":
-            timeout = args.get("timeout", 30.0)
-            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-                raise UsageError(f"timeout must be a non-negative number, got {timeout!r}")
-            return h.quiesce(s, float(timeout))
+            return h.quiesce(s, _timeout(args))
         if op == "spill":
             directory = args.get("dir")
             if directory is not None and (not isinstance(directory, str) or not os.path.isabs(directory)):
@@ -132,6 +137,22 @@ class _Connection:
         if op == "resume":
             return h.resume(s)
         raise ProtocolError(f"unknown operation {op!r}")
+
+
+def _timeout(args: dict[str, Any]) -> float:
+    timeout = args.get("timeout", 30.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout < 1e9:
+        raise UsageError(f"timeout must be a non-negative number, got {timeout!r}")
+    return float(timeout)
+
+
+def _label(value: Any) -> str | None:
+    """What a lease holder calls itself (``hibernate serve``): shown in status and in a busy sleep's error."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.isprintable() or not 0 < len(value) <= 64:
+        raise UsageError(f"by must be a short printable string, got {value!r}")
+    return value
 
 
 def _answers(path: Path) -> bool:

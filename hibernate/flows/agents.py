@@ -1,11 +1,16 @@
 """Plain agents: processes whose own agent moves their tagged pools (``hibernate.track``, ``run``).
 
-    sleep: quiesce (every member) -> spill (all at once) -> release (every member)
+    sleep: leases, quiesce (every member) -> spill (all at once) -> release (every member)
     wake:  restore (all at once) -> resume (every member)
 
 All plain agents of an operation form one unit, so their spills and restores
 run in parallel. Nothing is lost before ``release``, and after it the
 published snapshot holds every kept byte, so the undo can always restore.
+
+``leases`` closes every member's gate to new leases and waits for the requests
+in flight through a proxy (``hibernate serve``) to end, before any member is
+quiesced: a request may need every process of its server, so pausing one of
+them while another still serves it would hold both until the timeout.
 """
 
 from __future__ import annotations
@@ -83,6 +88,13 @@ class AgentsUnit(Unit):
 
     # -- sleep ----------------------------------------------------------------------------
 
+    def close_leases(self) -> None:
+        """New leases refused on every member, then those held waited for (BusyError naming them)."""
+        options = self.ctx.options
+        timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
+        for member in self.members:
+            member.call("close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout)
+
     def quiesce(self) -> None:
         timeout = self.ctx.options.quiesce_timeout
         for member in self.members:
@@ -127,7 +139,8 @@ class AgentsUnit(Unit):
     def annotate(self, step: str, error: HibernateError) -> None:
         if self.ctx.op != "sleep" or not self.members:
             return
-        failed = next((m for m in self.members if m.reached != step), self.members[0])
+        op = "close_leases" if step == "leases" else step  # the agent's name for the step
+        failed = next((m for m in self.members if m.reached != op), self.members[0])
         error.add_context(f"process {failed.pid} ({step})", unless=f"process {failed.pid}")
 
     # -- wake -----------------------------------------------------------------------------
@@ -202,6 +215,7 @@ def _wake_entry(member: Member) -> ProcessWake:
 
 
 AgentsUnit.sleep_steps = (
+    Step("leases", AgentsUnit.close_leases),  # its gates reopen when the members hang up or resume
     Step("quiesce", AgentsUnit.quiesce, undo=AgentsUnit.undo_sleep),
     Step("spill", AgentsUnit.spill, during=True),
     Step("release", AgentsUnit.release),

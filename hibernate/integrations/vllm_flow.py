@@ -6,6 +6,8 @@ cannot: take the CUDA state off the GPU from another process.
 
     sleep: lock       the server's tree (any pid of it names it), its agents, CUDA holders, journal
            connect    every agent running and idle; GET /is_sleeping (vLLM with dev endpoints, awake)
+           leases     every agent of the tree refuses new leases and the requests in flight through
+                      a proxy (hibernate serve) end, within --timeout, else busy: nothing changed
            configure  tell each worker's agent the spill directory (--to)
            drain      POST /sleep?level=0&mode=wait|abort: scheduling stops, running requests finish
                       or are aborted; within --timeout, else undone (scheduling resumes)
@@ -15,6 +17,10 @@ cannot: take the CUDA state off the GPU from another process.
     wake:  lock, connect, the CUDA stage (restore all, unlock all), then
            vllm-wake  POST /wake_up (every tag): the workers read their pools back;
                       then GET /is_sleeping must say false
+
+The leases come before the drain: a proxy's request forwarded to a paused
+server would wait there holding its lease, and the sleep would wait for the
+lease. The agents' gates stay closed until the command hangs up.
 
 The drain is its own step (level 0 only pauses scheduling) because vLLM
 cannot call off a sleep that waits for requests: a later ``/wake_up`` would
@@ -447,6 +453,7 @@ class VllmServerUnit(Unit):
         self.response: dict[str, Any] = {}
         # sleep: what has been done, for the undo
         self.configured: dict[int, str | None] = {}  # worker pid -> the directory it had before
+        self.gates: list[AgentClient] = []  # connections whose agents refuse new leases until closed
         self.paused = False  # a /sleep was sent: scheduling may be paused
         self.flight: InFlight | None = None
         self.slept = False  # the server answered the sleep: vLLM's executor knows its workers sleep
@@ -585,6 +592,20 @@ class VllmServerUnit(Unit):
             monitor.close()
 
     # -- sleep ------------------------------------------------------------------------------
+
+    def close_leases(self) -> None:
+        """Every agent of the server refuses new leases, then those held are waited for (BusyError)."""
+        options = self.ctx.options
+        timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
+        for ref in self.server.target.agents:
+            client = ref.connect(options.agent_timeout)
+            self.gates.append(client)
+            client.call("close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout)
+
+    def close(self) -> None:
+        for client in self.gates:
+            client.close()  # their agents take leases again
+        self.gates.clear()
 
     def configure(self) -> None:
         """Tell each worker's agent the spill directory (--to)."""
@@ -775,6 +796,7 @@ class VllmServerUnit(Unit):
 
 
 VllmServerUnit.sleep_steps = (
+    Step("leases", VllmServerUnit.close_leases),  # reopened when the command hangs up (close)
     Step("configure", VllmServerUnit.configure, undo=VllmServerUnit.undo_sleep),
     Step("drain", VllmServerUnit.drain_requests),
     Step("vllm-sleep", VllmServerUnit.vllm_sleep, during=True),

@@ -19,7 +19,7 @@ from hibernate.procinfo import ProcessIdentity
 from hibernate.targets import AgentRef
 
 # Operations after which an agent whose client hangs up goes back to running by itself.
-ROLLS_BACK_BY_ITSELF = ("begin", "quiesce", "spill")
+ROLLS_BACK_BY_ITSELF = ("begin", "close_leases", "quiesce", "spill")
 
 
 def exits(identity: ProcessIdentity, within: float = 2.0) -> bool:

@@ -70,6 +70,10 @@ def share_staging(budget_mb: int, processes: int, floor_mb: int = MIN_BUFFER_MB)
 @dataclass
 class Options:
     quiesce_timeout: float = 30.0
+    # How long a sleep waits for requests in flight through a proxy to end (leases); None: the
+    # quiesce_timeout. A proxy's own idle sleep gives up sooner: another proxy's requests mean the
+    # backend is not idle.
+    lease_timeout: float | None = None
     agent_timeout: float = 60.0  # longest silence from an agent before giving up
     io: IoOptions = field(default_factory=IoOptions)
     # The CUDA stage: an explicit checkpointer, else one chosen (once, lazily) by kind:

@@ -4,8 +4,10 @@
     routing.py     path prefix or ``model`` field -> backend (pure)
     backends.py    each backend's state and transitions; idle and budget decisions (pure parts)
     hibernator.py  the engine of ``hibernate sleep/wake/recover/status``, one backend at a time
-    discovery.py   the process behind a backend's port
+    discovery.py   the process behind a backend's address (the listening socket a connection reaches)
+    leases.py      a forwarded request holds its backend awake: leases on its agents, over open links
     metrics.py     /metrics (prometheus-client)
+    httplog.py     a request aiohttp could not serve: one log line, never a traceback, rate-limited
     proxy.py       the aiohttp server and client
     server.py      start, adopt, serve, stop
 

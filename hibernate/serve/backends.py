@@ -3,7 +3,13 @@
     asleep --(a request)--> waking --> awake --(idle, or room for another)--> sleeping --> asleep
 
 A request for a backend that is not awake starts its wake, or joins the one
-under way: one wake per transition, however many requests wait. A transition
+under way: one wake per transition, however many requests wait. The state
+kept here is what the proxy last saw, not the truth: a request is forwarded
+only once it holds a lease on every agent of the backend (:mod:`leases`),
+which the agents grant only while the process runs and which keeps it running
+until given back. A refused lease says what the backend really is: asleep
+(put to sleep by another proxy or by hand: woken now), or in the middle of
+someone else's sleep or wake (waited for, then looked at again). A transition
 runs the same engine as ``hibernate sleep``/``wake``, in a worker thread, so
 the proxy keeps serving meanwhile. A failed transition leaves the backend in
 the state the engine left it (a failed wake: asleep, recoverable), read back
@@ -24,15 +30,19 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hibernate import procinfo
 from hibernate.errors import BusyError, HibernateError
 from hibernate.serve.config import BackendSpec
 from hibernate.serve.hibernator import Hibernator, Inspection
+from hibernate.serve.leases import BackendLeases, Verdict
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import ApiError
 
 log = logging.getLogger("hibernate.serve")
 # How often the proxy reads back the real state of backends at rest (changed by hand, e.g.).
 REFRESH_SECONDS = 5.0
+# How often a request retries its lease while someone else's sleep or wake runs.
+RETRY_SECONDS = 0.05
 
 
 class State(str, Enum):
@@ -121,6 +131,7 @@ def plan_room_measured(need: Mapping[str, int], free: Mapping[str, int], others:
 class Outcome:
     ok: bool
     reason: str | None = None
+    busy: bool = False  # another sleep or wake was under way: nothing was done, try again once it ends
 
 
 @dataclass
@@ -135,6 +146,8 @@ class Backend:
     reason: str | None = None  # why the last transition failed, if it did
     transition: asyncio.Task[Outcome] | None = None
     gpu: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
+    leases: BackendLeases | None = None  # links to its agents, opened by the first request
+    linking: asyncio.Lock = field(default_factory=asyncio.Lock)  # one opening of the links at a time
 
     @property
     def name(self) -> str:
@@ -221,57 +234,137 @@ class Fleet:
 
     @contextlib.asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[Backend]:
-        """Hold ``name`` awake for one request: woken first if it sleeps; counted in flight until the
-        block ends (a streamed answer: until its last byte)."""
+        """Hold ``name`` awake for one request: leases taken on its agents (woken first if it sleeps);
+        counted in flight until the block ends (a streamed answer: until its last byte)."""
         backend = self.backends[name]
-        if backend.state is not State.AWAKE:
-            await self._wait_awake(backend)
-        # Nothing awaited between the check above and this count: no sleep can start in between.
+        backend.last_used = time.monotonic()  # no idle sleep of ours begins while it takes its leases
+        leases = await self._hold(backend)
         backend.in_flight += 1
         self.recorder.in_flight(name, backend.in_flight)
         try:
             yield backend
         finally:
+            leases.give_back()
             backend.in_flight -= 1
             backend.last_used = time.monotonic()
             self.recorder.in_flight(name, backend.in_flight)
             async with self._released:
                 self._released.notify_all()
 
-    async def _wait_awake(self, backend: Backend) -> None:
+    async def _hold(self, backend: Backend) -> BackendLeases:
+        """The backend's leases, taken: at once if it runs, else after waking it or waiting for someone
+        else's sleep or wake to end, within --wake-timeout (else a 503 that says why)."""
+        if backend.state is State.AWAKE:
+            verdict, leases = await self._take(backend)
+            if leases is not None:
+                return leases
+            self._learn(backend, verdict)  # what it is, if not awake; else the loop below waits
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wake_timeout
         started = time.monotonic()
         backend.waiting += 1
         self.recorder.waiting(backend.name, backend.waiting)
         try:
-            while backend.state is not State.AWAKE:
-                if backend.state in (State.ASLEEP, State.FAILED):
-                    self._begin(backend, State.WAKING, self._wake(backend))
-                kind, task = backend.state, backend.transition
-                assert task is not None
-                remaining = deadline - loop.time()
-                try:
-                    if remaining <= 0:
-                        raise TimeoutError
-                    outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
-                except TimeoutError:
-                    raise ApiError(
-                        503,
-                        f"backend {backend.name} did not wake within --wake-timeout {self.wake_timeout:g}s "
-                        f"(it is {backend.state.value}); retry later",
-                        "ServiceUnavailableError",
-                    ) from None
-                if kind is State.WAKING and not outcome.ok:
-                    raise ApiError(
-                        503,
-                        f"backend {backend.name} could not be woken: {outcome.reason}",
-                        "ServiceUnavailableError",
-                    )
+            while True:
+                if backend.state is not State.AWAKE:
+                    await self._wait_awake(backend, deadline)
+                verdict, leases = await self._take(backend)
+                if leases is not None:
+                    return leases
+                if not self._learn(backend, verdict):
+                    await self._pause(backend, deadline, verdict.detail)
         finally:
             backend.waiting -= 1
             self.recorder.waiting(backend.name, backend.waiting)
             self.recorder.waited(backend.name, time.monotonic() - started)
+
+    async def _take(self, backend: Backend) -> tuple[Verdict, BackendLeases | None]:
+        """A lease on every agent of the backend (the links to them opened first if need be)."""
+        async with backend.linking:
+            leases, pid = backend.leases, backend.pid
+            if leases is None or leases.pid != pid or not leases.usable:
+                if leases is not None:
+                    leases.close()
+                backend.leases = None
+                if pid is None:
+                    return Verdict(False, "gone", "its process is not known"), None
+                try:
+                    sockets = await asyncio.to_thread(self.hibernator.agent_sockets, pid)
+                    leases = await BackendLeases.open(pid, sockets)
+                except HibernateError as exc:
+                    return Verdict(False, "gone", exc.message), None
+                backend.leases = leases
+        verdict = await leases.take()
+        return verdict, leases if verdict.granted else None
+
+    def _learn(self, backend: Backend, verdict: Verdict) -> bool:
+        """What a refused lease says of the backend, taken into its state; False when the request can
+        only wait (someone else's sleep or wake is under way). A backend whose agents are gone is
+        answered 502 at once, and looked for again by the next request."""
+        settled = backend.state is State.AWAKE  # no transition of ours: its outcome would be the truth
+        if verdict.reason == "asleep":
+            if settled:
+                log.info("%s: found asleep (changed outside the proxy)", backend.name)
+                self._set(backend, State.ASLEEP)
+            return True
+        if verdict.reason == "gone":
+            if backend.pid is not None and _alive(backend.pid):
+                return False  # the links broke, not the process: opened again on the next try
+            if settled:
+                log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
+                backend.pid = None
+                self._set(backend, State.FAILED, reason=verdict.detail)
+            raise ApiError(502, f"backend {backend.name} did not answer: {verdict.detail}", "BadGatewayError")
+        if verdict.reason == "failed":
+            raise ApiError(
+                503,
+                f"backend {backend.name}'s agent refused a lease: {verdict.detail}",
+                "ServiceUnavailableError",
+            )
+        return False
+
+    async def _pause(self, backend: Backend, deadline: float, why: str) -> None:
+        """A short wait before the next try; a 503 once the wait would pass ``deadline``."""
+        loop = asyncio.get_running_loop()
+        if loop.time() + RETRY_SECONDS > deadline:
+            raise ApiError(
+                503,
+                f"backend {backend.name} stayed busy past --wake-timeout {self.wake_timeout:g}s ({why}); "
+                "retry later",
+                "ServiceUnavailableError",
+            )
+        await asyncio.sleep(RETRY_SECONDS)
+
+    async def _wait_awake(self, backend: Backend, deadline: float) -> None:
+        """Until the proxy's view of the backend is awake: its wake started, or the transition under way
+        joined; a wake that found someone else's sleep or wake under way is tried again."""
+        loop = asyncio.get_running_loop()
+        while backend.state is not State.AWAKE:
+            if backend.state in (State.ASLEEP, State.FAILED):
+                self._begin(backend, State.WAKING, self._wake(backend))
+            kind, task = backend.state, backend.transition
+            assert task is not None
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
+            except TimeoutError:
+                raise ApiError(
+                    503,
+                    f"backend {backend.name} did not wake within --wake-timeout {self.wake_timeout:g}s "
+                    f"(it is {backend.state.value}); retry later",
+                    "ServiceUnavailableError",
+                ) from None
+            if kind is State.WAKING and not outcome.ok:
+                if outcome.busy:
+                    await self._pause(backend, deadline, outcome.reason or "busy")
+                    continue
+                raise ApiError(
+                    503,
+                    f"backend {backend.name} could not be woken: {outcome.reason}",
+                    "ServiceUnavailableError",
+                )
 
     # -- transitions --------------------------------------------------------------------
 
@@ -288,9 +381,23 @@ class Fleet:
     async def _settle(self, backend: Backend, error: HibernateError, op: str, started: float) -> Outcome:
         """After a failed ``op``: the state the engine left, read from the backend's agents."""
         seconds = time.monotonic() - started
+        if isinstance(error, BusyError) and op == "wake":
+            # Someone else's sleep or wake (or a sleep waiting for their requests): nothing was done.
+            # Left asleep in the proxy's view; the request tries again once that operation ends.
+            self._set(
+                backend, State.ASLEEP if backend.pid is not None else State.FAILED, reason=error.message
+            )
+            return Outcome(False, error.message, busy=True)
         self.recorder.failed(backend.name, op)
         try:
             found: Inspection = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+        except BusyError:
+            # Another operation on it is under way: a sleep of ours that failed left it as it was.
+            if op == "sleep":
+                backend.last_used = time.monotonic()
+            self._set(backend, State.AWAKE if op == "sleep" else State.ASLEEP, reason=error.message)
+            log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, error.message)
+            return Outcome(False, error.message, busy=True)
         except HibernateError as exc:
             backend.pid = None  # gone, or not ours any more: the next request looks for it again
             self._set(backend, State.FAILED, reason=f"{error.message}; then: {exc.message}")
@@ -466,11 +573,23 @@ class Fleet:
                 self._set(backend, state)
             await self._measure(backend)
 
+    def close(self) -> None:
+        """Let go of the links to the agents (their leases end with them)."""
+        for backend in self.backends.values():
+            if backend.leases is not None:
+                backend.leases.close()
+                backend.leases = None
+
     async def drain(self, timeout: float) -> None:
         """Wait (bounded) for every transition under way to end: a sleep is not left half-done on stop."""
         pending = [b.transition for b in self.backends.values() if b.transition and not b.transition.done()]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    identity = procinfo.identity(pid)
+    return identity is not None and procinfo.is_alive(identity)
 
 
 class NoRoomError(HibernateError):

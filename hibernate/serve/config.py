@@ -1,8 +1,9 @@
 """What ``hibernate serve`` is told: flags and ``serve.toml``, parsed and checked as pure functions.
 
 Every bad value is refused here, before a port is opened or a backend touched,
-with a :class:`~hibernate.errors.UsageError` that names the flag (or the TOML
-key) and what would be accepted.
+with a :class:`~hibernate.errors.UsageError` that names the flag, or the file,
+table and key (``serve.toml: [limits] max_body_bytes: must be ...``), and what
+would be accepted.
 """
 
 from __future__ import annotations
@@ -89,13 +90,20 @@ class ServeConfig:
         return self.host in ("127.0.0.1", "localhost", "::1")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: Any, label: str = "--listen") -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); port 0 takes a free one."""
-    host, sep, port = value.rpartition(":")
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--listen must be HOST:PORT (e.g. {DEFAULT_LISTEN}), not {value!r}")
+        raise UsageError(f"{label} must be HOST:PORT (e.g. {DEFAULT_LISTEN}), not {value!r}")
     return host, int(port)
+
+
+def toml_key(source: str, table: str | None, key: str) -> str:
+    """How an error names a key of serve.toml: ``serve.toml: [limits] max_body_bytes:`` (``table`` None:
+    a top-level key), so that ``{label} must be ...`` reads as one sentence, as ``--idle must be ...``
+    does for a flag."""
+    return f"{source}: {table} {key}:" if table else f"{source}: {key}:"
 
 
 def parse_size(value: str | int, option: str) -> int:
@@ -109,43 +117,43 @@ def parse_size(value: str | int, option: str) -> int:
 
 
 def check_seconds(value: Any, option: str, *, allow_zero: bool = False) -> float:
-    low_ok = (value >= 0) if allow_zero else (value > 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not low_ok:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not number or not ((value >= 0) if allow_zero else (value > 0)):
         raise UsageError(f"{option} must be a number of seconds above 0 and at most one day, not {value!r}")
     if value > MAX_SECONDS:
         raise UsageError(f"{option} must be at most {MAX_SECONDS:g} seconds (one day), not {value!r}")
     return float(value)
 
 
-def check_url(value: str, where: str) -> str:
+def check_url(value: str, label: str) -> str:
     parts = urlsplit(value)
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
         raise UsageError(
-            f"{where}: a backend's address must be http://HOST:PORT (no path, no query), not {value!r}"
+            f"{label} a backend's address must be http://HOST:PORT (no path, no query), not {value!r}"
         )
     try:
         parts.port  # noqa: B018  (raises on a port out of range)
     except ValueError:
-        raise UsageError(f"{where}: bad port in {value!r}") from None
+        raise UsageError(f"{label} bad port in {value!r}") from None
     return value.rstrip("/")
 
 
-def check_name(name: str, where: str) -> str:
+def check_name(name: str, label: str) -> str:
     if not NAME_PATTERN.match(name):
         raise UsageError(
-            f"{where}: a backend name is 1 to 128 letters, digits, '.', '_', '-', '/' or ':' "
+            f"{label} a backend name is 1 to 128 letters, digits, '.', '_', '-', '/' or ':' "
             f"(starting with a letter or digit), not {name!r}"
         )
     return name
 
 
-def check_prefix(prefix: str, where: str) -> str:
+def check_prefix(prefix: str, label: str) -> str:
     if not prefix.startswith("/") or prefix == "/" or "//" in prefix or "?" in prefix:
         raise UsageError(
-            f"{where}: a path prefix starts with / and names a path, such as /qwen, not {prefix!r}"
+            f"{label} a path prefix starts with / and names a path, such as /qwen, not {prefix!r}"
         )
     if prefix.rstrip("/") in ("/v1", "/metrics", "/hibernate"):
-        raise UsageError(f"{where}: the prefix {prefix!r} is the proxy's own; choose another")
+        raise UsageError(f"{label} the prefix {prefix!r} is the proxy's own; choose another")
     return prefix.rstrip("/")
 
 
@@ -154,8 +162,8 @@ def parse_backend_flag(value: str) -> BackendSpec:
     name, sep, url = value.partition("=")
     if not sep:
         raise UsageError(f"--backend must be NAME=http://HOST:PORT, not {value!r}")
-    where = f"--backend {value}"
-    return BackendSpec(check_name(name, where), check_url(url, where))
+    label = f"--backend {value}:"
+    return BackendSpec(check_name(name, label), check_url(url, label))
 
 
 TOP_KEYS = {"listen", "to", "idle", "wake_timeout", "sleep_timeout", "gpu_budget", "backend", "limits"}
@@ -169,42 +177,54 @@ def _unknown(keys: Sequence[str], allowed: set[str], where: str) -> None:
         raise UsageError(f"{where}: unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(allowed))}")
 
 
-def backend_from_table(table: Mapping[str, Any], where: str) -> BackendSpec:
-    """One ``[[backend]]`` table of serve.toml."""
-    _unknown(list(table), BACKEND_KEYS, where)
-    if not isinstance(table.get("name"), str) or not isinstance(table.get("url"), str):
-        raise UsageError(f"{where}: name and url are required strings")
-    name = check_name(table["name"], where)
+def backend_from_table(table: Any, source: str, index: int) -> BackendSpec:
+    """One ``[[backend]]`` table of serve.toml (the ``index``-th, from 1)."""
+    where = f"[[backend]] #{index}"
+    if not isinstance(table, Mapping):
+        raise UsageError(f"{source}: {where}: must be a table (name = ..., url = ...)")
+    _unknown(list(table), BACKEND_KEYS, f"{source}: {where}")
+
+    def key(name: str) -> str:
+        return toml_key(source, where, name)
+
+    for required in ("name", "url"):
+        if not isinstance(table.get(required), str):
+            raise UsageError(f"{key(required)} required, as a string")
+    name = check_name(table["name"], key("name"))
     models = table.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
-        raise UsageError(f"{where}: models must be a list of model names")
+        raise UsageError(f"{key('models')} must be a list of model names")
     prefix = table.get("prefix")
     if prefix is not None and not isinstance(prefix, str):
-        raise UsageError(f"{where}: prefix must be a string such as /qwen")
+        raise UsageError(f"{key('prefix')} must be a string such as /qwen")
     pid = table.get("pid")
     if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
-        raise UsageError(f"{where}: pid must be a process id")
+        raise UsageError(f"{key('pid')} must be a process id, not {pid!r}")
     idle = table.get("idle")
     return BackendSpec(
         name,
-        check_url(table["url"], where),
+        check_url(table["url"], key("url")),
         tuple(models),
-        check_prefix(prefix, where) if prefix is not None else None,
+        check_prefix(prefix, key("prefix")) if prefix is not None else None,
         pid,
-        check_seconds(idle, f"{where}: idle") if idle is not None else None,
+        check_seconds(idle, key("idle")) if idle is not None else None,
     )
 
 
-def limits_from_table(table: Mapping[str, Any], where: str = "[limits]") -> Limits:
-    _unknown(list(table), LIMIT_KEYS, where)
+def limits_from_table(table: Any, source: str) -> Limits:
+    """The ``[limits]`` table of serve.toml."""
+    if not isinstance(table, Mapping):
+        raise UsageError(f"{source}: [limits]: must be a table")
+    _unknown(list(table), LIMIT_KEYS, f"{source}: [limits]")
     values: dict[str, Any] = {}
     for key, value in table.items():
+        label = toml_key(source, "[limits]", key)
         if key.endswith("_bytes") or key in ("max_connections", "max_requests"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{where}: {key} must be a positive integer, not {value!r}")
+                raise UsageError(f"{label} must be a positive integer, not {value!r}")
             values[key] = value
         else:
-            values[key] = check_seconds(value, f"{where} {key}")
+            values[key] = check_seconds(value, label)
     return Limits(**values)
 
 
@@ -262,35 +282,45 @@ def build_config(
     command: Sequence[str] = (),
     start: str | None = None,
     document: Mapping[str, Any] | None = None,
+    source: str = "serve.toml",
 ) -> ServeConfig:
-    """The whole configuration: the TOML document (if any), with the flags given on top of it."""
+    """The whole configuration: the TOML document (if any), with the flags given on top of it.
+
+    ``source`` names the document in errors (the path given to --config).
+    """
     document = dict(document or {})
-    _unknown(list(document), TOP_KEYS, "--config")
+    _unknown(list(document), TOP_KEYS, source)
+
+    def given(flag_value: Any, flag: str, key: str, default: Any = None) -> tuple[Any, str]:
+        """A setting and how an error names it: the flag if it was given, else the TOML key."""
+        if flag_value is not None:
+            return flag_value, flag
+        return document.get(key, default), toml_key(source, None, key)
+
     tables = document.get("backend", [])
     if not isinstance(tables, list):
-        raise UsageError("--config: backends are [[backend]] tables")
-    backends = [backend_from_table(t, f"--config [[backend]] #{i + 1}") for i, t in enumerate(tables)]
+        raise UsageError(f"{toml_key(source, None, 'backend')} backends are [[backend]] tables")
+    backends = [backend_from_table(t, source, i + 1) for i, t in enumerate(tables)]
     backends += [parse_backend_flag(v) for v in backend_flags]
-    directory = to if to is not None else document.get("to")
-    if not directory:
+    directory, to_label = given(to, "--to", "to")
+    if directory is None:
         raise UsageError("--to DIR is required: the directory where sleeping backends' memory goes")
-    host, port = parse_listen(listen or str(document.get("listen", DEFAULT_LISTEN)))
-    idle_value = idle if idle is not None else document.get("idle")
-    budget = gpu_budget if gpu_budget is not None else document.get("gpu_budget")
+    if not isinstance(directory, (str, Path)) or not str(directory):
+        raise UsageError(f"{to_label} must name a directory, not {directory!r}")
+    host, port = parse_listen(*given(listen, "--listen", "listen", DEFAULT_LISTEN))
+    idle_value, idle_label = given(idle, "--idle", "idle")
+    budget, budget_label = given(gpu_budget, "--gpu-budget", "gpu_budget")
     config = ServeConfig(
         host=host,
         port=port,
         to=Path(directory),
         backends=check_backends(backends),
-        idle=check_seconds(idle_value, "--idle") if idle_value is not None else None,
-        wake_timeout=check_seconds(
-            wake_timeout if wake_timeout is not None else document.get("wake_timeout", 300.0),
-            "--wake-timeout",
-        ),
-        sleep_timeout=check_seconds(document.get("sleep_timeout", 120.0), "sleep_timeout"),
-        gpu_budget=parse_size(budget, "--gpu-budget") if budget not in (None, AUTO) else None,
+        idle=check_seconds(idle_value, idle_label) if idle_value is not None else None,
+        wake_timeout=check_seconds(*given(wake_timeout, "--wake-timeout", "wake_timeout", 300.0)),
+        sleep_timeout=check_seconds(*given(None, "", "sleep_timeout", 120.0)),
+        gpu_budget=parse_size(budget, budget_label) if budget not in (None, AUTO) else None,
         measure_gpu=budget == AUTO,
-        limits=limits_from_table(document.get("limits", {})),
+        limits=limits_from_table(document.get("limits", {}), source),
     )
     return with_command(config, command, start)
 

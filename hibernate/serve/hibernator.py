@@ -10,12 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hibernate import orchestrator, procinfo
+from hibernate import orchestrator, procinfo, targets
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.phase import HEADROOM_BYTES
-from hibernate.errors import HibernateError, NoSuchProcessError, UsageError
+from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
 from hibernate.serve import discovery
 from hibernate.serve.config import BackendSpec
+
+# How long the proxy's own sleep waits for requests in flight through others (their leases).
+LEASE_WAIT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,19 @@ def refuse_tree_holding_proxy(name: str, pid: int, proxy: int | None = None) -> 
         )
 
 
+def refuse_other_user(name: str, server: discovery.Server, euid: int | None = None) -> None:
+    """As root, a backend found from its address must be root's own process: a process of another
+    user is adopted (and put to sleep) only when serve.toml names its pid."""
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0 and server.uid != 0:
+        raise PermissionDeniedError(
+            f"backend {name}: {server.describe()} belongs to {discovery.user_name(server.uid)}; as root, "
+            "hibernate serve adopts another user's process only when serve.toml names its pid",
+            hint=f"add pid = {server.pid} to the backend's [[backend]] table in serve.toml, or run "
+            "hibernate serve as that user",
+        )
+
+
 class Hibernator:
     def __init__(self, directory: Path, sleep_timeout: float) -> None:
         self.directory = directory
@@ -73,14 +89,22 @@ class Hibernator:
     def find(self, spec: BackendSpec) -> int:
         if spec.pid is not None:
             return spec.pid  # refused at start if its tree holds the proxy (server.serve)
-        _, port = spec.host_port
-        pid = discovery.listener_pid(port)
-        if pid is None:
+        host, port = spec.host_port
+        try:
+            server = discovery.server_at(host, port)
+        except HibernateError as exc:
+            raise exc.add_context(f"backend {spec.name}") from None
+        if server is None:
             raise NoSuchProcessError(
                 f"backend {spec.name}: no process of yours listens on port {port} ({spec.url})",
                 hint="start the backend first, or give its pid in serve.toml",
             )
-        return pid
+        refuse_other_user(spec.name, server)
+        return server.pid
+
+    def agent_sockets(self, pid: int) -> list[Path]:
+        """The sockets of every agent of the backend's process tree (what its leases are taken on)."""
+        return [ref.socket for target in targets.resolve([pid]) for ref in target.agents]
 
     def adopt(self, spec: BackendSpec, pid: int | None = None) -> Inspection:
         """The backend's process and state; an interrupted sleep or wake is finished or undone first."""
@@ -93,8 +117,14 @@ class Hibernator:
         return Inspection(pid, is_awake(entries), tracked_bytes(entries), recovered)
 
     def sleep(self, pid: int) -> int:
-        """Put the backend to sleep; the bytes spilled."""
-        report = orchestrator.sleep([pid], self.directory, self.options())
+        """Put the backend to sleep; the bytes spilled.
+
+        The proxy's sleeps (idle, or making room) are its own choice: requests in flight through
+        another proxy mean the backend is in use, so they are waited for briefly, not --timeout.
+        """
+        options = self.options()
+        options.lease_timeout = min(self.sleep_timeout, LEASE_WAIT_SECONDS)
+        report = orchestrator.sleep([pid], self.directory, options)
         return sum(int(p.total_bytes) for p in report.processes)
 
     def wake(self, pid: int) -> int:

@@ -47,6 +47,7 @@ class Proxy:
         self.hibernator = hibernator
         self.session: ClientSession | None = None
         self.active = 0  # requests being handled now
+        self.ready = asyncio.Event()  # set once every backend was adopted: requests wait for it
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
@@ -80,6 +81,7 @@ class Proxy:
             return error_response(error)
         self.active += 1
         try:
+            await self.ready.wait()
             return await self._handle(request)
         finally:
             self.active -= 1

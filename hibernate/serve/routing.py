@@ -64,6 +64,10 @@ def model_of(body: bytes) -> str:
         document = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})", "invalid_request_error") from None
+    except RecursionError:  # Python's parser recurses once per level of nesting
+        raise ApiError(
+            400, "the request body is JSON nested too deeply to be read", "invalid_request_error"
+        ) from None
     if not isinstance(document, dict):
         raise ApiError(400, "the request body must be a JSON object", "invalid_request_error")
     model = document.get("model")

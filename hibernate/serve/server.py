@@ -1,5 +1,12 @@
-"""``hibernate serve`` from start to stop: start the backend it was given, adopt every backend, serve,
-and on SIGTERM stop accepting, let the requests in flight finish (bounded) and stop what it started."""
+"""``hibernate serve`` from start to stop: check what it was given, open its port, start the backend it
+was given, adopt every backend, serve, and on SIGTERM stop accepting, let the requests in flight finish
+(bounded) and stop what it started.
+
+Everything that can be checked before a backend is touched is (``--to``, the
+port to listen on, the pids serve.toml names): a bad value ends the command at
+once with one line and its exit code, as the same value given to ``hibernate
+sleep`` would, rather than at the first idle sleep.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +14,21 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from aiohttp import web
 
-from hibernate.errors import HibernateTimeoutError
+from hibernate import targets
+from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
 from hibernate.serve import discovery
 from hibernate.serve.backends import STATES, Fleet
 from hibernate.serve.config import BackendSpec, ServeConfig
 from hibernate.serve.hibernator import Hibernator, refuse_tree_holding_proxy
+from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.proxy import Proxy
 
@@ -29,14 +40,49 @@ def start_command(config: ServeConfig) -> subprocess.Popen[bytes] | None:
     if not config.command:
         return None
     log.info("starting backend %s: %s", config.start, " ".join(config.command))
-    return subprocess.Popen(list(config.command), start_new_session=True)
+    try:
+        return subprocess.Popen(list(config.command), start_new_session=True)
+    except OSError as exc:  # not found, not executable: the command given is wrong
+        raise UsageError(f"-- {config.command[0]}: {exc.strerror or exc}") from None
+
+
+def check_snapshot_dir(directory: Path) -> None:
+    """``--to``: a directory we can write in, or one we can create (``hibernate sleep`` creates it)."""
+    directory = directory.expanduser().absolute()
+    existing = directory
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except OSError as exc:
+        raise UsageError(f"--to {directory}: {exc.strerror or exc}") from None
+    if not is_dir:
+        what = "is a file" if existing == directory else f"cannot be created: {existing} is a file"
+        raise UsageError(f"--to {directory} {what}, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable by you" if existing == directory else f"cannot be created in {existing}"
+        raise UsageError(f"--to {directory} {what}", hint="choose a directory you can write to")
+
+
+def check_at_start(config: ServeConfig) -> None:
+    """What can be refused before anything starts: ``--to``, ``-- COMMAND``, the pids serve.toml names."""
+    check_snapshot_dir(config.to)
+    if config.command and shutil.which(config.command[0]) is None:
+        raise UsageError(f"-- {config.command[0]}: no such command (not found, or not executable)")
+    for spec in config.backends:
+        if spec.pid is not None:
+            try:
+                targets.check_access(spec.pid)
+            except HibernateError as exc:
+                raise exc.add_context(f"backend {spec.name}") from None
+            refuse_tree_holding_proxy(spec.name, spec.pid)
 
 
 def wait_listening(spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until the started backend listens on its port (its model loaded), or fails, or ``timeout``."""
-    _, port = spec.host_port
+    """Until the started backend listens on its address (its model loaded), or fails, or ``timeout``."""
+    host, port = spec.host_port
     deadline = time.monotonic() + timeout
-    while discovery.listener_pid(port) is None:
+    while discovery.server_at(host, port) is None:
         if proc.poll() is not None:
             raise HibernateTimeoutError(f"backend {spec.name}'s command exited with status {proc.returncode}")
         if time.monotonic() > deadline:
@@ -60,20 +106,7 @@ def stop_command(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
 
 
 async def serve(config: ServeConfig) -> None:
-    for spec in config.backends:  # before anything starts: a wrong pid is bad input
-        if spec.pid is not None:
-            refuse_tree_holding_proxy(spec.name, spec.pid)
-    started = start_command(config)
-    try:
-        if started is not None:
-            spec = next(s for s in config.backends if s.name == config.start)
-            await asyncio.to_thread(wait_listening, spec, started, config.wake_timeout)
-        await _serve(config)
-    finally:
-        await asyncio.to_thread(stop_command, started, config.limits.shutdown_timeout)
-
-
-async def _serve(config: ServeConfig) -> None:
+    check_at_start(config)
     recorder = Recorder(STATES)
     hibernator = Hibernator(config.to, config.sleep_timeout)
     fleet = Fleet(
@@ -85,36 +118,53 @@ async def _serve(config: ServeConfig) -> None:
         budget=config.gpu_budget,
         measure_gpu=config.measure_gpu,
     )
-    await fleet.adopt()
+    proxy = Proxy(config, fleet, recorder, hibernator)
     limits = config.limits
     runner = web.AppRunner(
-        Proxy(config, fleet, recorder, hibernator).app(),
+        proxy.app(),
         handler_cancellation=True,  # a client that leaves cancels its request, upstream too
         max_line_size=limits.max_header_bytes,
         max_field_size=limits.max_header_bytes,
         shutdown_timeout=limits.shutdown_timeout,
         keepalive_timeout=limits.idle_timeout,  # also bounds a client that sends its headers slowly
         access_log=None,
+        logger=HTTP_LOG,  # a request it cannot serve: one line, never a traceback (httplog)
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    where = ", ".join(f"http://{h}:{p}" for h, p, *_ in runner.addresses)
-    scope = "this machine only" if config.is_local else "ANY machine that can reach it (no authentication)"
-    log.info("listening on %s (%s)", where, scope)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    idle = asyncio.ensure_future(fleet.watch())
+    idle: asyncio.Future[None] | None = None
+    started: subprocess.Popen[bytes] | None = None
     try:
+        try:
+            await web.TCPSite(runner, config.host, config.port).start()  # requests wait for adoption
+        except OSError as exc:
+            raise UsageError(f"--listen {config.host}:{config.port}: {exc.strerror or exc}") from None
+        started = start_command(config)
+        if started is not None:
+            spec = next(s for s in config.backends if s.name == config.start)
+            await asyncio.to_thread(wait_listening, spec, started, config.wake_timeout)
+        await fleet.adopt()
+        proxy.ready.set()
+        where = ", ".join(f"http://{h}:{p}" for h, p, *_ in runner.addresses)
+        scope = (
+            "this machine only" if config.is_local else "ANY machine that can reach it (no authentication)"
+        )
+        log.info("listening on %s (%s)", where, scope)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        idle = asyncio.ensure_future(fleet.watch())
         await stop.wait()
         log.info("stopping: no new requests; those in flight have %gs to finish", limits.shutdown_timeout)
     finally:
-        idle.cancel()
+        if idle is not None:
+            idle.cancel()
         await runner.cleanup()
         await fleet.drain(limits.shutdown_timeout)
-        log.info("stopped")
+        fleet.close()
+        await asyncio.to_thread(stop_command, started, limits.shutdown_timeout)
+        if idle is not None:
+            log.info("stopped")
 
 
 def run(config: ServeConfig) -> int:

@@ -4,9 +4,11 @@ One demo serves its OpenAI-style HTTP API; ``hibernate serve`` runs in front of 
 
 * added latency: the same completion, one at a time, ``--requests`` times directly and
   through the proxy (backend awake); p50 and p99 of each, and the differences;
+* the part of it the leases take: a lease on the demo's agent taken and given back, as the
+  proxy does for every request (over one open link), ``--requests`` times; p50 and p99;
 * time to first byte of a request that wakes the backend (put to sleep with
-  ``hibernate sleep`` first, ``--wakes`` times) against restarting the backend from scratch
-  (a new process: import, build the model, listen) and asking it;
+  ``hibernate sleep`` first, behind the proxy's back, ``--wakes`` times) against restarting
+  the backend from scratch (a new process: import, build the model, listen) and asking it;
 * requests per second with ``--concurrency`` clients, directly and through the proxy.
 
 Every answer is checked against the first one (same bytes); a failed request fails the run.
@@ -96,17 +98,6 @@ async def until_answered(session: aiohttp.ClientSession, url: str, deadline: flo
             await asyncio.sleep(0.05)
 
 
-async def until_state(session: aiohttp.ClientSession, via: str, state: str, timeout: float = 60) -> None:
-    deadline = time.perf_counter() + timeout
-    while True:
-        async with session.get(via + "/hibernate/status") as answer:
-            if (await answer.json())["backends"][0]["state"] == state:
-                return
-        if time.perf_counter() > deadline:
-            raise SystemExit(f"bench-serve: the proxy never saw the backend {state}")
-        await asyncio.sleep(0.1)
-
-
 async def latencies(session: aiohttp.ClientSession, url: str, count: int, expected: bytes) -> list[float]:
     out = []
     for _ in range(count):
@@ -136,6 +127,27 @@ async def throughput(url: str, count: int, concurrency: int, expected: bytes) ->
         return count / (time.perf_counter() - started)
 
 
+async def lease_round_trips(pid: int, count: int) -> list[float]:
+    """Seconds to take a lease on every agent of ``pid`` (given back at once, unawaited), ``count`` times."""
+    from hibernate import targets
+    from hibernate.serve.leases import BackendLeases
+
+    sockets = [ref.socket for target in targets.resolve([pid]) for ref in target.agents]
+    leases = await BackendLeases.open(pid, sockets)
+    out = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            verdict = await leases.take()
+            out.append(time.perf_counter() - started)
+            if not verdict.granted:
+                raise SystemExit(f"bench-serve: the demo refused a lease ({verdict.reason})")
+            leases.give_back()
+    finally:
+        leases.close()
+    return out
+
+
 def hibernate_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "hibernate", *args, "--quiet"], cwd=REPO, check=True)
 
@@ -157,10 +169,12 @@ async def bench(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             await until_answered(session, via, time.perf_counter() + 120)
             direct = await latencies(session, demo.url, args.requests, expected)
             proxied = await latencies(session, via, args.requests, expected)
+            leased = await lease_round_trips(demo.proc.pid, args.requests)
             wakes = []
             for _ in range(args.wakes):
+                # Behind the proxy's back: its next request finds the backend asleep (its lease is
+                # refused) and wakes it.
                 hibernate_cli("sleep", str(demo.proc.pid), "--to", str(snapshots))
-                await until_state(session, via, "asleep")  # the proxy reads it back within seconds
                 seconds, body = await first_byte(session, via)
                 if body != expected:
                     raise SystemExit("bench-serve: the woken backend answered differently")
@@ -194,6 +208,7 @@ async def bench(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "latency_direct": {"p50": percentile(direct, 50), "p99": percentile(direct, 99)},
         "latency_proxy": {"p50": percentile(proxied, 50), "p99": percentile(proxied, 99)},
+        "lease_round_trip": {"p50": percentile(leased, 50), "p99": percentile(leased, 99)},
         "first_byte_waking": {"median": statistics.median(wakes), "each": wakes},
         "first_byte_cold_restart": restarted,
         "first_byte_first_start": cold_start,
@@ -213,6 +228,8 @@ def report(r: dict[str, Any]) -> str:
             f"                             proxy  p50 {p['p50'] * ms:7.2f} ms  p99 {p['p99'] * ms:7.2f} ms",
             f"                             added  p50 {(p['p50'] - d['p50']) * ms:7.2f} ms  "
             f"p99 {(p['p99'] - d['p99']) * ms:7.2f} ms",
+            f"                             leases p50 {r['lease_round_trip']['p50'] * ms:7.2f} ms  "
+            f"p99 {r['lease_round_trip']['p99'] * ms:7.2f} ms (part of added)",
             f"  first byte, asleep backend woken by the request  {r['first_byte_waking']['median']:7.3f} s "
             f"(median of {len(r['first_byte_waking']['each'])})",
             f"  first byte, backend restarted from scratch       {r['first_byte_cold_restart']:7.3f} s",
