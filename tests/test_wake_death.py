@@ -102,6 +102,9 @@ def test_a_target_killed_by_a_signal_mid_wake_is_reported_dead_with_its_signal(
     snapshot = Path(message.split("its snapshot stays in ")[1].split(" ")[0])
     assert (snapshot / "manifest.json").is_file(), "the snapshot is left where the report says"
     assert f"hibernate gc {work_dir}" in message
+    demo.proc.wait(timeout=30)  # reaped: gone for gc too
+    assert cli("gc", str(work_dir), "-q").returncode == 0
+    assert not snapshot.exists(), "the gc the message names deletes it"
 
 
 TRUNCATED_MAPPING_TARGET = """
