@@ -150,3 +150,45 @@ def test_a_lease_holds_a_target_awake_against_hibernate_sleep_until_given_back(
     with AgentClient(agent.socket) as client:
         assert client.call("lease")["granted"] is True
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "5", "-q").returncode == 0
+
+
+# A stand-in for a target still running a hibernate from before leases (started before the
+# command's hibernate was upgraded): its status has no "leases" and it knows no lease operation.
+AGENT_BEFORE_LEASES = """
+from hibernate.agent import controller, server
+from hibernate.errors import ProtocolError
+
+_status, _dispatch = controller.Hibernator.status, server._Connection._dispatch
+
+
+def status(self):
+    answer = _status(self)
+    del answer["leases"]
+    return answer
+
+
+def dispatch(self, op, args):
+    if op in ("lease", "unlease", "close_leases"):
+        raise ProtocolError(f"unknown operation {op!r}")
+    return _dispatch(self, op, args)
+
+
+controller.Hibernator.status = status
+server._Connection._dispatch = dispatch
+"""
+
+
+@pytest.mark.slow
+def test_a_target_running_a_hibernate_from_before_leases_still_sleeps_and_wakes(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AGENT_BEFORE_LEASES)
+    demo = start_demo(size_mb=8, env={"PYTHONPATH": f"{site}:{REPO}"})
+    before = demo.infer()["digest"]
+    assert "leases" not in cli("status", str(demo.pid), "--json").json()["agents"][0]
+    slept = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    assert slept.returncode == 0, slept.stderr
+    assert cli("wake", str(demo.pid), "-q").returncode == 0
+    assert demo.infer()["digest"] == before

@@ -849,3 +849,35 @@ def test_with_a_measured_budget_a_wake_that_does_not_fit_the_gpu_puts_the_least_
         "a: put to sleep to make room for c (least recently used)",
         "b: put to sleep to make room for a (least recently used)",
     ]
+
+
+@pytest.mark.slow
+def test_a_backend_running_a_hibernate_from_before_leases_is_still_served_put_to_sleep_and_woken(
+    runtime_dir: Path, start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    """A proxy upgraded beside a backend started earlier: no lease to take there, so none is asked."""
+    from tests.test_leases import AGENT_BEFORE_LEASES
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AGENT_BEFORE_LEASES)
+    port, ready = free_port(), tmp_path / "old.ready"
+    argv = [
+        sys.executable, "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB), "--dtype", "float32",
+        "--ready-file", str(ready), "--http-port", str(port), "--model-name", "old",
+    ]  # fmt: skip
+    with open(tmp_path / "old.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": f"{site}:{REPO}"})  # fmt: skip
+    try:
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "the old backend to start")
+        demo = HttpDemo(proc, port, "old", "")
+        direct = fetch("POST", demo.url + "/v1/completions", completion("old"))
+        assert direct[0] == 200
+        proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
+        assert proxy.post(completion("old")) == direct
+        wait_until(lambda: proxy.state("old") == "asleep", 60, "the idle backend to be put to sleep")
+        assert proxy.post(completion("old")) == direct, "woken by the request, bit-exact"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -21,7 +21,14 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
-from hibernate.operation.members import Member, connect_all, died_during_wake, hang_up, parallel
+from hibernate.operation.members import (
+    Member,
+    connect_all,
+    died_during_wake,
+    hang_up,
+    holds_leases,
+    parallel,
+)
 from hibernate.operation.options import share_staging
 from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
@@ -93,7 +100,10 @@ class AgentsUnit(Unit):
         options = self.ctx.options
         timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
         for member in self.members:
-            member.call("close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout)
+            if holds_leases(member.phases["begin"]):
+                member.call(
+                    "close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout
+                )
 
     def quiesce(self) -> None:
         timeout = self.ctx.options.quiesce_timeout

@@ -78,7 +78,7 @@ from hibernate.integrations.vllm_server import (
     read_argv,
 )
 from hibernate.operation.ledger import interrupted_operation
-from hibernate.operation.members import died_during_wake, exits
+from hibernate.operation.members import died_during_wake, exits, holds_leases
 from hibernate.operation.options import Options
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
@@ -598,6 +598,8 @@ class VllmServerUnit(Unit):
         options = self.ctx.options
         timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
         for ref in self.server.target.agents:
+            if not holds_leases(ref.status):
+                continue
             client = ref.connect(options.agent_timeout)
             self.gates.append(client)
             client.call("close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout)

@@ -113,6 +113,16 @@ def died_during_wake(ref: AgentRef) -> NoSuchProcessError:
     )
 
 
+def holds_leases(status: dict[str, Any]) -> bool:
+    """Whether an agent knows leases, from its status: one of a hibernate before them has no
+    ``leases`` and no operation to close them, and no proxy can hold a lease there to wait for.
+
+    A target is a long-running process: it may still run the hibernate it was started with
+    after the command's was upgraded.
+    """
+    return "leases" in status
+
+
 @dataclass
 class Member:
     """One agent taking part in an operation, and what happened to it."""

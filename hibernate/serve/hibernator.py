@@ -14,6 +14,7 @@ from hibernate import orchestrator, procinfo, targets
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.phase import HEADROOM_BYTES
 from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
+from hibernate.operation.members import holds_leases
 from hibernate.serve import discovery
 from hibernate.serve.config import BackendSpec
 
@@ -103,8 +104,11 @@ class Hibernator:
         return server.pid
 
     def agent_sockets(self, pid: int) -> list[Path]:
-        """The sockets of every agent of the backend's process tree (what its leases are taken on)."""
-        return [ref.socket for target in targets.resolve([pid]) for ref in target.agents]
+        """The sockets of every agent of the backend's process tree that knows leases (what its leases
+        are taken on). A backend still running a hibernate from before leases has none to take:
+        its requests are forwarded as before, on the state the proxy last saw."""
+        refs = [ref for target in targets.resolve([pid]) for ref in target.agents]
+        return [ref.socket for ref in refs if holds_leases(ref.status)]
 
     def adopt(self, spec: BackendSpec, pid: int | None = None) -> Inspection:
         """The backend's process and state; an interrupted sleep or wake is finished or undone first."""

@@ -154,7 +154,8 @@ class BackendLeases:
 
     @property
     def usable(self) -> bool:
-        return bool(self.links) and all(link.alive for link in self.links)
+        """Every link still open (none at all: a backend whose agents predate leases, nothing to take)."""
+        return all(link.alive for link in self.links)
 
     async def take(self) -> Verdict:
         """A lease on every agent, or none: those granted are given back when another is refused."""
