@@ -295,6 +295,11 @@ def all_agents(timeout: float = 5.0) -> list[AgentRef]:
     return found
 
 
+def tree_holds(pid: int, process: int) -> bool:
+    """Whether ``process`` is in the process tree under ``pid`` (``pid`` itself or an ancestor of it)."""
+    return pid == process or pid in _ancestors(process, procinfo.parent_pid)
+
+
 def refuse_own_tree(pid: int, caller: int | None = None) -> None:
     """A sleep of a pid whose process tree holds this very command is refused.
 
@@ -304,7 +309,7 @@ def refuse_own_tree(pid: int, caller: int | None = None) -> None:
     every runtime directory, root's container or not.
     """
     caller = os.getpid() if caller is None else caller
-    if pid != caller and pid not in _ancestors(caller, procinfo.parent_pid):
+    if not tree_holds(pid, caller):
         return
     what = "this command itself" if pid == caller else f"an ancestor of this command (pid {caller})"
     raise UsageError(

@@ -61,18 +61,23 @@ def parse_socket_name(name: str) -> ProcessIdentity | None:
     return ProcessIdentity(int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
-    """Every agent socket in ``directory``, live or stale, with the process its name claims."""
+def _named(directory: Path, pattern: re.Pattern[str]) -> list[tuple[ProcessIdentity, Path]]:
+    """Every file in ``directory`` named as ``pattern`` names an agent's, with the process its name claims."""
     try:
         names = sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     found = []
     for name in names:
-        ident = parse_socket_name(name)
-        if ident is not None:
-            found.append((ident, directory / name))
+        match = pattern.match(name)
+        if match:
+            found.append((ProcessIdentity(int(match.group(1)), int(match.group(2))), directory / name))
     return found
+
+
+def _sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
+    """Every agent socket in ``directory``, live or stale, with the process its name claims."""
+    return _named(directory, _SOCKET_RE)
 
 
 def live_sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
@@ -82,13 +87,7 @@ def live_sockets(directory: Path) -> list[tuple[ProcessIdentity, Path]]:
 
 def sweep_stale_sockets(directory: Path) -> None:
     """Delete the sockets (and crash records) of processes that are gone: nobody will ever answer there."""
-    for ident, path in _sockets(directory):
+    for ident, path in [*_sockets(directory), *_named(directory, _CRASH_RE)]:
         if not procinfo.is_alive(ident):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            match = _CRASH_RE.match(name)
-            if match and not procinfo.is_alive(ProcessIdentity(int(match.group(1)), int(match.group(2)))):
-                with contextlib.suppress(OSError):
-                    os.unlink(directory / name)

@@ -98,7 +98,7 @@ class AgentsUnit(Unit):
     def close_leases(self) -> None:
         """New leases refused on every member, then those held waited for (BusyError naming them)."""
         options = self.ctx.options
-        timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
+        timeout = options.lease_wait
         for member in self.members:
             if holds_leases(member.phases["begin"]):
                 member.call(

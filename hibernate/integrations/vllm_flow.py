@@ -596,7 +596,7 @@ class VllmServerUnit(Unit):
     def close_leases(self) -> None:
         """Every agent of the server refuses new leases, then those held are waited for (BusyError)."""
         options = self.ctx.options
-        timeout = options.quiesce_timeout if options.lease_timeout is None else options.lease_timeout
+        timeout = options.lease_wait
         for ref in self.server.target.agents:
             if not holds_leases(ref.status):
                 continue

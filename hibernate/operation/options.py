@@ -97,3 +97,9 @@ class Options:
     skip_asleep: bool = False
     # Agents of several users in one command (root only): --all-users, or a --job/--cgroup selection.
     all_users: bool = False
+
+    @property
+    def lease_wait(self) -> float:
+        """How long a sleep waits for the leases held on its targets: ``lease_timeout``, else the
+        quiesce's."""
+        return self.quiesce_timeout if self.lease_timeout is None else self.lease_timeout

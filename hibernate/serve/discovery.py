@@ -29,6 +29,7 @@ from typing import Literal
 
 from hibernate import procinfo
 from hibernate.errors import NoSuchProcessError, PermissionDeniedError, UsageError
+from hibernate.targets import topmost
 
 LISTEN = "0A"  # the TCP state column of /proc/net/tcp for a listening socket
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
@@ -130,19 +131,9 @@ def host_addresses(host: str, resolve: Callable[[str], Sequence[str]] | None = N
 
 
 def roots(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list[int]:
-    """Those of ``pids`` none of whose ancestors is another of them: the servers, not the children that
-    inherited a server's socket."""
-    members = set(pids)
-    out = []
-    for pid in sorted(members):
-        parent = parent_of(pid)
-        seen = {pid}
-        while parent is not None and parent > 1 and parent not in members and parent not in seen:
-            seen.add(parent)
-            parent = parent_of(parent)
-        if parent not in members:
-            out.append(pid)
-    return out
+    """Those of ``pids`` none of whose ancestors is another of them, lowest first: the servers, not
+    the children that inherited a server's socket."""
+    return topmost(sorted(set(pids)), parent_of)
 
 
 # -- this machine ----------------------------------------------------------------------------

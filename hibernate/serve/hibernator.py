@@ -56,7 +56,7 @@ def refuse_tree_holding_proxy(name: str, pid: int, proxy: int | None = None) -> 
     the user to sleep, and the proxy's own process with them.
     """
     proxy = os.getpid() if proxy is None else proxy
-    if pid == proxy or proxy in procinfo.descendants(pid):
+    if targets.tree_holds(pid, proxy):
         raise UsageError(
             f"backend {name}: pid {pid} is this proxy (pid {proxy}) or one of its ancestors; a sleep "
             "would act on every process under it",

@@ -702,6 +702,9 @@ def _write_locked(
                 )
                 staging = _stream_then_check(stream, check, options, sizes, reusable, pin)
                 if check.outcome.failed:
+                    for ref in check.outcome.failed:  # out of the index: the links are trimmed of them
+                        if reusable.get((ref.checksum, ref.length)) is ref:
+                            del reusable[(ref.checksum, ref.length)]
                     stream.rewrite(check.outcome.failed, pin, options.buffer_bytes)
                     staging = max(staging, stream.staging_bytes)
                     assert previous is not None  # a chunk was checked: there was a previous snapshot
@@ -996,18 +999,13 @@ class _Stream:
         """Stage and write again every task that was referred to one of the ``failed`` previous chunks.
 
         A second, small pass through the same machinery, once the reuse check
-        found chunks the disk no longer holds: those chunks leave the reuse
-        index (so that the snapshot's links are trimmed of them), and this pass
-        reuses nothing of the previous snapshot (nothing it could reuse now was
-        read back), so each of their tasks is copied from memory, checksummed and
-        written, or referred to a task of this sleep that wrote the same bytes.
+        found chunks the disk no longer holds. It reuses nothing of the previous
+        snapshot (nothing it could reuse now was read back), so each of their
+        tasks is copied from memory, checksummed and written, or referred to a
+        task of this sleep that wrote the same bytes.
         """
         bad = set(map(id, failed))
         redo = [task for task, ref in enumerate(self._placed) if id(ref) in bad]
-        for ref in failed:
-            key = (ref.checksum, ref.length)
-            if self._previous.get(key) is ref:
-                del self._previous[key]
         self._previous = {}
         for task in redo:
             self._placed[task] = None
