@@ -83,7 +83,7 @@ def _half_ram_words() -> str:
 
 
 # By the name of the command function's parameter: every command with such a parameter is checked.
-# (--level is checked by the vLLM flow, hibernate/integrations/vllm_flow.py:check_level, whose message
+# (--level is checked by the vLLM flow, hibernate/flows/vllm.py:check_level, whose message
 # says what each level does; for any other target it is refused as a vLLM-only option.)
 BOUNDS: dict[str, Bound] = {
     "timeout": Bound("--timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")),

@@ -1,4 +1,4 @@
-"""Facts about processes read from /proc: identity, owner, descendants.
+"""Facts about processes read from /proc: identity, owner, ancestors, descendants.
 
 A pid alone does not name a process: pids are reused. hibernate names a
 process by ``(pid, start_time)`` where ``start_time`` is field 22 of
@@ -9,6 +9,8 @@ life of a process and differs for a reused pid.
 from __future__ import annotations
 
 import os
+import pwd
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -73,11 +75,43 @@ def owner_uid(pid: int) -> int | None:
         return None
 
 
+def describe_user(uid: int | None) -> str:
+    """A user as messages name one: ``alice (uid 1000)``, ``a user without a name (uid 1000)``."""
+    if uid is None:
+        return "an unknown user"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"a user without a name (uid {uid})"
+
+
 def parent_pid(pid: int) -> int | None:
     try:
         return int(_stat_fields(pid)[1])
     except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
         return None
+
+
+def ancestors(pid: int, parent_of: Callable[[int], int | None] = parent_pid) -> Iterator[int]:
+    """The strict ancestors of ``pid``, nearest first (each once, even if ``parent_of`` loops)."""
+    seen: set[int] = set()
+    current = parent_of(pid)
+    while current is not None and current > 0 and current not in seen:
+        yield current
+        seen.add(current)
+        current = parent_of(current)
+
+
+def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None] = parent_pid) -> list[int]:
+    """``pids`` without those that descend from another of them, in order, each once.
+
+    The orchestrator takes a pid as the root of a process tree: naming a
+    process and its ancestor both would name the descendant's agents twice.
+    Each pid's ancestry is walked once (``parent_of`` reads /proc), not once per other pid.
+    """
+    unique = list(dict.fromkeys(pids))
+    chosen = set(unique)
+    return [p for p in unique if not any(a != p and a in chosen for a in ancestors(p, parent_of))]
 
 
 def children_by_parent() -> dict[int, list[int]]:

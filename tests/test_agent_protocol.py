@@ -259,7 +259,7 @@ def test_an_agent_of_another_pid_namespace_is_not_taken_for_the_target(
     agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same pid and start tick in another pid namespace is another process: never acted on."""
-    from hibernate import targets
+    from hibernate.operation import targets
 
     hibernator, server = agent
     with AgentClient(server.path) as client:

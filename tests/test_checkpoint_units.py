@@ -16,7 +16,7 @@ from hibernate.checkpoint.detect import Holder
 from hibernate.checkpoint.driver import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs, uuid_bytes
 from hibernate.checkpoint.nccl import nccl_traps
 from hibernate.checkpoint.phase import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
-from hibernate.doctor import mount_for, ptrace_verdict
+from hibernate.cli.diagnosis import mount_for, ptrace_verdict
 from hibernate.errors import (
     BusyError,
     CudaCheckpointError,

@@ -38,6 +38,7 @@ ABOVE_THE_ENGINE = (
     "hibernate.flows",
     "hibernate.integrations",
     "hibernate.cli",
+    "hibernate.sched",
     "hibernate.serve",
 )
 LOWER = ("hibernate.store", "hibernate.pools", "hibernate.agent", "hibernate.checkpoint")

@@ -26,7 +26,7 @@ from hibernate import faults
 from hibernate.agent.controller import AGENT_POINTS
 from hibernate.errors import ExitCode
 from hibernate.flows.agents import AgentsUnit
-from hibernate.integrations.vllm_flow import VllmServerUnit
+from hibernate.flows.vllm import VllmServerUnit
 from hibernate.operation.engine import sleep_points, wake_points
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader

@@ -12,7 +12,7 @@ import pytest
 
 from hibernate import procinfo
 from hibernate.errors import BusyError
-from hibernate.journal import Entry, Journal, TargetLock, parse_entry
+from hibernate.operation.journal import Entry, Journal, TargetLock, parse_entry
 from tests.conftest import REPO
 
 
@@ -102,7 +102,7 @@ HOLD_LOCK = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from hibernate.journal import TargetLock
+from hibernate.operation.journal import TargetLock
 from hibernate.procinfo import ProcessIdentity
 ident = ProcessIdentity(int(sys.argv[3]), int(sys.argv[4]))
 TargetLock(Path(sys.argv[2]), ident).acquire("holder")

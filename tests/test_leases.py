@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from hibernate import targets
 from hibernate.agent.client import AgentClient
 from hibernate.agent.leases import Leases
 from hibernate.errors import AbortedError, BusyError, ExitCode
+from hibernate.operation import targets
 from tests.conftest import REPO, wait_until
 
 

@@ -259,7 +259,7 @@ def test_a_root_owned_lock_file_tells_the_user_how_to_clear_it(runtime_dir: Path
     never a bare PermissionError (exit 1); root's next command hands it over instead."""
     from hibernate import procinfo
     from hibernate.errors import PermissionDeniedError
-    from hibernate.journal import TargetLock
+    from hibernate.operation.journal import TargetLock
 
     ident = procinfo.identity(os.getpid())
     assert ident is not None
@@ -303,7 +303,7 @@ PROBE_LOCK = """
 import json, sys
 from pathlib import Path
 from hibernate.errors import HibernateError
-from hibernate.journal import TargetLock
+from hibernate.operation.journal import TargetLock
 from hibernate.procinfo import ProcessIdentity
 try:
     TargetLock(Path(sys.argv[1]), ProcessIdentity(int(sys.argv[2]), int(sys.argv[3]))).acquire("user")
@@ -430,8 +430,8 @@ def test_several_users_agents_are_refused_before_anything_unless_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The rule itself, without processes: one user's agents pass; two users' need all_users."""
-    from hibernate import targets
     from hibernate.errors import UsageError
+    from hibernate.operation import targets
     from hibernate.procinfo import ProcessIdentity
 
     owners = {10: 1000, 11: 1000, 12: 1001}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode, UsageError
+from hibernate.operation.targets import refuse_own_tree
 from hibernate.procinfo import environment
-from hibernate.targets import refuse_own_tree
 from tests.conftest import REPO, wait_until
 
 TARGET = """

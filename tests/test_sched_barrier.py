@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode, NothingToHibernateError, StorageError, UsageError, WrongStateError
-from hibernate.multinode import ABORT, COMMIT, Barrier, Decision, NodeResult, decide, node_step, run_step
 from hibernate.orchestrator import Options
+from hibernate.sched.barrier import ABORT, COMMIT, Barrier, Decision, NodeResult, decide
+from hibernate.sched.nodestep import node_step, run_step
 
 
 def ok(index: int) -> NodeResult:

@@ -88,7 +88,7 @@ def test_scheduler_paths_do_not_import_torch(args: list[str]) -> None:
         f"sys.argv = ['hibernate', *{args!r}]\n"
         "from hibernate.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "import hibernate.multinode, hibernate.targets\n"
+        "import hibernate.sched.nodestep, hibernate.sched.selectors\n"
         "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'vllm') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)

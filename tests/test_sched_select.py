@@ -21,7 +21,7 @@ import pytest
 
 from hibernate import procinfo
 from hibernate.errors import ExitCode, UsageError
-from hibernate.targets import (
+from hibernate.sched.selectors import (
     cgroup_members,
     check_job_id,
     find_named_cgroups,
@@ -30,7 +30,6 @@ from hibernate.targets import (
     parse_pid_list,
     pids_with_job_environment,
     resolve_cgroup_path,
-    topmost,
     tree_roots,
     unified_cgroup_path,
 )
@@ -173,7 +172,7 @@ def test_climbing_stops_at_the_edge_of_the_selection() -> None:
 
 
 def test_topmost_keeps_order_and_drops_descendants() -> None:
-    assert topmost([103, 300, 100, 104, 100], PARENTS.get) == [300, 100]
+    assert procinfo.topmost([103, 300, 100, 104, 100], PARENTS.get) == [300, 100]
 
 
 def test_a_process_tree_lists_parents_before_children_from_one_walk_of_proc() -> None:

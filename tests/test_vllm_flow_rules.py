@@ -32,13 +32,7 @@ from hibernate.errors import (
     UnsupportedError,
     UsageError,
 )
-from hibernate.integrations.self_checkpoint import (
-    HelperProcess,
-    SelfCheckpointer,
-    on_stack,
-    wait_until_returned,
-)
-from hibernate.integrations.vllm_flow import (
+from hibernate.flows.vllm import (
     SilenceWatch,
     check_drain,
     check_level,
@@ -46,7 +40,7 @@ from hibernate.integrations.vllm_flow import (
     progress,
     signature,
 )
-from hibernate.integrations.vllm_server import (
+from hibernate.flows.vllm_api import (
     DevEndpointsMissingError,
     ServerAddress,
     ServerConnectionLost,
@@ -56,6 +50,12 @@ from hibernate.integrations.vllm_server import (
     flag_values,
     parse_url,
     query_string,
+)
+from hibernate.integrations.self_checkpoint import (
+    HelperProcess,
+    SelfCheckpointer,
+    on_stack,
+    wait_until_returned,
 )
 from tests.standins.world import World
 
@@ -284,7 +284,7 @@ def test_levels_and_drains_are_checked_with_what_each_means() -> None:
 
 def test_the_cli_accepts_exactly_the_levels_the_workers_know() -> None:
     """The CLI's rule (light, no store) and the workers' tag rules (in-process) name the same levels."""
-    from hibernate.integrations.vllm_flow import LEVELS
+    from hibernate.flows.vllm import LEVELS
     from hibernate.pools.vllm import SLEEP_LEVELS
 
     assert LEVELS == SLEEP_LEVELS

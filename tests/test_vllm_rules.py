@@ -175,10 +175,10 @@ def test_an_io_option_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach
     import os
 
     from hibernate import orchestrator, procinfo
-    from hibernate.integrations.vllm_flow import Server, VllmServerUnit
-    from hibernate.integrations.vllm_server import VllmServer, parse_url
+    from hibernate.flows.vllm import Server, VllmServerUnit
+    from hibernate.flows.vllm_api import VllmServer, parse_url
+    from hibernate.operation.targets import Target
     from hibernate.operation.unit import Context
-    from hibernate.targets import Target
 
     options = orchestrator.Options(io=orchestrator.IoOptions(**io))
     address = parse_url("http://127.0.0.1:9")

@@ -30,10 +30,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from hibernate import faults, orchestrator, procinfo, targets
+from hibernate import faults, orchestrator, procinfo
 from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
-from hibernate.integrations.vllm_flow import VllmServerUnit
+from hibernate.flows.vllm import VllmServerUnit
+from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
 from tests.conftest import spill_root_of
 from tests.standins.world import GIB, World

@@ -21,7 +21,7 @@ import pytest
 
 from hibernate.agent.client import AgentClient
 from hibernate.errors import ExitCode
-from hibernate.targets import find_agent
+from hibernate.operation.targets import find_agent
 from tests.conftest import spill_root_of
 
 REPO = Path(__file__).resolve().parent.parent

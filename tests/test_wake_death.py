@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from hibernate.operation.members import describe_end
+from hibernate.flows.members import describe_end
 from tests.conftest import REPO, wait_until
 
 BUS_ERROR_RECORD = (

@@ -23,8 +23,8 @@ from hibernate.errors import HibernateError, WrongStateError
 from hibernate.operation.registry import register_flow
 from hibernate.operation.reports import UnitReport
 from hibernate.operation.steps import Step
+from hibernate.operation.targets import AgentRef, Target
 from hibernate.operation.unit import Context, Unit
-from hibernate.targets import AgentRef, Target
 
 KIND = "toy"
 STATE_DIR_ENV = "HIBERNATE_TOY_DIR"

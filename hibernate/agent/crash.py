@@ -8,7 +8,7 @@ connection. Its exit status goes to its parent, not to hibernate. So for the
 length of a restore the agent has the interpreter's fault handler write to a
 file beside its socket: a process killed by SIGSEGV, SIGBUS, SIGFPE, SIGILL
 or SIGABRT leaves a line there naming the signal, which the command reads to
-say how the process ended (see hibernate.operation.members.how_it_ended).
+say how the process ended (see hibernate.flows.members.how_it_ended).
 
 A program that enabled ``faulthandler`` itself keeps its own: its fatal
 errors go where it chose, and the command says less.

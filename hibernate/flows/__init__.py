@@ -11,7 +11,7 @@ from hibernate.operation.registry import PLAIN, register_flow
 register_flow(PLAIN, "hibernate.flows.agents:AgentsUnit")
 register_flow(
     VLLM_KIND,
-    "hibernate.integrations.vllm_flow:VllmServerUnit",
+    "hibernate.flows.vllm:VllmServerUnit",
     options=("level", "drain", "vllm_url"),
     noun="a vLLM server",
 )

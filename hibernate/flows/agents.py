@@ -21,7 +21,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
-from hibernate.operation.members import (
+from hibernate.flows.members import (
     Member,
     connect_all,
     died_during_wake,
@@ -33,8 +33,8 @@ from hibernate.operation.options import share_staging
 from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
+from hibernate.operation.targets import AgentRef, Target
 from hibernate.operation.unit import Context, Unit, skipped_entry
-from hibernate.targets import AgentRef, Target
 
 
 def describe_state(member: Member) -> str:

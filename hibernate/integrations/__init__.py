@@ -1,11 +1,9 @@
-"""Integrations with programs that put their own GPU memory to sleep (vLLM).
+"""Code that runs inside a program that puts its own GPU memory to sleep (vLLM).
 
 ``vllm.py`` (the sleep-mode backend and plugin, which imports vLLM) and
-``self_checkpoint.py`` (its helper for HIBERNATE_SELF_CHECKPOINT=1) run inside
-the program, loaded through its plugin mechanism; the CLI never imports them.
-``vllm_server.py`` and ``vllm_flow.py`` are the CLI's side, standard library
-only: they drive a running vLLM server through its HTTP endpoints and its
-processes' agents.
+``self_checkpoint.py`` (its helper for HIBERNATE_SELF_CHECKPOINT=1) are loaded
+through the program's plugin mechanism; the CLI never imports them. The CLI's
+side of a vLLM server (its HTTP endpoints, its flow) is in :mod:`hibernate.flows`.
 """
 
 # The kind of target a vLLM process's agent names (its sleep driver); hibernate/flows registers it.

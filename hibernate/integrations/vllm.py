@@ -26,7 +26,7 @@ How it is wired:
   ``hibernate sleep PID`` on a vLLM server sets where the spill goes (agent op
   ``configure``), asks the server's ``/sleep``, watches the workers' agents and
   then takes the CUDA state off the GPU from outside
-  (:mod:`hibernate.integrations.vllm_flow`).
+  (:mod:`hibernate.flows.vllm`).
 * With ``HIBERNATE_SELF_CHECKPOINT=1`` a worker does that last step itself,
   through a helper process of its own, so plain ``/sleep`` and ``/wake_up``
   give the full hibernation (:mod:`hibernate.integrations.self_checkpoint`).

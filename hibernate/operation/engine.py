@@ -30,8 +30,8 @@ from hibernate.operation.progress import ProgressSink
 from hibernate.operation.recovery import Action, UnitRecord, decide
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.operation.steps import Step, fault_points, run_steps
+from hibernate.operation.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
 from hibernate.operation.unit import Context, Unit
-from hibernate.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
 
 # A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
 SHARED_DIR_MODE = 0o1777

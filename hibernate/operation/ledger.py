@@ -19,9 +19,9 @@ from typing import Any
 from hibernate import faults, procinfo
 from hibernate.agent.paths import sweep_stale_sockets
 from hibernate.errors import HibernateError
-from hibernate.journal import Entry, Journal, TargetLock
+from hibernate.operation.journal import Entry, Journal, TargetLock
+from hibernate.operation.targets import AgentRef
 from hibernate.procinfo import ProcessIdentity
-from hibernate.targets import AgentRef
 
 
 def _owner(ref: AgentRef) -> int | None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from hibernate.errors import HibernateError
 from hibernate.operation.ledger import Ledger
 from hibernate.operation.progress import ProgressSink
-from hibernate.targets import AgentRef
+from hibernate.operation.targets import AgentRef
 
 
 @dataclass(frozen=True)

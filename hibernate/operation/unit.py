@@ -22,7 +22,7 @@ from hibernate.operation.options import Options
 from hibernate.operation.progress import ProgressSink
 from hibernate.operation.reports import UnitReport
 from hibernate.operation.steps import Step
-from hibernate.targets import AgentRef, Target
+from hibernate.operation.targets import AgentRef, Target
 
 
 @dataclass

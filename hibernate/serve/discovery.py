@@ -29,7 +29,6 @@ from typing import Literal
 
 from hibernate import procinfo
 from hibernate.errors import NoSuchProcessError, PermissionDeniedError, UsageError
-from hibernate.targets import topmost
 
 LISTEN = "0A"  # the TCP state column of /proc/net/tcp for a listening socket
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
@@ -133,7 +132,7 @@ def host_addresses(host: str, resolve: Callable[[str], Sequence[str]] | None = N
 def roots(pids: Iterable[int], parent_of: Callable[[int], int | None]) -> list[int]:
     """Those of ``pids`` none of whose ancestors is another of them, lowest first: the servers, not
     the children that inherited a server's socket."""
-    return topmost(sorted(set(pids)), parent_of)
+    return procinfo.topmost(sorted(set(pids)), parent_of)
 
 
 # -- this machine ----------------------------------------------------------------------------
@@ -176,17 +175,6 @@ def holders(inodes: Mapping[int, Listener], pids: Iterable[int]) -> dict[int, Li
     return found
 
 
-def user_name(uid: int | None) -> str:
-    if uid is None:
-        return "an unknown user"
-    import pwd
-
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 def server_at(host: str, port: int) -> Server | None:
     """The process serving ``host:port`` on this machine, if one we can see listens there.
 
@@ -200,7 +188,7 @@ def server_at(host: str, port: int) -> Server | None:
         return None
     held = holders(reach, (int(name) for name in os.listdir("/proc") if name.isdigit()))
     if not held:
-        owners = ", ".join(sorted({user_name(s.uid) for s in reach.values()}))
+        owners = ", ".join(sorted({procinfo.describe_user(s.uid) for s in reach.values()}))
         where = ", ".join(sorted({str(s) for s in reach.values()}))
         raise PermissionDeniedError(
             f"{where} is served by a process of {owners}, not one of yours",

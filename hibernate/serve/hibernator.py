@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hibernate import orchestrator, procinfo, targets
+from hibernate import orchestrator, procinfo
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.phase import HEADROOM_BYTES
 from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
-from hibernate.operation.members import holds_leases
+from hibernate.flows.members import holds_leases
+from hibernate.operation import targets
 from hibernate.serve import discovery
 from hibernate.serve.config import BackendSpec
 
@@ -70,7 +71,7 @@ def refuse_other_user(name: str, server: discovery.Server, euid: int | None = No
     euid = os.geteuid() if euid is None else euid
     if euid == 0 and server.uid != 0:
         raise PermissionDeniedError(
-            f"backend {name}: {server.describe()} belongs to {discovery.user_name(server.uid)}; as root, "
+            f"backend {name}: {server.describe()} belongs to {procinfo.describe_user(server.uid)}; as root, "
             "hibernate serve adopts another user's process only when serve.toml names its pid",
             hint=f"add pid = {server.pid} to the backend's [[backend]] table in serve.toml, or run "
             "hibernate serve as that user",

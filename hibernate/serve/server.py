@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from hibernate import targets
 from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
+from hibernate.operation import targets
 from hibernate.serve import discovery
 from hibernate.serve.backends import STATES, Fleet
 from hibernate.serve.config import BackendSpec, ServeConfig

@@ -129,7 +129,7 @@ async def throughput(url: str, count: int, concurrency: int, expected: bytes) ->
 
 async def lease_round_trips(pid: int, count: int) -> list[float]:
     """Seconds to take a lease on every agent of ``pid`` (given back at once, unawaited), ``count`` times."""
-    from hibernate import targets
+    from hibernate.operation import targets
     from hibernate.serve.leases import BackendLeases
 
     sockets = [ref.socket for target in targets.resolve([pid]) for ref in target.agents]

@@ -64,8 +64,8 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.integrations import VLLM_KIND
-from hibernate.integrations.vllm_server import (
+from hibernate.flows.members import died_during_wake, exits, holds_leases
+from hibernate.flows.vllm_api import (
     DRAIN_MODES,
     START_HINT,
     InFlight,
@@ -77,14 +77,14 @@ from hibernate.integrations.vllm_server import (
     parse_url,
     read_argv,
 )
+from hibernate.integrations import VLLM_KIND
 from hibernate.operation.ledger import interrupted_operation
-from hibernate.operation.members import died_during_wake, exits, holds_leases
 from hibernate.operation.options import Options
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
+from hibernate.operation.targets import AgentRef, Target, find_agent, resolve
 from hibernate.operation.unit import Context, Unit
 from hibernate.procinfo import ProcessIdentity
-from hibernate.targets import AgentRef, Target, find_agent, resolve
 
 POOL = "vllm-cumem"  # the pool of a worker's CuMemAllocator allocations
 LEVELS = (

@@ -360,7 +360,7 @@ class Doctor:
         from hibernate import procinfo
         from hibernate.checkpoint.detect import survey
         from hibernate.errors import HibernateError
-        from hibernate.targets import NO_AGENT_HINT, find_agent
+        from hibernate.operation.targets import NO_AGENT_HINT, find_agent
 
         assert self.pid is not None
         if procinfo.identity(self.pid) is None:

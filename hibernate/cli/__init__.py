@@ -170,7 +170,8 @@ def _handles_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from hibernate import limits, render
+        from hibernate import limits
+        from hibernate.cli import render
 
         try:
             limits.check(kwargs)
@@ -216,8 +217,8 @@ def _kind_options(**given: Any) -> dict[str, Any]:
 def _select(
     pids: list[int] | None, every: bool, job: str | None, cgroup: str | None, *, sleeping: bool = False
 ) -> Any:
-    """The targets of a command: its pids and the processes its selectors find (targets.select)."""
-    from hibernate.targets import select
+    """The targets of a command: its pids and the processes its selectors find (sched.selectors.select)."""
+    from hibernate.sched.selectors import select
 
     return select(pids, every=every, job=job, cgroup=cgroup, sleeping=sleeping)
 
@@ -379,7 +380,8 @@ def sleep(
 
     For a vLLM server (any pid of it) the server's own /sleep stops its scheduler and spills the workers.
     """
-    from hibernate import orchestrator, render
+    from hibernate import orchestrator
+    from hibernate.cli import render
 
     options = options_from_flags(
         timeout=timeout,
@@ -439,7 +441,8 @@ def wake(
     quiet: QuietOption = False,
 ) -> None:
     """Bring each target back where it was put to sleep, verified byte for byte."""
-    from hibernate import orchestrator, render
+    from hibernate import orchestrator
+    from hibernate.cli import render
 
     options = options_from_flags(
         timeout=timeout,
@@ -484,7 +487,8 @@ def recover(
     A batch script that lost its `hibernate sleep --job ID` recovers the same set with
     `hibernate recover --job ID`.
     """
-    from hibernate import orchestrator, render
+    from hibernate import orchestrator
+    from hibernate.cli import render
 
     options = options_from_flags(
         checkpointer=checkpointer,
@@ -515,7 +519,8 @@ def status(
     as_json: JsonOption = False,
 ) -> None:
     """State, pools and snapshot of each agent of the given targets (or all of yours)."""
-    from hibernate import orchestrator, render
+    from hibernate import orchestrator
+    from hibernate.cli import render
 
     selection = _select(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
     entries = orchestrator.status(
@@ -532,7 +537,8 @@ def status(
 @_handles_errors
 def list_agents(as_json: JsonOption = False) -> None:
     """Every hibernate agent of yours on this machine."""
-    from hibernate import orchestrator, render
+    from hibernate import orchestrator
+    from hibernate.cli import render
 
     entries = orchestrator.status(None)
     if as_json:
@@ -553,7 +559,8 @@ def gc(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
 ) -> None:
     """Delete unfinished snapshots and those of processes that are gone; never a sleeping one's."""
-    from hibernate import render, targets
+    from hibernate.cli import render
+    from hibernate.operation import targets
     from hibernate.store.maintenance import collect_garbage
 
     report = collect_garbage(
@@ -588,7 +595,7 @@ def run(
     no_cuda: NoCudaOption = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
-    from hibernate import runner
+    from hibernate.sched import runner
 
     options = options_from_flags(
         timeout=timeout,
@@ -761,9 +768,10 @@ def node_step(
     quiet: QuietOption = False,
 ) -> None:
     """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
-    from hibernate import multinode, render
+    from hibernate.cli import render
+    from hibernate.sched import nodestep
 
-    document, error = multinode.node_step(
+    document, error = nodestep.node_step(
         operation,
         barrier,
         pids=pids,
@@ -830,8 +838,7 @@ def doctor(
     ] = False,
 ) -> None:
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
-    from hibernate import doctor as diagnosis
-    from hibernate import render
+    from hibernate.cli import diagnosis, render
 
     cuda = _cuda_options(checkpointer, cuda_checkpoint)
     report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])

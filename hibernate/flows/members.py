@@ -15,8 +15,8 @@ from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
 from hibernate.agent.paths import crash_record_path
 from hibernate.errors import HibernateTimeoutError, NoSuchProcessError
+from hibernate.operation.targets import AgentRef
 from hibernate.procinfo import ProcessIdentity
-from hibernate.targets import AgentRef
 
 # Operations after which an agent whose client hangs up goes back to running by itself.
 ROLLS_BACK_BY_ITSELF = ("begin", "close_leases", "quiesce", "spill")

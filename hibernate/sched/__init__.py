@@ -1,0 +1,10 @@
+"""What batch schedulers use: selecting a job's processes, one node's step of a job, signals.
+
+    selectors  --all, --job ID (Slurm), --cgroup PATH: the processes a scheduler's script means
+    barrier    the file-based barrier through which the nodes of a job agree on one verdict
+    nodestep   ``hibernate node-step``: one node's sleep or wake of a job that spans nodes
+    runner     ``hibernate run --on-signal``: a job hibernated on the scheduler's warning signal
+
+The CLI side: every module here drives the orchestrator and is loaded only by
+the commands that need it.
+"""
