@@ -51,11 +51,11 @@ def track(
     """
     import os
 
-    from hibernate.agent import hibernator
     from hibernate.agent import signals as agent_signals
+    from hibernate.agent.local import local_agent
     from hibernate.pools.tensors import TensorPool
 
-    agent = hibernator()
+    agent = local_agent()
     if to is not None:
         agent.default_dir = Path(to).expanduser().absolute()
     if on_signal is not None:
@@ -74,10 +74,10 @@ def track(
 
 def untrack(obj: Any) -> bool:
     """Stop hibernating ``obj``; True if it was tracked."""
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
     from hibernate.pools.tensors import TensorPool
 
-    pool = hibernator().pool(TensorPool.name)
+    pool = local_agent().pool(TensorPool.name)
     return isinstance(pool, TensorPool) and pool.untrack(obj)
 
 
@@ -101,34 +101,34 @@ def sleep(
     """
     import os
 
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
     from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
 
     directory = Path(to).expanduser().absolute()
     if skip_reuse_check is None:
         skip_reuse_check = env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
     args = {"buffer_mb": buffer_mb, "verify": verify, "skip_reuse_check": skip_reuse_check}
-    return hibernator().sleep_here(directory, timeout, args)
+    return local_agent().sleep_here(directory, timeout, args)
 
 
 def wake(*, buffer_mb: int = 256) -> dict[str, Any]:
     """Bring back what :func:`sleep` released, verified against its checksums."""
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
 
-    return hibernator().wake_here({"buffer_mb": buffer_mb})
+    return local_agent().wake_here({"buffer_mb": buffer_mb})
 
 
 def state() -> str:
     """``running``, ``asleep``, or a transitional state (``quiesced``, ``spilled``)."""
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
 
-    return hibernator().state.value
+    return local_agent().state.value
 
 
 @contextmanager
 def guard(*, wait: bool = True, timeout: float | None = None) -> Iterator[None]:
     """Hold while using tracked tensors; blocks while asleep (or raises, with ``wait=False``)."""
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
 
-    with hibernator().guard.hold(wait=wait, timeout=timeout):
+    with local_agent().guard.hold(wait=wait, timeout=timeout):
         yield

@@ -384,7 +384,7 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
 @pytest.fixture
 def fresh_agent(monkeypatch: pytest.MonkeyPatch, runtime_dir: Path) -> Iterator[None]:
     """Reset this process's agent singleton so in-process API tests start clean."""
-    import hibernate.agent as agent
+    import hibernate.agent.local as agent
 
     monkeypatch.setenv("HIBERNATE_AGENT", "0")
     agent._reset_after_fork()

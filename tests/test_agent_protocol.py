@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hibernate import procinfo
 from hibernate.agent import protocol
 from hibernate.agent.client import AgentClient
-from hibernate.agent.controller import Hibernator
+from hibernate.agent.controller import Agent
 from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name, sweep_stale_sockets
 from hibernate.agent.server import AgentServer
 from hibernate.errors import BusyError, ProtocolError, UsageError
@@ -30,10 +30,10 @@ from tests.conftest import NOBODY, is_root, source_root_for, wait_until
 
 
 @pytest.fixture
-def agent(runtime_dir: Path) -> Iterator[tuple[Hibernator, AgentServer]]:
+def agent(runtime_dir: Path) -> Iterator[tuple[Agent, AgentServer]]:
     ident = procinfo.identity(os.getpid())
     assert ident is not None
-    hibernator = Hibernator(ident)
+    hibernator = Agent(ident)
     pool = TensorPool()
     pool.track(torch.arange(1 << 16, dtype=torch.int32), "weights", True, "w")
     hibernator.add_pool(pool)
@@ -247,7 +247,7 @@ def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_o
     """Two containers sharing a runtime directory can each hold a pid 1 started in the same clock
     tick. The second agent must not take the first's socket: the first's commands would reach it."""
     hibernator, server = agent
-    twin = Hibernator(hibernator.identity)  # what another container's process looks like from here
+    twin = Agent(hibernator.identity)  # what another container's process looks like from here
     with pytest.raises(UsageError, match=r"is the live socket of another process") as refused:
         AgentServer(twin, runtime_dir)
     assert "HIBERNATE_RUNTIME_DIR" in (refused.value.hint or "")

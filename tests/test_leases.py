@@ -158,7 +158,7 @@ AGENT_BEFORE_LEASES = """
 from hibernate.agent import controller, server
 from hibernate.errors import ProtocolError
 
-_status, _dispatch = controller.Hibernator.status, server._Connection._dispatch
+_status, _dispatch = controller.Agent.status, server._Connection._dispatch
 
 
 def status(self):
@@ -173,7 +173,7 @@ def dispatch(self, op, args):
     return _dispatch(self, op, args)
 
 
-controller.Hibernator.status = status
+controller.Agent.status = status
 server._Connection._dispatch = dispatch
 """
 

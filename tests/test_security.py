@@ -146,9 +146,9 @@ def test_another_user_cannot_claim_a_processs_directory_in_a_shared_to_in_advanc
 
 def test_two_agents_draw_different_directory_names() -> None:
     from hibernate import procinfo
-    from hibernate.agent.controller import Hibernator
+    from hibernate.agent.controller import Agent
 
     ident = procinfo.identity(os.getpid())
     assert ident is not None
-    first, second = Hibernator(ident), Hibernator(ident)
+    first, second = Agent(ident), Agent(ident)
     assert len(first.root_token) == 12 and first.root_token != second.root_token

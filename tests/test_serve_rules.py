@@ -18,6 +18,7 @@ import pytest
 from hibernate.errors import ExitCode, PermissionDeniedError, ProtocolError, UsageError
 from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
+from hibernate.serve.control import BackendControl, refuse_other_user, refuse_tree_holding_proxy
 from hibernate.serve.discovery import (
     Listener,
     Server,
@@ -28,7 +29,6 @@ from hibernate.serve.discovery import (
     roots,
     server_at,
 )
-from hibernate.serve.hibernator import Hibernator, refuse_other_user, refuse_tree_holding_proxy
 from hibernate.serve.httplog import LineBudget, OneLine
 from hibernate.serve.leases import Verdict, refusal
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
@@ -526,14 +526,14 @@ def test_as_root_a_process_of_another_user_found_from_its_address_is_refused(
 ) -> None:
     port = free_port()
     theirs = listen("127.0.0.1", port, uid=NOBODY)
-    hibernator = Hibernator(tmp_path, 5.0)
+    control = BackendControl(tmp_path, 5.0)
     with pytest.raises(PermissionDeniedError) as refused:
-        hibernator.find(BackendSpec("qwen", f"http://127.0.0.1:{port}"))
+        control.find(BackendSpec("qwen", f"http://127.0.0.1:{port}"))
     assert f"backend qwen: pid {theirs.pid} on 127.0.0.1:{port} (" in refused.value.message
     assert f"belongs to nobody (uid {NOBODY})" in refused.value.message
     assert refused.value.hint is not None and f"pid = {theirs.pid}" in refused.value.hint
     named = BackendSpec("qwen", f"http://127.0.0.1:{port}", pid=theirs.pid)
-    assert hibernator.find(named) == theirs.pid  # serve.toml names it: adopted as asked
+    assert control.find(named) == theirs.pid  # serve.toml names it: adopted as asked
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hibernate import procinfo
-from hibernate.agent import Hibernator
+from hibernate.agent.controller import Agent
 from hibernate.errors import UnsupportedError
 from hibernate.operation.reports import ProcessSleep
 from hibernate.pools.device import CudaCopies, CudaRuntime, loaded_cudart
@@ -52,10 +52,10 @@ def on_device(tensors: dict[str, torch.Tensor], device: int):  # type: ignore[no
     return lambda storage: device if storage._cdata in ids else None
 
 
-def agent_with(pool: TensorPool) -> Hibernator:
+def agent_with(pool: TensorPool) -> Agent:
     ident = procinfo.identity(os.getpid())
     assert ident is not None
-    agent = Hibernator(ident, name="device-test")
+    agent = Agent(ident, name="device-test")
     agent.add_pool(pool)
     return agent
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hibernate import procinfo
-from hibernate.agent import AgentState, Hibernator
+from hibernate.agent.controller import Agent, AgentState
 from hibernate.errors import SnapshotInvalidError, UnsupportedError, UsageError
 from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import DeviceMemoryError
@@ -48,7 +48,7 @@ class World:
     reservations: HostReservations
     allocator: StandInCuMemAllocator
     memory: HostDeviceMemory
-    agent: Hibernator
+    agent: Agent
     backend: HibernateBackend
     contents: dict[int, bytes]
     spill_dir: Path
@@ -77,7 +77,7 @@ def make_world(spill_dir: Path, environ: dict[str, str] | None = None, helper: A
     allocator = StandInCuMemAllocator(reservations)
     contents = populate(allocator, LAYOUT)
     memory = HostDeviceMemory(reservations)
-    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME, kind="test")  # type: ignore[arg-type]
+    agent = Agent(procinfo.identity(os.getpid()), name=AGENT_NAME, kind="test")  # type: ignore[arg-type]
     env = {"HIBERNATE_DIR": str(spill_dir), **STAGING, **(environ or {})}
     backend = HibernateBackend(allocator=allocator, device=memory, agent=agent, environ=env, helper=helper)
     return World(reservations, allocator, memory, agent, backend, contents, spill_dir)
@@ -305,7 +305,7 @@ def test_an_unknown_level_is_refused_before_anything_is_touched(world: World) ->
 
 
 def test_without_a_cumem_allocator_a_sleep_says_how_to_get_one(work_dir: Path) -> None:
-    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+    agent = Agent(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
     reservations = HostReservations()
     backend = HibernateBackend(device=HostDeviceMemory(reservations), agent=agent, environ={})
     with pytest.raises(UnsupportedError, match="CuMemAllocator is not in use") as caught:
@@ -314,7 +314,7 @@ def test_without_a_cumem_allocator_a_sleep_says_how_to_get_one(work_dir: Path) -
 
 
 def test_self_checkpoint_without_a_checkpointer_is_refused_when_the_backend_is_made(work_dir: Path) -> None:
-    agent = Hibernator(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
+    agent = Agent(procinfo.identity(os.getpid()), name=AGENT_NAME)  # type: ignore[arg-type]
 
     def no_helper() -> Any:
         raise UnsupportedError("HIBERNATE_SELF_CHECKPOINT=1 needs the driver's checkpoint API")

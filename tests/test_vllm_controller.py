@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from hibernate import procinfo
-from hibernate.agent import AgentState, Hibernator, Session
 from hibernate.agent.client import AgentClient
-from hibernate.agent.controller import SleepDriver
+from hibernate.agent.controller import Agent, AgentState, Session, SleepDriver
 from hibernate.agent.server import AgentServer
 from hibernate.errors import SnapshotInvalidError, UnsupportedError, UsageError
 from hibernate.pools.tensors import TensorPool
@@ -25,12 +24,12 @@ ARGS = {"buffer_mb": 2, "chunk_mb": 1}
 
 
 @pytest.fixture
-def agent() -> Hibernator:
-    return Hibernator(procinfo.identity(os.getpid()), name="ctl-test")  # type: ignore[arg-type]
+def agent() -> Agent:
+    return Agent(procinfo.identity(os.getpid()), name="ctl-test")  # type: ignore[arg-type]
 
 
 @pytest.fixture
-def tensors(agent: Hibernator) -> dict[str, torch.Tensor]:
+def tensors(agent: Agent) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     made = {
         "weights": torch.randn(300_000),
@@ -54,7 +53,7 @@ def released(t: torch.Tensor) -> bool:
 
 
 def test_a_partial_restore_keeps_the_process_asleep_until_nothing_is_pending(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], work_dir: Path
+    agent: Agent, tensors: dict[str, torch.Tensor], work_dir: Path
 ) -> None:
     before = {k: v.clone() for k, v in tensors.items()}
     agent.sleep_here(work_dir, 5.0, ARGS)
@@ -75,7 +74,7 @@ def test_a_partial_restore_keeps_the_process_asleep_until_nothing_is_pending(
 
 
 def test_asking_again_for_what_is_already_back_changes_nothing(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], work_dir: Path
+    agent: Agent, tensors: dict[str, torch.Tensor], work_dir: Path
 ) -> None:
     agent.sleep_here(work_dir, 5.0, ARGS)
     agent.wake_here(ARGS, tagged("weights"))
@@ -88,7 +87,7 @@ def test_asking_again_for_what_is_already_back_changes_nothing(
 
 
 def test_a_failed_partial_restore_releases_only_its_own_regions(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], work_dir: Path
+    agent: Agent, tensors: dict[str, torch.Tensor], work_dir: Path
 ) -> None:
     agent.sleep_here(work_dir, 5.0, ARGS)
     agent.wake_here(ARGS, tagged("weights"))
@@ -105,7 +104,7 @@ def test_a_failed_partial_restore_releases_only_its_own_regions(
 
 
 def test_a_full_restore_after_nothing_partial_is_the_plain_restore(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], work_dir: Path
+    agent: Agent, tensors: dict[str, torch.Tensor], work_dir: Path
 ) -> None:
     before = {k: v.clone() for k, v in tensors.items()}
     agent.sleep_here(work_dir, 5.0, ARGS)
@@ -117,7 +116,7 @@ def test_a_full_restore_after_nothing_partial_is_the_plain_restore(
 
 
 def test_a_driven_process_refuses_a_clients_sleep_but_sleeps_itself(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], work_dir: Path
+    agent: Agent, tensors: dict[str, torch.Tensor], work_dir: Path
 ) -> None:
     agent.sleep_driver = SleepDriver("vLLM", "POST /sleep to the server")
     client = Session("hibernate (pid 1)")
@@ -137,7 +136,7 @@ def test_a_driven_process_refuses_a_clients_sleep_but_sleeps_itself(
 
 
 @pytest.fixture
-def served(agent: Hibernator, runtime_dir: Path) -> Iterator[AgentClient]:
+def served(agent: Agent, runtime_dir: Path) -> Iterator[AgentClient]:
     server = AgentServer(agent, runtime_dir)
     try:
         with AgentClient(server.path, timeout=10) as client:
@@ -147,7 +146,7 @@ def served(agent: Hibernator, runtime_dir: Path) -> Iterator[AgentClient]:
 
 
 def test_configure_sets_where_the_process_spills_its_own_sleeps(
-    agent: Hibernator, served: AgentClient, work_dir: Path
+    agent: Agent, served: AgentClient, work_dir: Path
 ) -> None:
     status = served.call("configure", {"dir": str(work_dir)})
     assert status["default_dir"] == str(work_dir) and agent.default_dir == work_dir
@@ -157,7 +156,7 @@ def test_configure_sets_where_the_process_spills_its_own_sleeps(
 
 
 def test_a_client_gets_the_drivers_hint_over_the_socket_and_nothing_changes(
-    agent: Hibernator, tensors: dict[str, torch.Tensor], served: AgentClient
+    agent: Agent, tensors: dict[str, torch.Tensor], served: AgentClient
 ) -> None:
     agent.sleep_driver = SleepDriver("vLLM", "POST /sleep to the server")
     assert served.call("begin")["sleep_driver"] == "vLLM"

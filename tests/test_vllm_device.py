@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hibernate import procinfo
-from hibernate.agent import Hibernator
+from hibernate.agent.controller import Agent
 from hibernate.errors import UnsupportedError
 from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import CudaDeviceMemory, CudaRuntime, DeviceMemoryError
@@ -56,7 +56,7 @@ def make_backend(
         functools.partial(create_and_map, reservations),
         functools.partial(unmap_and_release, reservations),
     )
-    agent = Hibernator(procinfo.identity(os.getpid()), name=f"dev{device}")  # type: ignore[arg-type]
+    agent = Agent(procinfo.identity(os.getpid()), name=f"dev{device}")  # type: ignore[arg-type]
     env = {"HIBERNATE_DIR": str(spill_dir), "HIBERNATE_BUFFER_MB": "4", "HIBERNATE_CHUNK_MB": "1"}
     return HibernateBackend(allocator=allocator, device=memory, agent=agent, environ=env), allocator, contents
 

@@ -14,7 +14,7 @@ import vllm.plugins
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
 import hibernate.integrations.vllm as integration
-from hibernate.agent import hibernator
+from hibernate.agent.local import local_agent
 from hibernate.integrations.vllm import HibernateBackend, register
 from hibernate.pools.vllm import CuMemPool
 from tests.standins.vllm_cumem import MODULE_NAME, make_module
@@ -62,7 +62,7 @@ def test_loading_the_plugins_again_and_again_is_harmless(clean_vllm: None) -> No
     vllm.plugins.load_general_plugins()
     register()
     assert SleepModeBackendFactory.get_backend_class("hibernate") is HibernateBackend
-    agent = hibernator()
+    agent = local_agent()
     assert agent.kind == "vllm" and agent.status()["sleep_driver"] == "vLLM"
     assert isinstance(agent.pool(CuMemPool.name), CuMemPool)
     assert [p.name for p in agent._pools] == [CuMemPool.name]
@@ -75,7 +75,7 @@ def test_the_factory_creates_our_backend_where_the_cumem_allocator_is_usable(
     backend = SleepModeBackendFactory.create_backend(CONFIG)
     assert isinstance(backend, HibernateBackend)
     assert backend.state() == "RUNNING"
-    assert backend.pool is hibernator().pool(CuMemPool.name)  # the one register() gave the agent
+    assert backend.pool is local_agent().pool(CuMemPool.name)  # the one register() gave the agent
 
 
 def test_the_factory_refuses_our_backend_where_cumem_cannot_work(

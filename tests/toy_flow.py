@@ -104,10 +104,10 @@ register_flow(KIND, "tests.toy_flow:ToyUnit")
 
 def serve(ready: Path) -> int:
     """A toy target: an agent (no torch, no pools) whose sleep driver is the toy."""
-    from hibernate.agent import hibernator
     from hibernate.agent.controller import SleepDriver
+    from hibernate.agent.local import local_agent
 
-    agent = hibernator(name="toy", kind="toy")
+    agent = local_agent(name="toy", kind="toy")
     agent.sleep_driver = SleepDriver(KIND, "hibernate sleep PID, with the toy flow registered")
     ready.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid()}))
     os.replace(ready.with_suffix(".tmp"), ready)

@@ -194,7 +194,7 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
         raise UsageError(str(exc)) from exc
 
 
-class Hibernator:
+class Agent:
     def __init__(self, identity: ProcessIdentity, name: str | None = None, kind: str = "torch") -> None:
         self.identity = identity
         self.name = name or f"proc-{identity.pid}"

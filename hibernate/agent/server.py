@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate.agent import protocol
-from hibernate.agent.controller import Hibernator, Session, describe_error
+from hibernate.agent.controller import Agent, Session, describe_error
 from hibernate.agent.paths import crash_record_path, socket_path
 from hibernate.errors import PermissionDeniedError, ProtocolError, UsageError
 from hibernate.fsutil import ensure_private_dir
@@ -40,9 +40,9 @@ def peer_allowed(peer_uid: int, own_uid: int) -> bool:
 
 
 class _Connection:
-    def __init__(self, conn: socket.socket, hibernator: Hibernator, peer_pid: int, peer_uid: int) -> None:
+    def __init__(self, conn: socket.socket, agent: Agent, peer_pid: int, peer_uid: int) -> None:
         self.conn = conn
-        self.hibernator = hibernator
+        self.agent = agent
         self._send_lock = threading.Lock()
         self.session = Session(
             description=f"hibernate (pid {peer_pid}, uid {peer_uid})",
@@ -98,12 +98,12 @@ class _Connection:
         except OSError:
             return
         finally:
-            self.hibernator.disconnect(self.session)
+            self.agent.disconnect(self.session)
             with contextlib.suppress(OSError):
                 self.conn.close()
 
     def _dispatch(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        h, s = self.hibernator, self.session
+        h, s = self.agent, self.session
         if op in ("hello", "status"):
             return h.status()
         if op == "begin":
@@ -170,11 +170,11 @@ def _answers(path: Path) -> bool:
 class AgentServer:
     """Listens on the process's socket until :meth:`stop` or process exit."""
 
-    def __init__(self, hibernator: Hibernator, directory: Path) -> None:
-        self.hibernator = hibernator
+    def __init__(self, agent: Agent, directory: Path) -> None:
+        self.agent = agent
         self.directory = directory
         ensure_private_dir(directory)
-        self.path = socket_path(directory, hibernator.identity)
+        self.path = socket_path(directory, agent.identity)
         if _answers(self.path):
             # Same pid and start tick, yet alive: a process of another pid namespace (a container
             # sharing this directory). Taking its socket over would hand its commands to us.
@@ -192,7 +192,7 @@ class AgentServer:
         finally:
             os.umask(old_umask)
         self._sock.listen(16)
-        hibernator.crash_record = crash_record_path(self.path)
+        agent.crash_record = crash_record_path(self.path)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="hibernate-agent", daemon=True)
         self._thread.start()
@@ -214,13 +214,13 @@ class AgentServer:
             if not peer_allowed(peer_uid, own_uid):
                 with contextlib.suppress(OSError):
                     error = PermissionDeniedError(
-                        f"uid {peer_uid} may not control process {self.hibernator.identity.pid} "
+                        f"uid {peer_uid} may not control process {self.agent.identity.pid} "
                         f"(owned by uid {own_uid})"
                     )
                     protocol.send(conn, protocol.reply(0, "error", error.to_wire()))
                 conn.close()
                 continue
-            handler = _Connection(conn, self.hibernator, peer_pid, peer_uid)
+            handler = _Connection(conn, self.agent, peer_pid, peer_uid)
             threading.Thread(target=handler.serve, name="hibernate-agent-conn", daemon=True).start()
 
     def stop(self) -> None:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hibernate.agent.controller import Hibernator
+from hibernate.agent.controller import Agent
 from hibernate.errors import HibernateError, UsageError
 
 ENV_SLEEP = "HIBERNATE_ON_SIGNAL"
@@ -89,7 +89,7 @@ def _in_background(work: Any, what: str) -> None:
 
 
 def install(
-    agent: Hibernator,
+    agent: Agent,
     sleep_signal: str | int,
     wake_signal: str | int | None,
     directory: Path | None,
@@ -122,7 +122,7 @@ def install(
         signal.signal(signals[1], on_wake)
 
 
-def install_from_environment(agent: Hibernator, environ: dict[str, str]) -> None:
+def install_from_environment(agent: Agent, environ: dict[str, str]) -> None:
     """Apply HIBERNATE_ON_SIGNAL / HIBERNATE_WAKE_SIGNAL / HIBERNATE_DIR, if set."""
     sleep_signal = environ.get(ENV_SLEEP)
     if not sleep_signal:

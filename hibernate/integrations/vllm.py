@@ -18,7 +18,7 @@ How it is wired:
   and its workers. Workers forked from a process that already loaded plugins do
   not run plugins again, so it also starts the agent again after a fork.
 * vLLM creates :class:`HibernateBackend` in each worker, lazily, at the first
-  sleep. The backend drives this process's :class:`~hibernate.agent.Hibernator`
+  sleep. The backend drives this process's :class:`~hibernate.agent.controller.Agent`
   (quiesce, spill, release; restore, resume) over a
   :class:`~hibernate.pools.vllm.CuMemPool`, rather than a state machine of its own.
 * A hibernate client cannot start a sleep of a vLLM process itself: the worker's
@@ -52,8 +52,8 @@ from typing import Any
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeState
 
-from hibernate.agent import AgentState, Hibernator, hibernator
-from hibernate.agent.controller import SleepDriver, write_options
+from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
+from hibernate.agent.local import local_agent
 from hibernate.errors import HibernateError, UsageError
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
@@ -165,7 +165,7 @@ def _torch_rank() -> int | None:
     return None
 
 
-def _adopt(agent: Hibernator, *, with_pool: bool = True) -> Hibernator:
+def _adopt(agent: Agent, *, with_pool: bool = True) -> Agent:
     """Mark an agent as a vLLM process's and (by default) give it this process's CuMemAllocator pool."""
     agent.kind = AGENT_KIND
     agent.sleep_driver = (
@@ -176,17 +176,17 @@ def _adopt(agent: Hibernator, *, with_pool: bool = True) -> Hibernator:
     return agent
 
 
-def _process_agent() -> Hibernator:
+def _process_agent() -> Agent:
     """This process's agent, started (socket included) if it is not yet."""
     try:
-        agent = hibernator(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
+        agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
     except (HibernateError, OSError) as exc:  # the backend works without it; only `ls` is blind
         log.warning(
             "hibernate: control socket not started (%s); `hibernate ls` will not show pid %d",
             exc,
             os.getpid(),
         )
-        agent = hibernator(name=worker_name(None, os.getpid()), kind=AGENT_KIND, serve=False)
+        agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_KIND, serve=False)
     return _adopt(agent)
 
 
@@ -262,7 +262,7 @@ class HibernateBackend(SleepModeBackend):
         *,
         allocator: AllocatorLike | None = None,
         device: DeviceMemory | None = None,
-        agent: Hibernator | None = None,
+        agent: Agent | None = None,
         environ: Mapping[str, str] | None = None,
         helper: Callable[[], Helper] | None = None,
     ) -> None:
@@ -298,7 +298,7 @@ class HibernateBackend(SleepModeBackend):
         return pool
 
     @property
-    def agent(self) -> Hibernator:
+    def agent(self) -> Agent:
         return self._agent
 
     @property

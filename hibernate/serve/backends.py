@@ -33,7 +33,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.errors import BusyError, HibernateError
 from hibernate.serve.config import BackendSpec
-from hibernate.serve.hibernator import Hibernator, Inspection
+from hibernate.serve.control import BackendControl, Inspection
 from hibernate.serve.leases import BackendLeases, Verdict
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import ApiError
@@ -186,7 +186,7 @@ class Fleet:
     def __init__(
         self,
         specs: Sequence[BackendSpec],
-        hibernator: Hibernator,
+        control: BackendControl,
         recorder: Recorder,
         *,
         idle: float | None,
@@ -195,7 +195,7 @@ class Fleet:
         measure_gpu: bool = False,
     ) -> None:
         self.backends = {spec.name: Backend(spec) for spec in specs}
-        self.hibernator = hibernator
+        self.control = control
         self.recorder = recorder
         self.idle = idle
         self.wake_timeout = wake_timeout
@@ -214,7 +214,7 @@ class Fleet:
     async def _adopt(self, backend: Backend) -> None:
         started = time.monotonic()
         try:
-            found = await asyncio.to_thread(self.hibernator.adopt, backend.spec)
+            found = await asyncio.to_thread(self.control.adopt, backend.spec)
         except HibernateError as exc:
             self._set(backend, State.FAILED, reason=exc.message)
             log.warning("%s: not adopted: %s", backend.name, exc.message)
@@ -289,7 +289,7 @@ class Fleet:
                 if pid is None:
                     return Verdict(False, "gone", "its process is not known"), None
                 try:
-                    sockets = await asyncio.to_thread(self.hibernator.agent_sockets, pid)
+                    sockets = await asyncio.to_thread(self.control.agent_sockets, pid)
                     leases = await BackendLeases.open(pid, sockets)
                 except HibernateError as exc:
                     return Verdict(False, "gone", exc.message), None
@@ -390,7 +390,7 @@ class Fleet:
             return Outcome(False, error.message, busy=True)
         self.recorder.failed(backend.name, op)
         try:
-            found: Inspection = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+            found: Inspection = await asyncio.to_thread(self.control.adopt, backend.spec, backend.pid)
         except BusyError:
             # Another operation on it is under way: a sleep of ours that failed left it as it was.
             if op == "sleep":
@@ -423,14 +423,14 @@ class Fleet:
         try:
             async with self._room:
                 if backend.pid is None:  # not found at adoption (or gone): look again
-                    found = await asyncio.to_thread(self.hibernator.adopt, backend.spec)
+                    found = await asyncio.to_thread(self.control.adopt, backend.spec)
                     backend.pid, backend.tracked_bytes = found.pid, found.tracked_bytes
                     if found.awake:
                         self._set(backend, State.AWAKE)
                         return Outcome(True)
                 await self._make_room(backend, started + self.wake_timeout)
                 begun = time.monotonic()
-                restored = await asyncio.to_thread(self.hibernator.wake, backend.pid)
+                restored = await asyncio.to_thread(self.control.wake, backend.pid)
         except HibernateError as exc:
             return await self._settle(backend, exc, "wake", started)
         seconds = time.monotonic() - begun
@@ -444,13 +444,13 @@ class Fleet:
     async def _measure(self, backend: Backend) -> None:
         """With ``--gpu-budget auto``, what an awake backend holds on each GPU (what its wake will need)."""
         if self.measure_gpu and backend.state is State.AWAKE and backend.pid is not None:
-            backend.gpu = await asyncio.to_thread(self.hibernator.gpu_usage, backend.pid)
+            backend.gpu = await asyncio.to_thread(self.control.gpu_usage, backend.pid)
 
     async def _room_now(self, backend: Backend) -> Room:
         others = [b.candidate() for b in self.backends.values() if b is not backend]
         if self.measure_gpu:
-            free = await asyncio.to_thread(self.hibernator.gpu_free)
-            need = await asyncio.to_thread(self.hibernator.gpu_need, backend.pid) if backend.pid else {}
+            free = await asyncio.to_thread(self.control.gpu_free)
+            need = await asyncio.to_thread(self.control.gpu_need, backend.pid) if backend.pid else {}
             return plan_room_measured(need or backend.gpu, free, others)
         assert self.budget is not None
         return plan_room(backend.tracked_bytes, self.budget, others)
@@ -510,7 +510,7 @@ class Fleet:
         try:
             if backend.pid is None:
                 raise NoRoomError("its process is not known")
-            spilled = await asyncio.to_thread(self.hibernator.sleep, backend.pid)
+            spilled = await asyncio.to_thread(self.control.sleep, backend.pid)
         except HibernateError as exc:
             return await self._settle(backend, exc, "sleep", started)
         seconds = time.monotonic() - started
@@ -554,7 +554,7 @@ class Fleet:
                 continue
             before, transition = backend.state, backend.transition
             try:
-                found = await asyncio.to_thread(self.hibernator.adopt, backend.spec, backend.pid)
+                found = await asyncio.to_thread(self.control.adopt, backend.spec, backend.pid)
             except BusyError:
                 continue  # a `hibernate sleep` or `wake` of someone else is under way: read it next time
             except HibernateError as exc:

@@ -16,7 +16,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from hibernate.serve.backends import Fleet
 from hibernate.serve.config import ServeConfig
-from hibernate.serve.hibernator import Hibernator
+from hibernate.serve.control import BackendControl
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import MODELS_PATH, ApiError, models_list, route
 
@@ -40,11 +40,13 @@ def error_response(error: ApiError) -> web.Response:
 
 
 class Proxy:
-    def __init__(self, config: ServeConfig, fleet: Fleet, recorder: Recorder, hibernator: Hibernator) -> None:
+    def __init__(
+        self, config: ServeConfig, fleet: Fleet, recorder: Recorder, control: BackendControl
+    ) -> None:
         self.config = config
         self.fleet = fleet
         self.recorder = recorder
-        self.hibernator = hibernator
+        self.control = control
         self.session: ClientSession | None = None
         self.active = 0  # requests being handled now
         self.ready = asyncio.Event()  # set once every backend was adopted: requests wait for it
@@ -119,7 +121,7 @@ class Proxy:
         """Every backend as the proxy sees it, with what ``hibernate status PID --json`` lists for it."""
         entries = []
         for backend in self.fleet.backends.values():
-            agents = await asyncio.to_thread(self.hibernator.status, backend.pid)
+            agents = await asyncio.to_thread(self.control.status, backend.pid)
             entries.append({**backend.view(time.monotonic()), "agents": agents})  # now: after the await
         return {"ok": True, "backends": entries}
 

@@ -27,7 +27,7 @@ from hibernate.operation import targets
 from hibernate.serve import discovery
 from hibernate.serve.backends import STATES, Fleet
 from hibernate.serve.config import BackendSpec, ServeConfig
-from hibernate.serve.hibernator import Hibernator, refuse_tree_holding_proxy
+from hibernate.serve.control import BackendControl, refuse_tree_holding_proxy
 from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.proxy import Proxy
@@ -108,17 +108,17 @@ def stop_command(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
 async def serve(config: ServeConfig) -> None:
     check_at_start(config)
     recorder = Recorder(STATES)
-    hibernator = Hibernator(config.to, config.sleep_timeout)
+    control = BackendControl(config.to, config.sleep_timeout)
     fleet = Fleet(
         config.backends,
-        hibernator,
+        control,
         recorder,
         idle=config.idle,
         wake_timeout=config.wake_timeout,
         budget=config.gpu_budget,
         measure_gpu=config.measure_gpu,
     )
-    proxy = Proxy(config, fleet, recorder, hibernator)
+    proxy = Proxy(config, fleet, recorder, control)
     limits = config.limits
     runner = web.AppRunner(
         proxy.app(),

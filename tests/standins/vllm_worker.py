@@ -139,9 +139,9 @@ class Worker:
         child = os.fork()
         if child == 0:
             try:
-                from hibernate.agent import hibernator, server_path
+                from hibernate.agent.local import local_agent, server_path
 
-                agent = hibernator()
+                agent = local_agent()
                 report = {
                     "pid": os.getpid(),
                     "agent_pid": agent.identity.pid,
@@ -165,9 +165,9 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=0)
     args = parser.parse_args()
     worker = Worker(args.cudart, args.mb)
-    from hibernate.agent import hibernator
+    from hibernate.agent.local import local_agent
 
-    agent = hibernator()
+    agent = local_agent()
     ready = {
         "pid": os.getpid(),
         "backend": type(worker.backend).__name__,

@@ -78,7 +78,9 @@ def refuse_other_user(name: str, server: discovery.Server, euid: int | None = No
         )
 
 
-class Hibernator:
+class BackendControl:
+    """What serve does to a backend's processes: find and adopt them, sleep, wake, measure."""
+
     def __init__(self, directory: Path, sleep_timeout: float) -> None:
         self.directory = directory
         self.sleep_timeout = sleep_timeout
