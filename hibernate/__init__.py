@@ -102,7 +102,7 @@ def sleep(
     import os
 
     from hibernate.agent.local import local_agent
-    from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
+    from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
 
     directory = Path(to).expanduser().absolute()
     if skip_reuse_check is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hibernate.agent.signals import parse_signal
+from hibernate.agent.triggers import parse_signal
 from hibernate.errors import ExitCode, UsageError
 from tests.conftest import REPO, wait_until
 

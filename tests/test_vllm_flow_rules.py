@@ -441,7 +441,7 @@ def test_a_wake_during_the_checkpoint_waits_for_it_then_restores() -> None:
 
 def test_the_helper_acts_only_on_the_process_that_started_it() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "hibernate.integrations.self_checkpoint", "--target", "1"],
+        [sys.executable, "-m", "hibernate.checkpoint.helper", "--target", "1"],
         capture_output=True,
         text=True,
         input="",

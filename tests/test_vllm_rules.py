@@ -8,6 +8,7 @@ import pytest
 from vllm.device_allocator import DEFERRABLE_TAGS
 
 from hibernate.agent.controller import SleepDriver, plan_restore, refuse_client_sleep
+from hibernate.environ import env_flag
 from hibernate.errors import UnsupportedError, UsageError
 from hibernate.integrations.vllm import (
     DEFAULT_DEFERRABLE_TAGS,
@@ -17,7 +18,6 @@ from hibernate.integrations.vllm import (
     staging_args,
     worker_name,
 )
-from hibernate.operation.options import env_flag
 from hibernate.pools.vllm import keeps, wakes
 
 VLLM_TAGS = ("weights", "kv_cache", "runtime", "workspace", "cudagraph", "default")

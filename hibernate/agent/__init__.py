@@ -15,6 +15,7 @@ Both sides (standard library only):
     paths       where agents listen: one socket per process in a private runtime directory
     protocol    the wire protocol: length-prefixed JSON over a Unix stream socket
     client      talking to an agent from outside its process (the CLI, the engine, serve)
+    triggers    which signals may put a process to sleep or wake it, and the variables carrying them
 
 Importing this package loads nothing: ``tests/test_engine.py`` checks that the
 in-target modules import nothing from the CLI side, and ``tests/test_cli_light.py``

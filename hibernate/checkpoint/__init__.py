@@ -11,6 +11,14 @@ Driven from outside the target: a process cannot lock or checkpoint itself.
     phase      sleep (lock all, checkpoint all) and wake (check memory, restore all, unlock all)
     records    what each process held per GPU when checkpointed, for the wake's memory check
     nvml       GPUs, free and per-process memory, persistence and MIG mode (optional)
+    room       what a wake will ask of each GPU, from what the sleep measured (pure)
+    nccl       multi-process jobs and NCCL: the settings a checkpoint needs, from each environment
+    threads    a timeout on a blocking call, and steps run side by side
+    helper     the child a vLLM worker starts to checkpoint itself (HIBERNATE_SELF_CHECKPOINT=1)
+
+Every module here runs outside the process it acts on. The names below are the
+package's face for code inside a target (:mod:`hibernate.integrations`), which
+imports none of its modules.
 
 Exit codes of the CUDA phase (the ``hibernate`` command's, see errors.ExitCode):
 
@@ -26,3 +34,9 @@ Exit codes of the CUDA phase (the ``hibernate`` command's, see errors.ExitCode):
     13 NEEDS_RECOVERY    a restore ran out of GPU memory (the driver refuses later restores of
                          that process), an undo failed, or a wake of a process in the failed state
 """
+
+# Set in the environment of hibernate's own helper processes: the pid each one serves (never taken
+# for a CUDA holder of that process).
+HELPER_ENV = "HIBERNATE_HELPER_OF"
+# Forces the self-checkpoint helper's checkpointer (auto|driver|binary), as --checkpointer does.
+CHECKPOINTER_ENV = "HIBERNATE_CHECKPOINTER"

@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate import procinfo
+from hibernate.checkpoint import HELPER_ENV
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState
 from hibernate.checkpoint.curesult import CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED
 from hibernate.procinfo import ProcessIdentity
 
 _NVIDIA_DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl|-uvm)$")
-# Set in the environment of hibernate's own helper processes: the pid each one serves.
-HELPER_ENV = "HIBERNATE_HELPER_OF"
 # What the driver answers for a pid with no CUDA state to checkpoint.
 NOT_A_CUDA_PROCESS = frozenset({CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED})
 

@@ -244,7 +244,7 @@ def _skip_reuse_check_by_default() -> bool:
     """``$HIBERNATE_SKIP_REUSE_CHECK``: the default of ``--skip-reuse-check`` (a yes/no, else refused)."""
     import os
 
-    from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
+    from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
 
     return env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
 

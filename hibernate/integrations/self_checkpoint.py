@@ -4,7 +4,7 @@ A process cannot lock or checkpoint itself (its own CUDA calls would block on
 the lock it asked for), so each worker starts one helper process, a child it
 keeps for its lifetime and speaks to over a pipe (one JSON line each way):
 
-    python -m hibernate.integrations.self_checkpoint --target <worker pid>
+    python -m hibernate.checkpoint.helper --target <worker pid>
 
 The helper acts only on the process that started it (its parent), with the
 same checkpointer choice as the CLI (the driver API, else the
@@ -30,7 +30,6 @@ tests of their own; :class:`HelperProcess` is the pipe.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -47,12 +46,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
-from hibernate.checkpoint.detect import HELPER_ENV
-from hibernate.errors import HibernateError, UnsupportedError, UsageError, error_from_wire
+from hibernate.checkpoint import HELPER_ENV
+from hibernate.errors import HibernateError, UnsupportedError, error_from_wire
 
 log = logging.getLogger("vllm.hibernate")
 
-CHECKPOINTER_ENV = "HIBERNATE_CHECKPOINTER"
+# The helper, on the driver side of the package: this process only starts it and speaks to it.
+HELPER_MODULE = "hibernate.checkpoint.helper"
 START_TIMEOUT_S = 120.0
 POLL_S = 0.002
 
@@ -208,7 +208,7 @@ class HelperProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
         # Marks it as hibernate's own: a `hibernate sleep` of the server never takes it for a CUDA holder.
         env[HELPER_ENV] = str(os.getpid())
-        self._command = [sys.executable, "-m", __name__, "--target", str(os.getpid())]
+        self._command = [sys.executable, "-m", HELPER_MODULE, "--target", str(os.getpid())]
         self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
@@ -305,92 +305,3 @@ class HelperProcess:
         with contextlib.suppress(OSError):
             if proc.stdout is not None:
                 proc.stdout.close()
-
-
-# -- the helper process itself -------------------------------------------------------------
-
-
-def _holder(ident: Any, checkpointer: Any) -> Any:
-    from hibernate.checkpoint.detect import Holder, nvidia_device_files
-
-    return Holder(ident, nvidia_device_files(ident.pid), checkpointer.state(ident.pid))
-
-
-def _answer(op: str, ident: Any, checkpointer: Any) -> dict[str, Any]:
-    """Carry out one request on the target, from its real CUDA state."""
-    from hibernate.checkpoint.base import CudaState
-    from hibernate.checkpoint.phase import CudaPhase
-
-    phase = CudaPhase(checkpointer)
-    holder = _holder(ident, checkpointer)
-    if op == "state":
-        return {"state": holder.state.value}
-    if op == "sleep":
-        if holder.state is not CudaState.RUNNING:
-            # Locked or checkpointed by someone else (a `hibernate sleep` of the server): leave it.
-            return {"status": f"already {holder.state.value}", "processes": []}
-        report: dict[str, Any] = phase.sleep([holder])
-        return report
-    if op == "wake":
-        woken: dict[str, Any] = phase.wake([holder])
-        return woken
-    raise UsageError(f"unknown request {op!r}")
-
-
-def serve(target: int, requests: Any, replies: Any) -> int:
-    """The helper's loop: answer ``requests`` (lines) on ``replies`` until the worker closes the pipe."""
-    from hibernate import procinfo
-    from hibernate.checkpoint.selection import choose
-
-    def send(message: dict[str, Any]) -> None:
-        replies.write(json.dumps(message) + "\n")
-        replies.flush()
-
-    ident = procinfo.identity(target)
-    if ident is None or os.getppid() != target:
-        send(
-            {
-                "ok": False,
-                "error": UsageError(
-                    f"the self-checkpoint helper acts only on the process that started it, not on {target}"
-                ).to_wire(),
-            }
-        )
-        return 2
-    try:
-        checkpointer, passed_over = choose(os.environ.get(CHECKPOINTER_ENV, "auto") or "auto")
-        if checkpointer is None:
-            raise UnsupportedError(
-                "HIBERNATE_SELF_CHECKPOINT=1 needs the driver's checkpoint API or the cuda-checkpoint "
-                f"binary, and neither is available ({'; '.join(passed_over)}); nothing was changed",
-                hint="install an NVIDIA driver >= 570 or cuda-checkpoint, or unset HIBERNATE_SELF_CHECKPOINT",
-            )
-    except HibernateError as exc:
-        send({"ok": False, "error": exc.to_wire()})
-        return 12
-    described = checkpointer.describe()
-    send({"ok": True, "result": {"pid": os.getpid(), "target": target, "checkpointer": described}})
-    for line in requests:
-        try:
-            request = json.loads(line)
-            op = str(request.get("op")) if isinstance(request, dict) else ""
-            send({"ok": True, "result": _answer(op, ident, checkpointer)})
-        except HibernateError as exc:
-            send({"ok": False, "error": exc.to_wire()})
-        except Exception as exc:  # any failure goes back to the worker, which logs it
-            send({"ok": False, "error": HibernateError(f"{type(exc).__name__}: {exc}").to_wire()})
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="the helper a vLLM worker starts to checkpoint itself")
-    parser.add_argument("--target", type=int, required=True)
-    args = parser.parse_args(argv)
-    # Replies go to the pipe only: anything else printing to stdout goes to stderr instead.
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    return serve(args.target, sys.stdin, replies)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

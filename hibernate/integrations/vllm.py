@@ -54,10 +54,10 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 
 from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
 from hibernate.agent.local import local_agent
+from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
 from hibernate.errors import HibernateError, UsageError
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
-from hibernate.operation.options import SKIP_REUSE_CHECK_ENV, env_flag
 from hibernate.pools.device import DeviceMemory
 from hibernate.pools.vllm import (
     CUMEM_MODULE,

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
-from hibernate.errors import UsageError
 from hibernate.limits import MIN_BUFFER_MB
-
-# 1: a re-sleep reuses the previous snapshot's unchanged chunks without reading them back first (the
-# default of `hibernate sleep --skip-reuse-check`, and of hibernate.sleep() and the vLLM backend).
-SKIP_REUSE_CHECK_ENV = "HIBERNATE_SKIP_REUSE_CHECK"
-
-
-def env_flag(environ: Mapping[str, str], name: str) -> bool:
-    """A yes/no environment variable; anything unclear is refused rather than guessed."""
-    raw = environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise UsageError(f"{name}={environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from hibernate import orchestrator
-from hibernate.agent.signals import ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
+from hibernate.agent.triggers import ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
 from hibernate.errors import HibernateError, UsageError
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)

@@ -1,0 +1,26 @@
+"""Environment variables both sides read: the in-target API and vLLM backend as much as the CLI.
+
+A yes/no variable is read one way everywhere, and anything unclear is refused
+rather than guessed, so ``HIBERNATE_SKIP_REUSE_CHECK=maybe`` fails loudly in
+the CLI and inside a vLLM worker alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hibernate.errors import UsageError
+
+# 1: a re-sleep reuses the previous snapshot's unchanged chunks without reading them back first (the
+# default of `hibernate sleep --skip-reuse-check`, and of hibernate.sleep() and the vLLM backend).
+SKIP_REUSE_CHECK_ENV = "HIBERNATE_SKIP_REUSE_CHECK"
+
+
+def env_flag(environ: Mapping[str, str], name: str) -> bool:
+    """A yes/no environment variable; anything unclear is refused rather than guessed."""
+    raw = environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"{name}={environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
