@@ -1,4 +1,4 @@
-"""``hibernate sleep/wake`` with the CUDA phase, end to end: real CLI, real targets, the stand-in driver.
+"""``hibernate sleep/wake`` with the CUDA stage, end to end: real CLI, real targets, the stand-in driver.
 
 Each target process is registered with the stand-in, so the driver answers for
 it as for a CUDA process; the sleep and wake reports, the stand-in's states,

@@ -1,4 +1,4 @@
-"""The CUDA phase across a real process tree (a parent and two children), with both checkpointers.
+"""The CUDA stage across a real process tree (a parent and two children), with both checkpointers.
 
 Sleep locks every process before checkpointing any; a failure injected at any
 step of any process is undone from the real states, so every process runs
@@ -21,7 +21,7 @@ from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaSta
 from hibernate.checkpoint.binary import BinaryCheckpointer
 from hibernate.checkpoint.detect import Holder, survey
 from hibernate.checkpoint.driver import DriverCheckpointer
-from hibernate.checkpoint.phase import CudaPhase
+from hibernate.checkpoint.group import GroupCheckpoint
 from hibernate.errors import (
     CudaCheckpointError,
     ExitCode,
@@ -58,8 +58,8 @@ def states(world: World, tree: Tree) -> list[str]:
     return [world.state(pid) for pid in tree.pids]
 
 
-def asleep(world: World, tree: Tree, kind: str) -> CudaPhase:
-    phase = CudaPhase(make(kind))
+def asleep(world: World, tree: Tree, kind: str) -> GroupCheckpoint:
+    phase = GroupCheckpoint(make(kind))
     phase.sleep(holders_of(tree, phase.checkpointer))
     assert states(world, tree) == ["checkpointed"] * 3
     world.clear_calls()
@@ -69,7 +69,7 @@ def asleep(world: World, tree: Tree, kind: str) -> CudaPhase:
 def test_sleep_locks_every_process_then_checkpoints_every_process(
     world: World, tree: Tree, checkpointer_kind: str
 ) -> None:
-    phase = CudaPhase(make(checkpointer_kind))
+    phase = GroupCheckpoint(make(checkpointer_kind))
     holders = holders_of(tree, phase.checkpointer)
     assert {h.evidence for h in holders} == {"driver"}  # no GPU here: the driver answering is the sign
     report = phase.sleep(holders)
@@ -107,7 +107,7 @@ def test_a_failure_at_any_sleep_step_of_any_process_is_undone(
 ) -> None:
     victim = tree.pids[index]
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec((step, victim, code)))
-    phase = CudaPhase(make(checkpointer_kind))
+    phase = GroupCheckpoint(make(checkpointer_kind))
     with pytest.raises(HibernateError) as failed:
         phase.sleep(holders_of(tree, phase.checkpointer))
     assert type(failed.value) is error
@@ -125,7 +125,7 @@ def test_a_lock_that_times_out_is_undone(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("lock", tree.children[0], "hang")))
-    phase = CudaPhase(make(checkpointer_kind), StepTimeouts(lock=0.3))
+    phase = GroupCheckpoint(make(checkpointer_kind), StepTimeouts(lock=0.3))
     with pytest.raises(HibernateTimeoutError) as timed_out:
         phase.sleep(holders_of(tree, phase.checkpointer))
     assert timed_out.value.exit_code == ExitCode.TIMEOUT
@@ -142,7 +142,7 @@ def test_when_the_undo_fails_too_it_says_what_is_left(
         ("checkpoint", last, "CUDA_ERROR_OPERATING_SYSTEM"), ("restore", first, "CUDA_ERROR_UNKNOWN")
     )
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", faults)
-    phase = CudaPhase(make(checkpointer_kind))
+    phase = GroupCheckpoint(make(checkpointer_kind))
     with pytest.raises(NeedsRecoveryError) as stuck:
         phase.sleep(holders_of(tree, phase.checkpointer))
     message = stuck.value.message
@@ -207,9 +207,9 @@ def test_wake_finishes_an_interrupted_sleep_from_the_real_states(
         world.set_state(pid, state)
     # Checkpointed without a record of what it held: only forced past the free-memory check.
     with pytest.raises(UnsupportedError, match=f"nothing measured what process {tree.pids[0]} will need"):
-        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
+        GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
     assert world.calls() == []
-    phase = CudaPhase(make(checkpointer_kind), force=True)
+    phase = GroupCheckpoint(make(checkpointer_kind), force=True)
     phase.wake(holders_of(tree, phase.checkpointer))
     assert states(world, tree) == ["running"] * 3
     parent, locked, _ = tree.pids
@@ -246,11 +246,11 @@ def test_restore_out_of_memory_without_nvml_needs_recovery(
     monkeypatch.setenv("HIBERNATE_LIBNVML", str(tmp_path / "absent.so"))
     world.set_other_use(0, 77 * GIB)  # room for one process of three
     with pytest.raises(UnsupportedError) as blind:  # free memory unknown: refused unless forced
-        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
+        GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
     assert "NVML (libnvidia-ml.so.1) cannot be loaded or started" in blind.value.message
     assert "--force" in (blind.value.hint or "") and blind.value.exit_code == ExitCode.UNSUPPORTED
     assert states(world, tree) == ["checkpointed"] * 3 and world.calls() == []
-    phase = CudaPhase(make(checkpointer_kind), force=True)
+    phase = GroupCheckpoint(make(checkpointer_kind), force=True)
     with pytest.raises(NeedsRecoveryError) as oom:
         phase.wake(holders_of(tree, phase.checkpointer))
     assert "CUDA_ERROR_OUT_OF_MEMORY" in oom.value.message and "cuda-checkpoint#44" in (oom.value.hint or "")
@@ -332,7 +332,7 @@ def test_an_undo_that_would_run_out_of_gpu_memory_restores_nothing(
         ],
     )
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", tree.pids[2], "CUDA_ERROR_UNKNOWN")))
-    phase = CudaPhase(make(checkpointer_kind), gpus=lambda: full)
+    phase = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: full)
     with pytest.raises(NeedsRecoveryError) as stuck:
         phase.sleep(holders_of(tree, phase.checkpointer))
     message = stuck.value.message
@@ -346,14 +346,14 @@ def test_a_process_nvml_cannot_see_is_unknown_not_free(
 ) -> None:
     """In another pid namespace NVML lists no usage for the pid: the wake must not take that for zero."""
     blind = nvml.Snapshot("test", [nvml.Gpu(0, "GPU-x", "x", 80 * GIB, 80 * GIB, 0, True, False, 0, {})])
-    phase = CudaPhase(make(checkpointer_kind), gpus=lambda: blind)
+    phase = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: blind)
     report = phase.sleep(holders_of(tree, phase.checkpointer))
     assert [p["gpus"] for p in report["processes"]] == [None, None, None]
     assert report["drop"] is None  # the GPU's used memory did not move either: nothing was measured
     with pytest.raises(UnsupportedError, match="nothing measured what processes"):
-        CudaPhase(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
+        GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
     assert states(world, tree) == ["checkpointed"] * 3
-    woken = CudaPhase(make(checkpointer_kind), force=True).wake(holders_of(tree, phase.checkpointer))
+    woken = GroupCheckpoint(make(checkpointer_kind), force=True).wake(holders_of(tree, phase.checkpointer))
     assert woken["memory"]["checked"] and woken["memory"]["unknown"] == tree.pids
 
 
@@ -367,7 +367,7 @@ def test_after_step_hook_sees_each_step_and_a_failure_there_is_undone(
         if step == "lock" and len(seen) == 1:
             raise InjectedError("after every lock")
 
-    phase = CudaPhase(make(checkpointer_kind), after_step=hook)
+    phase = GroupCheckpoint(make(checkpointer_kind), after_step=hook)
     with pytest.raises(InjectedError):
         phase.sleep(holders_of(tree, phase.checkpointer))
     assert states(world, tree) == ["running"] * 3

@@ -1,4 +1,4 @@
-"""The pure decisions of the CUDA phase, each on its own: error identification, plans, checks, structs."""
+"""The pure decisions of the CUDA stage, each on its own: error identification, plans, checks, structs."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hibernate.checkpoint.binary import parse_help
 from hibernate.checkpoint.curesult import CuError, from_code, identify
 from hibernate.checkpoint.detect import Holder
 from hibernate.checkpoint.driver import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs, uuid_bytes
+from hibernate.checkpoint.group import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
 from hibernate.checkpoint.nccl import nccl_traps
-from hibernate.checkpoint.phase import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
 from hibernate.cli.diagnosis import mount_for, ptrace_verdict
 from hibernate.errors import (
     BusyError,

@@ -20,7 +20,7 @@ import pytest
 from hibernate.checkpoint.base import StepTimeouts
 from hibernate.checkpoint.detect import survey
 from hibernate.checkpoint.driver import DriverCheckpointer
-from hibernate.checkpoint.phase import CudaPhase
+from hibernate.checkpoint.group import GroupCheckpoint
 from hibernate.errors import HibernateTimeoutError, NeedsRecoveryError
 from tests.standins.world import World, spec
 
@@ -56,7 +56,7 @@ def test_the_undo_waits_for_a_timed_out_call_before_calling_the_driver(
     found = survey([holder], driver).holders
     world.clear_calls()
     with pytest.raises(HibernateTimeoutError) as late:
-        CudaPhase(driver, timeouts).sleep(found)
+        GroupCheckpoint(driver, timeouts).sleep(found)
     message = late.value.message
     assert f"{SYMBOL[step]} did not return within" in message
     assert "undone: every CUDA process runs again" in message
@@ -81,7 +81,7 @@ def test_a_call_still_running_past_the_bound_is_not_overlapped_and_both_are_name
     found = survey([holder], driver).holders
     world.clear_calls()
     with pytest.raises(NeedsRecoveryError) as stuck:
-        CudaPhase(driver, timeouts).sleep(found)
+        GroupCheckpoint(driver, timeouts).sleep(found)
     message = stuck.value.message
     stray = f"cuCheckpointProcessCheckpoint({holder}), which had timed out"
     assert f"{stray}, was still running 0.5s later" in message

@@ -20,7 +20,7 @@ from hibernate import orchestrator, procinfo
 from hibernate.checkpoint import nvml, records, room
 from hibernate.checkpoint.detect import survey
 from hibernate.checkpoint.driver import DriverCheckpointer
-from hibernate.checkpoint.phase import HEADROOM_BYTES, CudaPhase
+from hibernate.checkpoint.group import HEADROOM_BYTES, GroupCheckpoint
 from hibernate.errors import ExitCode, UnsupportedError, UsageError
 from hibernate.operation.cuda import CudaStage
 from tests.standins.world import GIB, Tree, World
@@ -102,7 +102,7 @@ def nvml_without_pids() -> Any:
 def test_the_drop_at_checkpoint_is_kept_and_refuses_a_wake_that_would_not_fit(
     world: World, tree: Tree
 ) -> None:
-    phase = CudaPhase(DriverCheckpointer(), gpus=nvml_without_pids)
+    phase = GroupCheckpoint(DriverCheckpointer(), gpus=nvml_without_pids)
     report = phase.sleep(survey(tree.pids, phase.checkpointer).holders)
     uuid = world.gpus[0].uuid
     assert report["drop"] == {uuid: 8 * GIB} and [p["gpus"] for p in report["processes"]] == [None, None]
@@ -110,7 +110,7 @@ def test_the_drop_at_checkpoint_is_kept_and_refuses_a_wake_that_would_not_fit(
         record = records.load(procinfo.identity(pid))  # type: ignore[arg-type]
         assert record is not None and record["drop"] == {uuid: 8 * GIB} and record["cohort"] == tree.pids
     world.set_other_use(0, 75 * GIB)  # 5 GiB free, 8 GiB (+ headroom) needed
-    wake = CudaPhase(DriverCheckpointer(), gpus=nvml_without_pids)
+    wake = GroupCheckpoint(DriverCheckpointer(), gpus=nvml_without_pids)
     with pytest.raises(UnsupportedError) as short:
         wake.wake(survey(tree.pids, wake.checkpointer).holders)
     message = short.value.message
@@ -126,7 +126,7 @@ def test_the_drop_at_checkpoint_is_kept_and_refuses_a_wake_that_would_not_fit(
 
 
 def test_the_pools_count_with_the_cuda_state(world: World, tree: Tree) -> None:
-    phase = CudaPhase(DriverCheckpointer())
+    phase = GroupCheckpoint(DriverCheckpointer())
     phase.sleep(survey(tree.pids, phase.checkpointer).holders)
     world.set_other_use(0, 64 * GIB)  # 16 GiB free: the CUDA state (8) fits, with 10 of pools it does not
     stage = CudaStage(orchestrator.Options(checkpointer_kind="driver"))

@@ -249,8 +249,8 @@ def test_the_vllm_kind_is_named_in_one_place() -> None:
 # -- pure rules ------------------------------------------------------------------------------
 
 
-def record(op: str | None, phases: tuple[str, ...], asleep: bool, last: str = "release") -> UnitRecord:
-    return UnitRecord(op=op, phases=phases, last_memory_step=last, asleep=asleep)
+def record(op: str | None, marks: tuple[str, ...], asleep: bool, last: str = "release") -> UnitRecord:
+    return UnitRecord(op=op, marks=marks, last_memory_step=last, asleep=asleep)
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def test_entries_record_every_completed_phase_durably(runtime_dir: Path) -> None
         journal.mark(entry, phase)
     loaded = journal.load(this_process())
     assert loaded is not None
-    assert loaded.phases == ["connect", "quiesce", "spill"] and loaded.last_phase == "spill"
+    assert loaded.marks == ["connect", "quiesce", "spill"] and loaded.last_mark == "spill"
     assert (runtime_dir / "journal").stat().st_mode & 0o777 == 0o700
     files = list((runtime_dir / "journal").iterdir())
     assert [f.name for f in files] == [f"{os.getpid()}-{this_process().start_time}.json"]

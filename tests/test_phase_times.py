@@ -50,7 +50,7 @@ class PhaseClock(orchestrator.ProgressSink):
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = []
 
-    def phase(self, name: str) -> None:
+    def step(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
 
     def wall(self, name: str) -> float:

@@ -178,7 +178,7 @@ def test_the_warnings_and_resident_bytes_reach_the_sleep_report() -> None:
         "spill": {"seconds": 1.0, "warnings": ["w/x lives in the private memory pool (1, 0)"]},
         "release": {"released_bytes": 4096, "resident_bytes": 100},
     }
-    process = ProcessSleep.from_phases(7, "p", phases)
+    process = ProcessSleep.from_answers(7, "p", phases)
     assert process.warnings == ["w/x lives in the private memory pool (1, 0)"]
     assert process.resident_bytes == 100
     wire = process.to_wire()

@@ -4,7 +4,7 @@ The server (tests/standins/vllm_server.py) serves vLLM 0.33's sleep endpoints
 with vLLM's semantics over real stand-in worker processes (vLLM's plugin
 loader, hibernate's backend from vLLM's factory, real AllocationData over host
 memory). The workers are registered with the stand-in NVIDIA driver, so the
-CUDA phase runs for real, and their fake CUDA runtime blocks (and counts) any
+CUDA stage runs for real, and their fake CUDA runtime blocks (and counts) any
 device call made while they are locked or checkpointed.
 """
 
@@ -528,7 +528,7 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
     )
     awake_and_whole(cli, server, world, before, "after plain /sleep and /wake_up")
 
-    # `hibernate sleep` on such a server leaves the CUDA phase to the workers and waits for it.
+    # `hibernate sleep` on such a server leaves the CUDA stage to the workers and waits for it.
     asleep = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
     assert asleep.returncode == 0, asleep.stderr
     cuda = valid("sleep", asleep.json())["cuda"]
@@ -741,7 +741,7 @@ def test_the_wake_counts_the_workers_pools_with_their_cuda_state(
     world: World, start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     """Issue 12, item 2: the pools' bytes each worker maps back (its agent's device_bytes) are needed too."""
-    from hibernate.checkpoint.phase import HEADROOM_BYTES
+    from hibernate.checkpoint.group import HEADROOM_BYTES
 
     server = start_server(workers=1)
     (worker,) = server.workers

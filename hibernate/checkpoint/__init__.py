@@ -8,7 +8,7 @@ Driven from outside the target: a process cannot lock or checkpoint itself.
     binary     the cuda-checkpoint executable, one run per step
     selection  --checkpointer auto|driver|binary
     detect     which processes hold CUDA state (device files, or the driver answering)
-    phase      sleep (lock all, checkpoint all) and wake (check memory, restore all, unlock all)
+    group      a group's checkpoint: lock all, checkpoint all; check memory, restore all, unlock all
     records    what each process held per GPU when checkpointed, for the wake's memory check
     nvml       GPUs, free and per-process memory, persistence and MIG mode (optional)
     room       what a wake will ask of each GPU, from what the sleep measured (pure)
@@ -20,7 +20,7 @@ Every module here runs outside the process it acts on. The names below are the
 package's face for code inside a target (:mod:`hibernate.integrations`), which
 imports none of its modules.
 
-Exit codes of the CUDA phase (the ``hibernate`` command's, see errors.ExitCode):
+Exit codes of the CUDA stage (the ``hibernate`` command's, see errors.ExitCode):
 
     6  WRONG_STATE       sleep of a process whose CUDA is already locked/checkpointed (wake it first)
     7  BUSY              another tool is checkpointing or restoring it

@@ -6,7 +6,7 @@ A process cannot lock or checkpoint itself, so the worker
 (:mod:`hibernate.integrations.self_checkpoint`) keeps this child for its
 lifetime and speaks to it over a pipe, one JSON line each way. It acts only on
 the process that started it (its parent), with the CLI's checkpointer choice
-(``HIBERNATE_CHECKPOINTER`` may force one) and the CLI's CUDA phase, so a failed
+(``HIBERNATE_CHECKPOINTER`` may force one) and the CLI's CUDA stage, so a failed
 step is undone the same way. It exits when the worker closes the pipe.
 """
 
@@ -22,7 +22,7 @@ from hibernate import procinfo
 from hibernate.checkpoint import CHECKPOINTER_ENV
 from hibernate.checkpoint.base import Checkpointer, CudaState
 from hibernate.checkpoint.detect import Holder, nvidia_device_files
-from hibernate.checkpoint.phase import CudaPhase
+from hibernate.checkpoint.group import GroupCheckpoint
 from hibernate.checkpoint.selection import choose
 from hibernate.errors import HibernateError, UnsupportedError, UsageError
 from hibernate.procinfo import ProcessIdentity
@@ -30,7 +30,7 @@ from hibernate.procinfo import ProcessIdentity
 
 def _answer(op: str, ident: ProcessIdentity, checkpointer: Checkpointer) -> dict[str, Any]:
     """Carry out one request on the target, from its real CUDA state."""
-    phase = CudaPhase(checkpointer)
+    group = GroupCheckpoint(checkpointer)
     state = checkpointer.state(ident.pid)
     holder = Holder(ident, nvidia_device_files(ident.pid), state)
     if op == "state":
@@ -39,10 +39,10 @@ def _answer(op: str, ident: ProcessIdentity, checkpointer: Checkpointer) -> dict
         if state is not CudaState.RUNNING:
             # Locked or checkpointed by someone else (a `hibernate sleep` of the server): leave it.
             return {"status": f"already {state.value}", "processes": []}
-        report: dict[str, Any] = phase.sleep([holder])
+        report: dict[str, Any] = group.sleep([holder])
         return report
     if op == "wake":
-        woken: dict[str, Any] = phase.wake([holder])
+        woken: dict[str, Any] = group.wake([holder])
         return woken
     raise UsageError(f"unknown request {op!r}")
 

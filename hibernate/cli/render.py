@@ -82,14 +82,14 @@ class TerminalProgress(ProgressSink):
         if self._progress is not None:
             self._progress.stop()
 
-    def phase(self, name: str) -> None:
+    def step(self, label: str) -> None:
         if not self.enabled:
             return
         if self._progress is not None:
             self._task = None
-            self._progress.console.print(f"[dim]· {name}[/]", markup=True)
+            self._progress.console.print(f"[dim]· {label}[/]", markup=True)
         else:
-            err.print(f"phase: {name}", markup=False)
+            err.print(f"step: {label}", markup=False)
 
     def note(self, message: str) -> None:
         if not self.enabled:
@@ -99,18 +99,18 @@ class TerminalProgress(ProgressSink):
         else:
             err.print(f"note: {message}", markup=False)
 
-    def transfer(self, phase: str, done: int, total: int) -> None:
+    def transfer(self, label: str, done: int, total: int) -> None:
         if not self.enabled:
             return
         if self._progress is not None:
             if self._task is None:
-                self._task = self._progress.add_task(phase, total=total)
+                self._task = self._progress.add_task(label, total=total)
             self._progress.update(self._task, completed=done, total=total)
             return
         now = time.monotonic()
         if done >= total or now - self._last_line >= 2.0:
             self._last_line = now
-            err.print(f"{phase}: {human_bytes(done)} / {human_bytes(total)}", markup=False)
+            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)}", markup=False)
 
 
 def _line(label: str, text: str) -> None:

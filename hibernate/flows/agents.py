@@ -38,7 +38,7 @@ from hibernate.operation.unit import Context, Unit, skipped_entry
 
 
 def describe_state(member: Member) -> str:
-    status = member.phases["begin"]
+    status = member.answers["begin"]
     state = status.get("state")
     if state == "asleep":
         where = (status.get("snapshot") or {}).get("path")
@@ -100,7 +100,7 @@ class AgentsUnit(Unit):
         options = self.ctx.options
         timeout = options.lease_wait
         for member in self.members:
-            if holds_leases(member.phases["begin"]):
+            if holds_leases(member.answers["begin"]):
                 member.call(
                     "close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout
                 )
@@ -212,7 +212,8 @@ class AgentsUnit(Unit):
         if self.ctx.op == "sleep":
             return UnitReport(
                 sleeps=[
-                    ProcessSleep.from_phases(m.pid, m.ref.status.get("name"), m.phases) for m in self.members
+                    ProcessSleep.from_answers(m.pid, m.ref.status.get("name"), m.answers)
+                    for m in self.members
                 ]
             )
         return UnitReport(wakes=[_wake_entry(m) for m in self.sleeping])
@@ -221,7 +222,7 @@ class AgentsUnit(Unit):
 def _wake_entry(member: Member) -> ProcessWake:
     status: dict[str, Any] = member.ref.status
     snapshot = (status.get("snapshot") or {}).get("path")
-    return ProcessWake.from_phases(member.pid, status.get("name"), snapshot, member.phases)
+    return ProcessWake.from_answers(member.pid, status.get("name"), snapshot, member.answers)
 
 
 AgentsUnit.sleep_steps = (

@@ -129,7 +129,7 @@ class Member:
 
     ref: AgentRef
     client: AgentClient
-    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)  # per request, the agent's answer
     reached: str = "connected"
     unresponsive: bool = False  # stopped answering: it is left to roll back by itself
 
@@ -140,7 +140,7 @@ class Member:
     @property
     def state(self) -> Any:
         """The state its agent reported when the operation began."""
-        return self.phases["begin"].get("state")
+        return self.answers["begin"].get("state")
 
     def call(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
         started = time.perf_counter()
@@ -161,10 +161,10 @@ class Member:
                     "as soon as it answers again"
                 )
             raise
-        # The phase as this command saw it, from request to answer: everything the agent did for it
+        # The step as this command saw it, from request to answer: everything the agent did for it
         # (not only the store's transfer, which it reports as io_seconds) and the round trip.
         result["seconds"] = time.perf_counter() - started
-        self.phases[op] = result
+        self.answers[op] = result
         self.reached = op
         return result
 

@@ -39,7 +39,7 @@ for (it stops showing progress), nothing is undone behind its back: the
 journal stays, and ``hibernate recover`` (or ``wake``) finishes the job.
 
 Workers with ``HIBERNATE_SELF_CHECKPOINT=1`` checkpoint themselves after
-their sleep; the CUDA phase leaves them alone and waits for them instead.
+their sleep; the CUDA stage leaves them alone and waits for them instead.
 """
 
 from __future__ import annotations
@@ -145,12 +145,12 @@ def signature(statuses: Mapping[int, Mapping[str, Any] | None]) -> tuple[Any, ..
     return tuple(out)
 
 
-def progress(statuses: Mapping[int, Mapping[str, Any] | None], phase: str, since: float) -> tuple[int, int]:
-    """Bytes done and total of the workers' ``phase`` transfers that began after ``since`` (unix time)."""
+def progress(statuses: Mapping[int, Mapping[str, Any] | None], step: str, since: float) -> tuple[int, int]:
+    """Bytes done and total of the workers' ``step`` transfers (spill, restore) begun after ``since``."""
     done = total = 0
     for status in statuses.values():
         transfer = (status or {}).get("transfer") or {}
-        if transfer.get("phase") == phase and float(transfer.get("unix", 0.0)) >= since:
+        if transfer.get("phase") == step and float(transfer.get("unix", 0.0)) >= since:
             done += int(transfer.get("done", 0))
             total += int(transfer.get("total", 0))
     return done, total
@@ -779,22 +779,22 @@ class VllmServerUnit(Unit):
     def _sleep_entry(self, ref: AgentRef) -> ProcessSleep:
         status = self.last_statuses.get(ref.pid) or {}
         operation = status.get("last_operation") or {}
-        phases = {k: v for k, v in operation.items() if isinstance(v, dict)}
-        return ProcessSleep.from_phases(ref.pid, status.get("name"), phases)
+        answers = {k: v for k, v in operation.items() if isinstance(v, dict)}
+        return ProcessSleep.from_answers(ref.pid, status.get("name"), answers)
 
     def _wake_entry(self, ref: AgentRef) -> ProcessWake:
         status = self.last_statuses.get(ref.pid) or {}
         if ref.pid in self.woken:
-            phases = self.woken[ref.pid]
+            answers = self.woken[ref.pid]
         else:
             last = status.get("last_operation") or {}
-            phases = (
+            answers = (
                 {k: v for k, v in last.items() if isinstance(v, dict)} if last.get("op") == "wake" else {}
             )
             if float(last.get("finished_unix", 0.0)) < self.began:
-                phases = {}
+                answers = {}
         snapshot = (status.get("snapshot") or {}).get("path")
-        return ProcessWake.from_phases(ref.pid, status.get("name"), snapshot, phases)
+        return ProcessWake.from_answers(ref.pid, status.get("name"), snapshot, answers)
 
 
 VllmServerUnit.sleep_steps = (

@@ -9,7 +9,7 @@ keeps for its lifetime and speaks to over a pipe (one JSON line each way):
 The helper acts only on the process that started it (its parent), with the
 same checkpointer choice as the CLI (the driver API, else the
 ``cuda-checkpoint`` binary; ``HIBERNATE_CHECKPOINTER`` may force one), and
-with the CLI's CUDA phase, so a failed step is undone the same way and the
+with the CLI's CUDA stage, so a failed step is undone the same way and the
 same record of GPU use is kept for the wake's free-memory check. It exits
 when the worker closes the pipe, whichever way the worker ends.
 

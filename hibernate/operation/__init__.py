@@ -14,4 +14,18 @@ target of its kind is met; it groups that kind's agents into *units*
 operation left is decided by one table (:mod:`.recovery`). The engine knows no
 kind of target by name: it never imports ``hibernate.integrations`` or the
 flows; ``hibernate.orchestrator`` registers them and is what callers use.
+
+Words, each with one meaning:
+
+    step     one declared action of an operation (lock, quiesce, spill, cuda, ...): shown, journaled,
+             given a fault point, undone on failure
+    label    how progress shows a step (``spill``, ``vllm-sleep 1234``)
+    mark     a journal's record that a step completed (``phases`` in the journal's file)
+    answer   what an agent returned for one request (its own timings, bytes moved)
+    stage    the CUDA stage (:mod:`.cuda`): the steps cuda-lock, cuda and cuda-restore over every
+             CUDA holder of every target
+    group checkpoint  what the stage asks of :mod:`hibernate.checkpoint.group`: lock all,
+             checkpoint all; restore all, unlock all, undone together
+
+The JSON reports keep the key ``phases`` for the seconds of each step.
 """

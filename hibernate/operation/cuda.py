@@ -22,7 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hibernate import procinfo
+from hibernate.checkpoint import detect, nvml, records, room
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState
+from hibernate.checkpoint.group import GroupCheckpoint, check_sleepable, refuse_without_room, room_check
+from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, multi_process_traps
+from hibernate.checkpoint.selection import NONE, choose
 from hibernate.errors import (
     CudaCheckpointError,
     HibernateError,
@@ -58,8 +62,6 @@ class CudaStage:
     @property
     def pools_only(self) -> bool:
         """``--checkpointer none``: free the pools, leave every CUDA context where it is."""
-        from hibernate.checkpoint.selection import NONE
-
         return self.options.checkpointer_kind == NONE and self.options.checkpointer is None
 
     # -- what there is ------------------------------------------------------------
@@ -68,8 +70,6 @@ class CudaStage:
     def checkpointer(self) -> Checkpointer | None:
         """Chosen on first use (an explicit kind that is missing raises UnsupportedError)."""
         if not self._chosen:
-            from hibernate.checkpoint.selection import choose
-
             options = self.options
             self._checkpointer, self.passed_over = choose(
                 options.checkpointer_kind, options.cuda_checkpoint, options.cuda_timeouts
@@ -83,9 +83,7 @@ class CudaStage:
 
     def survey(self, processes: Sequence[int]) -> Any:
         """Find every CUDA holder among ``processes`` (device files, or the driver answering for the pid)."""
-        from hibernate.checkpoint.detect import survey
-
-        found = survey(list(dict.fromkeys(processes)), self.checkpointer)
+        found = detect.survey(list(dict.fromkeys(processes)), self.checkpointer)
         self.skipped = found.skipped
         self.holders = list(dict.fromkeys(h.identity for h in found.holders))
         return found
@@ -96,8 +94,6 @@ class CudaStage:
         ``themselves``: holders that checkpoint themselves after the memory steps (vLLM workers with
         HIBERNATE_SELF_CHECKPOINT=1); ``--checkpointer none`` cannot keep them from it, so it refuses.
         """
-        from hibernate.checkpoint.phase import check_sleepable
-
         if self.pools_only:
             if themselves:
                 raise UsageError(
@@ -124,8 +120,6 @@ class CudaStage:
 
     def _require_nccl_settings(self, pids: Sequence[int]) -> None:
         """Refuse a sleep of several CUDA processes that may share CUDA IPC memory (unless --force)."""
-        from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, multi_process_traps
-
         if self.options.force:
             return
         traps = multi_process_traps(pids, procinfo.environment, procinfo.command_line)
@@ -159,16 +153,12 @@ class CudaStage:
 
     def read_gpus_before(self) -> None:
         """Read every GPU before the sleep changes anything (NVML; nothing where it cannot be read)."""
-        from hibernate.checkpoint import nvml
-
         self._gpus_before = nvml.snapshot()
 
     def given_back(
         self, processes: Sequence[int], pool_bytes: Mapping[int, Mapping[str, int]]
     ) -> list[dict[str, Any]] | None:
         """Per GPU, ``used`` before and after the sleep beside the pools' bytes there; None without NVML."""
-        from hibernate.checkpoint import nvml
-
         before = self._gpus_before
         after = nvml.snapshot() if before is not None else None
         if before is None or after is None:
@@ -191,9 +181,6 @@ class CudaStage:
         ``cuda-lock``; not reached when no holder is driven); if it raises, the
         stage is undone like any failure.
         """
-        from hibernate.checkpoint.detect import Holder, nvidia_device_files
-        from hibernate.checkpoint.phase import CudaPhase
-
         if self.pools_only:
             self.slept = True
             return self._left_report()
@@ -210,13 +197,15 @@ class CudaStage:
         waited = [ident for ident in self.holders if ident.pid in themselves]
         report: dict[str, Any] = {"status": "none (skipped)", "processes": []}
         if driven:
-            holders = [Holder(ident, nvidia_device_files(ident.pid), None) for ident in driven]
+            holders = [detect.Holder(ident, detect.nvidia_device_files(ident.pid), None) for ident in driven]
 
             def after_step(step: str) -> None:
                 if step == "lock":
                     after_lock()
 
-            report = CudaPhase(checkpointer, self.options.cuda_timeouts, after_step=after_step).sleep(holders)
+            report = GroupCheckpoint(checkpointer, self.options.cuda_timeouts, after_step=after_step).sleep(
+                holders
+            )
         if waited:
             report = self._await_themselves(checkpointer, waited, report)
         self.slept = True
@@ -291,9 +280,6 @@ class CudaStage:
 
     def gpu_map(self, holders: Sequence[Any]) -> dict[str, str] | None:
         """``--device-map`` as GPU UUIDs, refused unless it covers every GPU a checkpointed holder was on."""
-        from hibernate.checkpoint import nvml, records, room
-        from hibernate.checkpoint.base import CudaState
-
         if not self.options.device_map:
             return None
         snapshot = nvml.snapshot()
@@ -323,8 +309,6 @@ class CudaStage:
 
     def _pool_needs(self, pool_bytes: Mapping[int, Mapping[str, int]]) -> tuple[Any, list[int]]:
         """What each process's pools will map back per GPU UUID, and the processes that cannot be placed."""
-        from hibernate.checkpoint import nvml
-
         if not any(pool_bytes.values()):
             return {}, []
         return self._placed(pool_bytes, nvml.snapshot())
@@ -332,8 +316,6 @@ class CudaStage:
     @staticmethod
     def _placed(pool_bytes: Mapping[int, Mapping[str, int]], snapshot: Any) -> tuple[Any, list[int]]:
         """Pool bytes per process and GPU UUID (placed through CUDA_VISIBLE_DEVICES), and the unplaced."""
-        from hibernate.checkpoint import room
-
         wanted = {pid: dict(devices) for pid, devices in pool_bytes.items() if devices}
         if not wanted:
             return {}, []
@@ -344,9 +326,6 @@ class CudaStage:
 
     def _check_pools(self, pools: tuple[Any, list[int]], report: dict[str, Any]) -> dict[str, Any]:
         """Without a CUDA restore, the pools' own remap is checked the same way (free memory per GPU)."""
-        from hibernate.checkpoint import nvml
-        from hibernate.checkpoint.phase import refuse_without_room, room_check
-
         needs, unknown = pools
         if not needs and not unknown:
             return report
@@ -372,10 +351,6 @@ class CudaStage:
         map back afterwards: the free-memory check counts it on each GPU, with
         the CUDA state or, where nothing is restored, alone.
         """
-        from hibernate.checkpoint import records
-        from hibernate.checkpoint.base import CudaState
-        from hibernate.checkpoint.phase import CudaPhase
-
         pools = self._pool_needs(pool_bytes or {})
 
         checkpointer = self.checkpointer
@@ -415,7 +390,7 @@ class CudaStage:
             if step == "restore":
                 after_restore()
 
-        phase = CudaPhase(
+        group = GroupCheckpoint(
             checkpointer,
             self.options.cuda_timeouts,
             after_step=after_step,
@@ -423,5 +398,5 @@ class CudaStage:
             gpu_map=self.gpu_map(found.holders) if restoring else None,
             pools=pools if restoring else ({}, []),
         )
-        report = {**phase.wake(found.holders), **alone}
+        report = {**group.wake(found.holders), **alone}
         return self._with_skipped(report)

@@ -226,7 +226,7 @@ def sleep(
     """Put every target to sleep as one: memory to ``directory``, then the CUDA state off the GPU."""
     sink = sink or ProgressSink()
     started = time.perf_counter()
-    sink.phase("connect")
+    sink.step("connect")
     ctx = Context("sleep", options, sink)
     targets = resolve(pids, all_users=options.all_users)
     units = plan_units(ctx, targets)
@@ -274,7 +274,7 @@ def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None
 
 def _wake(pids: Sequence[int], options: Options, sink: ProgressSink, *, recovering: bool) -> WakeReport:
     started = time.perf_counter()
-    sink.phase("connect")
+    sink.step("connect")
     ctx = Context("wake", options, sink, recovering=recovering)
     units = plan_units(ctx, resolve(pids, all_users=options.all_users))
     for unit in units:
@@ -315,7 +315,7 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
         records.append(
             UnitRecord(
                 op=entry["op"] if entry else None,
-                phases=tuple(entry["phases"]) if entry else (),
+                marks=tuple(entry["phases"]) if entry else (),
                 last_memory_step=last,
                 asleep=unit.asleep_now(),
             )

@@ -1,12 +1,12 @@
 """The journal and the per-target lock: how a killed ``hibernate`` command is survived.
 
-Before each phase of a sleep or wake moves on, the orchestrator records (temp
+Before each step of a sleep or wake moves on, the orchestrator records (temp
 file, rename: a reader sees a whole entry or none) what it set out to do and
-which phases are complete, in one entry per process it acts on. Entries are
+which steps are complete (its *marks*), in one entry per process it acts on. Entries are
 not fsynced: they must outlive a killed command, which the page cache does,
 and they mean nothing after the machine goes down, when the processes they
 describe are gone too (the next command sweeps them). On the disk measured,
-two fsyncs per entry per phase cost 0.2 s of a four-process sleep. The entry sits
+two fsyncs per entry per step cost 0.2 s of a four-process sleep. The entry sits
 beside the process's agent socket, so any later command, whoever runs it,
 finds it. ``hibernate status`` shows an unfinished entry with the command that
 resolves it; ``hibernate wake`` and ``hibernate recover`` read it.
@@ -60,7 +60,7 @@ class Entry:
     members: list[list[int]]  # every agent of the operation: [pid, start_time]
     cuda_holders: list[list[int]]  # every CUDA holder of the operation: [pid, start_time]
     checkpointer: str | None = None
-    phases: list[str] = field(default_factory=list)  # completed, in order
+    marks: list[str] = field(default_factory=list)  # the steps completed, in order ("phases" on disk)
     started_unix: float = field(default_factory=time.time)
     version: int = JOURNAL_VERSION
 
@@ -69,11 +69,13 @@ class Entry:
         return ProcessIdentity(self.pid, self.start_time)
 
     @property
-    def last_phase(self) -> str | None:
-        return self.phases[-1] if self.phases else None
+    def last_mark(self) -> str | None:
+        return self.marks[-1] if self.marks else None
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        wire = asdict(self)
+        wire["phases"] = wire.pop("marks")  # the file's key since its first version
+        return wire
 
 
 def _int_pairs(value: object) -> list[list[int]]:
@@ -109,7 +111,7 @@ def parse_entry(data: bytes) -> Entry:
         members=_int_pairs(raw.get("members", [])),
         cuda_holders=_int_pairs(raw.get("cuda_holders", [])),
         checkpointer=checkpointer if isinstance(checkpointer, str) else None,
-        phases=list(phases),
+        marks=list(phases),
         started_unix=float(started) if isinstance(started, (int, float)) else 0.0,
     )
 
@@ -131,8 +133,8 @@ class Journal:
         finally:
             os.close(fd)
 
-    def mark(self, entry: Entry, phase: str) -> None:
-        entry.phases.append(phase)
+    def mark(self, entry: Entry, step: str) -> None:
+        entry.marks.append(step)
         self.record(entry)
 
     def load(self, ident: ProcessIdentity) -> Entry | None:

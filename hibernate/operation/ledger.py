@@ -136,10 +136,10 @@ def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
         return None
     holder = TargetLock(ref.socket.parent, ref.identity).holder()
     if holder is not None:
-        return {"op": entry.op, "phases": entry.phases, "in_progress": holder}
+        return {"op": entry.op, "phases": entry.marks, "in_progress": holder}
     return {
         "op": entry.op,
-        "phases": entry.phases,
+        "phases": entry.marks,
         "cli_pid": entry.cli_pid,
         "since_unix": entry.started_unix,
         "resolve": f"hibernate recover {ref.pid}",

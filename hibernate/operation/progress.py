@@ -1,4 +1,4 @@
-"""Where an operation tells its caller what it does: phases, bytes moved, and notes."""
+"""Where an operation tells its caller what it does: the label of each step, bytes moved, and notes."""
 
 from __future__ import annotations
 
@@ -8,24 +8,24 @@ from typing import Any
 
 
 class ProgressSink:
-    """Receives phase changes, byte counts and notes; the CLI renders them, the default ignores them."""
+    """Receives step labels, byte counts and notes; the CLI renders them, the default ignores them."""
 
-    def phase(self, name: str) -> None:
-        """A new phase begins."""
+    def step(self, label: str) -> None:
+        """A step begins (``label`` is how it is shown: ``spill``, ``vllm-sleep 1234``)."""
 
-    def transfer(self, phase: str, done: int, total: int) -> None:
+    def transfer(self, label: str, done: int, total: int) -> None:
         """Bytes moved so far in a spill or restore, summed over every process."""
 
     def note(self, message: str) -> None:
-        """Something the user should know that is not a phase (a change of plan, a warning)."""
+        """Something the user should know that is not a step (a change of plan, a warning)."""
 
 
 class ByteCounter:
     """Sums the progress of several agents transferring at once."""
 
-    def __init__(self, sink: ProgressSink, phase: str, on_first: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, sink: ProgressSink, label: str, on_first: Callable[[], None] = lambda: None) -> None:
         self._sink = sink
-        self._phase = phase
+        self._label = label
         self._on_first = on_first
         self._lock = threading.Lock()
         self._done: dict[int, int] = {}
@@ -37,7 +37,7 @@ class ByteCounter:
                 self._done[pid] = int(event.get("done", 0))
                 self._total[pid] = int(event.get("total", 0))
                 done, total = sum(self._done.values()), sum(self._total.values())
-            self._sink.transfer(self._phase, done, total)
+            self._sink.transfer(self._label, done, total)
             self._on_first()
 
         return update

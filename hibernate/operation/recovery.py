@@ -25,7 +25,7 @@ class UnitRecord:
     """One unit as recovery sees it."""
 
     op: str | None  # the interrupted operation its journal names; None: no entry
-    phases: tuple[str, ...]  # the boundaries its journal marked, in order
+    marks: tuple[str, ...]  # the steps its journal marked done, in order
     last_memory_step: str  # the name of its flow's last sleep step before the CUDA stage
     asleep: bool  # every process of it that holds memory is asleep now
 
@@ -38,8 +38,8 @@ def decide(units: Sequence[UnitRecord]) -> tuple[Action, str | None]:
     op = pending[0].op
     every_asleep = all(u.asleep for u in units)
     if op == "sleep" and every_asleep:
-        if all(u.phases and u.phases[-1] == "cuda" for u in pending):
+        if all(u.marks and u.marks[-1] == "cuda" for u in pending):
             return Action.CLEAR, op
-        if all(u.op == "sleep" and u.last_memory_step in u.phases for u in units):
+        if all(u.op == "sleep" and u.last_memory_step in u.marks for u in units):
             return Action.FINISH_SLEEP, op
     return Action.WAKE, op

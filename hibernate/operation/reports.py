@@ -6,20 +6,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-def _io_seconds(phase: dict[str, Any]) -> float | None:
+def _io_seconds(answer: dict[str, Any]) -> float | None:
     """The store's own transfer time within a spill or restore; None where the agent did not say."""
-    value = phase.get("io_seconds")
+    value = answer.get("io_seconds")
     return round(float(value), 6) if isinstance(value, (int, float)) else None
 
 
-def _staging_bytes(phase: dict[str, Any]) -> int | None:
+def _staging_bytes(answer: dict[str, Any]) -> int | None:
     """The staging memory a spill or restore allocated (its share of --buffer-mb, or less)."""
-    value = phase.get("staging_bytes")
+    value = answer.get("staging_bytes")
     return int(value) if isinstance(value, int) else None
 
 
-def _phase_seconds(phases: dict[str, Any]) -> dict[str, float]:
-    return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in phases.items() if isinstance(v, dict)}
+def _step_seconds(answers: dict[str, Any]) -> dict[str, float]:
+    return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in answers.items() if isinstance(v, dict)}
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ProcessSleep:
     rss_before: Any
     rss_after: Any
     pools: list[Any]
-    phases: dict[str, float]
+    phases: dict[str, float]  # seconds of each step ("phases" in the JSON reports)
     # Defaulted: a node-step document written before these fields existed still reads back.
     resident_bytes: int = 0  # partial edge pages of host memory freed in place (hibernate.pools.hostpages)
     warnings: list[str] = field(default_factory=list)  # what the sleep left in memory, and why
@@ -54,13 +54,13 @@ class ProcessSleep:
     reused_unread_bytes: int = 0
 
     @classmethod
-    def from_phases(cls, pid: int, name: Any, phases: dict[str, dict[str, Any]]) -> ProcessSleep:
-        """GB/s is the bytes written over the whole spill phase (``seconds``), not over the store's
+    def from_answers(cls, pid: int, name: Any, answers: dict[str, dict[str, Any]]) -> ProcessSleep:
+        """GB/s is the bytes written over the whole spill step (``seconds``), not over the store's
         transfer alone (``io_seconds``): with many small tensors the work around the writes is most of
-        the phase, and a rate that left it out would promise what no sleep delivers.
+        the step, and a rate that left it out would promise what no sleep delivers.
         """
-        spill = phases.get("spill", {})
-        release = phases.get("release", {})
+        spill = answers.get("spill", {})
+        release = answers.get("release", {})
         written = int(spill.get("written_bytes", 0))
         spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
         return cls(
@@ -85,7 +85,7 @@ class ProcessSleep:
             rss_before=release.get("rss_before"),
             rss_after=release.get("rss_after"),
             pools=spill.get("pools", []),
-            phases=_phase_seconds(phases),
+            phases=_step_seconds(answers),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -107,14 +107,14 @@ class ProcessWake:
     staging_bytes: int | None
     rss_before: Any
     rss_after: Any
-    phases: dict[str, float]
+    phases: dict[str, float]  # seconds of each step ("phases" in the JSON reports)
 
     @classmethod
-    def from_phases(
-        cls, pid: int, name: Any, snapshot: Any, phases: dict[str, dict[str, Any]]
+    def from_answers(
+        cls, pid: int, name: Any, snapshot: Any, answers: dict[str, dict[str, Any]]
     ) -> ProcessWake:
-        """GB/s is over the whole restore phase, as in :meth:`ProcessSleep.from_phases`."""
-        restore = phases.get("restore", {})
+        """GB/s is over the whole restore step, as in :meth:`ProcessSleep.from_answers`."""
+        restore = answers.get("restore", {})
         total = int(restore.get("total_bytes", 0))
         restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
         return cls(
@@ -129,7 +129,7 @@ class ProcessWake:
             staging_bytes=_staging_bytes(restore),
             rss_before=restore.get("rss_before"),
             rss_after=restore.get("rss_after"),
-            phases=_phase_seconds(phases),
+            phases=_step_seconds(answers),
         )
 
     def to_wire(self) -> dict[str, Any]:

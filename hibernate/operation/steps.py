@@ -4,7 +4,7 @@ A step is a name, a ``run`` and an optional ``undo``, each a function of the
 step's owner (a unit, or the operation itself). The runner shows each step,
 journals it as passed (for its owner's processes) and fires its fault point
 ``<op>.after-<name>``; a step that reports progress also has
-``<op>.during-<name>``. Fault points and journal phases are therefore derived
+``<op>.during-<name>``. Fault points and journal marks are therefore derived
 from the step lists (:func:`fault_points`), never written out by hand.
 
 On a failure the runner lets the step's owner say where it happened, then
@@ -35,7 +35,7 @@ class Step:
     undo: Callable[[Any, BaseException], None] | None = None
     inner: tuple[str, ...] = ()  # boundaries the step passes (and journals) itself, before its own
     during: bool = False  # reports progress: a fault point inside it
-    shown: bool = True  # announced to the progress sink as a phase
+    shown: bool = True  # announced to the progress sink by its label
 
     def boundaries(self) -> tuple[str, ...]:
         return (*self.inner, self.name)
@@ -68,7 +68,7 @@ def run_steps(plan: Sequence[tuple[Step, StepOwner]], ledger: Ledger, sink: Prog
     for step, owner in plan:
         try:
             if step.shown:
-                sink.phase(owner.label(step.name))
+                sink.step(owner.label(step.name))
             step.run(owner)
             ledger.passed(step.name, owner.scope)
         except BaseException as exc:

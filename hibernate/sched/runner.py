@@ -4,7 +4,7 @@
 
 The wrapper starts the command as its child and waits for it. When the sleep
 signal arrives (Slurm's ``--signal=B:USR1@120`` warning, or ``kill -USR1``),
-it puts the child's whole process tree to sleep from outside, CUDA phase
+it puts the child's whole process tree to sleep from outside, CUDA stage
 included; the wake signal (or ``hibernate wake <pid>`` from anywhere) wakes it.
 SIGTERM and SIGHUP are passed on to the child; the wrapper exits with the
 child's status. The child is told (HIBERNATE_SIGNALS_HANDLED_BY) to ignore the

@@ -12,7 +12,7 @@ from typing import Any
 
 from hibernate import orchestrator, procinfo
 from hibernate.checkpoint import nvml, records
-from hibernate.checkpoint.phase import HEADROOM_BYTES
+from hibernate.checkpoint.group import HEADROOM_BYTES
 from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
 from hibernate.flows.members import holds_leases
 from hibernate.operation import targets

@@ -1,4 +1,4 @@
-"""The CUDA phase of sleep and wake, across every CUDA holder of every target.
+"""One checkpoint of a group of processes: every CUDA holder of every target, done and undone together.
 
     sleep: lock ALL (each with a timeout) -> checkpoint ALL
     wake:  check free GPU memory -> restore ALL -> unlock ALL
@@ -307,8 +307,8 @@ class _Tracked:
         }
 
 
-class CudaPhase:
-    """Runs the CUDA phase with one checkpointer; GPU readings and records are injectable seams."""
+class GroupCheckpoint:
+    """A group's checkpoint or restore with one checkpointer; GPU readings and records are seams."""
 
     def __init__(
         self,
