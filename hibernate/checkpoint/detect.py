@@ -35,6 +35,7 @@ from hibernate.checkpoint import HELPER_ENV
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState
 from hibernate.checkpoint.curesult import CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED
 from hibernate.procinfo import ProcessIdentity
+from hibernate.threads import run_each
 
 _NVIDIA_DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl|-uvm)$")
 # What the driver answers for a pid with no CUDA state to checkpoint.
@@ -102,8 +103,6 @@ def survey(pids: Sequence[int], checkpointer: Checkpointer | None) -> Survey:
     device files but whose state the driver cannot tell: hibernate must not
     go on without knowing it.
     """
-    from hibernate.checkpoint.threads import run_each
-
     me = os.getpid()  # a process cannot lock itself: never a holder to drive
     identities = {pid: procinfo.identity(pid) for pid in dict.fromkeys(pids) if pid != me}
     result = Survey()
@@ -126,7 +125,7 @@ def survey(pids: Sequence[int], checkpointer: Checkpointer | None) -> Survey:
             if devices[pid] and ident is not None:
                 result.holders.append(Holder(ident, devices[pid], None))
         return result
-    outcomes = run_each(alive, checkpointer.state)
+    outcomes = dict(zip(alive, run_each(alive, checkpointer.state), strict=True))
     for pid in alive:
         ident = identities[pid]
         outcome = outcomes[pid]

@@ -31,8 +31,8 @@ from hibernate.checkpoint.base import (
     cuda_version_text,
 )
 from hibernate.checkpoint.curesult import CuError
-from hibernate.checkpoint.threads import Call, CallTimedOut, call_with_timeout
 from hibernate.errors import UnsupportedError, UsageError
+from hibernate.threads import Call, CallTimedOut, call_with_timeout
 
 LIBCUDA_ENV = "HIBERNATE_LIBCUDA"
 DEFAULT_LIBCUDA = "libcuda.so.1"

@@ -38,7 +38,6 @@ from typing import Any, NoReturn
 from hibernate.checkpoint import curesult, records, room
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.detect import Holder
-from hibernate.checkpoint.threads import run_each
 from hibernate.errors import (
     BusyError,
     CudaCheckpointError,
@@ -48,6 +47,7 @@ from hibernate.errors import (
     UnsupportedError,
     WrongStateError,
 )
+from hibernate.threads import run_each
 from hibernate.units import human_bytes
 
 # Room left on a GPU beyond what a process held when it was checkpointed.
@@ -356,7 +356,7 @@ class GroupCheckpoint:
             "restore": lambda pid: self.checkpointer.restore(pid, self.gpu_map),
             "unlock": self.checkpointer.unlock,
         }[step]
-        outcomes = run_each(list(pids), action)
+        outcomes = dict(zip(pids, run_each(pids, action), strict=True))
         done, errors = [], []
         for pid in pids:
             outcome = outcomes[pid]
@@ -372,7 +372,7 @@ class GroupCheckpoint:
 
     def _read_states(self, tracked: Mapping[int, _Tracked]) -> dict[int, CudaState | None]:
         """Each process's state as the driver tells it now (None where it cannot)."""
-        outcomes = run_each(list(tracked), self.checkpointer.state)
+        outcomes = dict(zip(tracked, run_each(list(tracked), self.checkpointer.state), strict=True))
         states: dict[int, CudaState | None] = {}
         for pid, outcome in outcomes.items():
             states[pid] = outcome.value if outcome.error is None else None

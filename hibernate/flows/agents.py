@@ -27,22 +27,21 @@ from hibernate.flows.members import (
     died_during_wake,
     hang_up,
     holds_leases,
-    parallel,
 )
 from hibernate.operation.options import share_staging
 from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target
-from hibernate.operation.unit import Context, Unit, skipped_entry
+from hibernate.operation.unit import Context, Unit, already_asleep, skipped_entry
+from hibernate.threads import run_each, values_or_first_error
 
 
 def describe_state(member: Member) -> str:
     status = member.answers["begin"]
     state = status.get("state")
     if state == "asleep":
-        where = (status.get("snapshot") or {}).get("path")
-        return f"process {member.pid} is already asleep" + (f" (snapshot {where})" if where else "")
+        return already_asleep(member.pid, (status.get("snapshot") or {}).get("path"))
     return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
 
 
@@ -118,14 +117,15 @@ class AgentsUnit(Unit):
         share = share_staging(self.ctx.options.io.buffer_mb, len(self.members))
         args = {"dir": str(self.ctx.spill_dir), **self.ctx.options.io.to_args(), "buffer_mb": share.buffer_mb}
         timeout = self.ctx.options.agent_timeout
-        parallel(
+        spill = run_each(
             self.members,
             lambda m: m.call("spill", args, progress=counter.for_member(m.pid), idle_timeout=timeout),
             at_once=share.at_once,
         )
+        values_or_first_error(spill)
 
     def release(self) -> None:
-        parallel(self.members, lambda m: m.call("release"))
+        values_or_first_error(run_each(self.members, lambda m: m.call("release")))
 
     def undo_sleep(self, error: BaseException) -> None:
         """Put every member back to running; NeedsRecoveryError if that fails too."""
@@ -188,7 +188,7 @@ class AgentsUnit(Unit):
                     failures.append((member, exc))
 
         if sleeping:
-            parallel(sleeping, restore, at_once=share.at_once)
+            values_or_first_error(run_each(sleeping, restore, at_once=share.at_once))
         if failures:
             self.resume()
             # A process that died is no longer asleep: its memory is gone, and no retry brings it back.

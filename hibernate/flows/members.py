@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,19 +185,3 @@ def connect_all(refs: Sequence[AgentRef], timeout: float) -> list[Member]:
 def hang_up(members: Sequence[Member]) -> None:
     for member in members:
         member.client.close()
-
-
-def parallel(members: Sequence[Member], work: Callable[[Member], object], at_once: int | None = None) -> None:
-    """Run ``work`` on every member, ``at_once`` at a time (default: all); re-raise the first failure
-    after all finish."""
-    if len(members) == 1:
-        work(members[0])
-        return
-    errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=max(1, min(len(members), at_once or len(members)))) as pool:
-        for future in [pool.submit(work, m) for m in members]:
-            exc = future.exception()
-            if exc is not None:
-                errors.append(exc)
-    if errors:
-        raise errors[0]

@@ -46,8 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +84,7 @@ from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target, find_agent, resolve
 from hibernate.operation.unit import Context, Unit
 from hibernate.procinfo import ProcessIdentity
+from hibernate.threads import run_each
 
 POOL = "vllm-cumem"  # the pool of a worker's CuMemAllocator allocations
 LEVELS = (
@@ -312,19 +312,6 @@ def wake_directly(ref: AgentRef, options: Options) -> dict[str, Any]:
     return {"restore": restore, "resume": resume}
 
 
-def _in_parallel(refs: Sequence[AgentRef], work: Callable[[AgentRef], Any]) -> dict[int, Any]:
-    """``work`` on every ref at once; each result, or the exception it raised, by pid."""
-    if not refs:
-        return {}
-    results: dict[int, Any] = {}
-    with ThreadPoolExecutor(max_workers=len(refs)) as pool:
-        futures = {ref.pid: pool.submit(work, ref) for ref in refs}
-        for pid, future in futures.items():
-            error = future.exception()
-            results[pid] = error if error is not None else future.result()
-    return results
-
-
 def _refuse_other_backend(server: Server) -> None:
     """A server started with another sleep-mode backend is refused before anything changes."""
     backend = flag_values(read_argv(server.pid)).get("--sleep-mode-backend")
@@ -409,16 +396,16 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     alive = [ref for ref in server.workers if procinfo.is_alive(ref.identity)]
     asleep = [ref for ref in alive if (_status(ref) or {}).get("state") == "asleep"]
     failures = []
-    for pid, outcome in _in_parallel(asleep, lambda ref: wake_directly(ref, options)).items():
-        if isinstance(outcome, BaseException):
-            ref = next(r for r in asleep if r.pid == pid)
+    for ref, outcome in zip(asleep, run_each(asleep, lambda ref: wake_directly(ref, options)), strict=True):
+        error = outcome.error
+        if error is not None:
             # A worker whose server died is on its way out (its agent goes first): give it as long
             # as a status call gets before calling its lost connection a failure.
-            gone = isinstance(outcome, (AgentConnectionLost, NoSuchProcessError))
+            gone = isinstance(error, (AgentConnectionLost, NoSuchProcessError))
             if gone and exits(ref.identity, within=STATUS_TIMEOUT_S):
                 continue
-            words = outcome.message if isinstance(outcome, HibernateError) else repr(outcome)
-            failures.append(f"process {pid}: {words}")
+            words = error.message if isinstance(error, HibernateError) else repr(error)
+            failures.append(f"process {ref.pid}: {words}")
     return failures
 
 
@@ -426,16 +413,16 @@ def _woken_directly(
     refs: Sequence[AgentRef], options: Options, woken: dict[int, dict[str, Any]]
 ) -> list[HibernateError]:
     failures: list[HibernateError] = []
-    for pid, outcome in _in_parallel(refs, lambda ref: wake_directly(ref, options)).items():
-        ref = next(r for r in refs if r.pid == pid)
-        if isinstance(outcome, HibernateError) and not procinfo.is_alive(ref.identity):
+    for ref, outcome in zip(refs, run_each(refs, lambda ref: wake_directly(ref, options)), strict=True):
+        error = outcome.error
+        if isinstance(error, HibernateError) and not procinfo.is_alive(ref.identity):
             failures.append(died_during_wake(ref))  # not asleep: gone, and its memory with it
-        elif isinstance(outcome, HibernateError):
-            failures.append(outcome.add_context(f"process {pid} stays asleep"))
-        elif isinstance(outcome, BaseException):
-            raise outcome
+        elif isinstance(error, HibernateError):
+            failures.append(error.add_context(f"process {ref.pid} stays asleep"))
+        elif error is not None:
+            raise error
         else:
-            woken[pid] = outcome
+            woken[ref.pid] = outcome.value  # type: ignore[assignment]
     return failures
 
 

@@ -31,7 +31,7 @@ from hibernate.operation.recovery import Action, UnitRecord, decide
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.operation.steps import Step, fault_points, run_steps
 from hibernate.operation.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
-from hibernate.operation.unit import Context, Unit
+from hibernate.operation.unit import Context, Unit, already_asleep
 
 # A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
 SHARED_DIR_MODE = 0o1777
@@ -237,7 +237,8 @@ def sleep(
         units = [u for u in units if u.refs]
         if not units:
             raise WrongStateError(
-                "nothing to put to sleep: " + "; ".join(_describe_skipped(s) for s in skipped)
+                "nothing to put to sleep: "
+                + "; ".join(already_asleep(s["pid"], s.get("snapshot")) for s in skipped)
             )
     for unit in units:
         unit.check()
@@ -259,11 +260,6 @@ def sleep(
         skipped=skipped,
         gpus=operation.cuda.given_back(_processes(units), _pool_bytes(units, state=None)),
     )
-
-
-def _describe_skipped(entry: dict[str, Any]) -> str:
-    where = entry.get("snapshot")
-    return f"process {entry['pid']} is already asleep" + (f" (snapshot {where})" if where else "")
 
 
 def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> WakeReport:

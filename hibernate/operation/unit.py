@@ -133,6 +133,11 @@ class Unit(ABC):
         return skipped
 
 
+def already_asleep(pid: object, snapshot: object = None) -> str:
+    """How a process found asleep is named, in a refusal or beside a sleep that skipped it."""
+    return f"process {pid} is already asleep" + (f" (snapshot {snapshot})" if snapshot else "")
+
+
 def skipped_entry(ref: AgentRef) -> dict[str, object]:
     return {
         "pid": ref.pid,

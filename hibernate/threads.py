@@ -1,4 +1,4 @@
-"""Calls that must not hold the CLI hostage: a timeout on a blocking call, and steps run side by side.
+"""Calls that must not hold the CLI hostage: a timeout on a blocking call, and work run side by side.
 
 A driver call (ctypes) cannot be interrupted, and a concurrent.futures worker
 is joined at interpreter exit, so one stuck call would keep ``hibernate`` from
@@ -6,13 +6,18 @@ ever exiting. These helpers use daemon threads: a call abandoned on timeout
 dies with the process instead. Until then it runs on: :class:`Call` is its
 handle, so the next call for the same process can wait for it rather than
 overlap it.
+
+:func:`run_each` is the one fan-out: a checkpointer's step over every process,
+an agent request over every agent of an operation, a direct wake of every
+vLLM worker. Each outcome keeps its own error, so a caller decides what one
+failure among many means.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -79,25 +84,39 @@ def call_with_timeout(func: Callable[[], T], timeout: float | None, name: str = 
     return call.result()
 
 
-def run_each(keys: Sequence[K], work: Callable[[K], T]) -> dict[K, Outcome[T]]:
-    """Run ``work(key)`` for every key at once and wait for all; each outcome keeps its own error."""
-    outcomes: dict[K, Outcome[T]] = {key: Outcome() for key in keys}
+def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None = None) -> list[Outcome[T]]:
+    """Run ``work(item)`` for every item, ``at_once`` at a time (default: all), and wait for all.
 
-    def run(key: K) -> None:
-        started = time.perf_counter()
-        try:
-            outcomes[key].value = work(key)
-        except BaseException as exc:
-            outcomes[key].error = exc
-        finally:
-            outcomes[key].seconds = time.perf_counter() - started
+    The outcomes are in the order of ``items``, each with its own value or error and seconds.
+    """
+    outcomes: list[Outcome[T]] = [Outcome() for _ in items]
+    slots = threading.BoundedSemaphore(max(1, at_once or len(items) or 1))
 
-    if len(keys) == 1:
-        run(keys[0])
+    def run(index: int) -> None:
+        with slots:
+            started = time.perf_counter()
+            try:
+                outcomes[index].value = work(items[index])
+            except BaseException as exc:  # kept in its outcome for the caller to judge
+                outcomes[index].error = exc
+            finally:
+                outcomes[index].seconds = time.perf_counter() - started
+
+    if len(items) == 1:
+        run(0)
         return outcomes
-    threads = [threading.Thread(target=run, args=(key,), daemon=True) for key in keys]
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(items))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     return outcomes
+
+
+def values_or_first_error(outcomes: Iterable[Outcome[T]]) -> list[T | None]:
+    """Every outcome's value, or the first error among them raised (once all have finished)."""
+    finished = list(outcomes)
+    for outcome in finished:
+        if outcome.error is not None:
+            raise outcome.error
+    return [outcome.value for outcome in finished]
