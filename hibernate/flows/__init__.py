@@ -3,6 +3,11 @@
 A flow is a :class:`hibernate.operation.unit.Unit` subclass in a module of its
 own, loaded only when a target of its kind is met. Adding a kind is that
 module plus one line here.
+
+    agents     plain agents: processes whose own agent moves their tagged pools
+    vllm       a vLLM server: its own endpoints move the workers' memory (one unit per server)
+    vllm_api   talking to a running vLLM server: where it listens, its sleep endpoints (stdlib only)
+    members    the connections to the agents taking part in an operation, shared by the flows
 """
 
 from hibernate.integrations import VLLM_KIND

@@ -28,4 +28,17 @@ Words, each with one meaning:
              checkpoint all; restore all, unlock all, undone together
 
 The JSON reports keep the key ``phases`` for the seconds of each step.
+
+    engine     sleep, wake, recover and status over any set of targets, as one unit
+    steps      steps declared as data, and the one runner that does them
+    unit       agents of one kind that move as one; what every kind must say about itself
+    registry   kinds of target, registered by name, loaded when met
+    targets    from pids to process trees, the agents in them and the CUDA holders
+    cuda       the CUDA stage
+    ledger     one operation's locks and journal entries
+    journal    the journal files and the per-target lock that survive a killed command
+    recovery   the one table of what an interrupted operation needs
+    options    what a caller may choose about one operation
+    progress   the sink a caller gets step labels, byte counts and notes on
+    reports    what a sleep, wake or recover reports, typed, and its JSON
 """
