@@ -57,21 +57,63 @@ def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:
     return found[0] if found else base / f"{label}-none"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = 0.02,
+    *,
+    process: Any = None,
+    detail: Callable[[], Any] | None = None,
+) -> Any:
     """Poll ``predicate`` until it returns something true, and return that.
 
     Tests order events by waiting for a real state (a file written, an agent's
     reported state, a thread's event), never by sleeping a guessed duration.
-    On timeout it fails naming ``what`` was awaited.
+    On timeout it fails naming ``what`` was awaited, followed by ``detail()``
+    (the state last seen, a log) where given. ``process`` (a Popen, or anything
+    with ``poll()``) is the one that should bring the state about: if it exits
+    first, the wait fails at once rather than running out its time.
     """
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+        if process is not None and process.poll() is not None:
+            failure = f"process {process.pid} exited ({process.poll()}) while waiting for {what}"
+        elif time.monotonic() > deadline:
+            failure = f"timed out after {timeout:g}s waiting for {what}"
+        else:
+            time.sleep(interval)
+            continue
+        raise AssertionError(failure if detail is None else f"{failure}:\n{detail()}")
+
+
+def stays_false(predicate: Callable[[], Any], seconds: float, what: str, interval: float = 0.02) -> None:
+    """Check that ``predicate`` stays false for a whole window of ``seconds``.
+
+    That something does not happen can only be watched for a while: the window
+    is the test's claim, chosen longer than the thing would take if it were
+    going to happen. ``what`` names the thing that must not happen; if it does,
+    the check fails at once with what ``predicate`` returned.
+    """
+    started = time.monotonic()
+    while True:
+        value = predicate()
+        elapsed = time.monotonic() - started
+        if value:
+            raise AssertionError(f"{what} after {elapsed:.2f}s of a {seconds:g}s window: {value!r}")
+        if elapsed >= seconds:
+            return
+        time.sleep(min(interval, seconds - elapsed))
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of process ``pid`` (/proc/PID/stat): ``T`` once a stop signal took it."""
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    return raw[raw.rindex(")") + 2]
 
 
 def as_user_prefix(uid: int | None) -> list[str]:
@@ -365,13 +407,7 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
                 )
         demo = Demo(proc, str(control), {}, log)
         started.append(demo)
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"demo exited: {log.read_text()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("demo did not become ready")
-            time.sleep(0.05)
+        wait_until(ready.exists, 120, "the demo to become ready", 0.05, process=proc, detail=log.read_text)
         demo.info = json.loads(ready.read_text())
         return demo
 

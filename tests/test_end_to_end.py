@@ -8,7 +8,7 @@ import pytest
 
 from hibernate.errors import ExitCode
 from hibernate.operation.options import share_staging
-from tests.conftest import spill_root_of
+from tests.conftest import spill_root_of, stays_false
 
 
 def kept_bytes(report: dict) -> int:
@@ -81,8 +81,7 @@ def test_infer_during_sleep_waits_for_wake(start_demo, cli, work_dir: Path) -> N
     answers: list[dict] = []
     waiter = threading.Thread(target=lambda: answers.append(demo.infer()))
     waiter.start()
-    waiter.join(timeout=1.0)
-    assert waiter.is_alive(), "inference ran while the process was asleep"
+    stays_false(lambda: not waiter.is_alive(), 1.0, "inference ran while the process was asleep")
     assert cli("wake", str(demo.pid), "--quiet").returncode == 0
     waiter.join(timeout=60)
     assert answers and answers[0]["digest"] == reference

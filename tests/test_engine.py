@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from hibernate.operation import registry
 from hibernate.operation.engine import sleep_points, wake_points
 from hibernate.operation.recovery import Action, UnitRecord, decide
 from tests import toy_flow
-from tests.conftest import CliResult
+from tests.conftest import CliResult, wait_until
 from tests.standins.world import GIB, World
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,10 +323,7 @@ def start_toy(runtime_dir: Path, toy_dir: Path, world: World) -> Iterator[Callab
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         started.append(proc)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the toy target did not start"
-            time.sleep(0.02)
+        wait_until(ready.exists, 60, "the toy target to start", process=proc)
         pid = int(json.loads(ready.read_text())["pid"])
         world.register(pid, nbytes=GIB)
         return pid

@@ -30,7 +30,7 @@ from hibernate.flows.vllm import VllmServerUnit
 from hibernate.operation.engine import sleep_points, wake_points
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader
-from tests.conftest import wait_until
+from tests.conftest import process_state, wait_until
 from tests.standins.world import GIB, World
 
 SLEEP_POINTS = sleep_points(AgentsUnit)
@@ -279,6 +279,7 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
     wait_until(lambda: "agent.quiesce" in trace.read_text().split(), 60, "the agent to start quiescing")
     os.kill(demo.pid, signal.SIGSTOP)  # ...and the process stops answering altogether
     try:
+        wait_until(lambda: process_state(demo.pid) == "T", 30, "the SIGSTOP to stop the demo")
         sleeper.join(timeout=60)
         result = outcome[0]
         assert result.returncode == ExitCode.TIMEOUT, result.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hibernate import orchestrator
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 TENSORS = 20000
 
@@ -69,11 +69,8 @@ def many_tensors(runtime_dir: Path, tmp_path: Path) -> Iterator[int]:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():  # the target writes it once its tensors are tracked
-            assert proc.poll() is None, "the target exited"
-            assert time.monotonic() < deadline, "the target did not become ready"
-            time.sleep(0.05)
+        # The target writes it once its tensors are tracked.
+        wait_until(ready.exists, 120, "the target to become ready", 0.05, process=proc)
         yield int(json.loads(ready.read_text())["pid"])
     finally:
         proc.kill()

@@ -16,7 +16,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import NOBODY, as_user_prefix, is_root, run_cli, source_root_for
+from tests.conftest import NOBODY, as_user_prefix, is_root, run_cli, source_root_for, wait_until
 
 needs_root = pytest.mark.skipif(not is_root(), reason="acting on another user's process needs root")
 
@@ -352,13 +351,12 @@ def launch(runtime_dir: Path) -> Iterator[Any]:
         proc = subprocess.Popen(["bash", "-c", "\n".join([*lines, "wait"])], stdout=subprocess.DEVNULL)
         launcher = Launcher(proc, [])
         started.append(launcher)
-        deadline = time.monotonic() + 120
-        for done in ready:
-            while not done.exists():
-                assert proc.poll() is None, "the launcher exited"
-                assert time.monotonic() < deadline, "a demo did not become ready"
-                time.sleep(0.05)
-            launcher.demos.append(json.loads(done.read_text()))
+        try:
+            wait_until(
+                lambda: all(done.exists() for done in ready), 120, "the demos to be ready", 0.05, process=proc
+            )
+        finally:  # those that started are stopped with the launcher, even if another did not
+            launcher.demos.extend(json.loads(done.read_text()) for done in ready if done.exists())
         return launcher
 
     yield start

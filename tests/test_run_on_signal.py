@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,11 @@ from tests.conftest import REPO, wait_until
 
 
 def wait_for_state(cli, pid: int, state: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         result = cli("status", str(pid), "--json")
-        if result.returncode == 0 and result.json()["agents"][0]["state"] == state:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"process {pid} did not become {state}")
+        return result.returncode == 0 and result.json()["agents"][0]["state"] == state
+
+    wait_until(reached, timeout, f"process {pid} to become {state}", 0.2)
 
 
 def signal_pending(pid: int, sig: int) -> bool:
@@ -75,10 +72,7 @@ def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert wrapper.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(ready.exists, 120, "the wrapped demo to become ready", 0.1, process=wrapper)
         child = json.loads(ready.read_text())["pid"]
         reference = request(str(control), "infer")["digest"]
 

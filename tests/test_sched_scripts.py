@@ -12,8 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,25 +19,10 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
+from tests.conftest import process_state, wait_until
 from tests.standins.slurm_fixtures import SCRIPTS, Cluster
 
 SHELL_SCRIPTS = sorted(p for p in SCRIPTS.iterdir() if p.is_file())
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def process_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        raw = f.read()
-    return raw[raw.rindex(")") + 2]
 
 
 def demo_command(scratch: Path, name: str, size_mb: int = 16) -> str:
@@ -109,7 +92,7 @@ class ScriptDemo:
 
 def ready_demo(slurm: Cluster, name: str, node: str) -> ScriptDemo:
     ready = slurm.scratch / f"{name}.ready"
-    info = json.loads(wait_until(f"{name} to start", lambda: ready.exists() and ready.read_text()))
+    info = json.loads(wait_until(lambda: ready.exists() and ready.read_text(), 90, f"{name} to start", 0.1))
     return ScriptDemo(info["pid"], str(slurm.scratch / f"{name}.sock"), {"node": node})
 
 
@@ -127,16 +110,22 @@ def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, w
     assert "hibernate run" in Path(f"/proc/{wrapper}/cmdline").read_text().replace("\0", " ")  # exec'd
 
     assert slurm.run(["scontrol", "suspend", str(job_id)]).returncode == 0
-    wait_until("SIGSTOP after the grace time", lambda: (slurm.world.job(job_id) or {}).get("stopped"))
+    # Stopped as the kernel sees it (T), not as the stand-in's record says: its flag is set once
+    # the SIGSTOP is sent, which is before either process has been scheduled to stop. Nothing else
+    # stops them: the wrapper and its server ignore the SIGTSTP that comes first.
+    wait_until(
+        lambda: process_state(server.pid) == "T" and process_state(wrapper) == "T",
+        120,
+        "both processes stopped by the SIGSTOP after the grace time",
+        0.1,
+        detail=lambda: {pid: process_state(pid) for pid in (server.pid, wrapper)},
+    )
     log = output.read_text()
     assert f"asleep: pid {server.pid}" in log, log  # asleep before the grace time ran out
-    # SIGSTOP is sent, not yet taken: a process shows T once it has been scheduled to stop.
-    stopped = lambda: process_state(server.pid) == "T" and process_state(wrapper) == "T"  # noqa: E731
-    wait_until("both processes stopped by the SIGSTOP", stopped, timeout=30)
     assert list(work_dir.glob("*/snap-*/manifest.json"))
 
     assert slurm.run(["scontrol", "resume", str(job_id)]).returncode == 0
-    wait_until("the wake on SIGCONT", lambda: f"awake: pid {server.pid}" in output.read_text())
+    wait_until(lambda: f"awake: pid {server.pid}" in output.read_text(), 90, "the wake on SIGCONT", 0.1)
     assert slurm.state(server) == "running"
     assert server.infer()["digest"] == reference
 
@@ -160,10 +149,12 @@ def test_a_training_job_sleeps_between_phases_on_every_node(slurm: Cluster) -> N
         },
     )
     trainers = [ready_demo(slurm, f"trainer-node{i}", f"node{i}") for i in range(2)]
-    wait_until("both phases", lambda: "phase 2: trainer awake" in output.read_text(), timeout=180)
+    wait_until(lambda: "phase 2: trainer awake" in output.read_text(), 180, "both phases", 0.1)
     for trainer in trainers:
         trainer.request("quit")
-    wait_until("the job to end", lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None)
+    wait_until(
+        lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 90, "the job to end", 0.1
+    )
     assert slurm.world.job(job_id)["exit_code"] == 0, output.read_text()
     for node in ("node0", "node1"):
         for phase in (1, 2):
@@ -187,7 +178,9 @@ def test_the_site_pair_frees_the_gpus_before_suspending_and_wakes_after_resuming
     suspended = slurm.run([str(SCRIPTS / "hibernate-suspend"), job_id, "--to", str(work_dir)], operator)
     assert suspended.returncode == 0, suspended.stderr
     assert slurm.world.job(job["job_id"])["state"] == "SUSPENDED"
-    wait_until("SIGSTOP", lambda: all(process_state(d.pid) == "T" for d in demos))
+    wait_until(
+        lambda: all(process_state(d.pid) == "T" for d in demos), 90, "both demos stopped by the suspend", 0.1
+    )
     for demo, before in zip(demos, resident, strict=True):
         assert demo.rss() < before - 12 * 2**20  # its 16 MiB of weights are on disk, not in memory
     assert sorted(p.name for p in work_dir.iterdir()) == ["node0", "node1"]

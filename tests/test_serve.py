@@ -32,7 +32,7 @@ from hibernate import orchestrator
 from hibernate.errors import ExitCode
 from hibernate.serve import httplog
 from tests import test_vllm_server as vllm_standin
-from tests.conftest import REPO, forkserver, wait_until
+from tests.conftest import REPO, forkserver, stays_false, wait_until
 from tests.standins.world import GIB, World
 
 # The stand-in vLLM server's fixture, offered to this module's tests under its own name.
@@ -602,12 +602,19 @@ def test_an_idle_backend_is_put_to_sleep_but_never_while_a_stream_is_open(
             body = json.dumps(completion("demo", stream=True, paced=True)).encode()
             async with session.post(proxy.url + "/v1/completions", data=body) as answer:
                 await answer.content.readuntil(b"\n\n")
-                # Open for three idle periods (an absence can only be watched for a while):
-                # the backend stays awake throughout.
-                for _ in range(30):
-                    status = await asyncio.to_thread(proxy.status)
-                    assert status["demo"]["state"] == "awake" and status["demo"]["in_flight"] == 1
-                    await asyncio.sleep(0.1)
+
+                def not_awake_with_the_stream() -> Any:
+                    backend = proxy.status()["demo"]
+                    return (backend["state"], backend["in_flight"]) != ("awake", 1) and backend
+
+                # Open for three idle periods: the backend stays awake throughout.
+                await asyncio.to_thread(
+                    stays_false,
+                    not_awake_with_the_stream,
+                    3,
+                    "the backend left awake with a stream open",
+                    0.1,
+                )
                 event = b""
                 while not event.endswith(b"[DONE]\n\n"):
                     await asyncio.to_thread(fetch, "POST", demo.url + "/demo/step")
@@ -637,9 +644,9 @@ def test_a_request_that_arrives_during_a_sleep_waits_for_it_then_wakes_the_backe
 
     async def during_the_sleep() -> tuple[int, bytes]:
         answer = asyncio.ensure_future(_fetch("POST", proxy.url + "/v1/completions", completion("demo")))
-        while (await asyncio.to_thread(proxy.status))["demo"]["waiting"] != 1:
-            assert not answer.done()
-            await asyncio.sleep(0.02)
+        waiting = lambda: answer.done() or proxy.status()["demo"]["waiting"] == 1  # noqa: E731
+        await asyncio.to_thread(wait_until, waiting, 30, "the request to wait for the sleep")
+        assert not answer.done()
         assert (await asyncio.to_thread(proxy.state, "demo")) == "sleeping"  # held while the sleep runs
         return await answer
 
@@ -752,8 +759,12 @@ def test_sigterm_stops_accepting_lets_a_stream_finish_and_leaves_the_backend_as_
             async with session.post(proxy.url + "/v1/completions", data=body) as stream:
                 received = await stream.content.readuntil(b"\n\n")
                 proxy.proc.send_signal(signal.SIGTERM)
-                while not await asyncio.to_thread(proxy.lines, "stopping: no new requests"):
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: proxy.lines("stopping: no new requests"),
+                    30,
+                    "the proxy to stop accepting",
+                )
                 with pytest.raises(aiohttp.ClientConnectionError):
                     await _fetch("GET", proxy.url + "/v1/models")  # no longer accepting
                 while not received.endswith(b"[DONE]\n\n"):

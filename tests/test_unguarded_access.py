@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import hibernate
 from hibernate.errors import HibernatingError
 from hibernate.pools import tensors as tensor_pool
 from hibernate.pools.tensors import StorageRegion
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,11 +111,9 @@ def _start_target(tmp_path: Path, mode: str, snapshot: Path, env: dict[str, str]
 
 
 def _wait_for(path: Path, proc: Any, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"target exited with {proc.returncode}: {proc.stdout.read()}"
-        assert time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.02)
+    # Its output is read once it has exited (reading it before would wait for that).
+    output = lambda: proc.stdout.read() if proc.poll() is not None else "(still running)"  # noqa: E731
+    wait_until(path.exists, timeout, f"the target to write {path.name}", process=proc, detail=output)
 
 
 def _check(report: dict[str, Any]) -> None:

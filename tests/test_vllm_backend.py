@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from hibernate.integrations.vllm import HibernateBackend
 from hibernate.pools.device import DeviceMemoryError
 from hibernate.pools.vllm import keeps
 from hibernate.store.layout import SpillRoot
-from tests.conftest import spill_root_of
+from tests.conftest import spill_root_of, wait_until
 from tests.standins.vllm_memory import (
     LAYOUT,
     HostDeviceMemory,
@@ -349,10 +348,9 @@ def test_with_self_checkpoint_the_checkpoint_follows_vllms_sleep_and_the_restore
             order.append(("device calls after suspend", None))
 
         worker_sleep()
-        deadline = time.monotonic() + 5
-        while len(order) < 3:
-            assert time.monotonic() < deadline, order
-            time.sleep(0.01)
+        wait_until(
+            lambda: len(order) >= 3, 5, "the checkpoint after suspend returned", 0.01, detail=lambda: order
+        )
         world.backend.resume()
         assert order == [
             ("wake", False),  # suspend first makes sure CUDA runs (it always does here)

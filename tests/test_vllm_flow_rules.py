@@ -57,6 +57,7 @@ from hibernate.integrations.self_checkpoint import (
     on_stack,
     wait_until_returned,
 )
+from tests.conftest import stays_false, wait_until
 from tests.standins.world import World
 
 # -- where the server listens --------------------------------------------------------------
@@ -334,7 +335,7 @@ def test_a_frame_is_on_the_stack_of_its_callees_only() -> None:
 
 
 def test_the_watcher_waits_until_the_caller_has_returned_and_can_be_called_off() -> None:
-    inside, leave = threading.Event(), threading.Event()
+    inside, leave, finish = threading.Event(), threading.Event(), threading.Event()
     captured: list[FrameType] = []
     thread_ids: list[int] = []
 
@@ -344,7 +345,7 @@ def test_the_watcher_waits_until_the_caller_has_returned_and_can_be_called_off()
         inside.set()
         leave.wait(10)
 
-    worker = threading.Thread(target=lambda: (caller(), time.sleep(0.5)))
+    worker = threading.Thread(target=lambda: (caller(), finish.wait(10)))
     worker.start()
     inside.wait(10)
     returned: list[bool] = []
@@ -352,11 +353,11 @@ def test_the_watcher_waits_until_the_caller_has_returned_and_can_be_called_off()
         target=lambda: returned.append(wait_until_returned(thread_ids[0], captured[0], threading.Event()))
     )
     watcher.start()
-    time.sleep(0.1)
-    assert not returned, "the caller is still running"
+    stays_false(lambda: returned, 0.1, "the watcher returned while the caller still runs")
     leave.set()
     watcher.join(5)
-    assert returned == [True], "the caller returned while its thread still runs"
+    assert returned == [True] and worker.is_alive(), "the caller returned while its thread still runs"
+    finish.set()
     worker.join()
     cancelled = threading.Event()
     cancelled.set()
@@ -397,10 +398,7 @@ def test_the_checkpoint_comes_only_after_the_caller_of_suspend_returned() -> Non
     events: list[str] = []
     _sleep_like_vllm(coordinator, events)
     events.append("returned")
-    deadline = time.monotonic() + 5
-    while not helper.calls:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: helper.calls, 5, "the checkpoint after the caller returned", 0.01)
     assert events == ["device calls after suspend", "returned"] and helper.calls == ["sleep"]
     assert coordinator.wake()["status"] == "restored"
     assert helper.calls == ["sleep", "wake"]
@@ -415,8 +413,8 @@ def test_a_wake_before_the_checkpoint_started_calls_it_off() -> None:
         coordinator.wake()  # the same caller never returned in between
 
     suspend_then_resume_in_one_call()
-    time.sleep(0.1)
     assert helper.calls == ["wake"]
+    stays_false(lambda: helper.calls[1:], 0.1, "the called-off checkpoint ran")
 
 
 def test_a_wake_during_the_checkpoint_waits_for_it_then_restores() -> None:
@@ -427,8 +425,7 @@ def test_a_wake_during_the_checkpoint_waits_for_it_then_restores() -> None:
     assert helper.in_sleep.wait(5)
     waking = threading.Thread(target=coordinator.wake)
     waking.start()
-    time.sleep(0.2)
-    assert helper.calls == [], "the wake waits for the checkpoint in flight"
+    stays_false(lambda: helper.calls, 0.2, "the wake called the helper before the checkpoint in flight ended")
     helper.hold.set()
     waking.join(5)
     assert helper.calls == ["sleep", "wake"]

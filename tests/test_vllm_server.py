@@ -36,7 +36,7 @@ from hibernate.errors import ExitCode
 from hibernate.flows.vllm import VllmServerUnit
 from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
-from tests.conftest import spill_root_of
+from tests.conftest import spill_root_of, wait_until
 from tests.standins.world import GIB, World
 
 VLLM_SLEEP_POINTS = sleep_points(VllmServerUnit)
@@ -167,12 +167,13 @@ def start_server(
         ]
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the stand-in server did not start:\n{log.read_text()}")
-            time.sleep(0.05)
+        try:
+            wait_until(
+                ready.exists, 120, "the stand-in server to start", 0.05, process=proc, detail=log.read_text
+            )
+        except AssertionError:
+            proc.kill()
+            raise
         server = FakeServer(proc, port, json.loads(ready.read_text()), log)
         started.append(server)
         for pid in server.workers:
@@ -392,10 +393,12 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     server.proc.wait(timeout=10)
     assert world.calls() == []
     # Its workers end with it (as vLLM's do); none is left asleep behind anyone's back.
-    deadline = time.monotonic() + 20
-    while any(ident is not None and procinfo.is_alive(ident) for ident in workers):
-        assert time.monotonic() < deadline, "the workers outlived their server"
-        time.sleep(0.1)
+    wait_until(
+        lambda: not any(ident is not None and procinfo.is_alive(ident) for ident in workers),
+        20,
+        "the workers to end with their server",
+        0.1,
+    )
     assert cli("ls", "--json").json()["agents"] == []
     nothing_left_to_clean(runtime_dir)
 
@@ -506,12 +509,17 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
 
     # Plain vLLM: no hibernate command at all.
     assert server.request("POST", "/sleep?level=1&mode=abort") == (200, {"status": "sleeping", "level": 1})
-    deadline = time.monotonic() + 30  # the checkpoint follows the answer: wait for it (and its log lines)
-    while [world.state(pid) for pid in server.workers] != ["checkpointed", "checkpointed"] or len(
-        world.calls()
-    ) < 4:
-        assert time.monotonic() < deadline, [world.state(pid) for pid in server.workers]
-        time.sleep(0.05)
+    # The checkpoint follows the answer: wait for it (and its log lines).
+    wait_until(
+        lambda: (
+            [world.state(pid) for pid in server.workers] == ["checkpointed", "checkpointed"]
+            and len(world.calls()) >= 4
+        ),
+        30,
+        "both workers to checkpoint themselves",
+        0.05,
+        detail=lambda: ([world.state(pid) for pid in server.workers], world.calls()),
+    )
     assert sorted((s, p) for _, s, p, _ in world.calls()) == sorted(
         [("lock", p) for p in server.workers] + [("checkpoint", p) for p in server.workers]
     )

@@ -11,14 +11,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from hibernate.checkpoint.nccl import NCCL_SAFE
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from tests.standins.world import Build, Tree, World, build
 
 TREE_TARGET = Path(__file__).resolve().parent / "tree_target.py"
@@ -66,12 +65,11 @@ def start_tree(runtime_dir: Path) -> Iterator[Callable[..., Tree]]:
         if agent:
             command.append("--agent")
         proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("tree target did not start")
-            time.sleep(0.02)
+        try:
+            wait_until(ready.exists, 120, "the tree target to start", process=proc)
+        except AssertionError:
+            proc.kill()
+            raise
         tree = Tree(proc, json.loads(ready.read_text())["children"])
         started.append(tree)
         return tree

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Demo
+from tests.conftest import REPO, Demo, wait_until
 from tests.standins.slurm_world import World, install_commands
 
 SCRIPTS = REPO / "scripts" / "slurm"
@@ -98,16 +97,9 @@ class Cluster:
             demo = Demo(proc, str(control), {}, log, {"node": node, "job": job_id, "ready": ready})
             started.append(demo)
             self.demos.append(demo)
-        deadline = time.monotonic() + 180
+        wait_until(lambda: all(ready_or_exited(demo) for demo in started), 180, "the demos to be ready", 0.05)
         for demo in started:
-            ready = demo.extra["ready"]
-            while not ready.exists():
-                if demo.proc.poll() is not None:
-                    raise RuntimeError(f"demo exited: {demo.log.read_text()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("demo did not become ready")
-                time.sleep(0.05)
-            demo.info = json.loads(ready.read_text())
+            demo.info = json.loads(demo.extra["ready"].read_text())
             if demo.extra["job"] is not None:
                 self.world.place(demo.extra["node"], demo.extra["job"], "extern", [demo.pid])
         return started
@@ -119,6 +111,15 @@ class Cluster:
         assert result.returncode == 0, result.stderr
         state: str = result.stdout and json.loads(result.stdout)["agents"][0]["state"]
         return state
+
+
+def ready_or_exited(demo: Demo) -> bool:
+    """Whether ``demo`` has written its ready file; a failure with its log if it exited first."""
+    if demo.extra["ready"].exists():
+        return True
+    if demo.proc.poll() is not None:
+        raise AssertionError(f"demo {demo.pid} exited ({demo.proc.returncode}):\n{demo.log.read_text()}")
+    return False
 
 
 def install_hibernate(bin_dir: Path) -> None:
