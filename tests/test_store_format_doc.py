@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import re
 
-from hibernate.store import directio, format, writer
-from hibernate.store.format import ChunkRef, Columns, FileIdentity, Manifest, Record, parse_manifest
+from hibernate.store import directio, writer
+from hibernate.store import manifest as format
 from hibernate.store.layout import MARKER_FORMAT, MARKER_NAME
+from hibernate.store.manifest import ChunkRef, Columns, FileIdentity, Manifest, Record
 from hibernate.store.owner import Owner
+from hibernate.store.parse import parse_manifest
 from tests.conftest import REPO
 
 DOC = (REPO / "docs" / "format.md").read_text()

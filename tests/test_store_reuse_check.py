@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, reusecheck, write_snapshot, writer
-from hibernate.store.format import ALIGNMENT, ChunkRef, parse_manifest
+from hibernate.store.manifest import ALIGNMENT, ChunkRef
+from hibernate.store.parse import parse_manifest
 from hibernate.store.writer import plan_staging
 from tests.test_store_roundtrip import BytesRegion
 

@@ -27,7 +27,7 @@ from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store import writer as writer_module
-from hibernate.store.format import ALIGNMENT, ChunkColumns, align_up
+from hibernate.store.manifest import ALIGNMENT, ChunkColumns, align_up
 from hibernate.store.reader import _file_order
 from hibernate.store.writer import PACKED_ALIGNMENT
 

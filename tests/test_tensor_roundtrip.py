@@ -188,7 +188,8 @@ def test_bad_tag_is_refused(fresh_agent) -> None:
 def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
     """The writer skips checking a PlainMeta: every meta the tensor pool builds must pass the full check."""
     from hibernate.pools.tensors import TensorPool
-    from hibernate.store.format import PlainMeta, _is_plain, check_meta
+    from hibernate.store.manifest import PlainMeta
+    from hibernate.store.parse import _is_plain, check_meta
 
     base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     model = torch.nn.Linear(4, 3)

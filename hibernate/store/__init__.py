@@ -1,7 +1,7 @@
 """Snapshots on disk: format, atomic publish, and a writer and reader at disk speed."""
 
-from hibernate.store.format import Manifest, Record
 from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import Manifest, Record
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import ReadResult, SnapshotReader, verify_snapshot
 from hibernate.store.regions import Region

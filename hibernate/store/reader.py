@@ -35,6 +35,7 @@ from hibernate.errors import (
     StorageError,
 )
 from hibernate.fsutil import open_dir
+from hibernate.gcpause import gc_paused
 from hibernate.store import bulk
 from hibernate.store.directio import (
     DIRECT,
@@ -46,20 +47,19 @@ from hibernate.store.directio import (
     populate,
     read_views,
 )
-from hibernate.store.format import (
+from hibernate.store.hugepages import huge_pages_pay_off
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import (
     ALIGNMENT,
     ChunkColumns,
     Columns,
     Manifest,
     Record,
     WrittenRecords,
-    check_meta,
-    gc_paused,
     meta_text,
     plain_meta,
 )
-from hibernate.store.hugepages import huge_pages_pay_off
-from hibernate.store.layout import SpillRoot
+from hibernate.store.parse import check_meta
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
 from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for

@@ -3,7 +3,7 @@
 A re-sleep refers to a chunk of the previous snapshot instead of writing it
 again when the process still holds the same bytes (equal checksum) and the
 file that holds them is the very file the last wake read (its identity, see
-format.FileIdentity, is unchanged). The identity proves that nobody changed
+manifest.FileIdentity, is unchanged). The identity proves that nobody changed
 the file through the filesystem; it proves nothing of the medium. Bytes that
 change below the filesystem (a failing sector, a write to the block device or
 to a disk image) leave the identity as it was, and a re-sleep that trusted
@@ -55,7 +55,7 @@ from hibernate.store.directio import (
     open_data_file,
     read_views,
 )
-from hibernate.store.format import ALIGNMENT, ChunkRef, align_up
+from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up
 from hibernate.store.pipeline import Pipeline
 
 # One read request (or one chunk's pages, if larger), as a wake's (see reader._READ_REQUEST_BYTES).

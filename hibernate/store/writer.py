@@ -60,6 +60,7 @@ from typing import Any, cast
 from hibernate import faults
 from hibernate.errors import AbortedError, SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.fsutil import free_bytes, write_file_atomic
+from hibernate.gcpause import gc_paused
 from hibernate.store import bulk
 from hibernate.store.directio import (
     BUFFERED,
@@ -73,7 +74,8 @@ from hibernate.store.directio import (
     finish_write,
     write_views,
 )
-from hibernate.store.format import (
+from hibernate.store.layout import SpillRoot, punch_unused
+from hibernate.store.manifest import (
     ALIGNMENT,
     MANIFEST_NAME,
     MAX_CHUNK_BYTES,
@@ -85,14 +87,11 @@ from hibernate.store.format import (
     Manifest,
     PlainMeta,
     align_up,
-    check_region,
     checksum,
-    gc_paused,
     meta_text,
-    regions_plain,
     snapshot_name,
 )
-from hibernate.store.layout import SpillRoot, punch_unused
+from hibernate.store.parse import check_region, regions_plain
 from hibernate.store.pipeline import Pipeline
 from hibernate.store.regions import Region
 from hibernate.store.reusecheck import READ_REQUEST_BYTES, Outcome, ReuseCheck, pages_bound
@@ -877,7 +876,7 @@ def _described(regions: Sequence[Region]) -> Described:
 def _own_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
     """A region's meta as its record keeps it: a copy, but for a PlainMeta, which its maker built for this.
 
-    A PlainMeta stays one, so the manifest's meta text takes the fast encoding (see format.meta_text).
+    A PlainMeta stays one, so the manifest's meta text takes the fast encoding (see manifest.meta_text).
     """
     return meta if type(meta) is PlainMeta else dict(meta)
 
