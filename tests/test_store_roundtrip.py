@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store import writer as writer_module
+from hibernate.store import reuse as reuse_module
+from hibernate.store.arena import PACKED_ALIGNMENT
 from hibernate.store.manifest import ALIGNMENT, ChunkColumns, align_up
 from hibernate.store.reader import _file_order
-from hibernate.store.writer import PACKED_ALIGNMENT
 
 KiB = 1024
 
@@ -189,7 +189,7 @@ def test_a_known_previous_snapshot_is_used_only_while_it_is_the_newest(
     scratch: Path, manifest_reads: list[str]
 ) -> None:
     """What a caller keeps from a wake saves the parse; a stale one is set aside for the disk's newest."""
-    from hibernate.store.writer import ReuseSource
+    from hibernate.store.reuse import ReuseSource
 
     a = BytesRegion("w/a", "w", os.urandom(40 * KiB))
     first = write(scratch, [a])
@@ -265,13 +265,13 @@ def test_an_unchanged_resleep_trims_nothing_and_a_changed_one_still_does(
     b = BytesRegion("w/b", "w", os.urandom(64 * KiB))
     same_as_a = BytesRegion("w/c", "w", bytes(a.data))  # its chunks refer to a's: not indexed twice
     walks: list[int] = []
-    real = writer_module._used_ranges
+    real = reuse_module._used_ranges
 
     def counted(chunks: Any, links: list[str]) -> Any:
         walks.append(len(chunks))
         return real(chunks, links)
 
-    monkeypatch.setattr(writer_module, "_used_ranges", counted)
+    monkeypatch.setattr(reuse_module, "_used_ranges", counted)
     write(scratch, [a, b])
     walks.clear()  # a first sleep has no links: its walk finds nothing to do
     size = stored(scratch)

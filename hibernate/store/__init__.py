@@ -2,10 +2,12 @@
 
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Manifest, Record
+from hibernate.store.options import WriteOptions
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import ReadResult, SnapshotReader, verify_snapshot
 from hibernate.store.regions import Region
-from hibernate.store.writer import ReuseSource, WriteOptions, WriteResult, write_snapshot
+from hibernate.store.reuse import ReuseSource
+from hibernate.store.writer import WriteResult, write_snapshot
 
 __all__ = [
     "Manifest",

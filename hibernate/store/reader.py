@@ -37,6 +37,7 @@ from hibernate.errors import (
 from hibernate.fsutil import open_dir
 from hibernate.gcpause import gc_paused
 from hibernate.store import bulk
+from hibernate.store.arena import ARENAS, arena_bytes_for
 from hibernate.store.directio import (
     DIRECT,
     DataFile,
@@ -60,9 +61,8 @@ from hibernate.store.manifest import (
     plain_meta,
 )
 from hibernate.store.parse import check_meta
-from hibernate.store.pipeline import Pipeline
+from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
 from hibernate.store.regions import Region
-from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
 
 # One read request and one staging buffer (or the largest chunk, if larger). With
 # huge-page staging (see StagingBuffer) the disk gets its largest requests whatever
