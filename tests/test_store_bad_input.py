@@ -22,9 +22,11 @@ import torch
 
 from hibernate.errors import SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.pools.tensors import TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords, body_checksum
-from hibernate.store.writer import check_regions
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import check_regions, write_snapshot
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024

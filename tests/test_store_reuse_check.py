@@ -21,10 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, reuse, reusecheck, write_snapshot, writer
+from hibernate.store import reuse, reusecheck, writer
+from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import ALIGNMENT, ChunkRef
+from hibernate.store.options import WriteOptions
 from hibernate.store.parse import parse_manifest
+from hibernate.store.reader import SnapshotReader
 from hibernate.store.reusecheck import plan_staging
+from hibernate.store.writer import write_snapshot
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024

@@ -25,11 +25,13 @@ from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
 from hibernate.store import reuse as reuse_module
 from hibernate.store.arena import PACKED_ALIGNMENT
+from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import ALIGNMENT, ChunkColumns, align_up
-from hibernate.store.reader import _file_order
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader, _file_order
+from hibernate.store.writer import write_snapshot
 
 KiB = 1024
 

@@ -247,7 +247,9 @@ def test_a_cpu_sleep_and_wake_never_ask_whether_cuda_is_available(
     files: on a GPU machine a CPU-only process then looked like a CUDA process, and the next sleep
     of four of them was refused (the NCCL check for CUDA processes checkpointed together)."""
     from hibernate.pools.tensors import TensorPool, allocator_segments
-    from hibernate.store import SnapshotReader, SpillRoot, write_snapshot
+    from hibernate.store.layout import SpillRoot
+    from hibernate.store.reader import SnapshotReader
+    from hibernate.store.writer import write_snapshot
 
     asked: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or False)

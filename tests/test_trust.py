@@ -16,9 +16,12 @@ import pytest
 
 import hibernate.store.manifest as manifest_module
 from hibernate.errors import ExitCode, UnsupportedError
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.layout import SpillRoot
+from hibernate.store.options import WriteOptions
 from hibernate.store.owner import Owner, liveness
 from hibernate.store.parse import parse_manifest
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import write_snapshot
 from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
 from tests.test_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
