@@ -30,7 +30,8 @@ from hibernate.store.arena import PACKED_ALIGNMENT
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import ALIGNMENT, ChunkColumns, align_up
 from hibernate.store.options import WriteOptions
-from hibernate.store.reader import SnapshotReader, _file_order
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.readplan import file_order
 from hibernate.store.writer import write_snapshot
 
 KiB = 1024
@@ -454,13 +455,13 @@ def test_regions_changed_after_they_were_checked_are_checked_again(scratch: Path
 def test_chunks_are_read_in_file_order_whatever_order_the_stagers_packed_them_in() -> None:
     digests = "0" * 16 * 4
     in_order = ChunkColumns(["a.bin"] * 4, [0, 64, 4096, 8192], [64, 64, 100, 100], digests)
-    assert list(_file_order(in_order)) == [0, 1, 2, 3]
+    assert list(file_order(in_order)) == [0, 1, 2, 3]
     interleaved = ChunkColumns(["a.bin"] * 4, [4096, 4160, 0, 64], [64, 64, 64, 64], digests)
-    assert list(_file_order(interleaved)) == [2, 3, 0, 1]
+    assert list(file_order(interleaved)) == [2, 3, 0, 1]
     named_twice = ChunkColumns(["a.bin"] * 4, [4096, 0, 4096, 0], [64, 64, 64, 64], digests)
-    assert list(_file_order(named_twice)) == [1, 3, 0, 2]
+    assert list(file_order(named_twice)) == [1, 3, 0, 2]
     two_files = ChunkColumns(["b.bin", "a.bin", "b.bin", "a.bin"], [0, 4096, 4096, 0], [1, 1, 1, 1], digests)
-    assert list(_file_order(two_files)) == [3, 1, 0, 2]
+    assert list(file_order(two_files)) == [3, 1, 0, 2]
 
 
 def test_a_region_without_a_host_view_is_staged_and_verified_the_same(scratch: Path) -> None:

@@ -18,5 +18,6 @@ The store knows regions of memory, never torch or CUDA. Import each name from it
     reuse        reusing the previous snapshot: link its unchanged files, index and trim them
     reusecheck   read back every reused chunk before a re-sleep releases anything
     writer       write_snapshot: a new snapshot, all or nothing
+    readplan     how a wake reads: requests in file order, the workers' groups, each chunk's destination
     reader       SnapshotReader: verify and read a snapshot back into regions; verify_snapshot
 """

@@ -59,7 +59,7 @@ from hibernate.store.directio import (
 from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up
 from hibernate.store.pipeline import Pipeline
 
-# One read request (or one chunk's pages, if larger), as a wake's (see reader._READ_REQUEST_BYTES).
+# One read request (or one chunk's pages, if larger), as a wake's (see readplan._READ_REQUEST_BYTES).
 # Half of it measured slower on the 2-core VM while the stream hashed beside the reads: 1.5-1.9
 # GB/s against 1.9-2.4 (512 MiB in tensors of 8 MiB).
 READ_REQUEST_BYTES = 32 << 20
@@ -259,7 +259,7 @@ class ReuseCheck:
                     return
             if planned and self._pool is not None:  # else the reader failed before it had a plan
                 # The buffers are faulted in here, the first while the stream decides the first
-                # block, the second while the first is read (see reader.fault_in).
+                # block, the second while the first is read (see reader.SnapshotReader._fault_in).
                 self._pool.prefill(2)
                 self._check_loaded(planned[0], self._pool, loaded, pipeline.abort)
 

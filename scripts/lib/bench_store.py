@@ -66,7 +66,8 @@ from hibernate.store.arena import arena_bytes_for
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords
 from hibernate.store.options import WriteOptions
-from hibernate.store.reader import SnapshotReader, read_request_bytes
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.readplan import read_request_bytes
 from hibernate.store.regions import memory_at
 from hibernate.store.reuse import ReuseSource
 from hibernate.store.writer import write_snapshot
