@@ -24,7 +24,7 @@ MIB = 1 << 20
 # cuCheckpointProcessLock timeoutMs (a 32-bit count of milliseconds: at most ~49.7 days).
 MAX_SECONDS = 86400.0
 # The CLI's floor for staging: room for two arenas of a few chunks, far above the store's own
-# floor (hibernate.store.writer.MIN_BUFFER_BYTES, 32 KiB; a test keeps it so). Not imported
+# floor (hibernate.store.options.MIN_BUFFER_BYTES, 32 KiB; a test keeps it so). Not imported
 # from the store: the CLI stays light.
 MIN_BUFFER_MB = 16
 # More nodes than one job spans on any cluster we know of; a bound that keeps a typo from

@@ -86,9 +86,9 @@ def test_a_sleep_checks_its_numbers_without_loading_the_in_process_side(tmp_path
 
 def test_the_cli_floor_for_staging_is_above_the_store_s() -> None:
     from hibernate import limits
-    from hibernate.store import writer
+    from hibernate.store import options
 
-    assert limits.MIN_BUFFER_MB * limits.MIB >= writer.MIN_BUFFER_BYTES
+    assert limits.MIN_BUFFER_MB * limits.MIB >= options.MIN_BUFFER_BYTES
 
 
 def test_version() -> None:

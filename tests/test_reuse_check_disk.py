@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from hibernate.store.format import ChunkRef, parse_manifest
+from hibernate.store.manifest import ChunkRef
+from hibernate.store.parse import parse_manifest
 from tests.conftest import REPO, is_root
 from tests.test_json_schema import valid
 

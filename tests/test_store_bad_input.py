@@ -22,9 +22,11 @@ import torch
 
 from hibernate.errors import SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.pools.tensors import TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store.format import WrittenRecords, _body_checksum
-from hibernate.store.writer import check_regions
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import WrittenRecords, body_checksum
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import check_regions, write_snapshot
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
@@ -59,7 +61,7 @@ class Spilled:
     def rewrite_manifest(self, document: dict[str, Any], *, resign: bool) -> None:
         """Write an edited manifest; ``resign`` recomputes its checksum, as a careful forger would."""
         if resign:
-            document["manifest_checksum"] = _body_checksum(document)
+            document["manifest_checksum"] = body_checksum(document)
         self.manifest_path.write_text(json.dumps(document))
 
     def read(self, io_mode: str = "auto", *, as_agent: bool = False) -> Any:
@@ -368,7 +370,7 @@ def test_a_meta_nested_hundreds_deep_is_compared_by_value_and_a_verify_does_not_
 ) -> None:
     """Encoding such a meta would overflow Python's stack; it is not encoded, and a verify (which
     reads the manifest's own records back) has nothing to compare."""
-    from hibernate.store.format import meta_text
+    from hibernate.store.manifest import meta_text
     from hibernate.store.reader import verify_snapshot
 
     deep: dict[str, Any] = {"leaf": 1}
@@ -386,7 +388,7 @@ def test_a_meta_nested_hundreds_deep_is_compared_by_value_and_a_verify_does_not_
 
 
 def test_a_meta_its_maker_vouched_for_that_is_not_json_is_refused_before_publishing(tmp_path: Path) -> None:
-    from hibernate.store.format import PlainMeta
+    from hibernate.store.manifest import PlainMeta
 
     region = BytesRegion("w/x", "w", bytes(4096), meta=PlainMeta(shape={1, 2}))  # a set: not JSON
     with (
@@ -588,16 +590,16 @@ def test_io_mode_direct_refuses_a_filesystem_without_odirect_instead_of_falling_
 
 def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_it() -> None:
     """A reader checks meta where it uses it: one that differs from the process's is checked first."""
-    from hibernate.store.format import (
+    from hibernate.store.manifest import (
         MAX_META_DEPTH,
         ChunkRef,
         Columns,
         FileIdentity,
         Manifest,
         Record,
-        parse_manifest,
     )
     from hibernate.store.owner import Owner
+    from hibernate.store.parse import parse_manifest
     from hibernate.store.reader import Discard, _describe_mismatch
 
     deep: dict[str, Any] = {"leaf": 1}

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
 from hibernate.store import bulk
-from hibernate.store.format import checksum
+from hibernate.store.manifest import checksum
 from tests.test_store_roundtrip import BytesRegion, KiB, read_back, small_options, write
 
 compiled = bulk._native

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hibernate.store.format import PlainMeta, _canonical, _fast_canonical, meta_text
+from hibernate.store.manifest import PlainMeta, _canonical, _fast_canonical, meta_text
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
 plain_values = st.recursive(

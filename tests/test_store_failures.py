@@ -19,7 +19,10 @@ import pytest
 
 import hibernate.store.writer as writer_module
 from hibernate.errors import AbortedError, StorageError
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.layout import SpillRoot
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import write_snapshot
 from tests.conftest import is_root
 from tests.test_store_roundtrip import BytesRegion
 

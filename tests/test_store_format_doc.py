@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import re
 
-from hibernate.store import directio, format, writer
-from hibernate.store.format import ChunkRef, Columns, FileIdentity, Manifest, Record, parse_manifest
+from hibernate.store import arena, directio, options, writer
+from hibernate.store import manifest as format
 from hibernate.store.layout import MARKER_FORMAT, MARKER_NAME
+from hibernate.store.manifest import ChunkRef, Columns, FileIdentity, Manifest, Record
 from hibernate.store.owner import Owner
+from hibernate.store.parse import parse_manifest
 from tests.conftest import REPO
 
 DOC = (REPO / "docs" / "format.md").read_text()
@@ -52,9 +54,9 @@ def test_the_documented_constants_are_the_code_s() -> None:
     assert f"`{MARKER_NAME}`" in DOC and f'"{MARKER_FORMAT}"' in DOC
     assert format.MAX_KEY_LENGTH == 1024 and "at most 1024 characters" in DOC
     assert format.MAX_META_DEPTH == 8 and "nested at\nmost 8 deep" in DOC
-    assert writer.WriteOptions().segment_bytes == 1 << 30 and "(1 GiB by default)" in DOC
-    assert writer.WriteOptions().buffer_bytes == 256 << 20 and "(256 MiB by\ndefault" in DOC
-    assert writer.MAX_REQUEST_BYTES == 128 << 20 and "requests of up to 128 MiB" in DOC
+    assert options.WriteOptions().segment_bytes == 1 << 30 and "(1 GiB by default)" in DOC
+    assert options.WriteOptions().buffer_bytes == 256 << 20 and "(256 MiB by\ndefault" in DOC
+    assert arena.MAX_REQUEST_BYTES == 128 << 20 and "requests of up to 128 MiB" in DOC
     assert writer.FREE_SPACE_MARGIN == 1 << 20 and "plus 1 MiB" in DOC
     assert directio._EVICT_EVERY_BYTES == 64 << 20 and "`fdatasync` every 64 MiB" in DOC
 

@@ -24,8 +24,11 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.layout import SpillRoot
 from hibernate.store.maintenance import collect_garbage
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import write_snapshot
 from tests.conftest import REPO
 from tests.test_store_roundtrip import BytesRegion
 
@@ -154,7 +157,9 @@ def test_a_crash_at_every_step_leaves_old_or_new(tmp_path: Path, death: Death) -
 WRITER = r"""
 import random, sys
 sys.path.insert(0, sys.argv[2])
-from hibernate.store import SpillRoot, WriteOptions, write_snapshot
+from hibernate.store.layout import SpillRoot
+from hibernate.store.options import WriteOptions
+from hibernate.store.writer import write_snapshot
 
 class Region:
     def __init__(self, key, data):

@@ -21,9 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, reusecheck, write_snapshot, writer
-from hibernate.store.format import ALIGNMENT, ChunkRef, parse_manifest
-from hibernate.store.writer import plan_staging
+from hibernate.store import reuse, reusecheck, writer
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import ALIGNMENT, ChunkRef
+from hibernate.store.options import WriteOptions
+from hibernate.store.parse import parse_manifest
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.reusecheck import plan_staging
+from hibernate.store.writer import write_snapshot
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
@@ -34,7 +39,7 @@ MiB = 1 << 20
 def identity_blind(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file of the previous snapshot passes the identity check, as one damaged below the
     filesystem does (its inode, size, mtime and ctime stay what they were)."""
-    monkeypatch.setattr(writer, "_unchanged", lambda root, previous, name: True)
+    monkeypatch.setattr(reuse, "_unchanged", lambda root, previous, name: True)
 
 
 @pytest.fixture
@@ -280,7 +285,7 @@ def test_whatever_the_disk_lost_a_re_sleep_reads_back_as_the_memory_is(
     rng = random.Random(seed)
     regions = [BytesRegion(f"w/{i}", "w", rng.randbytes(size)) for i, size in enumerate(sizes)]
     options = WriteOptions(chunk_bytes=8 * KiB, buffer_bytes=buffer)
-    unchanged: Callable[..., bool] = writer._unchanged
+    unchanged: Callable[..., bool] = reuse._unchanged
     with (
         tempfile.TemporaryDirectory(prefix="hb-reuse-") as scratch,
         SpillRoot(Path(scratch) / "proc", create=True) as root,
@@ -292,11 +297,11 @@ def test_whatever_the_disk_lost_a_re_sleep_reads_back_as_the_memory_is(
         for region, change in zip(regions, changed, strict=False):
             if change:
                 region.data[: min(64, region.nbytes)] = rng.randbytes(min(64, region.nbytes))
-        writer._unchanged = lambda root, previous, name: True  # type: ignore[assignment]
+        reuse._unchanged = lambda root, previous, name: True  # type: ignore[assignment]
         try:
             again = sleep(root, regions, options)
         finally:
-            writer._unchanged = unchanged  # type: ignore[assignment]
+            reuse._unchanged = unchanged  # type: ignore[assignment]
         assert again.written_bytes + again.reused_bytes == again.total_bytes
         assert again.staging_bytes <= buffer
         assert read_back(root, again.snapshot, regions) == [r.data for r in regions]

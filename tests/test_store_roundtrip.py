@@ -25,11 +25,14 @@ from hypothesis import strategies as st
 
 from hibernate.errors import SnapshotInvalidError
 from hibernate.pools.tensors import StorageRegion, TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store import writer as writer_module
-from hibernate.store.format import ALIGNMENT, ChunkColumns, align_up
-from hibernate.store.reader import _file_order
-from hibernate.store.writer import PACKED_ALIGNMENT
+from hibernate.store import reuse as reuse_module
+from hibernate.store.arena import PACKED_ALIGNMENT
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import ALIGNMENT, ChunkColumns, align_up
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.readplan import file_order
+from hibernate.store.writer import write_snapshot
 
 KiB = 1024
 
@@ -189,7 +192,7 @@ def test_a_known_previous_snapshot_is_used_only_while_it_is_the_newest(
     scratch: Path, manifest_reads: list[str]
 ) -> None:
     """What a caller keeps from a wake saves the parse; a stale one is set aside for the disk's newest."""
-    from hibernate.store.writer import ReuseSource
+    from hibernate.store.reuse import ReuseSource
 
     a = BytesRegion("w/a", "w", os.urandom(40 * KiB))
     first = write(scratch, [a])
@@ -265,13 +268,13 @@ def test_an_unchanged_resleep_trims_nothing_and_a_changed_one_still_does(
     b = BytesRegion("w/b", "w", os.urandom(64 * KiB))
     same_as_a = BytesRegion("w/c", "w", bytes(a.data))  # its chunks refer to a's: not indexed twice
     walks: list[int] = []
-    real = writer_module._used_ranges
+    real = reuse_module._used_ranges
 
     def counted(chunks: Any, links: list[str]) -> Any:
         walks.append(len(chunks))
         return real(chunks, links)
 
-    monkeypatch.setattr(writer_module, "_used_ranges", counted)
+    monkeypatch.setattr(reuse_module, "_used_ranges", counted)
     write(scratch, [a, b])
     walks.clear()  # a first sleep has no links: its walk finds nothing to do
     size = stored(scratch)
@@ -452,13 +455,13 @@ def test_regions_changed_after_they_were_checked_are_checked_again(scratch: Path
 def test_chunks_are_read_in_file_order_whatever_order_the_stagers_packed_them_in() -> None:
     digests = "0" * 16 * 4
     in_order = ChunkColumns(["a.bin"] * 4, [0, 64, 4096, 8192], [64, 64, 100, 100], digests)
-    assert list(_file_order(in_order)) == [0, 1, 2, 3]
+    assert list(file_order(in_order)) == [0, 1, 2, 3]
     interleaved = ChunkColumns(["a.bin"] * 4, [4096, 4160, 0, 64], [64, 64, 64, 64], digests)
-    assert list(_file_order(interleaved)) == [2, 3, 0, 1]
+    assert list(file_order(interleaved)) == [2, 3, 0, 1]
     named_twice = ChunkColumns(["a.bin"] * 4, [4096, 0, 4096, 0], [64, 64, 64, 64], digests)
-    assert list(_file_order(named_twice)) == [1, 3, 0, 2]
+    assert list(file_order(named_twice)) == [1, 3, 0, 2]
     two_files = ChunkColumns(["b.bin", "a.bin", "b.bin", "a.bin"], [0, 4096, 4096, 0], [1, 1, 1, 1], digests)
-    assert list(_file_order(two_files)) == [3, 1, 0, 2]
+    assert list(file_order(two_files)) == [3, 1, 0, 2]
 
 
 def test_a_region_without_a_host_view_is_staged_and_verified_the_same(scratch: Path) -> None:

@@ -188,7 +188,8 @@ def test_bad_tag_is_refused(fresh_agent) -> None:
 def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
     """The writer skips checking a PlainMeta: every meta the tensor pool builds must pass the full check."""
     from hibernate.pools.tensors import TensorPool
-    from hibernate.store.format import PlainMeta, _is_plain, check_meta
+    from hibernate.store.manifest import PlainMeta
+    from hibernate.store.parse import _is_plain, check_meta
 
     base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     model = torch.nn.Linear(4, 3)
@@ -246,7 +247,9 @@ def test_a_cpu_sleep_and_wake_never_ask_whether_cuda_is_available(
     files: on a GPU machine a CPU-only process then looked like a CUDA process, and the next sleep
     of four of them was refused (the NCCL check for CUDA processes checkpointed together)."""
     from hibernate.pools.tensors import TensorPool, allocator_segments
-    from hibernate.store import SnapshotReader, SpillRoot, write_snapshot
+    from hibernate.store.layout import SpillRoot
+    from hibernate.store.reader import SnapshotReader
+    from hibernate.store.writer import write_snapshot
 
     asked: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or False)

@@ -14,11 +14,14 @@ from typing import Any
 
 import pytest
 
-import hibernate.store.format as format_module
+import hibernate.store.manifest as manifest_module
 from hibernate.errors import ExitCode, UnsupportedError
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, write_snapshot
-from hibernate.store.format import parse_manifest
+from hibernate.store.layout import SpillRoot
+from hibernate.store.options import WriteOptions
 from hibernate.store.owner import Owner, liveness
+from hibernate.store.parse import parse_manifest
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.writer import write_snapshot
 from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
 from tests.test_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
@@ -258,7 +261,7 @@ def test_gc_changes_nothing_in_a_tree_hibernate_did_not_make(cli: Any, work_dir:
 def test_a_manifest_over_the_limit_is_refused_before_publishing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(format_module, "MANIFEST_LIMIT_BYTES", 64 * KiB)
+    monkeypatch.setattr(manifest_module, "MANIFEST_LIMIT_BYTES", 64 * KiB)
     regions = [BytesRegion(f"w/{'x' * 200}{i}", "w", os.urandom(KiB)) for i in range(400)]
     path = tmp_path / "proc"
     with SpillRoot(path, create=True) as root, pytest.raises(UnsupportedError) as caught:
@@ -274,7 +277,7 @@ def test_the_writer_and_the_reader_apply_one_limit(monkeypatch: pytest.MonkeyPat
         result = write_snapshot(root, regions, producer={})
     data = (result.path / "manifest.json").read_bytes()
     parse_manifest(data)
-    monkeypatch.setattr(format_module, "MANIFEST_LIMIT_BYTES", len(data) - 1)
+    monkeypatch.setattr(manifest_module, "MANIFEST_LIMIT_BYTES", len(data) - 1)
     with pytest.raises(Exception, match="allowed"):
         parse_manifest(data)
     with pytest.raises(Exception, match="allowed"):

@@ -56,11 +56,13 @@ from hibernate.agent.leases import Leases
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.procinfo import ProcessIdentity
-from hibernate.store.format import WrittenRecords
 from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import WrittenRecords
+from hibernate.store.options import WriteOptions
 from hibernate.store.owner import Owner, spill_root_name
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
-from hibernate.store.writer import ReuseSource, WriteOptions, write_snapshot
+from hibernate.store.reuse import ReuseSource
+from hibernate.store.writer import write_snapshot
 from hibernate.version import __version__
 
 

@@ -48,10 +48,11 @@ from typing import Any
 import torch
 
 from hibernate.errors import HibernatingError, UsageError
+from hibernate.gcpause import gc_paused
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import CudaCopies, DeviceCopies, torch_cuda_in_use
-from hibernate.store.format import PlainMeta, gc_paused
+from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
 

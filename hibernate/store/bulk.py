@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from hibernate.store.format import checksum
+from hibernate.store.manifest import checksum
 from hibernate.store.regions import memory_at
 
 # (position, padded, view): a chunk to copy to ``position`` of a staging buffer, zero-padded to ``padded``.
@@ -116,7 +116,7 @@ def _checked(items: Sequence[tuple[Any, ...]], size: int) -> tuple[tuple[Any, ..
 
 
 def python_checksums(views: Sequence[memoryview]) -> list[str]:
-    """The checksum of each view (format.checksum)."""
+    """The checksum of each view (manifest.checksum)."""
     return [checksum(view) for view in views]
 
 

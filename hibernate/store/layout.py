@@ -50,15 +50,15 @@ from hibernate.fsutil import (
     read_small_file,
     write_file_atomic,
 )
-from hibernate.store.format import (
+from hibernate.store.manifest import (
     MANIFEST_NAME,
     Manifest,
     check_manifest_size,
-    parse_manifest,
     snapshot_name,
     snapshot_sequence,
 )
 from hibernate.store.owner import Owner, parse_owner
+from hibernate.store.parse import parse_manifest
 
 LOCK_NAME = ".lock"
 MARKER_NAME = ".hibernate-root"

@@ -28,8 +28,8 @@ from typing import Any
 
 from hibernate.errors import HibernateError, UsageError
 from hibernate.fsutil import open_dir
-from hibernate.store.format import MANIFEST_NAME
 from hibernate.store.layout import MARKER_NAME, SpillRoot
+from hibernate.store.manifest import MANIFEST_NAME
 from hibernate.store.owner import Owner, liveness
 
 # The state a running owner's agent reports ("running", "asleep", ...), or None if it cannot be asked.

@@ -3,7 +3,8 @@
 Copy, hash and disk I/O all release the GIL, so plain threads overlap device
 copies, checksums and disk requests. Each transfer is a few workers sharing a
 bounded set of staging buffers; this class only starts them, propagates the
-first exception, and makes sure none is left running.
+first exception, and makes sure none is left running. The callbacks a
+transfer takes, the writer's and the reader's alike, are typed here too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import threading
 from collections.abc import Callable
 
 from hibernate.store.directio import PipelineAborted
+
+ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
+CancelledFn = Callable[[], bool]  # whether the transfer was called off
+PinFn = Callable[[memoryview], Callable[[], None]]  # pins a staging buffer; returns its unpin
 
 
 class Pipeline:

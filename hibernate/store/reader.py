@@ -7,16 +7,16 @@ into bounded staging, and each chunk's checksum is verified *before* its bytes
 are copied into the region: a corrupted weight is never handed back.
 
 Chunks are read in file order, and chunks that lie back to back in a file are
-read with one request of up to 32 MiB (or one chunk, if larger), into staging
-buffers allocated as needed. One thread keeps the disk busy; workers verify and
-copy meanwhile; another faults the destination memory in a step ahead of them.
+read with one request of up to 32 MiB (or one chunk, if larger: readplan.py),
+into staging buffers allocated as needed. One thread keeps the disk busy;
+workers verify and copy meanwhile; another faults the destination memory in a
+step ahead of them.
 """
 
 from __future__ import annotations
 
 import bisect
 import errno
-import itertools
 import operator
 import os
 import queue
@@ -35,6 +35,7 @@ from hibernate.errors import (
     StorageError,
 )
 from hibernate.fsutil import open_dir
+from hibernate.gcpause import gc_paused
 from hibernate.store import bulk
 from hibernate.store.directio import (
     DIRECT,
@@ -46,103 +47,29 @@ from hibernate.store.directio import (
     populate,
     read_views,
 )
-from hibernate.store.format import (
-    ALIGNMENT,
-    ChunkColumns,
+from hibernate.store.hugepages import huge_pages_pay_off
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import (
     Columns,
     Manifest,
     Record,
     WrittenRecords,
-    check_meta,
-    gc_paused,
     meta_text,
     plain_meta,
 )
-from hibernate.store.hugepages import huge_pages_pay_off
-from hibernate.store.layout import SpillRoot
-from hibernate.store.pipeline import Pipeline
+from hibernate.store.parse import check_meta
+from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
+from hibernate.store.readplan import (
+    Request,
+    chunk_addresses,
+    destinations,
+    plan_reads,
+    worker_groups,
+)
 from hibernate.store.regions import Region
-from hibernate.store.writer import ARENAS, CancelledFn, PinFn, ProgressFn, arena_bytes_for
 
-# One read request and one staging buffer (or the largest chunk, if larger). With
-# huge-page staging (see StagingBuffer) the disk gets its largest requests whatever
-# the size of ours, so ours need not be large; small buffers taken as needed keep
-# what a restore faults in small: the workers keep up with the disk, so three were
-# allocated (96 MiB of a 256 MiB budget) where 2 x 128 MiB used to be. Paired with
-# raw reads, 32 MiB restored at 1.90 GB/s (median of 8), 64 MiB at 1.70.
-_READ_REQUEST_BYTES = 32 << 20
-# A worker takes the small chunks of a request in groups of about this many bytes (a large
-# chunk is a group of its own): handing them out one by one cost more than verifying them.
-_GROUP_BYTES = 4 << 20
-# Regions smaller than this are not faulted in ahead of the copies (see fault_in).
+# Regions smaller than this are not faulted in ahead of the copies (see _to_populate).
 _POPULATE_MIN_BYTES = 64 << 10
-
-
-def read_request_bytes(arena: int, largest_chunk: int) -> int:
-    """A restore's request and staging buffer size: the writer's staging budget (two arenas of
-    ``arena`` bytes) as smaller buffers allocated only when none is free (see _READ_REQUEST_BYTES),
-    never smaller than the largest chunk."""
-    return max(largest_chunk, min(_READ_REQUEST_BYTES, arena))
-
-
-def _groups(chunks: list[int], lengths: Sequence[int]) -> list[list[int]]:
-    """A request's chunks as the workers take them: consecutive runs of about _GROUP_BYTES."""
-    if len(chunks) == 1:
-        return [chunks]
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for chunk in chunks:
-        current.append(chunk)
-        size += lengths[chunk]
-        if size >= _GROUP_BYTES:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _destinations(columns: Columns) -> tuple[Sequence[int], Sequence[int]]:
-    """Each chunk's region (record index) and offset in it, by chunk index; in bulk, not per chunk."""
-    counts = columns.counts
-    if counts.count(1) == len(counts):  # one chunk per record, as with most tensors
-        return range(len(counts)), [0] * len(counts)
-    region_of = list(itertools.chain.from_iterable(map(itertools.repeat, range(len(counts)), counts)))
-    covered = list(itertools.accumulate(columns.chunks.lengths, initial=0))
-    starts = [covered[first] for first in columns.first_chunks()]
-    return region_of, list(map(operator.sub, covered, map(starts.__getitem__, region_of)))
-
-
-def _targets(
-    regions: Sequence[Region], regions_of: Sequence[int], region_offsets: Sequence[int]
-) -> list[int]:
-    """Each chunk's address in host memory, by chunk index; 0 where its region has none (device memory).
-
-    Asked of each region once per wake, so that verifying and copying a group of
-    chunks is one call with no Python per chunk (bulk.verify_copy_at): asking for
-    a view of each chunk's destination cost about 1 us a chunk, under the GIL.
-    """
-    bases = [region.host_address() or 0 for region in regions]
-    if isinstance(regions_of, range):  # one chunk per region, at its start (see _destinations)
-        return bases
-    placed = zip(regions_of, region_offsets, strict=True)
-    return [bases[region] + offset if bases[region] else 0 for region, offset in placed]
-
-
-def _file_order(chunks: ChunkColumns) -> Sequence[int]:
-    """The chunks' indices in file order (file, then offset): the order they are read in.
-
-    A snapshot that one sleep wrote whole is in that order already, which is
-    checked in bulk rather than sorted.
-    """
-    files, offsets = chunks.files, chunks.offsets
-    if len(set(files)) > 1:
-        return sorted(range(len(offsets)), key=list(zip(files, offsets, strict=True)).__getitem__)
-    if all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):
-        return range(len(offsets))
-    # Two stagers fill the arenas side by side, so packed runs of small chunks interleave.
-    return sorted(range(len(offsets)), key=offsets.__getitem__)
 
 
 @dataclass
@@ -230,33 +157,53 @@ def _as_written(columns: Columns, written: WrittenRecords, regions: Sequence[Reg
 
 
 @dataclass
-class _Request:
-    """Chunks (by index) lying back to back in one file, read with one request into one buffer."""
-
-    file: str
-    offset: int
-    chunks: list[int] = field(default_factory=list)
-    size: int = 0
-
-
-def _split(request: _Request, at: int, firsts: Sequence[int], stops: Sequence[int]) -> list[_Request]:
-    """``request`` as two requests, the first holding its first ``at`` chunks."""
-    parts = []
-    for chunks in (request.chunks[:at], request.chunks[at:]):
-        part = _Request(request.file, firsts[chunks[0]], chunks)
-        part.size = max(stops[chunk] for chunk in chunks) - part.offset
-        parts.append(part)
-    return parts
-
-
-@dataclass
 class _Loaded:
     """A request's bytes in a staging buffer, shared by the workers that verify its pieces."""
 
-    request: _Request
+    request: Request
     buffer: StagingBuffer
     got: int
     remaining: int
+
+
+@dataclass
+class _Transfer:
+    """What the threads of one read_into share: the plan and staging, and what passes between them."""
+
+    regions: Sequence[Region]
+    requests: list[Request]
+    pool: StagingPool
+    workers: int
+    total: int
+    progress: ProgressFn | None
+    cancelled: CancelledFn | None
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    loaded: queue.Queue[tuple[_Loaded, list[int]] | None] = field(default_factory=queue.Queue)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: int = 0  # bytes verified and copied in, under ``lock``
+    reading: threading.Event = field(default_factory=threading.Event)  # the reader has its first buffer
+    # Every chunk's destination is known (see SnapshotReader._fault_in).
+    placed: threading.Event = field(default_factory=threading.Event)
+
+
+def _to_populate(
+    requests: Sequence[Request], regions: Sequence[Region], regions_of: Sequence[int]
+) -> list[memoryview]:
+    """The host memory of the regions to fault in ahead of the copies, in the order the requests reach them.
+
+    Small regions are left to fault as they are copied into: one system call
+    each would cost more than the faults it saves (a wake of 100,000 tensors).
+    """
+    order: dict[int, memoryview] = {}
+    for request in requests:
+        for chunk in request.chunks:
+            index = regions_of[chunk]
+            region = regions[index]
+            if region.nbytes >= _POPULATE_MIN_BYTES and index not in order:
+                view = region.host_view(0, region.nbytes)
+                if view is not None and not view.readonly:
+                    order[index] = view
+    return list(order.values())
 
 
 class SnapshotReader:
@@ -270,10 +217,10 @@ class SnapshotReader:
         # The regions check_matches last accepted, as they were then: a list changed in between
         # is checked again, since the copies go to the addresses of the regions it holds.
         self._matched: tuple[Region, ...] | None = None
-        # Each chunk's region and offset in it, by chunk index (see _destinations), once reading.
+        # Each chunk's region and offset in it, by chunk index (see readplan.destinations), once reading.
         self._regions_of: Sequence[int] = ()
         self._region_offsets: Sequence[int] = ()
-        self._targets: list[int] = []  # see _targets
+        self._targets: list[int] = []  # see readplan.chunk_addresses
         self._all_host = True
         try:
             self.manifest: Manifest = root.read_manifest(name)
@@ -406,38 +353,6 @@ class SnapshotReader:
                     raise SnapshotInvalidError(f"{where}: record {index} {problem}")
         self._matched = tuple(regions)
 
-    def _requests(
-        self, order: Sequence[int], firsts: Sequence[int], stops: Sequence[int], largest: int
-    ) -> list[_Request]:
-        """The chunks in file ``order``, read in requests of whole pages of at most ``largest`` bytes.
-
-        ``firsts`` and ``stops`` are where each chunk's pages start and end. A
-        request takes the next chunk while it starts within or right after
-        the request's last page: chunks packed back to back share pages, and
-        a chunk named twice (equal bytes, written once) is read once.
-        """
-        files = self.manifest.columns.chunks.files
-        requests: list[_Request] = []
-        last = _Request("", -1)
-        end = -1  # where the last request's pages end
-        for chunk in order:
-            first_page, stop = firsts[chunk], stops[chunk]
-            if first_page > end or files[chunk] != last.file or max(end, stop) - last.offset > largest:
-                last = _Request(files[chunk], first_page)
-                requests.append(last)
-                end = first_page
-            last.chunks.append(chunk)
-            if stop > end:
-                end = stop
-                last.size = end - last.offset
-        # A short first request gets the workers going sooner; a short last one leaves
-        # them less to do once the disk has finished.
-        if requests and len(requests[0].chunks) > 1:
-            requests[0:1] = _split(requests[0], 1, firsts, stops)
-        if requests and len(requests[-1].chunks) > 1:
-            requests[-1:] = _split(requests[-1], len(requests[-1].chunks) - 1, firsts, stops)
-        return requests
-
     def read_into(
         self,
         regions: Sequence[Region],
@@ -473,116 +388,13 @@ class SnapshotReader:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        chunks = self.manifest.columns.chunks
-        # Where each chunk's pages start and end (align_up written out: once per chunk), worked
-        # out once for planning; reading one chunk alone takes the difference.
-        firsts = [offset - offset % ALIGNMENT for offset in chunks.offsets]
-        stops = [
-            (offset + length + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            for offset, length in zip(chunks.offsets, chunks.lengths, strict=True)
-        ]
-        pages = list(map(operator.sub, stops, firsts))
-        largest = max(pages, default=ALIGNMENT)
-        arena = arena_bytes_for(buffer_bytes, sum(pages), largest)
-        size = read_request_bytes(arena, largest)
-        requests = self._requests(_file_order(chunks), firsts, stops, size)
-        self._regions_of, self._region_offsets = _destinations(self.manifest.columns)
+        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes)
+        self._regions_of, self._region_offsets = destinations(self.manifest.columns)
         total = self.manifest.total_bytes
-        pool = StagingPool(ARENAS * arena, size, pin, lazy=True, huge=True)
-        pipeline = Pipeline()
-        loaded: queue.Queue[tuple[_Loaded, list[int]] | None] = queue.Queue()
-        lock = threading.Lock()
-        state = {"done": 0}
-        reading = threading.Event()  # the reader has its first buffer
-        placed = threading.Event()  # every chunk's destination is known (see fault_in)
-        workers = max(1, threads)
-
-        def read() -> None:
-            try:
-                for request in requests:
-                    if cancelled is not None and cancelled():
-                        raise AbortedError("the wake was called off before it finished")
-                    buffer = pool.take(pipeline.abort)
-                    reading.set()
-                    try:
-                        got = self._read_request(request, buffer)
-                    except BaseException:
-                        pool.give(buffer)
-                        raise
-                    groups = _groups(request.chunks, chunks.lengths)
-                    batch = _Loaded(request, buffer, got, len(groups))
-                    for group in groups:
-                        loaded.put((batch, group))
-            finally:
-                reading.set()  # also when there was nothing to read, or the first take failed
-                for _ in range(workers):
-                    loaded.put(None)
-
-        def work() -> None:
-            while not placed.wait(0.05):
-                if pipeline.abort.is_set():
-                    return
-            while True:
-                item = loaded.get()
-                if item is None or pipeline.abort.is_set():
-                    return
-                batch, group = item
-                copied = 0
-                try:
-                    copied = self._verify_and_copy(batch, group, regions)
-                finally:
-                    with lock:
-                        batch.remaining -= 1
-                        last = batch.remaining == 0
-                        state["done"] += copied
-                        done = state["done"]
-                    if last:
-                        pool.give(batch.buffer)
-                if progress is not None:
-                    progress(done, total)
-
-        def fault_in() -> None:
-            """Find where each chunk goes, then fault in staging and the regions' host memory, in the
-            order the reads and copies need it.
-
-            The destinations (asked of every region: 0.05-0.07 s at 100,000
-            tensors) are worked out here while the first reads are in flight,
-            not before them. The reader allocates its first buffer; one more for each worker
-            (each holds at most one while the reader fills the next) is
-            allocated here once the reader has its own: faulting huge pages
-            in took up to 0.3 s for three buffers, time the disk idled when
-            the reader allocated them itself, and faulting them in alongside
-            the reader's first one delayed it (0.17 s instead of 0.09).
-            """
-            self._targets = _targets(regions, self._regions_of, self._region_offsets)
-            self._all_host = all(self._targets)
-            placed.set()
-            while not reading.wait(0.05):
-                if pipeline.abort.is_set():
-                    return
-            pool.prefill(workers)
-            # Small regions are left to fault as they are copied into: one system call
-            # each would cost more than the faults it saves (a wake of 100,000 tensors).
-            order: dict[int, memoryview] = {}
-            regions_of = self._regions_of
-            for request in requests:
-                for chunk in request.chunks:
-                    index = regions_of[chunk]
-                    region = regions[index]
-                    if region.nbytes >= _POPULATE_MIN_BYTES and index not in order:
-                        view = region.host_view(0, region.nbytes)
-                        if view is not None and not view.readonly:
-                            order[index] = view
-            huge = huge_pages_pay_off(sum(len(view) for view in order.values()))
-            for view in order.values():
-                populate(view, pipeline.abort, huge=huge)
-
+        pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
+        transfer = _Transfer(regions, plan.requests, pool, max(1, threads), total, progress, cancelled)
         try:
-            pipeline.start("fault-in", fault_in)
-            pipeline.start("read", read)
-            for n in range(workers):
-                pipeline.start(f"verify-{n}", work)
-            pipeline.join()
+            self._run(transfer)
         finally:
             staging = pool.total_bytes
             pool.close()
@@ -595,7 +407,92 @@ class SnapshotReader:
             staging_bytes=staging,
         )
 
-    def _read_request(self, request: _Request, buffer: StagingBuffer) -> int:
+    def _run(self, transfer: _Transfer) -> None:
+        """One thread faults memory in, one reads, the workers verify and copy; a failure stops all."""
+        pipeline = transfer.pipeline
+        pipeline.start("fault-in", lambda: self._fault_in(transfer))
+        pipeline.start("read", lambda: self._read_requests(transfer))
+        for n in range(transfer.workers):
+            pipeline.start(f"verify-{n}", lambda: self._verify_loaded(transfer))
+        pipeline.join()
+
+    def _read_requests(self, transfer: _Transfer) -> None:
+        """Read each request into a staging buffer, in order, and hand its chunks to the workers in groups."""
+        lengths = self.manifest.columns.chunks.lengths
+        pool, loaded, cancelled = transfer.pool, transfer.loaded, transfer.cancelled
+        try:
+            for request in transfer.requests:
+                if cancelled is not None and cancelled():
+                    raise AbortedError("the wake was called off before it finished")
+                buffer = pool.take(transfer.pipeline.abort)
+                transfer.reading.set()
+                try:
+                    got = self._read_request(request, buffer)
+                except BaseException:
+                    pool.give(buffer)
+                    raise
+                groups = worker_groups(request.chunks, lengths)
+                batch = _Loaded(request, buffer, got, len(groups))
+                for group in groups:
+                    loaded.put((batch, group))
+        finally:
+            transfer.reading.set()  # also when there was nothing to read, or the first take failed
+            for _ in range(transfer.workers):
+                loaded.put(None)
+
+    def _verify_loaded(self, transfer: _Transfer) -> None:
+        """Verify and copy in the groups the reader hands over, once every chunk's destination is
+        known; the last group of a request gives its buffer back."""
+        abort = transfer.pipeline.abort
+        while not transfer.placed.wait(0.05):
+            if abort.is_set():
+                return
+        while True:
+            item = transfer.loaded.get()
+            if item is None or abort.is_set():
+                return
+            batch, group = item
+            copied = 0
+            try:
+                copied = self._verify_and_copy(batch, group, transfer.regions)
+            finally:
+                with transfer.lock:
+                    batch.remaining -= 1
+                    last = batch.remaining == 0
+                    transfer.done += copied
+                    done = transfer.done
+                if last:
+                    transfer.pool.give(batch.buffer)
+            if transfer.progress is not None:
+                transfer.progress(done, transfer.total)
+
+    def _fault_in(self, transfer: _Transfer) -> None:
+        """Find where each chunk goes, then fault in staging and the regions' host memory, in the
+        order the reads and copies need it.
+
+        The destinations (asked of every region: 0.05-0.07 s at 100,000
+        tensors) are worked out here while the first reads are in flight,
+        not before them. The reader allocates its first buffer; one more for each worker
+        (each holds at most one while the reader fills the next) is
+        allocated here once the reader has its own: faulting huge pages
+        in took up to 0.3 s for three buffers, time the disk idled when
+        the reader allocated them itself, and faulting them in alongside
+        the reader's first one delayed it (0.17 s instead of 0.09).
+        """
+        abort = transfer.pipeline.abort
+        self._targets = chunk_addresses(transfer.regions, self._regions_of, self._region_offsets)
+        self._all_host = all(self._targets)
+        transfer.placed.set()
+        while not transfer.reading.wait(0.05):
+            if abort.is_set():
+                return
+        transfer.pool.prefill(transfer.workers)
+        views = _to_populate(transfer.requests, transfer.regions, self._regions_of)
+        huge = huge_pages_pay_off(sum(len(view) for view in views))
+        for view in views:
+            populate(view, abort, huge=huge)
+
+    def _read_request(self, request: Request, buffer: StagingBuffer) -> int:
         try:
             return read_views(self._files[request.file], [buffer.view[: request.size]], request.offset)
         except OSError as exc:

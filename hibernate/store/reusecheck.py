@@ -3,7 +3,7 @@
 A re-sleep refers to a chunk of the previous snapshot instead of writing it
 again when the process still holds the same bytes (equal checksum) and the
 file that holds them is the very file the last wake read (its identity, see
-format.FileIdentity, is unchanged). The identity proves that nobody changed
+manifest.FileIdentity, is unchanged). The identity proves that nobody changed
 the file through the filesystem; it proves nothing of the medium. Bytes that
 change below the filesystem (a failing sector, a write to the block device or
 to a disk image) leave the identity as it was, and a re-sleep that trusted
@@ -31,7 +31,7 @@ One thread reads (direct I/O where the filesystem allows it, as a wake does)
 while another checks what was read (bulk.verify_copy_at, without the GIL
 where the compiled helper is built). Their staging is two buffers of one
 request each, allocated as needed, and counts in the sleep's staging budget
-(see writer.plan_staging).
+(see plan_staging).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from hibernate.errors import AbortedError
 from hibernate.store import bulk
+from hibernate.store.arena import ARENAS
 from hibernate.store.directio import (
     DataFile,
     PipelineAborted,
@@ -55,10 +56,10 @@ from hibernate.store.directio import (
     open_data_file,
     read_views,
 )
-from hibernate.store.format import ALIGNMENT, ChunkRef, align_up
+from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up
 from hibernate.store.pipeline import Pipeline
 
-# One read request (or one chunk's pages, if larger), as a wake's (see reader._READ_REQUEST_BYTES).
+# One read request (or one chunk's pages, if larger), as a wake's (see readplan._READ_REQUEST_BYTES).
 # Half of it measured slower on the 2-core VM while the stream hashed beside the reads: 1.5-1.9
 # GB/s against 1.9-2.4 (512 MiB in tensors of 8 MiB).
 READ_REQUEST_BYTES = 32 << 20
@@ -66,7 +67,7 @@ READ_REQUEST_BYTES = 32 << 20
 # through a gap of chunks it does not reuse up to this size rather than pay one more request
 # (a request costs a fixed latency, about what the disk reads of this many bytes meanwhile).
 GAP_BYTES = 128 << 10
-# Host chunks up to this size are packed at any 64-byte boundary (writer._SMALL_COPY), so their
+# Host chunks up to this size are packed at any 64-byte boundary (stream._SMALL_COPY), so their
 # pages may reach one page past their rounded-up length; larger chunks start on a page.
 _PACKED_UP_TO = 256 << 10
 
@@ -258,7 +259,7 @@ class ReuseCheck:
                     return
             if planned and self._pool is not None:  # else the reader failed before it had a plan
                 # The buffers are faulted in here, the first while the stream decides the first
-                # block, the second while the first is read (see reader.fault_in).
+                # block, the second while the first is read (see reader.SnapshotReader._fault_in).
                 self._pool.prefill(2)
                 self._check_loaded(planned[0], self._pool, loaded, pipeline.abort)
 
@@ -421,3 +422,30 @@ class ReuseCheck:
         with self._lock:
             self.outcome.failed.extend(map(plan.refs.__getitem__, positions))
             self.outcome.problems.setdefault(file, problem)
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """How a re-sleep shares its staging budget between the stream and the reuse check beside it."""
+
+    stream_bytes: int  # the stream's arenas
+    check_bytes: int  # the check's read buffers; 0: the check runs after the stream, with the whole budget
+    request_bytes: int  # one read of the check
+
+
+def plan_staging(buffer_bytes: int, largest_task: int, largest_reused: int) -> StagingPlan:
+    """Share ``buffer_bytes`` between the stream (two arenas of at least its largest chunk) and the
+    reuse check beside it (two buffers of one read request: at least one chunk's pages).
+
+    A check's request is READ_REQUEST_BYTES, or an eighth of the budget if less, or the largest
+    chunk's pages if more: with the default 256 MiB and 32 MiB chunks it takes 64 MiB, and the
+    stream's arenas stay large. Where both do not fit (a budget of about four chunks or less),
+    the check runs after the stream with the whole budget, and the sleep costs the sum of its
+    reading and hashing rather than the larger.
+    """
+    least = pages_bound(largest_reused)
+    request = max(least, min(READ_REQUEST_BYTES, buffer_bytes // 8 // ALIGNMENT * ALIGNMENT))
+    if buffer_bytes - ARENAS * request >= ARENAS * align_up(largest_task):
+        return StagingPlan(buffer_bytes - ARENAS * request, ARENAS * request, request)
+    alone = max(least, min(READ_REQUEST_BYTES, buffer_bytes // ARENAS // ALIGNMENT * ALIGNMENT))
+    return StagingPlan(buffer_bytes, 0, alone)

@@ -61,11 +61,16 @@ import xxhash
 
 from hibernate.operation.options import StagingShare, share_staging
 from hibernate.pools.tensors import TensorPool
-from hibernate.store import SnapshotReader, SpillRoot, WriteOptions, bulk, write_snapshot
-from hibernate.store.format import WrittenRecords
-from hibernate.store.reader import read_request_bytes
+from hibernate.store import bulk
+from hibernate.store.arena import arena_bytes_for
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import WrittenRecords
+from hibernate.store.options import WriteOptions
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.readplan import read_request_bytes
 from hibernate.store.regions import memory_at
-from hibernate.store.writer import ReuseSource, arena_bytes_for
+from hibernate.store.reuse import ReuseSource
+from hibernate.store.writer import write_snapshot
 
 MiB = 1 << 20
 SIMPLE_REQUEST = 64 * MiB  # the single-request loop reported beside the shaped limits

@@ -1,0 +1,426 @@
+"""One spill's chunks through stagers, arenas and writers, into the snapshot's data files.
+
+Stagers take the next chunks of the regions, copy each into the current arena
+(arena.py) and checksum the copy; a writer takes full arenas in order and
+writes each one's live chunks with one vectored request, appended to the
+current data file (Segments). A chunk whose bytes the previous snapshot holds
+(the index reuse.link_reusable made) or this sleep has written already is not
+written again: it refers to those bytes. For host memory that test runs on
+the region in place, before any copy. The reuse check (reusecheck.ReuseCheck)
+may run beside the stream in the same pipeline; a second pass
+(Stream.rewrite) writes again what it found the disk no longer holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import cast
+
+from hibernate.errors import AbortedError, StorageError
+from hibernate.store import bulk
+from hibernate.store.arena import ARENAS, Arena, Packer, Slot, arena_bytes_for
+from hibernate.store.directio import (
+    BUFFERED,
+    DIRECT,
+    DataFile,
+    DirectIORefused,
+    PipelineAborted,
+    StagingPool,
+    create_data_file,
+    finish_write,
+    write_views,
+)
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up, checksum
+from hibernate.store.options import WriteOptions
+from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
+from hibernate.store.regions import Region
+
+_BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see Stream._take_tasks)
+_BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
+# Host chunks up to this size are staged in runs, one bulk.stage call per run (without the
+# compiled helper a slice assignment each, which holds the GIL but takes less time than the
+# region's call); larger ones one by one through copy_out, which releases it.
+_SMALL_COPY = 256 << 10
+_ZEROS = memoryview(bytes(ALIGNMENT))  # padding: a chunk's last page, past its end
+
+
+def _segment_name(index: int) -> str:
+    return f"data-{index:03d}.bin"
+
+
+class Segments:
+    """Data files of the snapshot being written, appended to in order."""
+
+    def __init__(self, root: SpillRoot, dir_fd: int, tmp_name: str, options: WriteOptions):
+        self._root = root
+        self._dir_fd = dir_fd
+        self._tmp_name = tmp_name
+        self._segment_bytes = options.segment_bytes
+        self._io_mode = options.io_mode
+        self._lock = threading.Lock()
+        self.files: list[DataFile] = []
+        self.names: list[str] = []  # of the files, in the manifest; each holds chunks written to it
+        self._offset = 0
+
+    def allocate(self, nbytes: int) -> tuple[DataFile, str, int]:
+        """Where the next ``nbytes`` go: (file, its name in the manifest, offset)."""
+        with self._lock:
+            if not self.files or (self._offset and self._offset + nbytes > self._segment_bytes):
+                name = _segment_name(len(self.files))
+                self.files.append(create_data_file(self._dir_fd, name, self._io_mode))
+                self.names.append(name)
+                self._offset = 0
+            offset = self._offset
+            self._offset += nbytes
+            return self.files[-1], self.names[-1], offset
+
+    def next_path(self) -> Path:
+        """Where the data file being created lies (for messages when creating it fails)."""
+        return self._root.path / self._tmp_name / _segment_name(len(self.files))
+
+    def path_of(self, name: str) -> Path:
+        """Where data file ``name`` lies while it is being written."""
+        return self._root.path / self._tmp_name / name
+
+    @property
+    def mode(self) -> str:
+        if not self.files:
+            return BUFFERED if self._io_mode == BUFFERED else DIRECT
+        return DIRECT if all(f.mode == DIRECT for f in self.files) else BUFFERED
+
+    def finish(self) -> None:
+        for file in self.files:
+            finish_write(file)
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+        self.files.clear()
+
+
+def io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total: int) -> StorageError:
+    target = f" ({where})" if where is not None else ""
+    if isinstance(exc, DirectIORefused):
+        return StorageError(
+            f"the filesystem of {root.path}{target} refuses direct I/O (O_DIRECT), which --io-mode direct "
+            "requires; nothing was published and the process keeps its memory",
+            hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
+        )
+    if exc.errno == errno.ENOSPC:
+        return StorageError(
+            f"no space left on the device of {root.path}{target} after writing {done} of {total} bytes; "
+            "nothing was published and the process keeps its memory",
+            hint="free space or choose another --to directory, then sleep again",
+        )
+    return StorageError(
+        f"I/O error writing the snapshot in {root.path}{target}: {exc.strerror or exc}; "
+        "nothing was published and the process keeps its memory"
+    )
+
+
+class Stream:
+    """One spill's chunks through stagers, arenas and writers; the refs of every chunk at the end."""
+
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        sizes: Sequence[int],
+        segments: Segments,
+        reusable: dict[tuple[str, int], ChunkRef],
+        options: WriteOptions,
+        total: int,
+        progress: ProgressFn | None,
+        cancelled: CancelledFn | None,
+        root: SpillRoot,
+    ) -> None:
+        chunk = options.effective_chunk_bytes
+        self._regions = regions
+        self._segments = segments
+        self._previous = reusable
+        self._options = options
+        self._total = total
+        self._progress = progress
+        self._cancelled = cancelled
+        self._root = root
+        self._tasks = [
+            (index, offset, min(chunk, size - offset))
+            for index, size in enumerate(sizes)
+            for offset in range(0, size, chunk)
+        ]
+        self._queue: Sequence[int] = range(len(self._tasks))  # the tasks this pass stages, in order
+        # Each task ends up a ChunkRef, or the index of an earlier task with the same bytes.
+        self._placed: list[ChunkRef | int | None] = [None] * len(self._tasks)
+        self._owners: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        self._done = 0
+        self.written = 0
+        self.reused = 0
+        self.rewritten = 0
+        self.staging_bytes = 0
+        # Hashing in place first pays only when there is something to reuse.
+        self._hash_in_place = bool(reusable)
+        # For the reuse check (see reusecheck.ReuseCheck): every previous chunk reused, as it is
+        # decided (an append per chunk reused, no more), a wakeup after each batch of them, and
+        # the end of the decisions.
+        self.marks: list[ChunkRef] = []
+        self.news = threading.Event()
+        self.decided = threading.Event()
+
+    def run(self, pin: PinFn | None, budget: int, beside: Callable[[Pipeline], None] | None = None) -> None:
+        """Stage, hash and write every task of this pass, within ``budget`` bytes of staging.
+
+        ``beside`` starts more work in the same pipeline (the reuse check): the
+        first failure of either stops both.
+        """
+        padded = [align_up(self._tasks[task][2]) for task in self._queue]
+        arena = arena_bytes_for(budget, sum(padded), max(padded, default=ALIGNMENT))
+        pool = StagingPool(ARENAS * arena, arena, pin)
+        pipeline = Pipeline()
+        packer = Packer(pool, pipeline.abort)
+        remaining = [self._options.stage_threads]
+
+        def stage_then_close() -> None:
+            """The last stager to finish passes on the last arena and stops the writers."""
+            try:
+                self._stage(packer, pipeline.abort)
+            finally:
+                with self._lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    self.decided.set()
+                    packer.close(self._options.io_threads)
+
+        try:
+            if beside is not None:
+                beside(pipeline)
+            for n in range(self._options.io_threads):
+                pipeline.start(f"write-{n}", lambda: self._write(packer, pool, pipeline.abort))
+            for n in range(self._options.stage_threads):
+                pipeline.start(f"stage-{n}", stage_then_close)
+            pipeline.join()
+        finally:
+            self.staging_bytes = max(self.staging_bytes, pool.total_bytes)
+            pool.close()
+
+    def rewrite(self, failed: Sequence[ChunkRef], pin: PinFn | None, budget: int) -> None:
+        """Stage and write again every task that was referred to one of the ``failed`` previous chunks.
+
+        A second, small pass through the same machinery, once the reuse check
+        found chunks the disk no longer holds. It reuses nothing of the previous
+        snapshot (nothing it could reuse now was read back), so each of their
+        tasks is copied from memory, checksummed and written, or referred to a
+        task of this sleep that wrote the same bytes.
+        """
+        bad = set(map(id, failed))
+        redo = [task for task, ref in enumerate(self._placed) if id(ref) in bad]
+        self._previous = {}
+        for task in redo:
+            self._placed[task] = None
+        again = sum(self._tasks[task][2] for task in redo)
+        with self._lock:
+            self.reused -= again
+            self._done -= again
+            written = self.written
+        self._queue, self._next = redo, 0
+        self.run(pin, budget)
+        self.rewritten += self.written - written
+
+    def resolve(self) -> list[ChunkRef]:
+        """Every chunk's ref in record order (the tasks' order), a task with another's bytes given its ref."""
+        placed = self._placed
+        chunks = [ref if type(ref) is ChunkRef else placed[cast(int, ref)] for ref in placed]
+        if not all(type(ref) is ChunkRef for ref in chunks):
+            raise AssertionError("every chunk is placed once the pipeline finished cleanly")
+        return cast("list[ChunkRef]", chunks)
+
+    def counts(self) -> list[int]:
+        """How many chunks each region has, in order (what the manifest's records.chunks holds)."""
+        counts = [0] * len(self._regions)
+        for index, _, _ in self._tasks:
+            counts[index] += 1
+        return counts
+
+    def _advance(self, wrote: int, reused: int) -> None:
+        with self._lock:
+            self._done += wrote + reused
+            self.written += wrote
+            self.reused += reused
+            done = self._done
+        if self._progress is not None:
+            self._progress(done, self._total)
+
+    def _take_tasks(self, abort: threading.Event) -> Sequence[int]:
+        """The next run of tasks for one stager: up to _BATCH_TASKS chunks or _BATCH_BYTES bytes.
+
+        Taken in runs, not one by one: with many small regions, a lock, a
+        cancellation check and a progress report per chunk cost more than
+        the chunk's copy and hash.
+        """
+        with self._lock:
+            first = self._next
+            if first >= len(self._queue) or abort.is_set():
+                return range(0)
+            last = min(len(self._queue), first + _BATCH_TASKS)
+            nbytes = 0
+            for at in range(first, last):
+                nbytes += self._tasks[self._queue[at]][2]
+                if nbytes >= _BATCH_BYTES:
+                    last = at + 1
+                    break
+            self._next = last
+            return self._queue[first:last]
+
+    def _reuse(self, task: int, key: tuple[str, int], *, claim: bool) -> bool:
+        """Refer ``task`` to a chunk with these bytes if there is one; else maybe claim the bytes.
+
+        Without a lock: the index is only read, and ``setdefault`` claims
+        atomically (one dict operation), so two stagers with the same bytes
+        agree on which of them writes them.
+        """
+        previous = self._previous.get(key)
+        if previous is not None:
+            self._placed[task] = previous
+            self.marks.append(previous)
+            return True
+        owner = self._owners.setdefault(key, task) if claim else self._owners.get(key)
+        if owner is None or owner == task:
+            return False
+        self._placed[task] = owner
+        return True
+
+    def _stage(self, packer: Packer, abort: threading.Event) -> None:
+        cancelled = self._cancelled
+        while tasks := self._take_tasks(abort):
+            if cancelled is not None and cancelled():
+                raise AbortedError("the spill was called off before it finished; nothing was published")
+            small: list[tuple[int, memoryview]] = []
+            reused = 0
+            for task in tasks:
+                index, offset, length = self._tasks[task]
+                view = self._regions[index].host_view(offset, length) if length <= _SMALL_COPY else None
+                if view is not None:
+                    small.append((task, view))
+                else:
+                    reused += self._stage_one(packer, task)
+            if small:
+                reused += self._stage_small(packer, small)
+            if reused:
+                self._advance(0, reused)  # written bytes count once the writer has written them
+                self.news.set()
+
+    def _stage_small(self, packer: Packer, chunks: list[tuple[int, memoryview]]) -> int:
+        """Stage a run of small host chunks; the bytes found already written (nothing is copied for them).
+
+        Hashed in place and copied a run at a time (bulk.checksums and
+        bulk.stage), not through the region's call per chunk; each checksum
+        is of the staged copy, the very bytes written.
+        """
+        reused = 0
+        if self._hash_in_place:
+            changed = []
+            digests = bulk.checksums([view for _, view in chunks])
+            for (task, view), digest in zip(chunks, digests, strict=True):
+                if self._reuse(task, (digest, len(view)), claim=False):
+                    reused += len(view)
+                else:
+                    changed.append((task, view))
+            chunks = changed
+        start = 0
+        while start < len(chunks):
+            arena, slots = packer.reserve([(task, len(view)) for task, view in chunks[start:]])
+            try:
+                run = chunks[start : start + len(slots)]  # what fits in this arena
+                staged = [(s.position, s.padded, view) for s, (_, view) in zip(slots, run, strict=True)]
+                for slot, digest in zip(slots, bulk.stage(arena.buffer.view, staged), strict=True):
+                    if not self._claim(slot, digest):
+                        reused += slot.length
+            finally:
+                packer.finish(arena, slots)
+            start += len(slots)
+        return reused
+
+    def _stage_one(self, packer: Packer, task: int) -> int:
+        """Stage one chunk through its region's copy; its bytes if found already written, else 0."""
+        index, offset, length = self._tasks[task]
+        region = self._regions[index]
+        if self._hash_in_place:
+            in_place = region.host_view(offset, length)
+            if in_place is not None and self._reuse(task, (checksum(in_place), length), claim=False):
+                return length
+            del in_place
+        arena, slots = packer.reserve([(task, length)])
+        try:
+            region.copy_out(offset, arena.buffer.view[slots[0].position : slots[0].position + length])
+            live = self._hash_staged(arena.buffer.view, slots[0])
+        finally:
+            packer.finish(arena, slots)
+        return 0 if live else length
+
+    def _hash_staged(self, buffer: memoryview, slot: Slot) -> bool:
+        """A chunk copied into its slot: pad it to its page, checksum it, and say whether it is written."""
+        end = slot.position + slot.length
+        if slot.padded > slot.length:
+            buffer[end : slot.position + slot.padded] = _ZEROS[: slot.padded - slot.length]
+        return self._claim(slot, checksum(buffer[slot.position : end]))
+
+    def _claim(self, slot: Slot, digest: str) -> bool:
+        """Record a staged chunk's checksum; whether it is written (live), not found written already.
+
+        The checksum is of the staged copy, the very bytes the writer writes.
+        """
+        slot.digest = digest
+        slot.live = not self._reuse(slot.task, (digest, slot.length), claim=True)
+        return slot.live
+
+    def _write(self, packer: Packer, pool: StagingPool, abort: threading.Event) -> None:
+        while True:
+            try:
+                arena = packer.sealed.get(timeout=0.05)
+            except queue.Empty:
+                if abort.is_set():
+                    raise PipelineAborted() from None
+                continue
+            if arena is None:
+                return
+            try:
+                while not arena.filled.wait(0.05):
+                    if abort.is_set():
+                        raise PipelineAborted()
+                if abort.is_set():
+                    raise PipelineAborted()
+                self._write_arena(arena)
+            finally:
+                pool.give(arena.buffer)
+
+    def _write_arena(self, arena: Arena) -> None:
+        live = [slot for slot in arena.slots if slot.live]
+        if not live:
+            return
+        spans = arena.live_spans()
+        size = sum(end - start for start, end in spans)
+        views = [arena.buffer.view[start:end] for start, end in spans]
+        try:
+            file, name, offset = self._segments.allocate(size)
+        except OSError as exc:
+            raise io_error(exc, self._root, self._segments.next_path(), self.written, self._total) from exc
+        try:
+            write_views(file, views, offset)
+        except OSError as exc:
+            raise io_error(exc, self._root, self._segments.path_of(name), self.written, self._total) from exc
+        # Each live slot lies in one span; the spans lie back to back in the file from ``offset``.
+        span = 0
+        span_at = offset  # where spans[span] starts in the file
+        for slot in live:
+            while slot.position >= spans[span][1]:
+                span_at += spans[span][1] - spans[span][0]
+                span += 1
+            position = span_at + slot.position - spans[span][0]
+            self._placed[slot.task] = ChunkRef(name, position, slot.length, slot.digest)
+        self._advance(sum(slot.length for slot in live), 0)
