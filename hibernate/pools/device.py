@@ -33,10 +33,10 @@ from typing import Any, Protocol
 
 from hibernate.errors import HibernateError, UnsupportedError
 from hibernate.pools.hostpages import HostMapping, own_mappings
+from hibernate.store.pipeline import PinFn
 
 # vLLM's allocation handle: (device, aligned size, device pointer, generic allocation handle).
 Handle = tuple[int, int, int, Any]
-PinFn = Callable[[memoryview], Callable[[], None]]
 
 
 def torch_cuda_in_use() -> bool:
