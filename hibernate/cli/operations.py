@@ -8,8 +8,10 @@ commands' registration must not load them (tests/test_cli_light.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -39,6 +41,51 @@ from hibernate.cli.options import (
     spans_users,
     with_selection,
 )
+
+if TYPE_CHECKING:  # for annotations only: the commands import these when they run
+    from hibernate.operation.progress import ProgressSink
+    from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+    from hibernate.sched.selectors import Selection
+
+Report = TypeVar("Report", "SleepReport", "WakeReport", "RecoverReport")
+
+
+def _carry_out(
+    operate: Callable[[ProgressSink], Report],
+    show: Callable[[Report], None],
+    selection: Selection,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
+    print its report as JSON (with how the targets were selected) or as ``show``'s lines.
+
+    One ending, so the three commands cannot drift apart in what --json and --quiet print.
+    """
+    from hibernate.cli import render
+
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        report = operate(progress)
+    render.outcome(
+        with_selection({"ok": True, **report.to_wire()}, selection),
+        lambda: show(report),
+        as_json=as_json,
+        quiet=quiet,
+    )
+
+
+def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool) -> None:
+    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one."""
+    from hibernate import orchestrator
+    from hibernate.cli import render
+
+    entries = orchestrator.status(selection.pids if selection else None, all_users=all_users)
+    document = {"ok": True, "agents": entries}
+    render.outcome(
+        with_selection(document, selection) if selection else document,
+        lambda: render.agents_table(entries),
+        as_json=as_json,
+    )
 
 
 @handles_errors
@@ -116,12 +163,13 @@ def sleep(
     )
     selection = select_targets(pids, every, job, cgroup, sleeping=True)
     options.skip_asleep = by_selector(selection)  # as a wake skips those awake
-    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.sleep(selection.pids, to, options, progress)
-    if as_json:
-        render.print_json(with_selection({"ok": True, **report.to_wire()}, selection))
-    elif not quiet:
-        render.sleep_report(report)
+    _carry_out(
+        partial(orchestrator.sleep, selection.pids, to, options),
+        render.sleep_report,
+        selection,
+        as_json,
+        quiet,
+    )
 
 
 @handles_errors
@@ -171,12 +219,9 @@ def wake(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup)
-    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.wake(selection.pids, options, progress)
-    if as_json:
-        render.print_json(with_selection({"ok": True, **report.to_wire()}, selection))
-    elif not quiet:
-        render.wake_report(report)
+    _carry_out(
+        partial(orchestrator.wake, selection.pids, options), render.wake_report, selection, as_json, quiet
+    )
 
 
 @handles_errors
@@ -211,12 +256,13 @@ def recover(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup)
-    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = orchestrator.recover(selection.pids, options, progress)
-    if as_json:
-        render.print_json(with_selection({"ok": True, **report.to_wire()}, selection))
-    elif not quiet:
-        render.recover_report(report)
+    _carry_out(
+        partial(orchestrator.recover, selection.pids, options),
+        render.recover_report,
+        selection,
+        as_json,
+        quiet,
+    )
 
 
 @handles_errors
@@ -229,31 +275,14 @@ def status(
     as_json: JsonOption = False,
 ) -> None:
     """State, pools and snapshot of each agent of the given targets (or all of yours)."""
-    from hibernate import orchestrator
-    from hibernate.cli import render
-
     selection = select_targets(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
-    entries = orchestrator.status(
-        selection.pids if selection else None, all_users=spans_users(all_users, job, cgroup)
-    )
-    if as_json:
-        document = {"ok": True, "agents": entries}
-        render.print_json(with_selection(document, selection) if selection else document)
-    else:
-        render.agents_table(entries)
+    _show_agents(selection, all_users=spans_users(all_users, job, cgroup), as_json=as_json)
 
 
 @handles_errors
 def list_agents(as_json: JsonOption = False) -> None:
     """Every hibernate agent of yours on this machine."""
-    from hibernate import orchestrator
-    from hibernate.cli import render
-
-    entries = orchestrator.status(None)
-    if as_json:
-        render.print_json({"ok": True, "agents": entries})
-    else:
-        render.agents_table(entries)
+    _show_agents(None, all_users=False, as_json=as_json)
 
 
 @handles_errors
@@ -277,9 +306,6 @@ def gc(
         dry_run=dry_run,
         agent_state=lambda owner: targets.agent_state(owner.pid, owner.start_time, owner.pid_namespace),
     )
-    if as_json:
-        render.print_json({"ok": True, **report})
-    elif not quiet:
-        render.gc_report(report)
+    render.outcome({"ok": True, **report}, lambda: render.gc_report(report), as_json=as_json, quiet=quiet)
     for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
         render.err.print(f"hibernate gc: warning: {warning}", markup=False)

@@ -159,16 +159,9 @@ def node_step(
         progress=lambda: render.TerminalProgress(enabled=not (as_json or quiet)),
     )
     if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
-        code = int(error.exit_code)
-        if as_json:
-            document["error"] = {**error.to_wire(), "exit_code": code, "exit_name": error.exit_code.name}
-            render.print_json(document)
-        else:
-            if not quiet:
-                render.node_step_report(document)
+        document["error"] = render.error_wire(error)
+    render.outcome(document, lambda: render.node_step_report(document), as_json=as_json, quiet=quiet)
+    if error is not None:
+        if not as_json:
             render.error(error, False)
-        raise typer.Exit(code)
-    if as_json:
-        render.print_json(document)
-    elif not quiet:
-        render.node_step_report(document)
+        raise typer.Exit(int(error.exit_code))
