@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -38,15 +39,30 @@ def print_json(document: Any) -> None:
     sys.stdout.flush()
 
 
+def outcome(
+    document: dict[str, Any], show: Callable[[], None], *, as_json: bool, quiet: bool = False
+) -> None:
+    """A command's result: ``document`` as JSON with --json, else ``show``'s lines unless --quiet.
+
+    One place chooses between the two faces, so --json (one document, nothing
+    else on stdout) and --quiet (no lines) mean the same in every command.
+    """
+    if as_json:
+        print_json(document)
+    elif not quiet:
+        show()
+
+
+def error_wire(exc: HibernateError) -> dict[str, Any]:
+    """An error as --json reports it: its fields, and the exit code by number and by name."""
+    code = int(exc.exit_code)
+    return {**exc.to_wire(), "exit_code": code, "exit_name": ExitCode(code).name}
+
+
 def error(exc: HibernateError, as_json: bool) -> int:
     code = int(exc.exit_code)
     if as_json:
-        print_json(
-            {
-                "ok": False,
-                "error": {**exc.to_wire(), "exit_code": code, "exit_name": ExitCode(code).name},
-            }
-        )
+        print_json({"ok": False, "error": error_wire(exc)})
     else:
         err.print(f"[bold red]hibernate: error:[/] {escape(exc.message)}", markup=True)
         if exc.hint:

@@ -1,0 +1,58 @@
+"""``hibernate doctor [PID]``: the command; its checks are hibernate.cli.diagnosis.
+
+Apart from the checks so that ``--help`` does not load them (diagnosis
+imports what its checks need at the top). The command function is
+``examine`` because a function named ``doctor`` would shadow this module as
+an attribute of the package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hibernate.cli.options import (
+    CheckpointerOption,
+    CudaCheckpointOption,
+    JsonOption,
+    cuda_options,
+    handles_errors,
+    parse_directory,
+)
+from hibernate.errors import ExitCode
+
+
+@handles_errors
+def examine(
+    pid: Annotated[
+        int | None,
+        typer.Argument(help="A target to examine too (any process of its tree).", show_default=False),
+    ] = None,
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to",
+            parser=parse_directory,
+            help="Where snapshots would go (default: the agent's default directory, if any).",
+        ),
+    ] = None,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    as_json: JsonOption = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only the checks that are not ok (nothing when all are).")
+    ] = False,
+) -> None:
+    """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
+    from hibernate.cli import diagnosis, render
+
+    cuda = cuda_options(checkpointer, cuda_checkpoint)
+    report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])
+    if as_json:
+        render.print_json(report)
+    else:
+        render.doctor_report(report, only_problems=quiet)
+    if not report["ok"]:
+        raise typer.Exit(int(ExitCode.UNSUPPORTED))

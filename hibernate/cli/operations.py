@@ -1,0 +1,311 @@
+"""The commands that act on targets and their snapshots: sleep, wake, recover, status, ls and gc.
+
+Each parses its flags (hibernate.cli.options), calls the orchestrator and
+hands the result to hibernate.cli.render; nothing else lives here. The
+orchestrator and render are imported inside each command: ``--help`` and the
+commands' registration must not load them (tests/test_cli_light.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+
+from hibernate.cli.options import (
+    AllOption,
+    AllUsersOption,
+    BufferOption,
+    CgroupOption,
+    CheckpointerOption,
+    CudaCheckpointOption,
+    ForceOption,
+    IoModeOption,
+    JobOption,
+    JsonOption,
+    NoCudaOption,
+    OptionalPidsArgument,
+    QuietOption,
+    SkipReuseCheckOption,
+    TimeoutOption,
+    VllmUrlOption,
+    by_selector,
+    handles_errors,
+    options_from_flags,
+    parse_directory,
+    select_targets,
+    skip_reuse_check_by_default,
+    spans_users,
+    with_selection,
+)
+
+if TYPE_CHECKING:  # for annotations only: the commands import these when they run
+    from hibernate.operation.progress import ProgressSink
+    from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+    from hibernate.sched.selectors import Selection
+
+Report = TypeVar("Report", "SleepReport", "WakeReport", "RecoverReport")
+
+
+def _carry_out(
+    operate: Callable[[ProgressSink], Report],
+    show: Callable[[Report], None],
+    selection: Selection,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
+    print its report as JSON (with how the targets were selected) or as ``show``'s lines.
+
+    One ending, so the three commands cannot drift apart in what --json and --quiet print.
+    """
+    from hibernate.cli import render
+
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        report = operate(progress)
+    render.outcome(
+        with_selection({"ok": True, **report.to_wire()}, selection),
+        lambda: show(report),
+        as_json=as_json,
+        quiet=quiet,
+    )
+
+
+def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool) -> None:
+    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one."""
+    from hibernate import orchestrator
+    from hibernate.cli import render
+
+    entries = orchestrator.status(selection.pids if selection else None, all_users=all_users)
+    document = {"ok": True, "agents": entries}
+    render.outcome(
+        with_selection(document, selection) if selection else document,
+        lambda: render.agents_table(entries),
+        as_json=as_json,
+    )
+
+
+@handles_errors
+def sleep(
+    to: Annotated[
+        Path,
+        typer.Option(
+            "--to", parser=parse_directory, help="Directory for the snapshots (created 0700 if missing)."
+        ),
+    ],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Read each snapshot back whole (checksums) before any memory is released: "
+            "proof over speed, it costs one read of the snapshot.",
+        ),
+    ] = False,
+    skip_reuse_check: SkipReuseCheckOption = False,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
+    level: Annotated[
+        int | None,
+        typer.Option(
+            "--level",
+            help="vLLM server only: 1 keeps the weights (written to DIR), 2 drops them. [default: 1]",
+        ),
+    ] = None,
+    drain: Annotated[
+        str | None,
+        typer.Option(
+            "--drain",
+            help="vLLM server only: wait (running requests finish first, within --timeout) or abort "
+            "them. [default: wait]",
+        ),
+    ] = None,
+    vllm_url: VllmUrlOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Spill each target's tracked memory to DIR, release it, and take CUDA state off the GPU.
+
+    For a vLLM server (any pid of it) the server's own /sleep stops its scheduler and spills the workers.
+    """
+    from hibernate import orchestrator
+    from hibernate.cli import render
+
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        verify=verify,
+        skip_reuse_check=skip_reuse_check or skip_reuse_check_by_default(),
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
+        force=force,
+        lock_timeout=timeout,
+        level=level,
+        drain=drain,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
+    )
+    selection = select_targets(pids, every, job, cgroup, sleeping=True)
+    options.skip_asleep = by_selector(selection)  # as a wake skips those awake
+    _carry_out(
+        partial(orchestrator.sleep, selection.pids, to, options),
+        render.sleep_report,
+        selection,
+        as_json,
+        quiet,
+    )
+
+
+@handles_errors
+def wake(
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
+    device_map: Annotated[
+        str | None,
+        typer.Option(
+            "--device-map",
+            metavar="OLD=NEW[,...]",
+            help="Restore the CUDA state onto other GPUs of the same type (driver 580+): GPU UUIDs or "
+            "indices, every GPU that was checkpointed named.",
+            show_default=False,
+        ),
+    ] = None,
+    vllm_url: VllmUrlOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Bring each target back where it was put to sleep, verified byte for byte."""
+    from hibernate import orchestrator
+    from hibernate.cli import render
+
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        io_mode=io_mode,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
+        force=force,
+        device_map=device_map,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
+    )
+    selection = select_targets(pids, every, job, cgroup)
+    _carry_out(
+        partial(orchestrator.wake, selection.pids, options), render.wake_report, selection, as_json, quiet
+    )
+
+
+@handles_errors
+def recover(
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    force: ForceOption = False,
+    vllm_url: VllmUrlOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Finish or undo a sleep or wake whose hibernate command was killed half-way.
+
+    A batch script that lost its `hibernate sleep --job ID` recovers the same set with
+    `hibernate recover --job ID`.
+    """
+    from hibernate import orchestrator
+    from hibernate.cli import render
+
+    options = options_from_flags(
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        force=force,
+        vllm_url=vllm_url,
+        all_users=all_users,
+        job=job,
+        cgroup=cgroup,
+    )
+    selection = select_targets(pids, every, job, cgroup)
+    _carry_out(
+        partial(orchestrator.recover, selection.pids, options),
+        render.recover_report,
+        selection,
+        as_json,
+        quiet,
+    )
+
+
+@handles_errors
+def status(
+    pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    all_users: AllUsersOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """State, pools and snapshot of each agent of the given targets (or all of yours)."""
+    selection = select_targets(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
+    _show_agents(selection, all_users=spans_users(all_users, job, cgroup), as_json=as_json)
+
+
+@handles_errors
+def list_agents(as_json: JsonOption = False) -> None:
+    """Every hibernate agent of yours on this machine."""
+    _show_agents(None, all_users=False, as_json=as_json)
+
+
+@handles_errors
+def gc(
+    directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
+    awake: Annotated[
+        bool, typer.Option("--awake", help="Also delete the snapshot kept by processes that are awake.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted, and why.")] = False,
+    as_json: JsonOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
+) -> None:
+    """Delete unfinished snapshots and those of processes that are gone; never a sleeping one's."""
+    from hibernate.cli import render
+    from hibernate.operation import targets
+    from hibernate.store.maintenance import collect_garbage
+
+    report = collect_garbage(
+        directory,
+        awake=awake,
+        dry_run=dry_run,
+        agent_state=lambda owner: targets.agent_state(owner.pid, owner.start_time, owner.pid_namespace),
+    )
+    render.outcome({"ok": True, **report}, lambda: render.gc_report(report), as_json=as_json, quiet=quiet)
+    for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
+        render.err.print(f"hibernate gc: warning: {warning}", markup=False)

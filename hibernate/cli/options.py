@@ -1,0 +1,325 @@
+"""Every flag the commands share, defined once, and the one mapping from flags to the orchestrator's Options.
+
+A flag that two commands take is one alias here, so its name, help and
+default cannot drift apart between commands; the checks a flag's value gets
+(``--io-mode``, ``--checkpointer``, ``--device-map``, an empty ``--to``) live
+beside it, so every command refuses a bad value with the same words and exit
+code before anything is touched. A flag only one command has stays with that
+command.
+
+Light on purpose: typer and the standard library at import; what the checks
+need (the orchestrator, the selectors, the checkpointer kinds) is imported
+when a command runs, never for ``--help``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+
+from hibernate.errors import HibernateError, UsageError
+
+if TYPE_CHECKING:  # for annotations only: the commands import it when they run, --help never does
+    from hibernate import orchestrator
+    from hibernate.sched.selectors import Selection
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress, only errors.")]
+BufferOption = Annotated[
+    int,
+    typer.Option(
+        "--buffer-mb",
+        help=(
+            "Staging memory for the transfer, in MiB, shared by every process moving at once: "
+            "16 to half of this machine's RAM."
+        ),
+    ),
+]
+IoModeOption = Annotated[
+    str,
+    typer.Option("--io-mode", help="auto (direct I/O where the filesystem allows), direct, or buffered."),
+]
+TimeoutOption = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds to wait for the program to leave hibernate.guard() (a vLLM server: for its running "
+        "requests to drain) and for its CUDA work to drain: 0 to 86400.",
+    ),
+]
+CheckpointerOption = Annotated[
+    str,
+    typer.Option(
+        "--checkpointer",
+        help="How to drive cuda-checkpoint: auto (the driver API where libcuda has it, else the "
+        "cuda-checkpoint binary), driver, binary, or none (free the pools only: every CUDA context "
+        "stays on the GPU, no checkpoint call is made).",
+    ),
+]
+CudaCheckpointOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cuda-checkpoint",
+        help="The cuda-checkpoint executable (default: $HIBERNATE_CUDA_CHECKPOINT, then PATH); "
+        "implies the binary unless --checkpointer driver.",
+        show_default=False,
+    ),
+]
+
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Go on where a safety check cannot tell: a wake whose free GPU memory NVML cannot read, a "
+        "sleep of several CUDA processes without the NCCL settings a checkpoint needs.",
+        show_default=False,
+    ),
+]
+SkipReuseCheckOption = Annotated[
+    bool,
+    typer.Option(
+        "--skip-reuse-check",
+        help="Reuse the previous snapshot's unchanged chunks without reading them back first "
+        "(a re-sleep then costs one hash of the memory, not a read of the disk beside it); "
+        "a change on the disk since the last wake goes unnoticed until the next wake. "
+        "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
+    ),
+]
+NoCudaOption = Annotated[
+    bool,
+    typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
+]
+
+OptionalPidsArgument = Annotated[
+    list[int] | None,
+    typer.Argument(
+        help="Any process of each target's tree (or select them with --all, --job, --cgroup).",
+        show_default=False,
+    ),
+]
+AllOption = Annotated[
+    bool, typer.Option("--all", help="Every hibernate agent of yours on this node.", show_default=False)
+]
+JobOption = Annotated[
+    str | None,
+    typer.Option(
+        "--job",
+        metavar="ID",
+        help="The processes of Slurm job ID on this node (found through its cgroup, else through "
+        "SLURM_JOB_ID in their environment).",
+        show_default=False,
+    ),
+]
+CgroupOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cgroup",
+        metavar="PATH",
+        help="The processes of this cgroup and the cgroups below it (a directory, or the path "
+        "/proc/PID/cgroup shows; root: $HIBERNATE_CGROUP_ROOT, default /sys/fs/cgroup).",
+        show_default=False,
+    ),
+]
+AllUsersOption = Annotated[
+    bool,
+    typer.Option(
+        "--all-users",
+        help="Root: act on the agents of every user the targets hold (without it, targets holding "
+        "agents of several users are refused; --job and --cgroup imply it).",
+        show_default=False,
+    ),
+]
+
+VllmUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--vllm-url",
+        help="vLLM server only: its address (http://HOST:PORT or unix:/PATH); default: read from the "
+        "server's command line (--host/--port/--uds), else vLLM's default port 8000.",
+        show_default=False,
+    ),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parse_directory(value: str) -> Path:
+    """A ``--to`` directory. An empty string is refused: ``Path("")`` quietly means the current
+    directory, and an empty ``--to "$DIR"`` is a script whose variable was never set."""
+    if isinstance(value, Path):  # a default, or a value already converted
+        return value
+    if value == "":
+        raise typer.BadParameter("an empty string names no directory (for the current one, pass --to .)")
+    return Path(value)
+
+
+def handles_errors(func: F) -> F:
+    """Turn HibernateError into its exit code and message (JSON when --json).
+
+    Every numeric option is range-checked here first (hibernate/limits.py, by
+    parameter name), so each command refuses a bad number before it touches
+    anything, with the same words and exit code, and no command can forget to.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from hibernate import limits
+        from hibernate.cli import render
+
+        try:
+            limits.check(kwargs)
+            return func(*args, **kwargs)
+        except HibernateError as exc:
+            raise typer.Exit(render.error(exc, bool(kwargs.get("as_json")))) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def cuda_options(
+    kind: str, binary: Path | None, lock_timeout: float | None = None, no_cuda: bool = False
+) -> dict[str, Any]:
+    """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
+    from hibernate.checkpoint.base import StepTimeouts
+    from hibernate.checkpoint.selection import KINDS, NONE
+
+    if no_cuda:
+        if kind not in ("auto", NONE):
+            raise UsageError(
+                f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}"
+            )
+        kind = NONE
+    if kind not in KINDS:
+        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
+    if binary is not None and kind in ("driver", "none"):
+        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
+    timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
+    return {
+        "checkpointer_kind": kind,
+        "cuda_checkpoint": str(binary) if binary is not None else None,
+        "cuda_timeouts": timeouts,
+    }
+
+
+def _kind_options(**given: Any) -> dict[str, Any]:
+    """Options of one kind of target (a vLLM server's --level, --drain, --vllm-url), only those given."""
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def select_targets(
+    pids: list[int] | None, every: bool, job: str | None, cgroup: str | None, *, sleeping: bool = False
+) -> Selection:
+    """The targets of a command: its pids and the processes its selectors find (sched.selectors.select)."""
+    from hibernate.sched.selectors import select
+
+    return select(pids, every=every, job=job, cgroup=cgroup, sleeping=sleeping)
+
+
+def by_selector(selection: Selection) -> bool:
+    """Whether a selector (--all, --job, --cgroup) chose targets, rather than pids alone."""
+    return any(source["selector"] != "pids" for source in selection.sources)
+
+
+def spans_users(all_users: bool, job: str | None, cgroup: str | None) -> bool:
+    """Whether agents of several users may be acted on: asked for, or named exactly by a selector."""
+    return all_users or job is not None or cgroup is not None
+
+
+def with_selection(document: dict[str, Any], selection: Selection) -> dict[str, Any]:
+    """Add how the targets were selected to a JSON document, when selectors were used."""
+    if by_selector(selection):
+        document["selection"] = selection.to_wire()
+    return document
+
+
+def skip_reuse_check_by_default() -> bool:
+    """``$HIBERNATE_SKIP_REUSE_CHECK``: the default of ``--skip-reuse-check`` (a yes/no, else refused)."""
+    import os
+
+    from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
+
+    return env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
+
+
+def _io_mode(value: str) -> str:
+    """``--io-mode``, checked here: the store takes any value but direct or buffered for auto, silently."""
+    if value not in ("auto", "direct", "buffered"):
+        raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
+    return value
+
+
+def options_from_flags(
+    *,
+    timeout: float | None = None,
+    buffer_mb: int | None = None,
+    io_mode: str = "auto",
+    verify: bool = False,
+    skip_reuse_check: bool = False,
+    checkpointer: str = "auto",
+    cuda_checkpoint: Path | None = None,
+    no_cuda: bool = False,
+    force: bool = False,
+    device_map: str | None = None,
+    lock_timeout: float | None = None,
+    level: int | None = None,
+    drain: str | None = None,
+    vllm_url: str | None = None,
+    all_users: bool = False,
+    job: str | None = None,
+    cgroup: str | None = None,
+) -> orchestrator.Options:
+    """The orchestrator's Options from a command's flags; what a command has no flag for stays default.
+
+    One constructor, so every command maps ``--timeout``, ``--buffer-mb``, ``--io-mode``, the CUDA
+    and vLLM flags and the user scope the same way, and refuses a bad value with the same words, in
+    the same order (``--io-mode`` before ``--checkpointer``), before anything is touched.
+
+    ``timeout`` (``--timeout``) bounds the quiesce; an agent is allowed at least 5 s to answer even
+    with ``--timeout 0``. None (a command without ``--timeout``) keeps the Options defaults, as does
+    a None ``buffer_mb``. ``lock_timeout`` bounds cuda-checkpoint's lock (a sleep's), None for its
+    default. ``job`` or ``cgroup`` imply ``all_users``, as their selection names the processes exactly.
+    """
+    from hibernate import orchestrator
+
+    options = orchestrator.Options(
+        io=orchestrator.IoOptions(
+            io_mode=_io_mode(io_mode), verify=verify, skip_reuse_check=skip_reuse_check
+        ),
+        kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
+        all_users=spans_users(all_users, job, cgroup),
+        **cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout, no_cuda=no_cuda),
+    )
+    if timeout is not None:
+        options.quiesce_timeout = timeout
+        options.agent_timeout = max(timeout, 5.0)
+    if buffer_mb is not None:
+        options.io.buffer_mb = buffer_mb
+    options.force = force
+    if device_map is not None:
+        if options.checkpointer_kind == "none":
+            raise UsageError(
+                "--device-map restores CUDA state onto other GPUs; --checkpointer none restores none"
+            )
+        options.device_map = parse_device_map(device_map)
+    return options
+
+
+def parse_device_map(text: str) -> dict[str, str]:
+    """``OLD=NEW[,OLD=NEW...]`` (GPU UUIDs or indices) -> {old: new}; a malformed map is refused."""
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        old, sep, new = (part.strip() for part in item.partition("="))
+        if not sep or not old or not new:
+            raise UsageError(
+                f"--device-map: {item.strip()!r} is not OLD=NEW",
+                hint="e.g. --device-map 0=1, or GPU-aaaa...=GPU-bbbb... (several: comma-separated)",
+            )
+        if old in pairs:
+            raise UsageError(f"--device-map: GPU {old} is mapped twice")
+        pairs[old] = new
+    return pairs

@@ -1,0 +1,167 @@
+"""The commands batch schedulers use: run (hibernate a job on its warning signal) and node-step.
+
+The command-line face of hibernate.sched: each parses its flags
+(hibernate.cli.options) and calls into hibernate.sched, imported when the
+command runs so that ``--help`` loads none of it. ``node-step`` is hidden: it
+is one node's part of a job-wide operation, run by scripts/slurm/hibernate-job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hibernate.cli.options import (
+    AllOption,
+    BufferOption,
+    CgroupOption,
+    CheckpointerOption,
+    CudaCheckpointOption,
+    ForceOption,
+    IoModeOption,
+    JobOption,
+    JsonOption,
+    NoCudaOption,
+    OptionalPidsArgument,
+    QuietOption,
+    SkipReuseCheckOption,
+    TimeoutOption,
+    handles_errors,
+    options_from_flags,
+    parse_directory,
+    skip_reuse_check_by_default,
+)
+
+
+@handles_errors
+def run(
+    command: Annotated[list[str], typer.Argument(help="The job to run, after --.", show_default=False)],
+    to: Annotated[Path, typer.Option("--to", parser=parse_directory, help="Directory for the snapshots.")],
+    on_signal: Annotated[
+        str, typer.Option("--on-signal", help="Signal that puts the job to sleep.")
+    ] = "USR1",
+    wake_signal: Annotated[
+        str, typer.Option("--wake-signal", help="Signal that wakes it ('' for none: use hibernate wake).")
+    ] = "USR2",
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+) -> None:
+    """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
+    from hibernate.sched import runner
+
+    options = options_from_flags(
+        timeout=timeout,
+        buffer_mb=buffer_mb,
+        checkpointer=checkpointer,
+        cuda_checkpoint=cuda_checkpoint,
+        no_cuda=no_cuda,
+        lock_timeout=timeout,
+    )
+    raise typer.Exit(runner.run(command, to, on_signal, wake_signal or None, options))
+
+
+@handles_errors
+def node_step(
+    operation: Annotated[str, typer.Argument(help="sleep or wake.", show_default=False)],
+    barrier: Annotated[
+        Path,
+        typer.Option("--barrier", help="A fresh directory every node shares, the same for all of them."),
+    ],
+    pids: OptionalPidsArgument = None,
+    every: AllOption = False,
+    job: JobOption = None,
+    cgroup: CgroupOption = None,
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to",
+            parser=parse_directory,
+            help="Snapshot directory (sleep); this node's go to DIR/<node name>.",
+            show_default=False,
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes",
+            help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
+            show_default=False,
+        ),
+    ] = None,
+    node_index: Annotated[
+        int | None,
+        typer.Option("--node-index", help="This node's index (default: $SLURM_NODEID).", show_default=False),
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            "--node-name",
+            help="This node's name (default: $SLURMD_NODENAME, the host name).",
+            show_default=False,
+        ),
+    ] = None,
+    barrier_timeout: Annotated[
+        float,
+        typer.Option(
+            "--barrier-timeout", help="Seconds from the start until silent nodes count as failed (to 86400)."
+        ),
+    ] = 600.0,
+    allow_empty: Annotated[
+        bool,
+        typer.Option("--allow-empty", help="A node where nothing is selected agrees instead of failing."),
+    ] = False,
+    timeout: TimeoutOption = 30.0,
+    buffer_mb: BufferOption = 256,
+    io_mode: IoModeOption = "auto",
+    checkpointer: CheckpointerOption = "auto",
+    cuda_checkpoint: CudaCheckpointOption = None,
+    no_cuda: NoCudaOption = False,
+    force: ForceOption = False,
+    skip_reuse_check: SkipReuseCheckOption = False,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
+    from hibernate.cli import render
+    from hibernate.sched import nodestep
+
+    document, error = nodestep.node_step(
+        operation,
+        barrier,
+        pids=pids,
+        every=every,
+        job=job,
+        cgroup=cgroup,
+        to=to,
+        nodes=nodes,
+        node_index=node_index,
+        node=node,
+        barrier_timeout=barrier_timeout,
+        allow_empty=allow_empty,
+        options=lambda: options_from_flags(
+            timeout=timeout,
+            buffer_mb=buffer_mb,
+            io_mode=io_mode,
+            checkpointer=checkpointer,
+            cuda_checkpoint=cuda_checkpoint,
+            no_cuda=no_cuda,
+            force=force,
+            lock_timeout=timeout if operation == "sleep" else None,
+            skip_reuse_check=operation == "sleep" and (skip_reuse_check or skip_reuse_check_by_default()),
+            job=job,
+            cgroup=cgroup,
+        ),
+        progress=lambda: render.TerminalProgress(enabled=not (as_json or quiet)),
+    )
+    if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
+        document["error"] = render.error_wire(error)
+    render.outcome(document, lambda: render.node_step_report(document), as_json=as_json, quiet=quiet)
+    if error is not None:
+        if not as_json:
+            render.error(error, False)
+        raise typer.Exit(int(error.exit_code))
