@@ -106,10 +106,19 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
         run(0)
         return outcomes
     threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(items))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:
+        # What runs goes to its end before the interrupt goes on, so that no undo overlaps work still
+        # in flight (an agent mid-spill on the same connection, a driver mid-checkpoint); what was
+        # not started never runs. A second interrupt is not held back.
+        for thread in threads:
+            if thread.is_alive():
+                thread.join()
+        raise
     return outcomes
 
 

@@ -33,12 +33,12 @@ from tests.conftest import NOBODY, is_root, source_root_for, wait_until
 def agent(runtime_dir: Path) -> Iterator[tuple[Agent, AgentServer]]:
     ident = procinfo.identity(os.getpid())
     assert ident is not None
-    hibernator = Agent(ident)
+    controller = Agent(ident)
     pool = TensorPool()
     pool.track(torch.arange(1 << 16, dtype=torch.int32), "weights", True, "w")
-    hibernator.add_pool(pool)
-    server = AgentServer(hibernator, runtime_dir)
-    yield hibernator, server
+    controller.add_pool(pool)
+    server = AgentServer(controller, runtime_dir)
+    yield controller, server
     server.stop()
 
 
@@ -97,11 +97,11 @@ def test_wrong_version_is_answered_then_closed(agent) -> None:
 
 
 def test_hello_reports_identity_pools_and_state(agent) -> None:
-    hibernator, server = agent
+    controller, server = agent
     with AgentClient(server.path) as client:
         status = client.call("hello")
     assert status["pid"] == os.getpid()
-    assert status["start_time"] == hibernator.identity.start_time
+    assert status["start_time"] == controller.identity.start_time
     assert status["state"] == "running"
     assert status["pools"] == [
         {"pool": "torch", "tag": "weights", "keep": True, "count": 1, "bytes": 1 << 18}
@@ -121,32 +121,32 @@ def test_operations_need_a_session_and_sessions_exclude_each_other(agent, work_d
 
 
 def test_a_vanished_client_rolls_back_a_half_done_sleep(agent, work_dir: Path) -> None:
-    hibernator, server = agent
+    controller, server = agent
     client = AgentClient(server.path)
     client.call("begin")
     client.call("quiesce", {"timeout": 1})
     client.call("spill", {"dir": str(work_dir)})
-    assert hibernator.state.value == "spilled"
+    assert controller.state.value == "spilled"
     client.close()
-    wait_until(lambda: hibernator.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
-    assert hibernator.state.value == "running"
-    assert not hibernator.guard.closed
+    wait_until(lambda: controller.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
+    assert controller.state.value == "running"
+    assert not controller.guard.closed
     with AgentClient(server.path) as again:
         again.call("begin")  # ownership was released too
 
 
 def test_asleep_outlives_its_client(agent, work_dir: Path) -> None:
-    hibernator, server = agent
+    controller, server = agent
     with AgentClient(server.path) as client:
         for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
             client.call(op, args)
-    wait_until(lambda: hibernator.status()["busy"] is None, 5, "the agent to end the client's session")
-    assert hibernator.state.value == "asleep"
+    wait_until(lambda: controller.status()["busy"] is None, 5, "the agent to end the client's session")
+    assert controller.state.value == "asleep"
     with AgentClient(server.path) as client:
         client.call("begin")
         client.call("restore")
         client.call("resume")
-    assert hibernator.state.value == "running"
+    assert controller.state.value == "running"
 
 
 def test_unknown_op_is_an_error_not_a_crash(agent) -> None:
@@ -246,8 +246,8 @@ def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_o
 ) -> None:
     """Two containers sharing a runtime directory can each hold a pid 1 started in the same clock
     tick. The second agent must not take the first's socket: the first's commands would reach it."""
-    hibernator, server = agent
-    twin = Agent(hibernator.identity)  # what another container's process looks like from here
+    controller, server = agent
+    twin = Agent(controller.identity)  # what another container's process looks like from here
     with pytest.raises(UsageError, match=r"is the live socket of another process") as refused:
         AgentServer(twin, runtime_dir)
     assert "HIBERNATE_RUNTIME_DIR" in (refused.value.hint or "")
@@ -261,11 +261,11 @@ def test_an_agent_of_another_pid_namespace_is_not_taken_for_the_target(
     """The same pid and start tick in another pid namespace is another process: never acted on."""
     from hibernate.operation import targets
 
-    hibernator, server = agent
+    controller, server = agent
     with AgentClient(server.path) as client:
         assert client.call("hello")["pid_namespace"] == procinfo.pid_namespace()
-    assert targets.probe_agent(hibernator.identity, server.path) is not None
+    assert targets.probe_agent(controller.identity, server.path) is not None
     ours = procinfo.pid_namespace()
     assert ours is not None
     monkeypatch.setattr(procinfo, "pid_namespace", lambda pid="self": ours + 1 if pid != "self" else ours)
-    assert targets.probe_agent(hibernator.identity, server.path) is None
+    assert targets.probe_agent(controller.identity, server.path) is None

@@ -1,0 +1,69 @@
+"""The one fan-out (``hibernate.threads.run_each``): order, errors kept apart, a limit, and an interrupt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from hibernate.threads import run_each, values_or_first_error
+
+
+def test_outcomes_keep_the_order_of_the_items_and_each_its_own_error() -> None:
+    def work(item: int) -> int:
+        if item == 2:
+            raise ValueError("two")
+        return item * 10
+
+    outcomes = run_each([3, 2, 1], work)
+    assert [o.value for o in outcomes] == [30, None, 10]
+    assert [type(o.error) for o in outcomes] == [type(None), ValueError, type(None)]
+    with pytest.raises(ValueError, match="two"):
+        values_or_first_error(outcomes)
+
+
+def test_at_once_bounds_how_many_run_together() -> None:
+    lock = threading.Lock()
+    running, most = 0, 0
+    release = threading.Event()
+
+    def work(item: int) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+            if running == 2:
+                release.set()
+        release.wait(10)
+        with lock:
+            running -= 1
+
+    run_each(list(range(6)), work, at_once=2)
+    assert most == 2
+
+
+def test_an_interrupt_waits_for_the_work_in_flight_before_it_goes_on() -> None:
+    interrupted = threading.Event()
+    both_running = threading.Barrier(2, timeout=10)
+    finished: list[int] = []
+
+    def work(item: int) -> None:
+        both_running.wait()
+        if item == 0:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            interrupted.set()
+            return
+        interrupted.wait(10)
+        assert not finished  # still in flight when the main thread got its interrupt
+        finished.append(item)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_each([0, 1], work)
+    assert finished == [1]
+
+
+def test_one_item_runs_in_the_caller_s_thread() -> None:
+    assert run_each(["x"], lambda _: threading.get_ident())[0].value == threading.get_ident()
+    assert run_each([], lambda _: os.getpid()) == []
