@@ -87,34 +87,54 @@ def call_with_timeout(func: Callable[[], T], timeout: float | None, name: str = 
 def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None = None) -> list[Outcome[T]]:
     """Run ``work(item)`` for every item, ``at_once`` at a time (default: all), and wait for all.
 
-    The outcomes are in the order of ``items``, each with its own value or error and seconds.
+    The outcomes are in the order of ``items``, each with its own value or error and seconds;
+    items start in their order. An interrupt (Ctrl-C) waits for the work in flight to end before it
+    goes on, so that no undo overlaps it (an agent mid-spill on the same connection, a driver call
+    mid-checkpoint); items not yet started are not started, their outcome the interrupt. A second
+    interrupt is not held back.
     """
     outcomes: list[Outcome[T]] = [Outcome() for _ in items]
-    slots = threading.BoundedSemaphore(max(1, at_once or len(items) or 1))
+    pending = iter(range(len(items)))
+    take = threading.Lock()
+    interrupted = threading.Event()
 
     def run(index: int) -> None:
-        with slots:
-            started = time.perf_counter()
-            try:
-                outcomes[index].value = work(items[index])
-            except BaseException as exc:  # kept in its outcome for the caller to judge
-                outcomes[index].error = exc
-            finally:
-                outcomes[index].seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            outcomes[index].value = work(items[index])
+        except BaseException as exc:  # kept in its outcome for the caller to judge
+            outcomes[index].error = exc
+        finally:
+            outcomes[index].seconds = time.perf_counter() - started
+
+    def worker() -> None:
+        while True:
+            with take:
+                index = next(pending, None)
+            if index is None:
+                return
+            if interrupted.is_set():
+                outcomes[index].error = KeyboardInterrupt()
+            else:
+                run(index)
 
     if len(items) == 1:
         run(0)
+        error = outcomes[0].error
+        if error is not None and not isinstance(error, Exception):
+            raise error  # an interrupt or exit in the caller's own thread is the caller's
         return outcomes
-    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(items))]
+    threads = [
+        threading.Thread(target=worker, daemon=True)
+        for _ in range(min(len(items), max(1, at_once or len(items))))
+    ]
     try:
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
     except KeyboardInterrupt:
-        # What runs goes to its end before the interrupt goes on, so that no undo overlaps work still
-        # in flight (an agent mid-spill on the same connection, a driver mid-checkpoint); what was
-        # not started never runs. A second interrupt is not held back.
+        interrupted.set()
         for thread in threads:
             if thread.is_alive():
                 thread.join()
@@ -122,10 +142,8 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
     return outcomes
 
 
-def values_or_first_error(outcomes: Iterable[Outcome[T]]) -> list[T | None]:
-    """Every outcome's value, or the first error among them raised (once all have finished)."""
-    finished = list(outcomes)
-    for outcome in finished:
+def raise_first_error(outcomes: Iterable[Outcome[T]]) -> None:
+    """Raise the first error among ``outcomes`` (in their order), if any: all have finished by then."""
+    for outcome in outcomes:
         if outcome.error is not None:
             raise outcome.error
-    return [outcome.value for outcome in finished]

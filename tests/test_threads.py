@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hibernate.threads import run_each, values_or_first_error
+from hibernate.threads import raise_first_error, run_each
 
 
 def test_outcomes_keep_the_order_of_the_items_and_each_its_own_error() -> None:
@@ -21,7 +21,7 @@ def test_outcomes_keep_the_order_of_the_items_and_each_its_own_error() -> None:
     assert [o.value for o in outcomes] == [30, None, 10]
     assert [type(o.error) for o in outcomes] == [type(None), ValueError, type(None)]
     with pytest.raises(ValueError, match="two"):
-        values_or_first_error(outcomes)
+        raise_first_error(outcomes)
 
 
 def test_at_once_bounds_how_many_run_together() -> None:
@@ -62,6 +62,20 @@ def test_an_interrupt_waits_for_the_work_in_flight_before_it_goes_on() -> None:
     with pytest.raises(KeyboardInterrupt):
         run_each([0, 1], work)
     assert finished == [1]
+
+
+def test_with_a_limit_items_start_in_their_order() -> None:
+    begun: list[int] = []
+    run_each(list(range(8)), begun.append, at_once=1)
+    assert begun == list(range(8))
+
+
+def test_an_interrupt_in_the_caller_s_own_thread_is_not_kept_as_an_outcome() -> None:
+    def work(item: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_each(["only"], work)
 
 
 def test_one_item_runs_in_the_caller_s_thread() -> None:

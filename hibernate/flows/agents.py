@@ -34,7 +34,7 @@ from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target
 from hibernate.operation.unit import Context, Unit, already_asleep, skipped_entry
-from hibernate.threads import run_each, values_or_first_error
+from hibernate.threads import raise_first_error, run_each
 
 
 def describe_state(member: Member) -> str:
@@ -122,10 +122,10 @@ class AgentsUnit(Unit):
             lambda m: m.call("spill", args, progress=counter.for_member(m.pid), idle_timeout=timeout),
             at_once=share.at_once,
         )
-        values_or_first_error(spill)
+        raise_first_error(spill)
 
     def release(self) -> None:
-        values_or_first_error(run_each(self.members, lambda m: m.call("release")))
+        raise_first_error(run_each(self.members, lambda m: m.call("release")))
 
     def undo_sleep(self, error: BaseException) -> None:
         """Put every member back to running; NeedsRecoveryError if that fails too."""
@@ -188,7 +188,7 @@ class AgentsUnit(Unit):
                     failures.append((member, exc))
 
         if sleeping:
-            values_or_first_error(run_each(sleeping, restore, at_once=share.at_once))
+            raise_first_error(run_each(sleeping, restore, at_once=share.at_once))
         if failures:
             self.resume()
             # A process that died is no longer asleep: its memory is gone, and no retry brings it back.
