@@ -54,7 +54,7 @@ class HibernateError(Exception):
     ) -> HibernateError:
         """Put where the failure happened in front of the message, as the error travels up.
 
-        Each layer knows a little more (which process, which phase) than the one
+        Each layer knows a little more (which process, which step) than the one
         that raised; ``unless`` skips the prefix where an inner layer already
         named it, and ``hint`` is used only where the error has none.
         """

@@ -92,8 +92,10 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
-def ancestors(pid: int, parent_of: Callable[[int], int | None] = parent_pid) -> Iterator[int]:
-    """The strict ancestors of ``pid``, nearest first (each once, even if ``parent_of`` loops)."""
+def ancestors(pid: int, parent_of: Callable[[int], int | None] | None = None) -> Iterator[int]:
+    """The strict ancestors of ``pid``, nearest first (each once, even if ``parent_of`` loops);
+    ``parent_of`` defaults to :func:`parent_pid` (from /proc)."""
+    parent_of = parent_of or parent_pid
     seen: set[int] = set()
     current = parent_of(pid)
     while current is not None and current > 0 and current not in seen:
@@ -102,7 +104,7 @@ def ancestors(pid: int, parent_of: Callable[[int], int | None] = parent_pid) -> 
         current = parent_of(current)
 
 
-def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None] = parent_pid) -> list[int]:
+def topmost(pids: Iterable[int], parent_of: Callable[[int], int | None] | None = None) -> list[int]:
     """``pids`` without those that descend from another of them, in order, each once.
 
     The orchestrator takes a pid as the root of a process tree: naming a

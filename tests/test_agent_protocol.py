@@ -30,15 +30,15 @@ from tests.conftest import NOBODY, is_root, source_root_for, wait_until
 
 
 @pytest.fixture
-def agent(runtime_dir: Path) -> Iterator[tuple[Agent, AgentServer]]:
+def served(runtime_dir: Path) -> Iterator[tuple[Agent, AgentServer]]:
     ident = procinfo.identity(os.getpid())
     assert ident is not None
-    controller = Agent(ident)
+    agent = Agent(ident)
     pool = TensorPool()
     pool.track(torch.arange(1 << 16, dtype=torch.int32), "weights", True, "w")
-    controller.add_pool(pool)
-    server = AgentServer(controller, runtime_dir)
-    yield controller, server
+    agent.add_pool(pool)
+    server = AgentServer(agent, runtime_dir)
+    yield agent, server
     server.stop()
 
 
@@ -74,8 +74,8 @@ def test_malformed_requests_are_refused(message: dict, problem: str) -> None:
         protocol.parse_request(message)
 
 
-def test_oversized_frames_are_refused_before_reading(agent) -> None:
-    _, server = agent
+def test_oversized_frames_are_refused_before_reading(served) -> None:
+    _, server = served
     with raw_connect(server) as sock:
         sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE_BYTES + 1))
         reply = protocol.receive(sock)
@@ -86,8 +86,8 @@ def test_oversized_frames_are_refused_before_reading(agent) -> None:
         protocol.encode({"blob": "x" * (protocol.MAX_MESSAGE_BYTES + 1)})
 
 
-def test_wrong_version_is_answered_then_closed(agent) -> None:
-    _, server = agent
+def test_wrong_version_is_answered_then_closed(served) -> None:
+    _, server = served
     with raw_connect(server) as sock:
         protocol.send(sock, {"v": 99, "id": 1, "op": "hello"})
         reply = protocol.receive(sock)
@@ -96,20 +96,20 @@ def test_wrong_version_is_answered_then_closed(agent) -> None:
         assert protocol.receive(sock) is None
 
 
-def test_hello_reports_identity_pools_and_state(agent) -> None:
-    controller, server = agent
+def test_hello_reports_identity_pools_and_state(served) -> None:
+    agent, server = served
     with AgentClient(server.path) as client:
         status = client.call("hello")
     assert status["pid"] == os.getpid()
-    assert status["start_time"] == controller.identity.start_time
+    assert status["start_time"] == agent.identity.start_time
     assert status["state"] == "running"
     assert status["pools"] == [
         {"pool": "torch", "tag": "weights", "keep": True, "count": 1, "bytes": 1 << 18}
     ]
 
 
-def test_operations_need_a_session_and_sessions_exclude_each_other(agent, work_dir: Path) -> None:
-    _, server = agent
+def test_operations_need_a_session_and_sessions_exclude_each_other(served, work_dir: Path) -> None:
+    _, server = served
     with AgentClient(server.path) as first, AgentClient(server.path) as second:
         with pytest.raises(BusyError, match="begin a session first"):
             first.call("quiesce")
@@ -120,37 +120,37 @@ def test_operations_need_a_session_and_sessions_exclude_each_other(agent, work_d
         second.call("begin")
 
 
-def test_a_vanished_client_rolls_back_a_half_done_sleep(agent, work_dir: Path) -> None:
-    controller, server = agent
+def test_a_vanished_client_rolls_back_a_half_done_sleep(served, work_dir: Path) -> None:
+    agent, server = served
     client = AgentClient(server.path)
     client.call("begin")
     client.call("quiesce", {"timeout": 1})
     client.call("spill", {"dir": str(work_dir)})
-    assert controller.state.value == "spilled"
+    assert agent.state.value == "spilled"
     client.close()
-    wait_until(lambda: controller.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
-    assert controller.state.value == "running"
-    assert not controller.guard.closed
+    wait_until(lambda: agent.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
+    assert agent.state.value == "running"
+    assert not agent.guard.closed
     with AgentClient(server.path) as again:
         again.call("begin")  # ownership was released too
 
 
-def test_asleep_outlives_its_client(agent, work_dir: Path) -> None:
-    controller, server = agent
+def test_asleep_outlives_its_client(served, work_dir: Path) -> None:
+    agent, server = served
     with AgentClient(server.path) as client:
         for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
             client.call(op, args)
-    wait_until(lambda: controller.status()["busy"] is None, 5, "the agent to end the client's session")
-    assert controller.state.value == "asleep"
+    wait_until(lambda: agent.status()["busy"] is None, 5, "the agent to end the client's session")
+    assert agent.state.value == "asleep"
     with AgentClient(server.path) as client:
         client.call("begin")
         client.call("restore")
         client.call("resume")
-    assert controller.state.value == "running"
+    assert agent.state.value == "running"
 
 
-def test_unknown_op_is_an_error_not_a_crash(agent) -> None:
-    _, server = agent
+def test_unknown_op_is_an_error_not_a_crash(served) -> None:
+    _, server = served
     with AgentClient(server.path) as client:
         with pytest.raises(ProtocolError, match="unknown operation 'explode'"):
             client.call("explode")
@@ -159,8 +159,8 @@ def test_unknown_op_is_an_error_not_a_crash(agent) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(garbage=st.binary(min_size=0, max_size=512))
-def test_garbage_never_crashes_the_agent(agent, garbage: bytes) -> None:
-    _, server = agent
+def test_garbage_never_crashes_the_agent(served, garbage: bytes) -> None:
+    _, server = served
     with raw_connect(server) as sock, contextlib.suppress(ConnectionResetError, BrokenPipeError):
         sock.sendall(garbage)
         sock.shutdown(socket.SHUT_WR)
@@ -178,8 +178,8 @@ def test_garbage_never_crashes_the_agent(agent, garbage: bytes) -> None:
         max_leaves=20,
     )
 )
-def test_well_framed_nonsense_is_answered_with_an_error(agent, document: object) -> None:
-    _, server = agent
+def test_well_framed_nonsense_is_answered_with_an_error(served, document: object) -> None:
+    _, server = served
     body = json.dumps(document).encode()
     with raw_connect(server) as sock:
         sock.sendall(struct.pack("!I", len(body)) + body)
@@ -187,8 +187,8 @@ def test_well_framed_nonsense_is_answered_with_an_error(agent, document: object)
     assert reply is not None and reply["type"] in ("error", "result")
 
 
-def test_runtime_directory_and_socket_are_private(agent, runtime_dir: Path) -> None:
-    _, server = agent
+def test_runtime_directory_and_socket_are_private(served, runtime_dir: Path) -> None:
+    _, server = served
     assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(server.path.stat().st_mode) & 0o077 == 0
     ident = parse_socket_name(server.path.name)
@@ -210,8 +210,8 @@ def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs a second user")
-def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
-    _, server = agent
+def test_peer_credentials_refuse_another_user(served, runtime_dir: Path) -> None:
+    _, server = served
     # Even if the directory were opened up by mistake, the peer check still refuses.
     os.chmod(runtime_dir, 0o755)
     os.chmod(server.path, 0o777)
@@ -242,12 +242,12 @@ def test_peer_credentials_refuse_another_user(agent, runtime_dir: Path) -> None:
 
 
 def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_over(
-    agent, runtime_dir: Path
+    served, runtime_dir: Path
 ) -> None:
     """Two containers sharing a runtime directory can each hold a pid 1 started in the same clock
     tick. The second agent must not take the first's socket: the first's commands would reach it."""
-    controller, server = agent
-    twin = Agent(controller.identity)  # what another container's process looks like from here
+    agent, server = served
+    twin = Agent(agent.identity)  # what another container's process looks like from here
     with pytest.raises(UsageError, match=r"is the live socket of another process") as refused:
         AgentServer(twin, runtime_dir)
     assert "HIBERNATE_RUNTIME_DIR" in (refused.value.hint or "")
@@ -256,16 +256,16 @@ def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_o
 
 
 def test_an_agent_of_another_pid_namespace_is_not_taken_for_the_target(
-    agent, monkeypatch: pytest.MonkeyPatch
+    served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same pid and start tick in another pid namespace is another process: never acted on."""
     from hibernate.operation import targets
 
-    controller, server = agent
+    agent, server = served
     with AgentClient(server.path) as client:
         assert client.call("hello")["pid_namespace"] == procinfo.pid_namespace()
-    assert targets.probe_agent(controller.identity, server.path) is not None
+    assert targets.probe_agent(agent.identity, server.path) is not None
     ours = procinfo.pid_namespace()
     assert ours is not None
     monkeypatch.setattr(procinfo, "pid_namespace", lambda pid="self": ours + 1 if pid != "self" else ours)
-    assert targets.probe_agent(controller.identity, server.path) is None
+    assert targets.probe_agent(agent.identity, server.path) is None

@@ -355,7 +355,7 @@ class Agent:
         faults.point(f"agent.{op.removesuffix('_part')}")
         started = time.perf_counter()
         result = action()
-        # The whole phase in this process (a restore's matching, re-allocation and zero-filling
+        # The whole step in this process (a restore's matching, re-allocation and zero-filling
         # around the store's reads, a spill's enumeration around its writes): what a report's
         # times and GB/s are computed from. The store's own transfer time is "io_seconds".
         result["seconds"] = time.perf_counter() - started
@@ -615,24 +615,24 @@ class Agent:
 
     # -- progress ------------------------------------------------------------
 
-    def _reporter(self, session: Session, phase: str) -> Callable[[int, int], None]:
+    def _reporter(self, session: Session, step: str) -> Callable[[int, int], None]:
         """Progress of a transfer: kept for ``status`` (whoever drives it), sent to the session's client.
 
         A client that did not start the transfer (one watching a vLLM worker
         sleep through its server) judges whether it still moves by ``status``.
         """
-        forward = _progress_reporter(session, phase)
+        forward = _progress_reporter(session, step)
 
         def report(done: int, total: int) -> None:
             with self._mutex:
-                self._transfer = {"phase": phase, "done": done, "total": total, "unix": time.time()}
+                self._transfer = {"phase": step, "done": done, "total": total, "unix": time.time()}
             if forward is not None:
                 forward(done, total)
 
         return report
 
 
-def _progress_reporter(session: Session, phase: str) -> Callable[[int, int], None] | None:
+def _progress_reporter(session: Session, step: str) -> Callable[[int, int], None] | None:
     if session.progress is None:
         return None
     emit = session.progress
@@ -642,7 +642,7 @@ def _progress_reporter(session: Session, phase: str) -> Callable[[int, int], Non
         now = time.monotonic()
         if done >= total or now - last[0] >= 0.1:
             last[0] = now
-            emit({"phase": phase, "done": done, "total": total})
+            emit({"phase": step, "done": done, "total": total})  # "phase": the wire's word for the step
 
     return report
 

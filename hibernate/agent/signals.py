@@ -8,7 +8,7 @@ runs on its own thread: a signal handler runs on the main thread, which may
 be inside ``hibernate.guard()``, and a sleep waits for the guard.
 
 Under ``hibernate run`` the wrapper does the sleep from outside (so the CUDA
-phase runs too) and sets ``HIBERNATE_SIGNALS_HANDLED_BY``: the agent then only
+stage runs too) and sets ``HIBERNATE_SIGNALS_HANDLED_BY``: the agent then only
 ignores the signals, so that one sent to the whole job step does not kill it.
 """
 

@@ -13,7 +13,6 @@ Driven from outside the target: a process cannot lock or checkpoint itself.
     nvml       GPUs, free and per-process memory, persistence and MIG mode (optional)
     room       what a wake will ask of each GPU, from what the sleep measured (pure)
     nccl       multi-process jobs and NCCL: the settings a checkpoint needs, from each environment
-    threads    a timeout on a blocking call, and steps run side by side
     helper     the child a vLLM worker starts to checkpoint itself (HIBERNATE_SELF_CHECKPOINT=1)
 
 Every module here runs outside the process it acts on. The names below are the
@@ -38,5 +37,3 @@ Exit codes of the CUDA stage (the ``hibernate`` command's, see errors.ExitCode):
 # Set in the environment of hibernate's own helper processes: the pid each one serves (never taken
 # for a CUDA holder of that process).
 HELPER_ENV = "HIBERNATE_HELPER_OF"
-# Forces the self-checkpoint helper's checkpointer (auto|driver|binary), as --checkpointer does.
-CHECKPOINTER_ENV = "HIBERNATE_CHECKPOINTER"

@@ -282,7 +282,7 @@ def _state_of(holders: Sequence[Holder], pid: int) -> str:
     return next(str(h.state.value) for h in holders if h.pid == pid and h.state is not None)
 
 
-# -- the phase ---------------------------------------------------------------
+# -- the group checkpoint ----------------------------------------------------
 
 
 @dataclass

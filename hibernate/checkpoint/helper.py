@@ -19,13 +19,15 @@ import sys
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.checkpoint import CHECKPOINTER_ENV
 from hibernate.checkpoint.base import Checkpointer, CudaState
 from hibernate.checkpoint.detect import Holder, nvidia_device_files
 from hibernate.checkpoint.group import GroupCheckpoint
 from hibernate.checkpoint.selection import choose
 from hibernate.errors import HibernateError, UnsupportedError, UsageError
 from hibernate.procinfo import ProcessIdentity
+
+# Forces the helper's checkpointer (auto|driver|binary), as --checkpointer does for the CLI.
+CHECKPOINTER_ENV = "HIBERNATE_CHECKPOINTER"
 
 
 def _answer(op: str, ident: ProcessIdentity, checkpointer: Checkpointer) -> dict[str, Any]:

@@ -6,7 +6,7 @@ fix what is not ok. Nothing here changes anything: the driver and the binary
 are only asked for versions, help and states. It runs on a machine without a
 GPU too, where it says what is missing.
 
-The facts behind the checks (design.md §4): the checkpoint driver API needs
+The facts behind the checks: the checkpoint driver API needs
 CUDA 12.8 / driver 570 (GPU remapping 13.0 / 580); the binary's ``--action``
 needs R555; restore needs persistence mode or ``cuInit`` in the caller;
 cuda-checkpoint supports neither MIG nor MPS, nor UVM or CUDA IPC memory;

@@ -1,9 +1,8 @@
-"""``hibernate doctor [PID]``: the command; its checks are hibernate.cli.diagnosis.
+"""``hibernate doctor [PID]``: the command; its checks are :mod:`hibernate.cli.diagnosis`.
 
-Apart from the checks so that ``--help`` does not load them (diagnosis
-imports what its checks need at the top). The command function is
-``examine`` because a function named ``doctor`` would shadow this module as
-an attribute of the package.
+The checks stay in a module of their own, imported when the command runs, so
+that ``--help`` does not load them. The command function is ``examine``: a
+function named ``doctor`` would shadow this module as an attribute of the package.
 """
 
 from __future__ import annotations

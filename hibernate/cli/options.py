@@ -184,7 +184,7 @@ def handles_errors(func: F) -> F:
 def cuda_options(
     kind: str, binary: Path | None, lock_timeout: float | None = None, no_cuda: bool = False
 ) -> dict[str, Any]:
-    """Options fields for the CUDA phase, checked here so bad input fails before anything is touched."""
+    """Options fields for the CUDA stage, checked here so bad input fails before anything is touched."""
     from hibernate.checkpoint.base import StepTimeouts
     from hibernate.checkpoint.selection import KINDS, NONE
 

@@ -71,7 +71,7 @@ def error(exc: HibernateError, as_json: bool) -> int:
 
 
 class TerminalProgress(ProgressSink):
-    """A rich bar per transfer on a terminal; one line per phase (and every few seconds) otherwise."""
+    """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled

@@ -70,14 +70,14 @@ class Ledger:
             journal.record(entry)
             self._entries[ref.identity] = (journal, entry)
 
-    def passed(self, boundary: str, scope: Sequence[AgentRef] | None = None) -> None:
-        """``boundary`` is complete for ``scope`` (everyone: None): journal it, then fire its fault point."""
+    def passed(self, mark: str, scope: Sequence[AgentRef] | None = None) -> None:
+        """``mark`` is complete for ``scope`` (everyone: None): journal it, then fire its fault point."""
         wanted = None if scope is None else {ref.identity for ref in scope}
         for identity, (journal, entry) in self._entries.items():
             if wanted is not None and identity not in wanted:
                 continue
-            journal.mark(entry, boundary)
-        faults.point(f"{self.op}.after-{boundary}")
+            journal.mark(entry, mark)
+        faults.point(f"{self.op}.after-{mark}")
 
     def during(self, step: str) -> None:
         """Inside a long step (the first progress report of a transfer): its fault point, once."""

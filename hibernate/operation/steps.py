@@ -33,11 +33,11 @@ class Step:
     name: str
     run: Callable[[Any], object]
     undo: Callable[[Any, BaseException], None] | None = None
-    inner: tuple[str, ...] = ()  # boundaries the step passes (and journals) itself, before its own
+    inner: tuple[str, ...] = ()  # marks the step passes (and journals) itself, before its own
     during: bool = False  # reports progress: a fault point inside it
     shown: bool = True  # announced to the progress sink by its label
 
-    def boundaries(self) -> tuple[str, ...]:
+    def marks(self) -> tuple[str, ...]:
         return (*self.inner, self.name)
 
 
@@ -47,7 +47,7 @@ def fault_points(op: str, steps: Sequence[Step]) -> list[str]:
     for step in steps:
         if step.during:
             points.append(f"{op}.during-{step.name}")
-        points.extend(f"{op}.after-{boundary}" for boundary in step.boundaries())
+        points.extend(f"{op}.after-{mark}" for mark in step.marks())
     return points
 
 

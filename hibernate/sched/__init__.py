@@ -5,6 +5,5 @@
     nodestep   ``hibernate node-step``: one node's sleep or wake of a job that spans nodes
     runner     ``hibernate run --on-signal``: a job hibernated on the scheduler's warning signal
 
-The CLI side: every module here drives the orchestrator and is loaded only by
-the commands that need it.
+All of it runs outside the targets, loaded only by the commands that need it.
 """

@@ -1,4 +1,4 @@
-"""Many nodes, one outcome: the per-node half of a job-wide sleep or wake.
+"""Many nodes, one outcome: the file-based barrier through which a job's nodes agree on one verdict.
 
 A job that spans nodes is hibernated by running hibernate once per node with
 the scheduler's own launcher (``scripts/slurm/hibernate-job`` runs

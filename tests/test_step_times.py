@@ -1,9 +1,9 @@
-"""A report's phase times and GB/s cover the whole phase, not the store's transfer inside it.
+"""A report's step times and GB/s cover the whole step, not the store's transfer inside it.
 
 With many small tensors most of a spill or a restore is work around the
 store's reads and writes (enumerating, matching, re-allocating, zero-filling,
 one message per region), so a time taken from the store alone made a restore
-look up to four times faster than it was. These tests time each phase from
+look up to four times faster than it was. These tests time each step from
 outside, by when the orchestrator announces it and the next one, and hold the
 reported time to that.
 """
@@ -44,8 +44,8 @@ while True:
 """
 
 
-class PhaseClock(orchestrator.ProgressSink):
-    """When each phase was announced; a phase ends when the next one begins."""
+class StepClock(orchestrator.ProgressSink):
+    """When each step was announced; a step ends when the next one begins."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = []
@@ -54,7 +54,7 @@ class PhaseClock(orchestrator.ProgressSink):
         self.marks.append((name, time.perf_counter()))
 
     def wall(self, name: str) -> float:
-        """Seconds from the announcement of ``name`` to that of the phase after it."""
+        """Seconds from the announcement of ``name`` to that of the step after it."""
         names = [n for n, _ in self.marks]
         index = names.index(name)
         return self.marks[index + 1][1] - self.marks[index][1]
@@ -78,14 +78,14 @@ def many_tensors(runtime_dir: Path, tmp_path: Path) -> Iterator[int]:
 
 
 def covers(reported: float, wall: float) -> bool:
-    """The reported time is the phase's own: at least 90% of it as seen from outside, never more."""
+    """The reported time is the step's own: at least 90% of it as seen from outside, never more."""
     return 0.9 * wall <= reported <= wall
 
 
 @pytest.mark.slow
 def test_spill_and_restore_times_cover_the_whole_phase(many_tensors: int, work_dir: Path) -> None:
     options = orchestrator.Options()
-    asleep_clock = PhaseClock()
+    asleep_clock = StepClock()
     asleep = orchestrator.sleep([many_tensors], work_dir, options, asleep_clock)
     (process,) = asleep.to_wire()["processes"]
     spill_wall = asleep_clock.wall("spill")
@@ -93,7 +93,7 @@ def test_spill_and_restore_times_cover_the_whole_phase(many_tensors: int, work_d
     assert process["io_seconds"] <= process["phases"]["spill"]
     assert process["gb_per_s"] == round(process["written_bytes"] / process["phases"]["spill"] / 1e9, 3)
 
-    woken_clock = PhaseClock()
+    woken_clock = StepClock()
     woken = orchestrator.wake([many_tensors], options, woken_clock)
     (process,) = woken.to_wire()["processes"]
     restore_wall = woken_clock.wall("restore")

@@ -1,4 +1,4 @@
-"""The CUDA stage across a real process tree (a parent and two children), with both checkpointers.
+"""A group checkpoint across a real process tree (a parent and two children), with both checkpointers.
 
 Sleep locks every process before checkpointing any; a failure injected at any
 step of any process is undone from the real states, so every process runs
@@ -59,20 +59,20 @@ def states(world: World, tree: Tree) -> list[str]:
 
 
 def asleep(world: World, tree: Tree, kind: str) -> GroupCheckpoint:
-    phase = GroupCheckpoint(make(kind))
-    phase.sleep(holders_of(tree, phase.checkpointer))
+    group = GroupCheckpoint(make(kind))
+    group.sleep(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["checkpointed"] * 3
     world.clear_calls()
-    return phase
+    return group
 
 
 def test_sleep_locks_every_process_then_checkpoints_every_process(
     world: World, tree: Tree, checkpointer_kind: str
 ) -> None:
-    phase = GroupCheckpoint(make(checkpointer_kind))
-    holders = holders_of(tree, phase.checkpointer)
+    group = GroupCheckpoint(make(checkpointer_kind))
+    holders = holders_of(tree, group.checkpointer)
     assert {h.evidence for h in holders} == {"driver"}  # no GPU here: the driver answering is the sign
-    report = phase.sleep(holders)
+    report = group.sleep(holders)
     assert states(world, tree) == ["checkpointed"] * 3
     steps = [step for _, step, _, _ in world.calls()]
     assert sorted(steps[:3]) == ["lock"] * 3 and sorted(steps[3:]) == ["checkpoint"] * 3
@@ -107,9 +107,9 @@ def test_a_failure_at_any_sleep_step_of_any_process_is_undone(
 ) -> None:
     victim = tree.pids[index]
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec((step, victim, code)))
-    phase = GroupCheckpoint(make(checkpointer_kind))
+    group = GroupCheckpoint(make(checkpointer_kind))
     with pytest.raises(HibernateError) as failed:
-        phase.sleep(holders_of(tree, phase.checkpointer))
+        group.sleep(holders_of(tree, group.checkpointer))
     assert type(failed.value) is error
     assert failed.value.message.startswith(f"process {victim} ({step}): ")
     assert code in failed.value.message and "undone: every CUDA process runs again" in failed.value.message
@@ -118,16 +118,16 @@ def test_a_failure_at_any_sleep_step_of_any_process_is_undone(
     if step == "checkpoint":  # the others were checkpointed: restored, then unlocked
         others = [p for p in tree.pids if p != victim]
         assert sorted(p for _, s, p, r in calls if s == "restore" and r == "CUDA_SUCCESS") == sorted(others)
-    assert all(records.load(h.identity) is None for h in holders_of(tree, phase.checkpointer))
+    assert all(records.load(h.identity) is None for h in holders_of(tree, group.checkpointer))
 
 
 def test_a_lock_that_times_out_is_undone(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("lock", tree.children[0], "hang")))
-    phase = GroupCheckpoint(make(checkpointer_kind), StepTimeouts(lock=0.3))
+    group = GroupCheckpoint(make(checkpointer_kind), StepTimeouts(lock=0.3))
     with pytest.raises(HibernateTimeoutError) as timed_out:
-        phase.sleep(holders_of(tree, phase.checkpointer))
+        group.sleep(holders_of(tree, group.checkpointer))
     assert timed_out.value.exit_code == ExitCode.TIMEOUT
     assert f"process {tree.children[0]} (lock)" in timed_out.value.message
     assert "CUDA_ERROR_NOT_READY" in timed_out.value.message and "lock timeout" in timed_out.value.message
@@ -142,9 +142,9 @@ def test_when_the_undo_fails_too_it_says_what_is_left(
         ("checkpoint", last, "CUDA_ERROR_OPERATING_SYSTEM"), ("restore", first, "CUDA_ERROR_UNKNOWN")
     )
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", faults)
-    phase = GroupCheckpoint(make(checkpointer_kind))
+    group = GroupCheckpoint(make(checkpointer_kind))
     with pytest.raises(NeedsRecoveryError) as stuck:
-        phase.sleep(holders_of(tree, phase.checkpointer))
+        group.sleep(holders_of(tree, group.checkpointer))
     message = stuck.value.message
     assert f"process {last} (checkpoint)" in message and f"process {first} (restore)" in message
     assert states(world, tree) == ["checkpointed", "running", "running"]
@@ -154,31 +154,31 @@ def test_when_the_undo_fails_too_it_says_what_is_left(
 def test_wake_restores_every_process_then_unlocks_every_process(
     world: World, tree: Tree, checkpointer_kind: str
 ) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
-    report = phase.wake(holders_of(tree, phase.checkpointer))
+    group = asleep(world, tree, checkpointer_kind)
+    report = group.wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
     steps = [step for _, step, _, _ in world.calls()]
     assert sorted(steps[:3]) == ["restore"] * 3 and sorted(steps[3:]) == ["unlock"] * 3
     assert report["status"] == "restored" and report["memory"]["checked"]
     assert report["memory"]["shortfalls"] == [] and report["memory"]["unknown"] == []
-    assert all(records.load(h.identity) is None for h in holders_of(tree, phase.checkpointer))
+    assert all(records.load(h.identity) is None for h in holders_of(tree, group.checkpointer))
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_a_failed_restore_puts_the_target_back_to_sleep(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
+    group = asleep(world, tree, checkpointer_kind)
     victim = tree.pids[index]
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("restore", victim, "CUDA_ERROR_NOT_PERMITTED")))
     with pytest.raises(CudaCheckpointError) as failed:
-        phase.wake(holders_of(tree, phase.checkpointer))
+        group.wake(holders_of(tree, group.checkpointer))
     assert failed.value.message.startswith(f"process {victim} (restore): ")
     assert failed.value.message.endswith("the target stays asleep")
     assert states(world, tree) == ["checkpointed"] * 3
     assert not [c for c in world.calls() if c[1] == "unlock"]
     monkeypatch.delenv("HIBERNATE_STANDIN_FAULTS")
-    phase.wake(holders_of(tree, phase.checkpointer))
+    group.wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
 
 
@@ -186,16 +186,16 @@ def test_a_failed_restore_puts_the_target_back_to_sleep(
 def test_a_failed_unlock_leaves_the_others_running_and_a_retry_finishes(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
+    group = asleep(world, tree, checkpointer_kind)
     victim = tree.pids[index]
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("unlock", victim, "CUDA_ERROR_UNKNOWN")))
     with pytest.raises(CudaCheckpointError) as failed:
-        phase.wake(holders_of(tree, phase.checkpointer))
+        group.wake(holders_of(tree, group.checkpointer))
     assert failed.value.message.startswith(f"process {victim} (unlock): ")
     assert [world.state(p) for p in tree.pids] == ["locked" if p == victim else "running" for p in tree.pids]
     monkeypatch.delenv("HIBERNATE_STANDIN_FAULTS")
     world.clear_calls()
-    phase.wake(holders_of(tree, phase.checkpointer))
+    group.wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
     assert [(s, p) for _, s, p, _ in world.calls()] == [("unlock", victim)]
 
@@ -209,24 +209,24 @@ def test_wake_finishes_an_interrupted_sleep_from_the_real_states(
     with pytest.raises(UnsupportedError, match=f"nothing measured what process {tree.pids[0]} will need"):
         GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, make(checkpointer_kind)))
     assert world.calls() == []
-    phase = GroupCheckpoint(make(checkpointer_kind), force=True)
-    phase.wake(holders_of(tree, phase.checkpointer))
+    group = GroupCheckpoint(make(checkpointer_kind), force=True)
+    group.wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
     parent, locked, _ = tree.pids
     calls = [(s, p) for _, s, p, _ in world.calls()]
     assert calls[0] == ("restore", parent) and sorted(calls[1:]) == sorted(
         [("unlock", parent), ("unlock", locked)]
     )
-    assert phase.wake(holders_of(tree, phase.checkpointer))["status"] == "running (nothing to restore)"
+    assert group.wake(holders_of(tree, group.checkpointer))["status"] == "running (nothing to restore)"
 
 
 def test_wake_checks_free_gpu_memory_before_restoring(
     world: World, tree: Tree, checkpointer_kind: str
 ) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
+    group = asleep(world, tree, checkpointer_kind)
     world.set_other_use(0, 76 * GIB)  # 4 GiB free; the three processes held 6 GiB
     with pytest.raises(UnsupportedError) as short:
-        phase.wake(holders_of(tree, phase.checkpointer))
+        group.wake(holders_of(tree, group.checkpointer))
     assert (
         "not enough free GPU memory" in short.value.message and "nothing was changed" in short.value.message
     )
@@ -235,7 +235,7 @@ def test_wake_checks_free_gpu_memory_before_restoring(
     assert states(world, tree) == ["checkpointed"] * 3 and world.calls() == []
     assert not any(world.wedged(p) for p in tree.pids)
     world.set_other_use(0, 0)
-    phase.wake(holders_of(tree, phase.checkpointer))
+    group.wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
 
 
@@ -250,19 +250,19 @@ def test_restore_out_of_memory_without_nvml_needs_recovery(
     assert "NVML (libnvidia-ml.so.1) cannot be loaded or started" in blind.value.message
     assert "--force" in (blind.value.hint or "") and blind.value.exit_code == ExitCode.UNSUPPORTED
     assert states(world, tree) == ["checkpointed"] * 3 and world.calls() == []
-    phase = GroupCheckpoint(make(checkpointer_kind), force=True)
+    group = GroupCheckpoint(make(checkpointer_kind), force=True)
     with pytest.raises(NeedsRecoveryError) as oom:
-        phase.wake(holders_of(tree, phase.checkpointer))
+        group.wake(holders_of(tree, group.checkpointer))
     assert "CUDA_ERROR_OUT_OF_MEMORY" in oom.value.message and "cuda-checkpoint#44" in (oom.value.hint or "")
     assert states(world, tree) == ["checkpointed"] * 3  # the one restored is checkpointed again
     assert sum(world.wedged(p) for p in tree.pids) == 2
 
 
 def test_wake_of_a_failed_process_changes_nothing(world: World, tree: Tree, checkpointer_kind: str) -> None:
-    phase = asleep(world, tree, checkpointer_kind)
+    group = asleep(world, tree, checkpointer_kind)
     world.set_state(tree.children[1], "failed")
     with pytest.raises(NeedsRecoveryError, match="failed state") as failed:
-        phase.wake(holders_of(tree, phase.checkpointer))
+        group.wake(holders_of(tree, group.checkpointer))
     assert failed.value.exit_code == ExitCode.NEEDS_RECOVERY and world.calls() == []
 
 
@@ -332,9 +332,9 @@ def test_an_undo_that_would_run_out_of_gpu_memory_restores_nothing(
         ],
     )
     monkeypatch.setenv("HIBERNATE_STANDIN_FAULTS", spec(("checkpoint", tree.pids[2], "CUDA_ERROR_UNKNOWN")))
-    phase = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: full)
+    group = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: full)
     with pytest.raises(NeedsRecoveryError) as stuck:
-        phase.sleep(holders_of(tree, phase.checkpointer))
+        group.sleep(holders_of(tree, group.checkpointer))
     message = stuck.value.message
     assert "not restored, GPU-full has 0 B free" in message and "(unlock)" not in message
     assert states(world, tree) == ["checkpointed", "checkpointed", "running"]
@@ -346,14 +346,14 @@ def test_a_process_nvml_cannot_see_is_unknown_not_free(
 ) -> None:
     """In another pid namespace NVML lists no usage for the pid: the wake must not take that for zero."""
     blind = nvml.Snapshot("test", [nvml.Gpu(0, "GPU-x", "x", 80 * GIB, 80 * GIB, 0, True, False, 0, {})])
-    phase = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: blind)
-    report = phase.sleep(holders_of(tree, phase.checkpointer))
+    group = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: blind)
+    report = group.sleep(holders_of(tree, group.checkpointer))
     assert [p["gpus"] for p in report["processes"]] == [None, None, None]
     assert report["drop"] is None  # the GPU's used memory did not move either: nothing was measured
     with pytest.raises(UnsupportedError, match="nothing measured what processes"):
-        GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, phase.checkpointer))
+        GroupCheckpoint(make(checkpointer_kind)).wake(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["checkpointed"] * 3
-    woken = GroupCheckpoint(make(checkpointer_kind), force=True).wake(holders_of(tree, phase.checkpointer))
+    woken = GroupCheckpoint(make(checkpointer_kind), force=True).wake(holders_of(tree, group.checkpointer))
     assert woken["memory"]["checked"] and woken["memory"]["unknown"] == tree.pids
 
 
@@ -367,12 +367,12 @@ def test_after_step_hook_sees_each_step_and_a_failure_there_is_undone(
         if step == "lock" and len(seen) == 1:
             raise InjectedError("after every lock")
 
-    phase = GroupCheckpoint(make(checkpointer_kind), after_step=hook)
+    group = GroupCheckpoint(make(checkpointer_kind), after_step=hook)
     with pytest.raises(InjectedError):
-        phase.sleep(holders_of(tree, phase.checkpointer))
+        group.sleep(holders_of(tree, group.checkpointer))
     assert states(world, tree) == ["running"] * 3
-    phase.sleep(holders_of(tree, phase.checkpointer))
-    phase.wake(holders_of(tree, phase.checkpointer))
+    group.sleep(holders_of(tree, group.checkpointer))
+    group.wake(holders_of(tree, group.checkpointer))
     assert seen == ["lock", "lock", "checkpoint", "restore", "unlock"]
 
 
