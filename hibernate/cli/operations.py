@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # for annotations only: the commands import these when they r
 Report = TypeVar("Report", "SleepReport", "WakeReport", "RecoverReport")
 
 
-def _carry_out(
+def _operate_and_report(
     operate: Callable[[ProgressSink], Report],
     show: Callable[[Report], None],
     selection: Selection,
@@ -66,7 +66,7 @@ def _carry_out(
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         report = operate(progress)
-    render.outcome(
+    render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
         as_json=as_json,
@@ -81,7 +81,7 @@ def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool)
 
     entries = orchestrator.status(selection.pids if selection else None, all_users=all_users)
     document = {"ok": True, "agents": entries}
-    render.outcome(
+    render.result(
         with_selection(document, selection) if selection else document,
         lambda: render.agents_table(entries),
         as_json=as_json,
@@ -163,7 +163,7 @@ def sleep(
     )
     selection = select_targets(pids, every, job, cgroup, sleeping=True)
     options.skip_asleep = by_selector(selection)  # as a wake skips those awake
-    _carry_out(
+    _operate_and_report(
         partial(orchestrator.sleep, selection.pids, to, options),
         render.sleep_report,
         selection,
@@ -219,7 +219,7 @@ def wake(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup)
-    _carry_out(
+    _operate_and_report(
         partial(orchestrator.wake, selection.pids, options), render.wake_report, selection, as_json, quiet
     )
 
@@ -256,7 +256,7 @@ def recover(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup)
-    _carry_out(
+    _operate_and_report(
         partial(orchestrator.recover, selection.pids, options),
         render.recover_report,
         selection,
@@ -306,6 +306,6 @@ def gc(
         dry_run=dry_run,
         agent_state=lambda owner: targets.agent_state(owner.pid, owner.start_time, owner.pid_namespace),
     )
-    render.outcome({"ok": True, **report}, lambda: render.gc_report(report), as_json=as_json, quiet=quiet)
+    render.result({"ok": True, **report}, lambda: render.gc_report(report), as_json=as_json, quiet=quiet)
     for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
         render.err.print(f"hibernate gc: warning: {warning}", markup=False)

@@ -39,9 +39,7 @@ def print_json(document: Any) -> None:
     sys.stdout.flush()
 
 
-def outcome(
-    document: dict[str, Any], show: Callable[[], None], *, as_json: bool, quiet: bool = False
-) -> None:
+def result(document: dict[str, Any], show: Callable[[], None], *, as_json: bool, quiet: bool = False) -> None:
     """A command's result: ``document`` as JSON with --json, else ``show``'s lines unless --quiet.
 
     One place chooses between the two faces, so --json (one document, nothing

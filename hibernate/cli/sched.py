@@ -160,7 +160,7 @@ def node_step(
     )
     if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
         document["error"] = render.error_wire(error)
-    render.outcome(document, lambda: render.node_step_report(document), as_json=as_json, quiet=quiet)
+    render.result(document, lambda: render.node_step_report(document), as_json=as_json, quiet=quiet)
     if error is not None:
         if not as_json:
             render.error(error, False)
