@@ -59,7 +59,18 @@ def test_import_does_not_import_torch() -> None:
 
 @pytest.mark.slow
 def test_help_of_every_command_does_not_import_torch() -> None:
-    for command in ([], ["sleep"], ["wake"], ["status"], ["ls"], ["gc"]):
+    for command in (
+        [],
+        ["sleep"],
+        ["wake"],
+        ["recover"],
+        ["status"],
+        ["ls"],
+        ["gc"],
+        ["run"],
+        ["node-step"],
+        ["doctor"],
+    ):
         assert run_probe(*command, "--help") == "HEAVY:", command
 
 
