@@ -26,9 +26,12 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hibernate.fsutil import PRIVATE_FILE_MODE
 from hibernate.store.hugepages import HUGE_PAGE_BYTES
+
+T = TypeVar("T")
 
 DIRECT = "direct"
 BUFFERED = "buffered"
@@ -170,12 +173,7 @@ class StagingPool:
         elif not self._reserved:
             for buffer in self._allocate(self._count):
                 self._free.put(buffer)
-        while True:
-            try:
-                return self._free.get(timeout=0.05)
-            except queue.Empty:
-                if abort.is_set():
-                    raise PipelineAborted() from None
+        return take(self._free, abort)
 
     def give(self, buffer: StagingBuffer) -> None:
         self._free.put(buffer)
@@ -236,6 +234,16 @@ def populate(view: memoryview, abort: threading.Event, *, huge: bool = False) ->
 
 class PipelineAborted(Exception):
     """Internal: another pipeline thread failed; stop quietly."""
+
+
+def take(items: queue.Queue[T], abort: threading.Event) -> T:
+    """The next item of ``items``, or PipelineAborted once another thread of the transfer failed."""
+    while True:
+        try:
+            return items.get(timeout=0.05)
+        except queue.Empty:
+            if abort.is_set():
+                raise PipelineAborted() from None
 
 
 class DirectIORefused(OSError):

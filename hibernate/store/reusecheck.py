@@ -55,6 +55,7 @@ from hibernate.store.directio import (
     StagingPool,
     open_data_file,
     read_views,
+    take,
 )
 from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up
 from hibernate.store.pipeline import Pipeline
@@ -388,12 +389,7 @@ class ReuseCheck:
     ) -> None:
         zeros: list[int] = []  # a target of 0 for every position: verify, copy nothing
         while True:
-            try:
-                item = loaded.get(timeout=0.05)
-            except queue.Empty:
-                if abort.is_set():
-                    raise PipelineAborted() from None
-                continue
+            item = take(loaded, abort)
             if item is None:
                 return
             request, buffer, got = item

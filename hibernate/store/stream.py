@@ -14,7 +14,6 @@ may run beside the stream in the same pipeline; a second pass
 from __future__ import annotations
 
 import errno
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from hibernate.store.directio import (
     StagingPool,
     create_data_file,
     finish_write,
+    take,
     write_views,
 )
 from hibernate.store.layout import SpillRoot
@@ -381,12 +381,7 @@ class Stream:
 
     def _write(self, packer: Packer, pool: StagingPool, abort: threading.Event) -> None:
         while True:
-            try:
-                arena = packer.sealed.get(timeout=0.05)
-            except queue.Empty:
-                if abort.is_set():
-                    raise PipelineAborted() from None
-                continue
+            arena = take(packer.sealed, abort)
             if arena is None:
                 return
             try:
