@@ -21,6 +21,7 @@ from hibernate.checkpoint import nvml
 from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
 from hibernate.checkpoint.binary import BinaryCheckpointer, BinaryUnavailable
 from hibernate.checkpoint.driver import DriverCheckpointer, DriverUnavailable
+from hibernate.checkpoint.selection import choose
 from tests.standins.world import GIB, World, spec
 
 
@@ -252,6 +253,29 @@ def test_old_drivers_are_refused_with_the_version_they_lack(
     monkeypatch.setenv("HIBERNATE_LIBCUDA", str(world.built.libcuda))
     driver = DriverCheckpointer()
     assert driver.describe()["cuda_version"] == "12.8" and not driver.supports_gpu_map
+
+
+def test_auto_prefers_the_binary_below_the_validated_driver_api(
+    world: World, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HIBERNATE_STANDIN_CUDA_VERSION", "12080")  # driver 570: the API is there
+    chosen, passed_over = choose("auto")
+    assert isinstance(chosen, BinaryCheckpointer)
+    assert passed_over == [
+        "driver API: CUDA 12.8 is below 13.0 (driver 580), where it is not validated; "
+        "the binary is preferred there"
+    ]
+    explicit, _ = choose("driver")  # asked for by name, it is used
+    assert isinstance(explicit, DriverCheckpointer)
+    monkeypatch.setenv("HIBERNATE_CUDA_CHECKPOINT", str(tmp_path / "none-here"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fallback, passed_over = choose("auto")  # no binary: the driver API all the same, and why
+    assert isinstance(fallback, DriverCheckpointer)
+    assert passed_over[0].startswith("cuda-checkpoint binary, preferred where CUDA 12.8 is below 13.0")
+    monkeypatch.setenv("HIBERNATE_STANDIN_CUDA_VERSION", "13000")
+    monkeypatch.setenv("HIBERNATE_CUDA_CHECKPOINT", world.env["HIBERNATE_CUDA_CHECKPOINT"])
+    current, passed_over = choose("auto")
+    assert isinstance(current, DriverCheckpointer) and passed_over == []
 
 
 def test_missing_binary_and_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -91,6 +91,13 @@ def test_doctor_sees_an_old_driver(world: World, cli: Callable[..., Any]) -> Non
     )
 
 
+def test_doctor_names_drivers_570_and_575_as_not_validated(world: World, cli: Callable[..., Any]) -> None:
+    found = checks(cli("doctor", "--json", env={"HIBERNATE_STANDIN_CUDA_VERSION": "12090"}))
+    assert found["driver"]["status"] == "warn"
+    assert "not validated below CUDA 13.0 (drivers 570 and 575)" in found["driver"]["detail"]
+    assert found["checkpointer"]["detail"].startswith("binary (a cuda-checkpoint run per step)")
+
+
 @pytest.mark.slow
 def test_doctor_of_a_multi_process_target(
     world: World,

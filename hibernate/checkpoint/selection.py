@@ -1,7 +1,10 @@
 """Which checkpointer drives cuda-checkpoint: ``--checkpointer auto|driver|binary|none``.
 
 ``auto`` takes the driver API where libcuda has it (no process per step, exact
-error codes), else the ``cuda-checkpoint`` binary, else none. Having none is
+error codes), else the ``cuda-checkpoint`` binary, else none. Below driver API
+13.0 (drivers 570 and 575) the binary comes first where it is found: CRIU's
+CUDA plugin refuses its own driver-API backend there too, and hibernate's
+driver path has been validated on 13.0 (driver 580) only. Having none is
 not an error by itself: a target without CUDA holders needs no checkpointer,
 and the orchestrator says "neither is there" only when one does.
 
@@ -13,13 +16,17 @@ users who only need the weights' memory back).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hibernate.checkpoint.base import Checkpointer, StepTimeouts
+from hibernate.checkpoint.base import Checkpointer, StepTimeouts, cuda_version_text
 from hibernate.errors import UnsupportedError, UsageError
+
+if TYPE_CHECKING:
+    from hibernate.checkpoint.driver import DriverCheckpointer
 
 NONE = "none"
 KINDS = ("auto", "driver", "binary", NONE)
+VALIDATED_DRIVER_API = 13000  # cuDriverGetVersion of driver 580; below it ``auto`` prefers the binary
 
 
 def choose(
@@ -45,11 +52,15 @@ def choose(
     reasons: list[str] = []
     if kind in ("auto", "driver") and not (kind == "auto" and binary_path):
         try:
-            return DriverCheckpointer(timeouts=timeouts), reasons
+            driver = DriverCheckpointer(timeouts=timeouts)
         except UnsupportedError as exc:
             if kind == "driver":
                 raise
             reasons.append(f"driver API: {exc.message}")
+        else:
+            if kind == "driver" or driver.version >= VALIDATED_DRIVER_API:
+                return driver, reasons
+            return _below_validated(driver, timeouts)
     try:
         return BinaryCheckpointer(binary_path, timeouts=timeouts), reasons
     except UnsupportedError as exc:
@@ -57,6 +68,20 @@ def choose(
             raise
         reasons.append(f"cuda-checkpoint binary: {exc.message}")
     return None, reasons
+
+
+def _below_validated(
+    driver: DriverCheckpointer, timeouts: StepTimeouts | None
+) -> tuple[Checkpointer, list[str]]:
+    """``auto`` on a driver API older than 13.0: the binary where it is found, else the driver API."""
+    from hibernate.checkpoint.binary import BinaryCheckpointer
+
+    older = f"CUDA {cuda_version_text(driver.version)} is below 13.0 (driver 580)"
+    try:
+        binary = BinaryCheckpointer(None, timeouts=timeouts)
+    except UnsupportedError as exc:
+        return driver, [f"cuda-checkpoint binary, preferred where {older}: {exc.message}"]
+    return binary, [f"driver API: {older}, where it is not validated; the binary is preferred there"]
 
 
 def describe(checkpointer: Checkpointer | None) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, nccl_traps
+from hibernate.checkpoint.selection import VALIDATED_DRIVER_API
 from hibernate.fsutil import free_bytes
 from hibernate.units import human_bytes
 
@@ -172,6 +173,16 @@ class Doctor:
             )
             return
         remap = "yes" if d["gpu_map"] else "no (driver 580)"
+        if (d["version"] or 0) < VALIDATED_DRIVER_API:
+            self.add(
+                "driver",
+                WARN,
+                f"{version}: checkpoint driver API present but not validated below CUDA 13.0 "
+                "(drivers 570 and 575); --checkpointer auto uses cuda-checkpoint where it is found",
+                "upgrade the NVIDIA driver to 580 or newer, or install cuda-checkpoint",
+                driver=d,
+            )
+            return
         self.add(
             "driver",
             OK,
@@ -181,7 +192,9 @@ class Doctor:
 
     def check_binary(self) -> None:
         b = self.binary
-        needed = not self.driver.get("checkpoint_api")
+        needed = (
+            not self.driver.get("checkpoint_api") or (self.driver.get("version") or 0) < VALIDATED_DRIVER_API
+        )
         if b["path"] is None:
             self.add(
                 "cuda-checkpoint",
