@@ -61,11 +61,13 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
         assert demo.infer()["digest"] == reference, f"cycle {cycle} differs"
     # A leak grows by one or more per cycle; the demo's own request socket may add one transiently.
     assert min(fds[-5:]) <= min(fds[:5]) and max(fds) - min(fds) <= 1, f"open file descriptors grew: {fds}"
-    # A leak repeats every cycle, so 15 cycles of one add up to more than the tracked 48 MiB
-    # (a leak of 3+ MiB a cycle, or of one copy of the weights, fails here). The heap alone may
-    # step up once (glibc moving its mmap threshold: steps of 20-31 MiB seen, then flat), which
-    # is not growth. Slower leaks are the soak's to find: 200 cycles, judged by trend.
-    assert max(rss[5:]) - rss[4] < 48 << 20, f"resident memory grew: {rss}"
+    # A leak stays and repeats every cycle, so the lowest of the last three readings is 13+ cycles
+    # of it above cycle 4's: more than the tracked 48 MiB for a leak of 4 MiB a cycle, or of one
+    # copy of the weights. The lowest, not the highest: on a loaded machine a reading may catch a
+    # transient peak (up to 43 MiB seen with six runs at once) that the next reading has given back.
+    # The heap alone may step up once (glibc moving its mmap threshold: steps of 20-31 MiB seen,
+    # then flat), which is not growth. Slower leaks are the soak's to find: 200 cycles, by trend.
+    assert min(rss[-3:]) - rss[4] < 48 << 20, f"resident memory grew: {rss}"
     # Only the newest snapshot stays published, and its unchanged data is shared, not copied.
     assert len(list(root.glob("snap-*/manifest.json"))) == 1
     assert disk[-1] == disk[1], f"disk use grew: {disk}"
