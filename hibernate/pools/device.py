@@ -26,6 +26,7 @@ import ctypes
 import gc
 import importlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -136,7 +137,14 @@ class CudaRuntime:
         return function
 
     def check(self, code: int, what: str) -> None:
+        """Raise for a failed call, after taking its error off the thread's last-error slot.
+
+        The runtime keeps a failed call's error per thread until cudaGetLastError
+        reads it, and torch reads that slot after each kernel launch: left there, a
+        copy that failed here would surface later as an unrelated launch's error.
+        """
         if code != 0:
+            self._get_last_error()
             raw = self._error_string(code)
             words = raw.decode("utf-8", "replace") if raw else "unknown error"
             raise DeviceMemoryError(f"{what} failed with CUDA error {code}: {words}")
@@ -179,9 +187,49 @@ class CudaRuntime:
             self._get_last_error()
 
 
+# libcudart.so, libcudart.so.12, libcudart.so.12.4.127, and the names auditwheel gives the copies
+# it vendors into a wheel, a hash before the suffix: libcudart-9335f6a2.so.12.
+_CUDART_NAME = re.compile(r"libcudart(?:-[0-9a-f]+)?\.so(?:\.(?P<major>\d+)(?:\.\d+)*)?")
+
+
+def choose_cudart(paths: Sequence[str], cuda_version: str | None, torch_dirs: Sequence[str]) -> str | None:
+    """Which of the libraries mapped at ``paths`` is the CUDA runtime torch uses; None if none is one.
+
+    A process may hold two: an extension can load its own beside torch's (another
+    major version, or the system's copy of the same one), and a copy bound to the
+    wrong one works on that runtime's state, not torch's. So the choice prefers a
+    runtime of the major version torch was built for (``cuda_version``, from
+    ``torch.version.cuda``), then one under torch's own directories or the NVIDIA
+    wheels beside it (``torch_dirs``: where libtorch_cuda's RPATH points), then the
+    first mapped.
+    """
+    found: list[tuple[str, str | None]] = []
+    for path in paths:
+        name = _CUDART_NAME.fullmatch(os.path.basename(path))
+        if name is not None:
+            found.append((path, name.group("major")))
+    if not found:
+        return None
+    wanted_major = cuda_version.split(".")[0] if cuda_version else None
+    roots = [os.path.join(d, "") for d in torch_dirs]
+
+    def rank(entry: tuple[str, str | None]) -> tuple[bool, bool]:
+        path, major = entry
+        return (wanted_major is not None and major == wanted_major, path.startswith(tuple(roots)))
+
+    return max(found, key=rank)[0]  # max keeps the first of equals: mapping order breaks ties
+
+
 def loaded_cudart(mappings: Sequence[HostMapping]) -> str | None:
-    """The path of the CUDA runtime library mapped into a process (torch's, in a CUDA build)."""
-    return next((m.path for m in mappings if os.path.basename(m.path).startswith("libcudart.so")), None)
+    """The CUDA runtime library mapped into this process that its torch uses (see choose_cudart)."""
+    torch = sys.modules.get("torch")
+    cuda_version = getattr(getattr(torch, "version", None), "cuda", None)
+    torch_file = getattr(torch, "__file__", None)
+    torch_dirs = []
+    if torch_file:
+        package = os.path.dirname(os.path.realpath(torch_file))
+        torch_dirs = [package, os.path.join(os.path.dirname(package), "nvidia")]
+    return choose_cudart([m.path for m in mappings], cuda_version, torch_dirs)
 
 
 class CudaCopies:
@@ -207,23 +255,41 @@ class CudaCopies:
     # -- streams ---------------------------------------------------------------
 
     @contextlib.contextmanager
+    def _on_device(self, device: int) -> Iterator[None]:
+        """``device`` current on this thread for the block; the thread's own current device after it.
+
+        Some calls run on the program's own thread (an in-process sleep or wake):
+        torch takes that thread's current device as the one ``device='cuda'``
+        means, so it is put back on every path, a failed call's included.
+        """
+        previous = self._rt.get_device()
+        if previous == device:
+            yield
+            return
+        self._rt.set_device(device)
+        try:
+            yield
+        finally:
+            self._rt.set_device(previous)
+
+    @contextlib.contextmanager
     def _stream(self, device: int) -> Iterator[int]:
-        """A stream of ``device`` for this thread's next operation, current device set.
+        """A stream of ``device`` for this thread's next operation, made current for it (see _on_device).
 
         Streams are reused across operations and spills (a fresh pipeline starts
         fresh threads each time, so per-thread streams would leak).
         """
-        self._rt.set_device(device)
-        with self._lock:
-            idle = self._idle_streams.setdefault(device, [])
-            stream = idle.pop() if idle else None
-        if stream is None:
-            stream = self._rt.stream_create()
-        try:
-            yield stream
-        finally:
+        with self._on_device(device):
             with self._lock:
-                self._idle_streams[device].append(stream)
+                idle = self._idle_streams.setdefault(device, [])
+                stream = idle.pop() if idle else None
+            if stream is None:
+                stream = self._rt.stream_create()
+            try:
+                yield stream
+            finally:
+                with self._lock:
+                    self._idle_streams[device].append(stream)
 
     # -- data ------------------------------------------------------------------
 
@@ -253,15 +319,10 @@ class CudaCopies:
     def synchronize(self, device: int) -> None:
         """cudaDeviceSynchronize on ``device``: every stream of it, the program's side streams too.
 
-        Runs on the caller's thread (the program's own, for an in-process sleep), so
-        that thread's current device is put back: torch reads it as its current device.
+        Runs on the caller's thread (the program's own, for an in-process sleep).
         """
-        current = self._rt.get_device()
-        self._rt.set_device(device)
-        try:
+        with self._on_device(device):
             self._rt.device_synchronize()
-        finally:
-            self._rt.set_device(current)
 
     def pinner(self) -> PinFn | None:
         runtime = self._rt
