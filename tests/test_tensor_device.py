@@ -265,6 +265,42 @@ def test_a_storage_in_a_private_pool_is_named_in_the_sleeps_warnings(
     assert torch.equal(in_mempool, expected[0]) and torch.equal(in_default, expected[1]), "still hibernated"
 
 
+# torch's words (torch/csrc/cuda/CUDAPluggableAllocator.cpp) when the caching allocator was replaced.
+PLUGGABLE_SNAPSHOT = (
+    "CUDAPluggableAllocator does not yet support snapshot. "
+    "If you need it, please file an issue describing your use case."
+)
+
+
+def test_with_a_pluggable_allocator_the_sleep_goes_on_and_says_the_pools_are_unknown(
+    cudart: FakeCudaRT, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def snapshot(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(PLUGGABLE_SNAPSHOT)
+
+    import hibernate.pools.tensors as tensors
+
+    monkeypatch.setattr(tensors, "torch_cuda_in_use", lambda: True)  # the snapshot is asked for
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    weights = torch.arange(4096, dtype=torch.int32)
+    expected = weights.clone()
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device({"w": weights}, 0)
+    )
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    report = agent.sleep_here(work_dir, 5.0, {})
+    assert weights.untyped_storage().nbytes() == 0, "asleep: the sleep did not fail"
+    assert report["spill"]["warnings"] == [
+        f"torch's CUDA allocator cannot list its memory pools ({PLUGGABLE_SNAPSHOT}): the process uses "
+        "another allocator (RMM, torch.cuda.memory.change_current_allocator), so whether releasing the "
+        f"1 tracked CUDA storages ({weights.nbytes} bytes) frees memory on the GPU, or leaves it with "
+        "that allocator, is unknown"
+    ]
+    agent.wake_here({})
+    assert torch.equal(weights, expected)
+
+
 @pytest.mark.parametrize(
     "address, pool",
     [(0x1000, (0, 0)), (0x1FFF, (0, 0)), (0x2000, (3, 0)), (0x2800, (3, 0)), (0x3000, None), (0x800, None)],

@@ -424,14 +424,27 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
 DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
 
 
+class UnknownSegments(Exception):
+    """The CUDA allocator cannot list its segments: which pool holds a storage is unknown."""
+
+
 def allocator_segments() -> list[dict[str, Any]]:
-    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
+    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which).
+
+    Raises UnknownSegments where the process replaced the caching allocator
+    (``torch.cuda.memory.change_current_allocator``: RMM, a pluggable allocator),
+    whose snapshot raises RuntimeError ("CUDAPluggableAllocator does not yet
+    support snapshot").
+    """
     if not torch_cuda_in_use():
         return []
     try:
-        return list(torch.cuda.memory_snapshot(include_traces=False))
-    except TypeError:  # a torch older than include_traces: the same segments, traces and all
-        return list(torch.cuda.memory_snapshot())
+        try:
+            return list(torch.cuda.memory_snapshot(include_traces=False))
+        except TypeError:  # a torch older than include_traces: the same segments, traces and all
+            return list(torch.cuda.memory_snapshot())
+    except RuntimeError as exc:
+        raise UnknownSegments(str(exc).strip()) from exc
 
 
 def pool_of(device: int, address: int, segments: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
@@ -614,14 +627,25 @@ class TensorPool:
             self.copies().synchronize(device)
 
     def warnings(self) -> list[str]:
-        """Host storages left in place, then device storages in a private pool.
+        """Host storages left in place, then device storages in a private pool (or that pools are unknown).
 
         The pools are looked up here, not in regions(): the allocator's snapshot
-        is costly, and ``status`` enumerates regions without needing it.
+        is costly, and ``status`` enumerates regions without needing it. Asked
+        after every byte was written, so a snapshot that cannot be taken is a
+        warning, never the sleep's failure.
         """
         found = list(self._left_in_place)
         if self._device_storages:
-            found.extend(private_pool_warnings(self._device_storages, self._segments()))
+            try:
+                found.extend(private_pool_warnings(self._device_storages, self._segments()))
+            except UnknownSegments as exc:
+                nbytes = sum(size for _, _, _, size in self._device_storages)
+                found.append(
+                    f"torch's CUDA allocator cannot list its memory pools ({exc}): the process uses "
+                    "another allocator (RMM, torch.cuda.memory.change_current_allocator), so whether "
+                    f"releasing the {len(self._device_storages)} tracked CUDA storages ({nbytes} bytes) "
+                    "frees memory on the GPU, or leaves it with that allocator, is unknown"
+                )
         return found
 
     def after_release(self) -> None:
