@@ -52,6 +52,49 @@ def torch_cuda_in_use() -> bool:
     return torch is not None and bool(torch.cuda.is_initialized())
 
 
+# torch._C's pair that makes a storage raise on data-pointer access, and undoes it. Bound in CUDA
+# builds only (torch/csrc/cuda/Module.cpp); the second only from this release on (2.11 has the first).
+POISON_STORAGE = "_set_storage_data_ptr_access_error_msg"
+UNPOISON_STORAGE = "_clear_storage_data_ptr_access_error_msg"
+STORAGE_POISONING_SINCE = "2.12"
+
+
+def untracked_views_warning(version: str, cuda: str | None, poisons_storages: bool) -> str | None:
+    """What a CUDA build of torch that cannot make a released storage raise costs; None where it can.
+
+    Tracked tensor objects raise HibernatingError while asleep on any torch; a
+    view made of one before the sleep and not tracked itself raises only through
+    its poisoned storage. A CPU-only build never could (the README says so); a
+    CUDA build older than the floor launches the view's kernel on freed memory.
+    """
+    if cuda is None or poisons_storages:
+        return None
+    return (
+        f"torch {version} (CUDA {cuda}) cannot make released memory raise: a view of a tracked tensor "
+        "that was not tracked itself, used outside hibernate.guard() while the process sleeps, reaches "
+        f"freed memory (a crash or an illegal address) instead of raising a RuntimeError as torch "
+        f"{STORAGE_POISONING_SINCE} and newer do"
+    )
+
+
+def torch_in_process() -> dict[str, Any] | None:
+    """The torch this process loaded, for the agent's status (doctor reads it); None where none is.
+
+    Read from ``sys.modules``: the agent never imports torch for a status call.
+    """
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", None)
+    if version is None:
+        return None
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    poisons = all(hasattr(getattr(torch, "_C", None), name) for name in (POISON_STORAGE, UNPOISON_STORAGE))
+    return {
+        "version": str(version),
+        "cuda": cuda,
+        "warning": untracked_views_warning(str(version), cuda, poisons),
+    }
+
+
 class DeviceMemoryError(HibernateError):
     """A device call failed (the CUDA runtime's own words are in the message)."""
 

@@ -23,7 +23,8 @@ no thread-local mode or global hook is involved, and the swap is undone when the
 memory comes back: an awake tensor is its own class again, at no cost to any
 operation. Where torch exposes it (CUDA builds), the storage itself is also made
 to raise on data-pointer access, which turns an access through an untracked view
-made before the sleep into a RuntimeError rather than a crash.
+made before the sleep into a RuntimeError rather than a crash; a CUDA build
+without it (torch 2.11) is named in every sleep's warnings.
 
 Not used, and why: ``TorchFunctionMode``/``TorchDispatchMode`` are
 thread-local (a mode entered in one thread does not see another thread's ops,
@@ -51,7 +52,14 @@ from hibernate.errors import HibernatingError, UsageError
 from hibernate.gcpause import gc_paused
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import CudaCopies, DeviceCopies, torch_cuda_in_use
+from hibernate.pools.device import (
+    POISON_STORAGE,
+    UNPOISON_STORAGE,
+    CudaCopies,
+    DeviceCopies,
+    torch_cuda_in_use,
+    untracked_views_warning,
+)
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
@@ -170,11 +178,11 @@ def _wake_up(tensor: torch.Tensor) -> None:
     _asleep_names.pop(id(tensor), None)
 
 
-# Present in CUDA builds of torch (torch/csrc/cuda/Module.cpp), absent from CPU-only ones.
-_poison_storage = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
-_unpoison_storage = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+# Present in CUDA builds of torch from 2.12, absent from CPU-only ones (see untracked_views_warning).
+_poison_storage = getattr(torch._C, POISON_STORAGE, None)
+_unpoison_storage = getattr(torch._C, UNPOISON_STORAGE, None)
 if _poison_storage is None or _unpoison_storage is None:
-    _poison_storage = _unpoison_storage = None
+    _poison_storage = _unpoison_storage = None  # one without the other could not be undone
 
 
 @dataclass
@@ -511,9 +519,11 @@ class TensorPool:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         # What the newest regions() found, for warnings(): host storages left in place (in words),
-        # and the device storages (key, device, address, bytes) whose pools warnings() looks up.
+        # the device storages (key, device, address, bytes) whose pools warnings() looks up, and
+        # whether any storage is released by resizing it (what untracked_views_warning is about).
         self._left_in_place: list[str] = []
         self._device_storages: list[tuple[str, int, int, int]] = []
+        self._resized_any = False
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
@@ -618,6 +628,7 @@ class TensorPool:
                 regions.append(StorageRegion(*args))
         self._left_in_place = warnings
         self._device_storages = device_storages
+        self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)
         self._devices = frozenset(devices)
         return regions
 
@@ -627,7 +638,7 @@ class TensorPool:
             self.copies().synchronize(device)
 
     def warnings(self) -> list[str]:
-        """Host storages left in place, then device storages in a private pool (or that pools are unknown).
+        """Host storages left in place, views that cannot raise, then device storages in a private pool.
 
         The pools are looked up here, not in regions(): the allocator's snapshot
         is costly, and ``status`` enumerates regions without needing it. Asked
@@ -635,6 +646,11 @@ class TensorPool:
         warning, never the sleep's failure.
         """
         found = list(self._left_in_place)
+        untracked_views = untracked_views_warning(
+            str(torch.__version__), torch.version.cuda, _poison_storage is not None
+        )
+        if untracked_views is not None and self._resized_any:
+            found.append(untracked_views)
         if self._device_storages:
             try:
                 found.extend(private_pool_warnings(self._device_storages, self._segments()))
