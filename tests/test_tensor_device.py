@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,55 @@ def test_a_failed_device_call_leaves_neither_its_device_current_nor_its_error_pe
         copies.zero(7, ctypes.addressof(memory), 4096)
     assert current_device(cudart) == 2
     assert cudart.lib.cudaGetLastError() == 0
+
+
+@pytest.fixture(scope="module")
+def primary_contexts(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The driver's primary-context query (tests/standins/fake_primary_contexts.c), no device's active."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.fail("no C compiler to build the driver stand-in")
+    output = tmp_path_factory.mktemp("driver") / "libcuda-contexts.so"
+    source = REPO / "tests" / "standins" / "fake_primary_contexts.c"
+    build = [compiler, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(output), str(source)]
+    subprocess.run(build, check=True, capture_output=True)
+    return ctypes.CDLL(str(output))
+
+
+def device_after_a_copy_on_a_fresh_thread(cudart: FakeCudaRT, copies: CudaCopies, device: int) -> int:
+    """A staging thread's current device once its copy to ``device`` is done (it started on device 0)."""
+    memory = (ctypes.c_uint8 * 64)()
+    found: list[int] = []
+
+    def stage() -> None:
+        copies.copy_to_host(device, ctypes.addressof(memory), memoryview(bytearray(64)))
+        found.append(current_device(cudart))
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+def test_a_thread_is_not_put_back_on_a_device_that_has_no_context(
+    cudart: FakeCudaRT, primary_contexts: ctypes.CDLL
+) -> None:
+    """cudaSetDevice creates the device's primary context: putting a staging thread back on device 0
+    would cost GPU 0 hundreds of MiB in a process that never used it (a vLLM worker of rank 1)."""
+    copies = CudaCopies(CudaRuntime(cudart.lib, driver=primary_contexts))
+    active = ctypes.c_longlong.in_dll(primary_contexts, "fake_active_contexts")
+    queries = ctypes.c_longlong.in_dll(primary_contexts, "fake_state_queries")
+    asked = queries.value
+    active.value = 0b0010  # only device 1 is in use
+    assert device_after_a_copy_on_a_fresh_thread(cudart, copies, 1) == 1, (
+        "left on device 1: no context made on 0"
+    )
+    assert queries.value == asked + 1
+    active.value = 0b0011  # device 0 in use too
+    assert device_after_a_copy_on_a_fresh_thread(cudart, copies, 1) == 0, "put back where it was"
+    assert cudart.lib.cudaSetDevice(2) == 0
+    copies.zero(2, ctypes.addressof((ctypes.c_uint8 * 16)()), 16)
+    assert queries.value == asked + 2, "already on the device: nothing to put back, nothing asked"
 
 
 # -- which CUDA runtime: the one torch links --------------------------------------------------------

@@ -152,9 +152,10 @@ class CudaRuntime:
     Bound to the ``libcudart`` that vLLM already loaded in this process, through
     a handle of our own so that vLLM's function prototypes are never touched.
     ctypes releases the GIL during each call, so staging threads overlap.
+    ``driver``, the ``libcuda`` the process loaded, answers has_primary_context.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, driver: ctypes.CDLL | None = None) -> None:
         c_void_p, c_size_t, c_int, c_uint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
         self._error_string = self._bind(lib, "cudaGetErrorString", ctypes.c_char_p, [c_int])
         self._get_last_error = self._bind(lib, "cudaGetLastError", c_int, [])
@@ -171,6 +172,15 @@ class CudaRuntime:
         self._memset_async = self._bind(lib, "cudaMemsetAsync", c_int, [c_void_p, c_int, c_size_t, c_void_p])
         self._host_register = self._bind(lib, "cudaHostRegister", c_int, [c_void_p, c_size_t, c_uint])
         self._host_unregister = self._bind(lib, "cudaHostUnregister", c_int, [c_void_p])
+        self._device_get = self._primary_context_state = None
+        if driver is not None and hasattr(driver, "cuDevicePrimaryCtxGetState"):
+            self._device_get = self._bind(driver, "cuDeviceGet", c_int, [ctypes.POINTER(c_int), c_int])
+            self._primary_context_state = self._bind(
+                driver,
+                "cuDevicePrimaryCtxGetState",
+                c_int,
+                [c_int, ctypes.POINTER(c_uint), ctypes.POINTER(c_int)],
+            )
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -199,6 +209,20 @@ class CudaRuntime:
         device = ctypes.c_int()
         self.check(self._get_device(ctypes.byref(device)), "cudaGetDevice")
         return device.value
+
+    def has_primary_context(self, device: int) -> bool:
+        """Whether ``device``'s primary context is active; True where the driver cannot be asked.
+
+        Asked of the driver, which answers without creating one (cudaSetDevice would).
+        """
+        if self._device_get is None or self._primary_context_state is None:
+            return True
+        handle, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if self._device_get(ctypes.byref(handle), device) != 0:
+            return True
+        if self._primary_context_state(handle, ctypes.byref(flags), ctypes.byref(active)) != 0:
+            return True
+        return bool(active.value)
 
     def device_synchronize(self) -> None:
         self.check(self._device_synchronize(), "cudaDeviceSynchronize")
@@ -275,6 +299,17 @@ def loaded_cudart(mappings: Sequence[HostMapping]) -> str | None:
     return choose_cudart([m.path for m in mappings], cuda_version, torch_dirs)
 
 
+def loaded_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library (``libcuda.so.1``) the runtime already loaded here; None if it did not.
+
+    RTLD_NOLOAD: a handle to the loaded one, never a load of its own.
+    """
+    try:
+        return ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
 class CudaCopies:
     """Device copies through the CUDA runtime, on non-blocking streams of our own (see DeviceCopies)."""
 
@@ -293,7 +328,7 @@ class CudaCopies:
                 "its CUDA tensors; nothing was changed",
                 hint="use a torch build that loads libcudart dynamically (the PyPI and conda builds do)",
             )
-        return cls(CudaRuntime(ctypes.CDLL(path)))
+        return cls(CudaRuntime(ctypes.CDLL(path), loaded_driver()))
 
     # -- streams ---------------------------------------------------------------
 
@@ -304,6 +339,10 @@ class CudaCopies:
         Some calls run on the program's own thread (an in-process sleep or wake):
         torch takes that thread's current device as the one ``device='cuda'``
         means, so it is put back on every path, a failed call's included.
+        Except onto a device without a primary context: cudaSetDevice would
+        create one, hundreds of MiB on a GPU the process never used (a staging
+        thread starts on device 0, in a vLLM worker of rank 1 too). torch's own
+        device guard leaves such a device unset as well (c10::cuda::MaybeSetDevice).
         """
         previous = self._rt.get_device()
         if previous == device:
@@ -313,7 +352,8 @@ class CudaCopies:
         try:
             yield
         finally:
-            self._rt.set_device(previous)
+            if self._rt.has_primary_context(previous):
+                self._rt.set_device(previous)
 
     @contextlib.contextmanager
     def _stream(self, device: int) -> Iterator[int]:
@@ -402,7 +442,8 @@ class CudaDeviceMemory(CudaCopies):
         if not getattr(cumem, "cumem_available", False):
             raise UnsupportedError("vLLM's cumem allocator is not available on this platform")
         lib = cumem.libcudart.lib
-        return cls(CudaRuntime(ctypes.CDLL(lib._name)), cumem.create_and_map, cumem.unmap_and_release)
+        runtime = CudaRuntime(ctypes.CDLL(lib._name), loaded_driver())
+        return cls(runtime, cumem.create_and_map, cumem.unmap_and_release)
 
     def map(self, handle: Handle) -> None:
         self._create_and_map(handle)
