@@ -53,7 +53,7 @@ def torch_cuda_in_use() -> bool:
 
 
 # torch._C's pair that makes a storage raise on data-pointer access, and undoes it. Bound in CUDA
-# builds only (torch/csrc/cuda/Module.cpp); the second only from this release on (2.11 has the first).
+# builds only (torch/csrc/cuda/Module.cpp); the second from STORAGE_POISONING_SINCE (2.11 has the first).
 POISON_STORAGE = "_set_storage_data_ptr_access_error_msg"
 UNPOISON_STORAGE = "_clear_storage_data_ptr_access_error_msg"
 STORAGE_POISONING_SINCE = "2.12"
