@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from hibernate.checkpoint.nccl import NCCL_SAFE
 from hibernate.errors import ExitCode
 from hibernate.store import bulk
-from tests.conftest import NOBODY, is_root
+from tests.conftest import NOBODY, REPO, is_root, wait_until
 from tests.standins.world import GIB, Tree, World
 
 
@@ -129,6 +131,8 @@ def test_doctor_of_a_multi_process_target(
     assert found["snapshot dir"]["status"] == "ok" and found["free space"]["status"] == "ok"
     assert found["free space"]["data"]["needed_bytes"] == 1 << 18  # the tracked tensor, kept
     assert found["direct I/O"]["status"] in ("ok", "warn")
+    assert found["torch"]["status"] == "ok"
+    assert found["torch"]["detail"] == f"process {tree.pid}: torch {torch_version()} (CPU only)"
 
     world.set_state(tree.children[0], "checkpointed")
     found = checks(cli("doctor", str(tree.pid), "--json"))
@@ -192,3 +196,59 @@ def test_doctor_as_another_user(cli: Callable[..., Any], tmp_path: Path) -> None
     assert result.returncode == ExitCode.UNSUPPORTED
     user = checks(result)["user"]
     assert user["status"] == "fail" and f"you are uid {NOBODY}" in user["detail"]
+
+
+def torch_version() -> str:
+    """The version of this environment's torch, as its package says (``torch.__version__`` is the same)."""
+    return importlib.metadata.version("torch")
+
+
+# A target whose torch says what a CUDA 13 build of torch 2.11 says: the storage poisoning setter, no clearer.
+TORCH_211_TARGET = r"""
+import os, sys, time
+import torch
+torch.__version__ = "2.11.0+cu130"
+torch.version.cuda = "13.0"
+torch._C._set_storage_data_ptr_access_error_msg = lambda storage, message: None
+import hibernate
+hibernate.track(torch.arange(1024, dtype=torch.float32), tag="weights")
+open(sys.argv[1] + ".tmp", "w").close()
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while True:
+    time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def torch_211_target(runtime_dir: Path, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TORCH_211_TARGET, str(ready)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        wait_until(ready.exists, 120, "the target to track its tensor", process=proc)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_doctor_warns_of_a_torch_that_cannot_make_untracked_views_raise(
+    world: World, torch_211_target: subprocess.Popen[bytes], cli: Callable[..., Any]
+) -> None:
+    result = cli("doctor", str(torch_211_target.pid), "--json")
+    found = checks(result)
+    assert found["torch"]["status"] == "warn", found["torch"]
+    assert found["torch"]["detail"] == (
+        f"process {torch_211_target.pid}: torch 2.11.0+cu130 (CUDA 13.0) cannot make released memory raise: "
+        "a view of a tracked tensor that was not tracked itself, used outside hibernate.guard() while the "
+        "process sleeps, reaches freed memory (a crash or an illegal address) instead of raising a "
+        "RuntimeError as torch 2.12 and newer do"
+    )
+    assert "upgrade torch" in found["torch"]["fix"]
+    assert found["torch"]["data"]["versions"] == {str(torch_211_target.pid): "2.11.0+cu130"}
+    assert result.returncode == 0, "a warning: the sleep itself works"
+    human = cli("doctor", str(torch_211_target.pid))
+    assert "torch 2.11.0+cu130" in human.stdout

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,9 +25,10 @@ from hibernate import procinfo
 from hibernate.agent.controller import Agent
 from hibernate.errors import UnsupportedError
 from hibernate.operation.reports import ProcessSleep
-from hibernate.pools.device import CudaCopies, CudaRuntime, loaded_cudart
+from hibernate.pools.device import CudaCopies, CudaRuntime, DeviceMemoryError, choose_cudart, loaded_cudart
 from hibernate.pools.hostpages import HostMapping
 from hibernate.pools.tensors import TensorPool, pool_of
+from tests.conftest import REPO
 from tests.standins.vllm_cumem import FakeCudaRT
 
 NON_BLOCKING = 1
@@ -35,6 +40,7 @@ def cudart(cudart_path: Path) -> FakeCudaRT:
     for counter in ("fake_copies", "fake_copied_bytes", "fake_registered_peak"):
         lib.set_counter(counter, 0)
     lib.set_counter("fake_fail_copy_at", -1)
+    lib.lib.cudaGetLastError()  # this thread's error slot, as a test before this one may have left it
     return lib
 
 
@@ -109,13 +115,161 @@ def test_synchronize_waits_for_every_stream_and_keeps_the_callers_current_device
     assert cudart.lib.cudaGetDevice(ctypes.byref(device)) == 0 and device.value == 2
 
 
-def test_the_process_cuda_runtime_is_found_by_its_mapping() -> None:
-    def lib(path: str) -> HostMapping:
-        return HostMapping(0x1000, 0x2000, False, False, path)
+def current_device(cudart: FakeCudaRT) -> int:
+    device = ctypes.c_int()
+    assert cudart.lib.cudaGetDevice(ctypes.byref(device)) == 0
+    return device.value
 
-    found = loaded_cudart([lib("/usr/lib/libc.so.6"), lib("/site/nvidia/cu13/lib/libcudart.so.13")])
-    assert found == "/site/nvidia/cu13/lib/libcudart.so.13"
-    assert loaded_cudart([lib("/tmp/libcudart-standin.so"), lib("")]) is None
+
+def test_copies_and_fills_on_the_callers_thread_leave_its_current_device_as_it_was(
+    cudart: FakeCudaRT,
+) -> None:
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    memory = (ctypes.c_uint8 * 4096)()
+    assert cudart.lib.cudaSetDevice(2) == 0  # the program's current device: what device='cuda' means
+    copies.copy_from_host(1, ctypes.addressof(memory), memoryview(bytearray(b"\x05" * 4096)))
+    assert current_device(cudart) == 2
+    back = bytearray(4096)
+    copies.copy_to_host(3, ctypes.addressof(memory), memoryview(back))
+    assert current_device(cudart) == 2 and back == b"\x05" * 4096
+    copies.zero(1, ctypes.addressof(memory), 4096)
+    assert current_device(cudart) == 2 and bytes(memory) == bytes(4096)
+    copies.zero(2, ctypes.addressof(memory), 16)  # already current: stays so
+    assert current_device(cudart) == 2
+
+
+def test_a_failed_device_call_leaves_neither_its_device_current_nor_its_error_pending(
+    cudart: FakeCudaRT,
+) -> None:
+    """torch checks cudaGetLastError after its next launch: an error left there would be blamed on it."""
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    memory = (ctypes.c_uint8 * 4096)()
+    assert cudart.lib.cudaSetDevice(2) == 0
+    cudart.set_counter("fake_fail_copy_at", cudart.counter("fake_copies"))
+    with pytest.raises(DeviceMemoryError, match="an illegal memory access was encountered"):
+        copies.copy_to_host(1, ctypes.addressof(memory), memoryview(bytearray(4096)))
+    assert current_device(cudart) == 2
+    assert cudart.lib.cudaGetLastError() == 0
+    with pytest.raises(DeviceMemoryError, match=r"cudaSetDevice\(7\) failed .* invalid device ordinal"):
+        copies.zero(7, ctypes.addressof(memory), 4096)
+    assert current_device(cudart) == 2
+    assert cudart.lib.cudaGetLastError() == 0
+
+
+@pytest.fixture(scope="module")
+def primary_contexts(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The driver's primary-context query (tests/standins/fake_primary_contexts.c), no device's active."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.fail("no C compiler to build the driver stand-in")
+    output = tmp_path_factory.mktemp("driver") / "libcuda-contexts.so"
+    source = REPO / "tests" / "standins" / "fake_primary_contexts.c"
+    build = [compiler, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(output), str(source)]
+    subprocess.run(build, check=True, capture_output=True)
+    return ctypes.CDLL(str(output))
+
+
+def device_after_a_copy_on_a_fresh_thread(cudart: FakeCudaRT, copies: CudaCopies, device: int) -> int:
+    """A staging thread's current device once its copy to ``device`` is done (it started on device 0)."""
+    memory = (ctypes.c_uint8 * 64)()
+    found: list[int] = []
+
+    def stage() -> None:
+        copies.copy_to_host(device, ctypes.addressof(memory), memoryview(bytearray(64)))
+        found.append(current_device(cudart))
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+def test_a_thread_is_not_put_back_on_a_device_that_has_no_context(
+    cudart: FakeCudaRT, primary_contexts: ctypes.CDLL
+) -> None:
+    """cudaSetDevice creates the device's primary context: putting a staging thread back on device 0
+    would cost GPU 0 hundreds of MiB in a process that never used it (a vLLM worker of rank 1)."""
+    copies = CudaCopies(CudaRuntime(cudart.lib, driver=primary_contexts))
+    active = ctypes.c_longlong.in_dll(primary_contexts, "fake_active_contexts")
+    queries = ctypes.c_longlong.in_dll(primary_contexts, "fake_state_queries")
+    asked = queries.value
+    active.value = 0b0010  # only device 1 is in use
+    assert device_after_a_copy_on_a_fresh_thread(cudart, copies, 1) == 1, (
+        "left on device 1: no context made on 0"
+    )
+    assert queries.value == asked + 1
+    active.value = 0b0011  # device 0 in use too
+    assert device_after_a_copy_on_a_fresh_thread(cudart, copies, 1) == 0, "put back where it was"
+    assert cudart.lib.cudaSetDevice(2) == 0
+    copies.zero(2, ctypes.addressof((ctypes.c_uint8 * 16)()), 16)
+    assert queries.value == asked + 2, "already on the device: nothing to put back, nothing asked"
+
+
+# -- which CUDA runtime: the one torch links --------------------------------------------------------
+
+SITE = "/opt/venv/lib/python3.11/site-packages"
+TORCH_DIRS = [f"{SITE}/torch", f"{SITE}/nvidia"]
+CU12, CU13 = f"{SITE}/nvidia/cuda_runtime/lib/libcudart.so.12", f"{SITE}/nvidia/cu13/lib/libcudart.so.13"
+
+
+@pytest.mark.parametrize(
+    "paths, cuda_version, chosen",
+    [
+        # A pip torch for CUDA 13: the runtime from the nvidia wheel, among others.
+        (["/usr/lib/x86_64-linux-gnu/libc.so.6", CU13], "13.0", 1),
+        # An extension built for CUDA 12 loaded its own runtime, first, beside torch's.
+        ([CU12, CU13], "13.0", 1),
+        # The system's copy of the same major version, loaded first by another library: torch's wins.
+        (["/usr/local/cuda-12.8/lib64/libcudart.so.12.8.90", CU12], "12.8", 1),
+        # A runtime vendored into a wheel under auditwheel's hashed name.
+        (["/usr/lib/libcudart.so.11.0", f"{SITE}/torch/lib/libcudart-9335f6a2.so.12"], "12.1", 1),
+        # Conda: the one runtime, outside torch's directories, is taken.
+        (["/opt/conda/lib/libcudart.so.12.4.127"], "12.4", 0),
+        # A torch that names no CUDA version: the first runtime mapped.
+        (["/a/libcudart.so.12", "/b/libcudart.so.13"], None, 0),
+    ],
+)
+def test_the_cuda_runtime_torch_uses_is_chosen_among_the_mapped_ones(
+    paths: list[str], cuda_version: str | None, chosen: int
+) -> None:
+    assert choose_cudart(paths, cuda_version, TORCH_DIRS) == paths[chosen]
+
+
+def test_libraries_that_are_not_a_cuda_runtime_are_not_taken_for_one() -> None:
+    paths = ["/tmp/libcudart-standin.so", "", "[heap]", "/x/libcudart_static.a", "/x/libcudart.so.12.bak"]
+    assert choose_cudart(paths, "12.4", TORCH_DIRS) is None
+    mappings = [HostMapping(0x1000, 0x2000, False, False, p) for p in paths]
+    assert loaded_cudart(mappings) is None
+
+
+TWO_RUNTIMES = """
+import ctypes, sys
+import torch
+torch.version.cuda = "13.0"  # as a CUDA 13 build says
+other, torchs = ctypes.CDLL(sys.argv[1]), ctypes.CDLL(sys.argv[2])
+from hibernate.pools.device import CudaCopies
+memory = (ctypes.c_uint8 * 64)()
+CudaCopies.from_process().copy_to_host(0, ctypes.addressof(memory), memoryview(bytearray(64)))
+print(*(ctypes.c_longlong.in_dll(lib, "fake_copies").value for lib in (other, torchs)))
+"""
+
+
+def test_of_two_runtimes_loaded_side_by_side_the_copies_use_the_one_torch_was_built_for(
+    cudart_path: Path, tmp_path: Path
+) -> None:
+    # Two stand-in runtimes, each counting its own copies: another library's CUDA 12 one,
+    # loaded first, and a CUDA 13 one under a vendored (hashed) name.
+    other = tmp_path / "other" / "libcudart.so.12"
+    torchs = tmp_path / "vendored" / "libcudart-1a2b3c4d.so.13"
+    for path in (other, torchs):
+        path.parent.mkdir()
+        shutil.copy(cudart_path, path)
+    run = subprocess.run(
+        [sys.executable, "-c", TWO_RUNTIMES, str(other), str(torchs)],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0", "1"], "the copy ran on the CUDA 13 runtime only"
 
 
 def test_without_a_loaded_cuda_runtime_device_copies_are_refused_clearly() -> None:
@@ -159,6 +313,42 @@ def test_a_storage_in_a_private_pool_is_named_in_the_sleeps_warnings(
     ]
     agent.wake_here({})
     assert torch.equal(in_mempool, expected[0]) and torch.equal(in_default, expected[1]), "still hibernated"
+
+
+# torch's words (torch/csrc/cuda/CUDAPluggableAllocator.cpp) when the caching allocator was replaced.
+PLUGGABLE_SNAPSHOT = (
+    "CUDAPluggableAllocator does not yet support snapshot. "
+    "If you need it, please file an issue describing your use case."
+)
+
+
+def test_with_a_pluggable_allocator_the_sleep_goes_on_and_says_the_pools_are_unknown(
+    cudart: FakeCudaRT, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def snapshot(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(PLUGGABLE_SNAPSHOT)
+
+    import hibernate.pools.tensors as tensors
+
+    monkeypatch.setattr(tensors, "torch_cuda_in_use", lambda: True)  # the snapshot is asked for
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    weights = torch.arange(4096, dtype=torch.int32)
+    expected = weights.clone()
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device({"w": weights}, 0)
+    )
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    report = agent.sleep_here(work_dir, 5.0, {})
+    assert weights.untyped_storage().nbytes() == 0, "asleep: the sleep did not fail"
+    assert report["spill"]["warnings"] == [
+        f"torch's CUDA allocator cannot list its memory pools ({PLUGGABLE_SNAPSHOT}): the process uses "
+        "another allocator (RMM, torch.cuda.memory.change_current_allocator), so whether releasing the "
+        f"1 tracked CUDA storages ({weights.nbytes} bytes) frees memory on the GPU, or leaves it with "
+        "that allocator, is unknown"
+    ]
+    agent.wake_here({})
+    assert torch.equal(weights, expected)
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 import hibernate
+from hibernate.agent.local import local_agent
 from hibernate.errors import HibernatingError
 from hibernate.pools import tensors as tensor_pool
+from hibernate.pools.device import POISON_STORAGE, UNPOISON_STORAGE
 from hibernate.pools.tensors import StorageRegion
 from tests.conftest import wait_until
 
@@ -227,3 +229,55 @@ def test_storage_poison_is_set_after_release_and_cleared_before_reallocation(
     region.reallocate()
     assert seen == [("set", 0), ("clear", 0)]
     assert storage.nbytes() == 32 and type(tensor) is torch.Tensor
+
+
+# -- a CUDA build of torch that cannot poison a storage (2.11): said in every sleep --------------------
+
+
+def untracked_views_warning_of(version: str) -> str:
+    return (
+        f"torch {version} (CUDA 13.0) cannot make released memory raise: a view of a tracked tensor that "
+        "was not tracked itself, used outside hibernate.guard() while the process sleeps, reaches freed "
+        "memory (a crash or an illegal address) instead of raising a RuntimeError as torch 2.12 and newer do"
+    )
+
+
+def as_cuda_build(monkeypatch: pytest.MonkeyPatch, poisons: bool) -> None:
+    """This CPU torch as a CUDA 13 build: 2.11 (the setter only, so no poisoning) or one with both."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch._C, POISON_STORAGE, lambda _p, _m: None, raising=False)
+    if poisons:
+        monkeypatch.setattr(torch._C, UNPOISON_STORAGE, lambda _p: None, raising=False)
+        monkeypatch.setattr(tensor_pool, "_poison_storage", getattr(torch._C, POISON_STORAGE))
+        monkeypatch.setattr(tensor_pool, "_unpoison_storage", getattr(torch._C, UNPOISON_STORAGE))
+
+
+def test_every_sleep_on_a_torch_that_cannot_poison_storages_says_what_that_costs(
+    fresh_agent: None, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    as_cuda_build(monkeypatch, poisons=False)
+    tensor = torch.arange(64, dtype=torch.float32)
+    hibernate.track(tensor, name="t")
+    for _ in range(2):
+        result = hibernate.sleep(work_dir)
+        assert result["spill"]["warnings"] == [untracked_views_warning_of(str(torch.__version__))]
+        hibernate.wake()
+    assert local_agent().status()["torch"] == {
+        "version": str(torch.__version__),
+        "cuda": "13.0",
+        "warning": untracked_views_warning_of(str(torch.__version__)),
+    }
+
+
+def test_a_torch_that_poisons_storages_and_a_cpu_only_one_add_no_warning(
+    fresh_agent: None, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensor = torch.arange(64, dtype=torch.float32)
+    hibernate.track(tensor, name="t")
+    assert hibernate.sleep(work_dir)["spill"]["warnings"] == [], "CPU only: the README says what it cannot do"
+    hibernate.wake()
+    assert local_agent().status()["torch"]["warning"] is None
+    as_cuda_build(monkeypatch, poisons=True)
+    assert hibernate.sleep(work_dir)["spill"]["warnings"] == []
+    hibernate.wake()
+    assert local_agent().status()["torch"]["warning"] is None

@@ -55,6 +55,7 @@ from hibernate.agent.guard import Guard
 from hibernate.agent.leases import Leases
 from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
+from hibernate.pools.device import torch_in_process
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords
@@ -281,6 +282,7 @@ class Agent:
             "self_checkpoint": bool(self.sleep_driver and self.sleep_driver.checkpoints_itself),
             "transfer": transfer,
             "last_operation": last_operation,
+            "torch": torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
         }
 
     def configure(self, directory: Path | None) -> dict[str, Any]:

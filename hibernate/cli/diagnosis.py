@@ -133,6 +133,7 @@ class Doctor:
         self.check_store_helper()
         if self.pid is not None:
             self.check_target()
+            self.check_torch()
             self.check_nccl()
         self.check_directory()
         ok = all(c.status != FAIL for c in self.checks)
@@ -417,6 +418,37 @@ class Doctor:
         else:
             status, fix = OK, None
         self.add("cuda holders", status, "; ".join(parts), fix, holders=data, skipped=found.skipped)
+
+    def check_torch(self) -> None:
+        """The target's torch, as its agents report it: does an untracked view used asleep raise or crash?
+
+        The agent in the target reads its own torch (the CLI never imports one) and
+        words what a build without storage poisoning costs; an agent that reports no
+        torch (an older hibernate) is left out.
+        """
+        reported = [
+            (a.pid, a.status["torch"]) for a in self.agents if isinstance(a.status.get("torch"), dict)
+        ]
+        if not reported:
+            return
+        versions = {str(pid): torch.get("version") for pid, torch in reported}
+        warned = [(pid, torch["warning"]) for pid, torch in reported if torch.get("warning")]
+        if warned:
+            self.add(
+                "torch",
+                WARN,
+                "; ".join(f"process {pid}: {warning}" for pid, warning in warned),
+                "upgrade torch in the target's environment, or hold hibernate.guard() around every use "
+                "of a tracked tensor's views",
+                versions=versions,
+            )
+            return
+        builds = [
+            f"process {pid}: torch {torch.get('version')} "
+            + (f"(CUDA {torch['cuda']})" if torch.get("cuda") else "(CPU only)")
+            for pid, torch in reported
+        ]
+        self.add("torch", OK, "; ".join(builds), versions=versions)
 
     def check_nccl(self) -> None:
         from hibernate import procinfo

@@ -26,6 +26,7 @@ import ctypes
 import gc
 import importlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,49 @@ def torch_cuda_in_use() -> bool:
     """
     torch = sys.modules.get("torch")
     return torch is not None and bool(torch.cuda.is_initialized())
+
+
+# torch._C's pair that makes a storage raise on data-pointer access, and undoes it. Bound in CUDA
+# builds only (torch/csrc/cuda/Module.cpp); the second from STORAGE_POISONING_SINCE (2.11 has the first).
+POISON_STORAGE = "_set_storage_data_ptr_access_error_msg"
+UNPOISON_STORAGE = "_clear_storage_data_ptr_access_error_msg"
+STORAGE_POISONING_SINCE = "2.12"
+
+
+def untracked_views_warning(version: str, cuda: str | None, poisons_storages: bool) -> str | None:
+    """What a CUDA build of torch that cannot make a released storage raise costs; None where it can.
+
+    Tracked tensor objects raise HibernatingError while asleep on any torch; a
+    view made of one before the sleep and not tracked itself raises only through
+    its poisoned storage. A CPU-only build never could (the README says so); a
+    CUDA build older than the floor launches the view's kernel on freed memory.
+    """
+    if cuda is None or poisons_storages:
+        return None
+    return (
+        f"torch {version} (CUDA {cuda}) cannot make released memory raise: a view of a tracked tensor "
+        "that was not tracked itself, used outside hibernate.guard() while the process sleeps, reaches "
+        f"freed memory (a crash or an illegal address) instead of raising a RuntimeError as torch "
+        f"{STORAGE_POISONING_SINCE} and newer do"
+    )
+
+
+def torch_in_process() -> dict[str, Any] | None:
+    """The torch this process loaded, for the agent's status (doctor reads it); None where none is.
+
+    Read from ``sys.modules``: the agent never imports torch for a status call.
+    """
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", None)
+    if version is None:
+        return None
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    poisons = all(hasattr(getattr(torch, "_C", None), name) for name in (POISON_STORAGE, UNPOISON_STORAGE))
+    return {
+        "version": str(version),
+        "cuda": cuda,
+        "warning": untracked_views_warning(str(version), cuda, poisons),
+    }
 
 
 class DeviceMemoryError(HibernateError):
@@ -108,9 +152,10 @@ class CudaRuntime:
     Bound to the ``libcudart`` that vLLM already loaded in this process, through
     a handle of our own so that vLLM's function prototypes are never touched.
     ctypes releases the GIL during each call, so staging threads overlap.
+    ``driver``, the ``libcuda`` the process loaded, answers has_primary_context.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, driver: ctypes.CDLL | None = None) -> None:
         c_void_p, c_size_t, c_int, c_uint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
         self._error_string = self._bind(lib, "cudaGetErrorString", ctypes.c_char_p, [c_int])
         self._get_last_error = self._bind(lib, "cudaGetLastError", c_int, [])
@@ -127,6 +172,15 @@ class CudaRuntime:
         self._memset_async = self._bind(lib, "cudaMemsetAsync", c_int, [c_void_p, c_int, c_size_t, c_void_p])
         self._host_register = self._bind(lib, "cudaHostRegister", c_int, [c_void_p, c_size_t, c_uint])
         self._host_unregister = self._bind(lib, "cudaHostUnregister", c_int, [c_void_p])
+        self._device_get = self._primary_context_state = None
+        if driver is not None and hasattr(driver, "cuDevicePrimaryCtxGetState"):
+            self._device_get = self._bind(driver, "cuDeviceGet", c_int, [ctypes.POINTER(c_int), c_int])
+            self._primary_context_state = self._bind(
+                driver,
+                "cuDevicePrimaryCtxGetState",
+                c_int,
+                [c_int, ctypes.POINTER(c_uint), ctypes.POINTER(c_int)],
+            )
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -136,7 +190,14 @@ class CudaRuntime:
         return function
 
     def check(self, code: int, what: str) -> None:
+        """Raise for a failed call, after taking its error off the thread's last-error slot.
+
+        The runtime keeps a failed call's error per thread until cudaGetLastError
+        reads it, and torch reads that slot after each kernel launch: left there, a
+        copy that failed here would surface later as an unrelated launch's error.
+        """
         if code != 0:
+            self._get_last_error()
             raw = self._error_string(code)
             words = raw.decode("utf-8", "replace") if raw else "unknown error"
             raise DeviceMemoryError(f"{what} failed with CUDA error {code}: {words}")
@@ -148,6 +209,20 @@ class CudaRuntime:
         device = ctypes.c_int()
         self.check(self._get_device(ctypes.byref(device)), "cudaGetDevice")
         return device.value
+
+    def has_primary_context(self, device: int) -> bool:
+        """Whether ``device``'s primary context is active; True where the driver cannot be asked.
+
+        Asked of the driver, which answers without creating one (cudaSetDevice would).
+        """
+        if self._device_get is None or self._primary_context_state is None:
+            return True
+        handle, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if self._device_get(ctypes.byref(handle), device) != 0:
+            return True
+        if self._primary_context_state(handle, ctypes.byref(flags), ctypes.byref(active)) != 0:
+            return True
+        return bool(active.value)
 
     def device_synchronize(self) -> None:
         self.check(self._device_synchronize(), "cudaDeviceSynchronize")
@@ -179,9 +254,60 @@ class CudaRuntime:
             self._get_last_error()
 
 
+# libcudart.so, libcudart.so.12, libcudart.so.12.4.127, and the names auditwheel gives the copies
+# it vendors into a wheel, a hash before the suffix: libcudart-9335f6a2.so.12.
+_CUDART_NAME = re.compile(r"libcudart(?:-[0-9a-f]+)?\.so(?:\.(?P<major>\d+)(?:\.\d+)*)?")
+
+
+def choose_cudart(paths: Sequence[str], cuda_version: str | None, torch_dirs: Sequence[str]) -> str | None:
+    """Which of the libraries mapped at ``paths`` is the CUDA runtime torch uses; None if none is one.
+
+    A process may hold two: an extension can load its own beside torch's (another
+    major version, or the system's copy of the same one), and a copy bound to the
+    wrong one works on that runtime's state, not torch's. So the choice prefers a
+    runtime of the major version torch was built for (``cuda_version``, from
+    ``torch.version.cuda``), then one under torch's own directories or the NVIDIA
+    wheels beside it (``torch_dirs``: where libtorch_cuda's RPATH points), then the
+    first mapped.
+    """
+    found: list[tuple[str, str | None]] = []
+    for path in paths:
+        name = _CUDART_NAME.fullmatch(os.path.basename(path))
+        if name is not None:
+            found.append((path, name.group("major")))
+    if not found:
+        return None
+    wanted_major = cuda_version.split(".")[0] if cuda_version else None
+    roots = [os.path.join(d, "") for d in torch_dirs]
+
+    def rank(entry: tuple[str, str | None]) -> tuple[bool, bool]:
+        path, major = entry
+        return (wanted_major is not None and major == wanted_major, path.startswith(tuple(roots)))
+
+    return max(found, key=rank)[0]  # max keeps the first of equals: mapping order breaks ties
+
+
 def loaded_cudart(mappings: Sequence[HostMapping]) -> str | None:
-    """The path of the CUDA runtime library mapped into a process (torch's, in a CUDA build)."""
-    return next((m.path for m in mappings if os.path.basename(m.path).startswith("libcudart.so")), None)
+    """The CUDA runtime library mapped into this process that its torch uses (see choose_cudart)."""
+    torch = sys.modules.get("torch")
+    cuda_version = getattr(getattr(torch, "version", None), "cuda", None)
+    torch_file = getattr(torch, "__file__", None)
+    torch_dirs = []
+    if torch_file:
+        package = os.path.dirname(os.path.realpath(torch_file))
+        torch_dirs = [package, os.path.join(os.path.dirname(package), "nvidia")]
+    return choose_cudart([m.path for m in mappings], cuda_version, torch_dirs)
+
+
+def loaded_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library (``libcuda.so.1``) the runtime already loaded here; None if it did not.
+
+    RTLD_NOLOAD: a handle to the loaded one, never a load of its own.
+    """
+    try:
+        return ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
 
 
 class CudaCopies:
@@ -202,28 +328,51 @@ class CudaCopies:
                 "its CUDA tensors; nothing was changed",
                 hint="use a torch build that loads libcudart dynamically (the PyPI and conda builds do)",
             )
-        return cls(CudaRuntime(ctypes.CDLL(path)))
+        return cls(CudaRuntime(ctypes.CDLL(path), loaded_driver()))
 
     # -- streams ---------------------------------------------------------------
 
     @contextlib.contextmanager
+    def _on_device(self, device: int) -> Iterator[None]:
+        """``device`` current on this thread for the block; the thread's own current device after it.
+
+        Some calls run on the program's own thread (an in-process sleep or wake):
+        torch takes that thread's current device as the one ``device='cuda'``
+        means, so it is put back on every path, a failed call's included.
+        Except onto a device without a primary context: cudaSetDevice would
+        create one, hundreds of MiB on a GPU the process never used (a staging
+        thread starts on device 0, in a vLLM worker of rank 1 too). torch's own
+        device guard leaves such a device unset as well (c10::cuda::MaybeSetDevice).
+        """
+        previous = self._rt.get_device()
+        if previous == device:
+            yield
+            return
+        self._rt.set_device(device)
+        try:
+            yield
+        finally:
+            if self._rt.has_primary_context(previous):
+                self._rt.set_device(previous)
+
+    @contextlib.contextmanager
     def _stream(self, device: int) -> Iterator[int]:
-        """A stream of ``device`` for this thread's next operation, current device set.
+        """A stream of ``device`` for this thread's next operation, made current for it (see _on_device).
 
         Streams are reused across operations and spills (a fresh pipeline starts
         fresh threads each time, so per-thread streams would leak).
         """
-        self._rt.set_device(device)
-        with self._lock:
-            idle = self._idle_streams.setdefault(device, [])
-            stream = idle.pop() if idle else None
-        if stream is None:
-            stream = self._rt.stream_create()
-        try:
-            yield stream
-        finally:
+        with self._on_device(device):
             with self._lock:
-                self._idle_streams[device].append(stream)
+                idle = self._idle_streams.setdefault(device, [])
+                stream = idle.pop() if idle else None
+            if stream is None:
+                stream = self._rt.stream_create()
+            try:
+                yield stream
+            finally:
+                with self._lock:
+                    self._idle_streams[device].append(stream)
 
     # -- data ------------------------------------------------------------------
 
@@ -253,15 +402,10 @@ class CudaCopies:
     def synchronize(self, device: int) -> None:
         """cudaDeviceSynchronize on ``device``: every stream of it, the program's side streams too.
 
-        Runs on the caller's thread (the program's own, for an in-process sleep), so
-        that thread's current device is put back: torch reads it as its current device.
+        Runs on the caller's thread (the program's own, for an in-process sleep).
         """
-        current = self._rt.get_device()
-        self._rt.set_device(device)
-        try:
+        with self._on_device(device):
             self._rt.device_synchronize()
-        finally:
-            self._rt.set_device(current)
 
     def pinner(self) -> PinFn | None:
         runtime = self._rt
@@ -298,7 +442,8 @@ class CudaDeviceMemory(CudaCopies):
         if not getattr(cumem, "cumem_available", False):
             raise UnsupportedError("vLLM's cumem allocator is not available on this platform")
         lib = cumem.libcudart.lib
-        return cls(CudaRuntime(ctypes.CDLL(lib._name)), cumem.create_and_map, cumem.unmap_and_release)
+        runtime = CudaRuntime(ctypes.CDLL(lib._name), loaded_driver())
+        return cls(runtime, cumem.create_and_map, cumem.unmap_and_release)
 
     def map(self, handle: Handle) -> None:
         self._create_and_map(handle)

@@ -23,7 +23,8 @@ no thread-local mode or global hook is involved, and the swap is undone when the
 memory comes back: an awake tensor is its own class again, at no cost to any
 operation. Where torch exposes it (CUDA builds), the storage itself is also made
 to raise on data-pointer access, which turns an access through an untracked view
-made before the sleep into a RuntimeError rather than a crash.
+made before the sleep into a RuntimeError rather than a crash; a CUDA build
+without it (torch 2.11) is named in every sleep's warnings.
 
 Not used, and why: ``TorchFunctionMode``/``TorchDispatchMode`` are
 thread-local (a mode entered in one thread does not see another thread's ops,
@@ -51,7 +52,14 @@ from hibernate.errors import HibernatingError, UsageError
 from hibernate.gcpause import gc_paused
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import CudaCopies, DeviceCopies, torch_cuda_in_use
+from hibernate.pools.device import (
+    POISON_STORAGE,
+    UNPOISON_STORAGE,
+    CudaCopies,
+    DeviceCopies,
+    torch_cuda_in_use,
+    untracked_views_warning,
+)
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
@@ -170,11 +178,11 @@ def _wake_up(tensor: torch.Tensor) -> None:
     _asleep_names.pop(id(tensor), None)
 
 
-# Present in CUDA builds of torch (torch/csrc/cuda/Module.cpp), absent from CPU-only ones.
-_poison_storage = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
-_unpoison_storage = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+# Present in CUDA builds of torch from 2.12, absent from CPU-only ones (see untracked_views_warning).
+_poison_storage = getattr(torch._C, POISON_STORAGE, None)
+_unpoison_storage = getattr(torch._C, UNPOISON_STORAGE, None)
 if _poison_storage is None or _unpoison_storage is None:
-    _poison_storage = _unpoison_storage = None
+    _poison_storage = _unpoison_storage = None  # one without the other could not be undone
 
 
 @dataclass
@@ -424,14 +432,27 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
 DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
 
 
+class UnknownSegments(Exception):
+    """The CUDA allocator cannot list its segments: which pool holds a storage is unknown."""
+
+
 def allocator_segments() -> list[dict[str, Any]]:
-    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which)."""
+    """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which).
+
+    Raises UnknownSegments where the process replaced the caching allocator
+    (``torch.cuda.memory.change_current_allocator``: RMM, a pluggable allocator),
+    whose snapshot raises RuntimeError ("CUDAPluggableAllocator does not yet
+    support snapshot").
+    """
     if not torch_cuda_in_use():
         return []
     try:
-        return list(torch.cuda.memory_snapshot(include_traces=False))
-    except TypeError:  # a torch older than include_traces: the same segments, traces and all
-        return list(torch.cuda.memory_snapshot())
+        try:
+            return list(torch.cuda.memory_snapshot(include_traces=False))
+        except TypeError:  # a torch older than include_traces: the same segments, traces and all
+            return list(torch.cuda.memory_snapshot())
+    except RuntimeError as exc:
+        raise UnknownSegments(str(exc).strip()) from exc
 
 
 def pool_of(device: int, address: int, segments: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
@@ -498,9 +519,11 @@ class TensorPool:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         # What the newest regions() found, for warnings(): host storages left in place (in words),
-        # and the device storages (key, device, address, bytes) whose pools warnings() looks up.
+        # the device storages (key, device, address, bytes) whose pools warnings() looks up, and
+        # whether any storage is released by resizing it (what untracked_views_warning is about).
         self._left_in_place: list[str] = []
         self._device_storages: list[tuple[str, int, int, int]] = []
+        self._resized_any = False
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
@@ -605,6 +628,7 @@ class TensorPool:
                 regions.append(StorageRegion(*args))
         self._left_in_place = warnings
         self._device_storages = device_storages
+        self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)
         self._devices = frozenset(devices)
         return regions
 
@@ -614,14 +638,30 @@ class TensorPool:
             self.copies().synchronize(device)
 
     def warnings(self) -> list[str]:
-        """Host storages left in place, then device storages in a private pool.
+        """Host storages left in place, views that cannot raise, then device storages in a private pool.
 
         The pools are looked up here, not in regions(): the allocator's snapshot
-        is costly, and ``status`` enumerates regions without needing it.
+        is costly, and ``status`` enumerates regions without needing it. Asked
+        after every byte was written, so a snapshot that cannot be taken is a
+        warning, never the sleep's failure.
         """
         found = list(self._left_in_place)
+        untracked_views = untracked_views_warning(
+            str(torch.__version__), torch.version.cuda, _poison_storage is not None
+        )
+        if untracked_views is not None and self._resized_any:
+            found.append(untracked_views)
         if self._device_storages:
-            found.extend(private_pool_warnings(self._device_storages, self._segments()))
+            try:
+                found.extend(private_pool_warnings(self._device_storages, self._segments()))
+            except UnknownSegments as exc:
+                nbytes = sum(size for _, _, _, size in self._device_storages)
+                found.append(
+                    f"torch's CUDA allocator cannot list its memory pools ({exc}): the process uses "
+                    "another allocator (RMM, torch.cuda.memory.change_current_allocator), so whether "
+                    f"releasing the {len(self._device_storages)} tracked CUDA storages ({nbytes} bytes) "
+                    "frees memory on the GPU, or leaves it with that allocator, is unknown"
+                )
         return found
 
     def after_release(self) -> None:
