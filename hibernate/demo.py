@@ -98,7 +98,14 @@ class Probes:
         self.rounds = 0
         self.background_error: str | None = None
         self.private_pool: Any = None
-        if self.cuda and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
+        # A private pool beside expandable segments is left out: not every torch allows the two together.
+        expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if (
+            self.cuda
+            and not expandable
+            and hasattr(torch.cuda, "MemPool")
+            and hasattr(torch.cuda, "use_mem_pool")
+        ):
             self.private_pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(self.private_pool):
                 self.private = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 SCRIPT = REPO / "scripts" / "gpu-check"
 GIB = 1 << 30
@@ -237,3 +238,36 @@ def test_a_section_asked_for_and_not_run_fails_the_run(tmp_path: Path, runtime_d
     assert [entry["section"] for entry in asked] == ["binary", "binary-probe"]
     assert "no cuda-checkpoint found" in asked[0]["why"]
     assert returncode == 1 and not document["ok"]
+
+
+@pytest.mark.slow
+def test_a_terminated_run_checkpoints_what_it_started_before_ending_it(
+    tmp_path: Path, runtime_dir: Path
+) -> None:
+    """SIGTERM (a timeout's) mid-run: the JSON so far is kept, and every demo is checkpointed, then killed."""
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--skip", "vllm"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        wait_until(
+            lambda: out.exists() and "driver" in json.loads(out.read_text() or "{}").get("sections", {}),
+            240,
+            "the driver cycle to end",
+            0.2,
+        )
+        demo = json.loads(out.read_text())["demo"]["pid"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    document = json.loads(out.read_text())
+    assert document["error"].startswith("stopped") and not document["ok"]
+    retired = {entry["pid"]: entry for entry in document["retired"]}
+    assert retired[demo]["state_after"] == "checkpointed", retired[demo]  # whatever step the stop came in
+    assert retired[demo]["exit"] == -signal.SIGKILL
+    assert not Path(f"/proc/{demo}").exists()

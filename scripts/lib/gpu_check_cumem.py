@@ -9,7 +9,8 @@ allocations out through the pool, releases every one (their address ranges
 stay reserved, unmapped), prints ``{"released": bytes, ...}`` and waits for a
 line on stdin: meanwhile the parent checkpoints and restores the process with
 the driver. Then it maps them back, copies the kept bytes in, replays the graph
-and prints ``{"bit_exact": ..., "graph_replay_same": ...}``.
+and prints ``{"bit_exact": ..., "graph_replay_same": ...}``, then waits to be
+checkpointed and killed (a restored process must not simply end).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 class Allocation:
     """The fields of vLLM's AllocationData that hibernate's pool reads and keeps coherent."""
 
-    handle: tuple[int, int, int, int]
+    handle: tuple[int, int, int, Any]  # device, size, address, the physical handle(s)
     tag: str
     cpu_backup_tensor: Any = None
     is_asleep: bool = False
@@ -42,11 +43,15 @@ class Allocator:
         self.pointer_to_data: dict[int, Allocation] = {}
         self.tag = "weights"
 
-    def on_malloc(self, handle: tuple[int, int, int, int]) -> None:
+    def on_malloc(self, handle: tuple[int, int, int, Any]) -> None:
         self.pointer_to_data[handle[2]] = Allocation(handle, self.tag)
 
-    def on_free(self, address: int) -> tuple[int, int, int, int]:
-        return self.pointer_to_data.pop(address).handle
+    def on_free(self, address: int) -> tuple[int, int, int, Any]:
+        import torch
+
+        handle = self.pointer_to_data.pop(address).handle
+        torch.cuda.synchronize(handle[0])  # no kernel may still use what the extension unmaps
+        return handle
 
 
 def load_extension(path: str) -> types.ModuleType:
@@ -80,12 +85,11 @@ def main() -> int:
         kv = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
     x = torch.randn(4096, 256, device="cuda", generator=generator)
     y = torch.empty(4096, 256, device="cuda")
+    torch.matmul(weight, x, out=y)  # warm-up: cuBLAS's handle and workspace exist before the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
+    with torch.cuda.graph(graph):
         torch.matmul(weight, x, out=y)
-        graph.capture_end()
     graph.replay()
     torch.cuda.synchronize()
     expected_weight, expected_y = weight.cpu(), y.cpu()
@@ -128,6 +132,7 @@ def main() -> int:
         "dropped_zeroed": bool((kv == 0).all()),
         "graph_replay_same": bool(torch.equal(y.cpu(), expected_y)),
     }), flush=True)  # fmt: skip
+    sys.stdin.readline()  # the parent checkpoints this restored process before it kills it
     return 0
 
 
