@@ -95,6 +95,7 @@ class Probes:
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.private: Any = None
         self.background: threading.Thread | None = None
+        self.tracked = False
         self.rounds = 0
         self.background_error: str | None = None
         self.private_pool: Any = None
@@ -137,6 +138,7 @@ class Probes:
     def track(self) -> None:
         import hibernate
 
+        self.tracked = True
         hibernate.track(self.scratch, tag="scratch", keep=False, name="scratch")
         hibernate.track(self.side, tag="weights", name="side")
         if self.private is not None:
@@ -146,6 +148,13 @@ class Probes:
         import hibernate
 
         torch = self.torch
+        if self.private is not None and self.tracked:
+            # A wake may give a storage back through the default pool: a fresh tensor in the private
+            # pool, tracked in its place, makes every sleep meet one there.
+            hibernate.untrack(self.private)
+            with torch.cuda.use_mem_pool(self.private_pool):
+                self.private = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self.device)
+            hibernate.track(self.private, tag="weights", name="private")
         with hibernate.guard():
             self.scratch.fill_(0xA5)
             self.side.zero_()
