@@ -14,7 +14,7 @@ greedy decode steps) and answers the SHA-256 of the final logits' bytes and the
 generated tokens: equal digests before and after a sleep mean bit-exact weights.
 
 Beside the model it holds what a sleep must handle and a check must see:
-a ``scratch`` tensor tracked with ``keep=False`` (``mark`` fills it, and
+a ``scratch`` tensor tracked like the KV cache, dropped (``mark`` fills it, and
 ``inspect`` says whether a wake gave it back zero-filled), and on a GPU a
 ``side`` tensor that ``mark`` rewrites on a side stream after a spin kernel,
 without waiting (a spill that read it before synchronizing would keep stale
@@ -139,7 +139,7 @@ class Probes:
         import hibernate
 
         self.tracked = True
-        hibernate.track(self.scratch, tag="scratch", keep=False, name="scratch")
+        hibernate.track(self.scratch, tag="kv_cache", keep=False, name="scratch")
         hibernate.track(self.side, tag="weights", name="side")
         if self.private is not None:
             hibernate.track(self.private, tag="weights", name="private")
