@@ -39,9 +39,10 @@ def load_script() -> ModuleType:
 
 
 def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
-    out = tmp_path / "gpu-check.json"
+    out, shm = tmp_path / "gpu-check.json", tmp_path / "shm"  # /dev/shm may be small where CI runs
+    shm.mkdir()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags],
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--tmpfs", str(shm), *flags],
         capture_output=True,
         text=True,
         timeout=480,
