@@ -3,6 +3,8 @@
     python -m hibernate.demo serve [--size-mb 512] [--control PATH]   # the target
     python -m hibernate.demo infer --control PATH                     # ask it for an output
     python -m hibernate.demo hold --control PATH --seconds 5          # hold the guard (a long step)
+    python -m hibernate.demo mark --control PATH                      # fill scratch, rewrite side (async)
+    python -m hibernate.demo inspect --control PATH                   # scratch zeroed? side, private intact?
     python -m hibernate.demo serve --http-port 8001 [--model-name demo]  # also an OpenAI-style HTTP server
 
 The model has random (seeded) weights, tracked as ``weights``, and a KV cache
@@ -10,6 +12,18 @@ tracked with ``keep=False``. Each ``infer`` request runs a fixed prompt through
 the model inside ``hibernate.guard()`` (prefill into the KV cache, then a few
 greedy decode steps) and answers the SHA-256 of the final logits' bytes and the
 generated tokens: equal digests before and after a sleep mean bit-exact weights.
+
+Beside the model it holds what a sleep must handle and a check must see:
+a ``scratch`` tensor tracked like the KV cache, dropped (``mark`` fills it, and
+``inspect`` says whether a wake gave it back zero-filled), and on a GPU a
+``side`` tensor that ``mark`` rewrites on a side stream after a spin kernel,
+without waiting (a spill that read it before synchronizing would keep stale
+bytes), and, where torch has ``torch.cuda.MemPool``, a ``private`` tensor in a
+private memory pool (a sleep names it in its warnings). ``inspect`` checks
+each against the pattern ``mark`` wrote. ``--untracked`` starts the agent but
+tracks nothing, so a check of what the pools did can be shown to fail;
+``--background-work`` runs a thread that does device work outside ``guard()``
+all along (``inspect`` counts its rounds).
 
 With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
 (``--http-host`` for another address) for ``hibernate serve``: ``GET
@@ -44,6 +58,8 @@ PROMPT_TOKENS = 16
 DECODE_STEPS = 4
 VOCAB = 8192
 MAX_SEQ = 64
+PROBE_BYTES = 1 << 20  # each of the scratch, side and private tensors
+SPIN_CYCLES = 200_000_000  # the side stream's spin kernel before its write: about 0.1 s on a GPU
 
 
 def _dimensions(size_bytes: int, element_size: int) -> tuple[int, int]:
@@ -54,8 +70,137 @@ def _dimensions(size_bytes: int, element_size: int) -> tuple[int, int]:
     return d_model, max(1, round((size_bytes - embedding) / per_layer))
 
 
-def build(size_mb: int, dtype_name: str, device: str, seed: int) -> Any:
-    """Build the model and KV cache, track them with hibernate; returns the runner."""
+def pattern(torch: Any, nbytes: int, device: str) -> Any:
+    """The bytes ``mark`` writes into the side and private tensors: never all zero, never a constant."""
+    return (torch.arange(nbytes, dtype=torch.int64, device=device) % 251 + 1).to(torch.uint8)
+
+
+class Probes:
+    """What a sleep must handle beside the model: a dropped tensor, a side stream's write, a private pool.
+
+    ``mark`` (inside ``hibernate.guard()``, as a program's step would) fills
+    ``scratch`` and clears ``side`` and ``private``, waits for that, then
+    queues on a side stream a spin kernel and the write of the pattern into
+    ``side`` and returns without waiting: a sleep that spilled ``side`` before
+    synchronizing the device would keep zeros. ``private`` is written at once.
+    ``inspect`` reads all three back.
+    """
+
+    def __init__(self, torch: Any, device: str) -> None:
+        self.torch = torch
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.scratch = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+        self.side = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.private: Any = None
+        self.background: threading.Thread | None = None
+        self.tracked = False
+        self.rounds = 0
+        self.background_error: str | None = None
+        self.private_pool: Any = None
+        # A private pool beside expandable segments is left out: not every torch allows the two together.
+        expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if (
+            self.cuda
+            and not expandable
+            and hasattr(torch.cuda, "MemPool")
+            and hasattr(torch.cuda, "use_mem_pool")
+        ):
+            self.private_pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(self.private_pool):
+                self.private = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+
+    def start_background(self) -> None:
+        """A thread that keeps doing device work outside ``guard()`` on untracked tensors, counting its
+        rounds: what a program's stray thread does while the process sleeps."""
+        torch = self.torch
+        self.rounds, self.background_error = 0, None
+
+        def work() -> None:
+            a = torch.ones(256, 256, device=self.device)
+            try:
+                while True:
+                    b = a @ a
+                    if self.cuda:
+                        torch.cuda.synchronize()
+                    else:
+                        time.sleep(0.01)  # a CPU's cores are the test machine's too
+                    if float(b[0, 0]) != 256.0:
+                        raise RuntimeError(f"the background product went wrong: {float(b[0, 0])}")
+                    self.rounds += 1
+            except Exception as exc:  # reported by inspect
+                self.background_error = f"{type(exc).__name__}: {exc}"
+
+        self.background = threading.Thread(target=work, daemon=True, name="demo-background")
+        self.background.start()
+
+    def track(self) -> None:
+        import hibernate
+
+        self.tracked = True
+        hibernate.track(self.scratch, tag="kv_cache", keep=False, name="scratch")
+        hibernate.track(self.side, tag="weights", name="side")
+        if self.private is not None:
+            hibernate.track(self.private, tag="weights", name="private")
+
+    def mark(self) -> dict[str, Any]:
+        import hibernate
+
+        torch = self.torch
+        if self.private is not None and self.tracked:
+            # A wake may give a storage back through the default pool: a fresh tensor in the private
+            # pool, tracked in its place, makes every sleep meet one there.
+            hibernate.untrack(self.private)
+            with torch.cuda.use_mem_pool(self.private_pool):
+                self.private = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self.device)
+            hibernate.track(self.private, tag="weights", name="private")
+        with hibernate.guard():
+            self.scratch.fill_(0xA5)
+            self.side.zero_()
+            if self.private is not None:
+                self.private.copy_(pattern(torch, PROBE_BYTES, self.device))
+            if self.stream is None:
+                self.side.copy_(pattern(torch, PROBE_BYTES, self.device))
+                return {"side_stream": False, "private_pool": False}
+            torch.cuda.synchronize()
+            source = pattern(torch, PROBE_BYTES, self.device)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(SPIN_CYCLES)
+                self.side.copy_(source)
+            source.record_stream(self.stream)
+        return {"side_stream": True, "private_pool": self.private is not None}
+
+    def inspect(self) -> dict[str, Any]:
+        import hibernate
+
+        torch = self.torch
+        with hibernate.guard():
+            if self.cuda:
+                torch.cuda.synchronize()
+            want = pattern(torch, PROBE_BYTES, self.device)
+            return {
+                "scratch_zeroed": bool((self.scratch == 0).all()),
+                "side_kept": bool(torch.equal(self.side, want)),
+                "side_stream": self.stream is not None,
+                "private_kept": None if self.private is None else bool(torch.equal(self.private, want)),
+                "background": None
+                if self.background is None
+                else {
+                    "alive": self.background.is_alive(),
+                    "rounds": self.rounds,
+                    "error": self.background_error,
+                },
+            }
+
+
+def build(size_mb: int, dtype_name: str, device: str, seed: int, tracked: bool = True) -> Any:
+    """Build the model, KV cache and probes, track them with hibernate; returns the runner and probes.
+
+    ``tracked=False`` starts the agent with nothing tracked: every sleep then
+    moves no byte, which is how a check of what the pools did is shown to fail.
+    """
     import torch
     from torch import nn
 
@@ -114,8 +259,13 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int) -> Any:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         model = model.to(device=device, dtype=dtype).eval()
     kv_cache = torch.zeros(layers, 2, MAX_SEQ, d_model, dtype=dtype, device=device)
-    hibernate.track(model, tag="weights")
-    hibernate.track(kv_cache, tag="kv_cache", keep=False, name="kv_cache")
+    probes = Probes(torch, device)
+    if tracked:
+        hibernate.track(model, tag="weights")
+        hibernate.track(kv_cache, tag="kv_cache", keep=False, name="kv_cache")
+        probes.track()
+    else:
+        hibernate.track([])  # the agent alone
     prompt = torch.randint(0, VOCAB, (PROMPT_TOKENS,), generator=generator).to(device)
 
     def infer() -> dict[str, Any]:
@@ -138,12 +288,21 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int) -> Any:
         }
 
     weight_bytes = sum(p.nbytes for p in model.parameters())
-    return infer, {
-        "d_model": d_model,
-        "layers": layers,
-        "weight_bytes": weight_bytes,
-        "kv_bytes": kv_cache.nbytes,
-    }
+    return (
+        infer,
+        probes,
+        {
+            "d_model": d_model,
+            "layers": layers,
+            "weight_bytes": weight_bytes,
+            "kv_bytes": kv_cache.nbytes,
+            "device": device,
+            "tracked": tracked,
+            "side_stream": probes.stream is not None,
+            "private_pool": probes.private is not None,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        },
+    )
 
 
 class HttpApi:
@@ -303,7 +462,9 @@ def serve_http(api: HttpApi, port: int, host: str = "127.0.0.1") -> ThreadingHTT
 def serve(args: argparse.Namespace) -> int:
     import hibernate
 
-    infer, shape = build(args.size_mb, args.dtype, args.device, args.seed)
+    infer, probes, shape = build(args.size_mb, args.dtype, args.device, args.seed, not args.untracked)
+    if args.background_work:
+        probes.start_background()
     api = HttpApi(infer, args.model_name)
     http = serve_http(api, args.http_port, args.http_host) if args.http_port is not None else None
     if http is not None:
@@ -328,6 +489,10 @@ def serve(args: argparse.Namespace) -> int:
             command = stream.readline().strip()
             if command == "infer":
                 stream.write(json.dumps(infer()) + "\n")
+            elif command == "mark":
+                stream.write(json.dumps(probes.mark()) + "\n")
+            elif command == "inspect":
+                stream.write(json.dumps(probes.inspect()) + "\n")
             elif command.startswith("hold "):
                 with hibernate.guard():  # a long step: a sleep must wait for it
                     stream.write('{"holding": true}\n')
@@ -399,7 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--http-host", default="127.0.0.1", help="the address the HTTP API listens on")
     run.add_argument("--model-name", default="demo", help="the model name the HTTP API answers to")
-    for name in ("infer", "quit", "hold"):
+    run.add_argument(
+        "--untracked", action="store_true", help="start the agent but track nothing (a check's negative case)"
+    )
+    run.add_argument(
+        "--background-work", action="store_true", help="a thread doing device work outside guard() throughout"
+    )
+    for name in ("infer", "quit", "hold", "mark", "inspect"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")
         client.add_argument("--control", required=True)
         if name == "hold":

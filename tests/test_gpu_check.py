@@ -1,7 +1,10 @@
 """scripts/gpu-check --dry-run walks every check against the stand-ins and prints the real run's JSON shape.
 
 The script is what validates hibernate on a real GPU; its dry run is how CI
-keeps it working without one (issue 12, item 10).
+keeps it working without one. Its checks must not pass by accident: a dry run
+whose demos track nothing (their pools move no byte) fails every cycle on what
+the pools did, while the checkpoint alone would still free the GPU and give
+the same output; and a section asked for that did not run fails the run.
 """
 
 from __future__ import annotations
@@ -9,16 +12,21 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 SCRIPT = REPO / "scripts" / "gpu-check"
+GIB = 1 << 30
+# What a demo's pools did, as each cycle judges it: all of them fail when the pools move nothing.
+POOL_CHECKS = ("pools_wrote", "pools_read_back", "pools_zeroed", "dropped_zeroed")
 
 
 def load_script() -> ModuleType:
@@ -30,6 +38,33 @@ def load_script() -> ModuleType:
     return module
 
 
+def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
+    out, shm = tmp_path / "gpu-check.json", tmp_path / "shm"  # /dev/shm may be small where CI runs
+    shm.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--tmpfs", str(shm), *flags],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=REPO,
+    )
+    document = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == document
+    assert "error" not in document, document["error"]
+    return proc.returncode, document
+
+
+def demo_cycles(document: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """Every cycle of a demo, by where it is (``driver``, ``group[1]``), with its checks."""
+    found = {}
+    for name, entry in document["sections"].items():
+        if "marked" in entry:
+            found[name] = entry["checks"]
+        for index, sub in enumerate(entry.get("cycles") or []):
+            found[f"{name}[{index}]"] = sub["checks"]
+    return found
+
+
 def test_a_check_that_measured_nothing_fails() -> None:
     gpu_check = load_script()
     reading = {"used_before_bytes": 0, "used_after_bytes": 0, "given_back_bytes": 0, "tracked_bytes": 0}
@@ -39,52 +74,201 @@ def test_a_check_that_measured_nothing_fails() -> None:
     assert not gpu_check.judge_freed([{**reading, "used_before_bytes": 1}], lambda g: False)
 
 
+def gpu(uuid: str, before: int, after: int, tracked: int | None) -> dict[str, Any]:
+    return {
+        "uuid": uuid,
+        "used_before_bytes": before,
+        "used_after_bytes": after,
+        "given_back_bytes": before - after,
+        "tracked_bytes": tracked,
+    }
+
+
+def test_pools_freed_counts_only_the_pools_own_gpu_bytes() -> None:
+    pools_freed = load_script().pools_freed
+    # Pools-only: 8 GiB tracked on GPU-A, 8 GiB given back there.
+    report: dict[str, Any] = {"gpus": [gpu("GPU-A", 10 * GIB, 2 * GIB, 8 * GIB)], "cuda": {}}
+    assert pools_freed(report, "cuda")
+    # A pool that is not on the GPU (tracked 0, or unknown) proves nothing, whatever was given back.
+    assert not pools_freed({**report, "gpus": [gpu("GPU-A", 10 * GIB, 2 * GIB, 0)]}, "cuda")
+    assert not pools_freed({**report, "gpus": [gpu("GPU-A", 10 * GIB, 2 * GIB, None)]}, "cuda")
+    # The checkpoint alone frees every byte: its own drop does not count for the pools.
+    checkpointed = {"gpus": [gpu("GPU-A", 10 * GIB, 1 * GIB, 8 * GIB)], "cuda": {"drop": {"GPU-A": 9 * GIB}}}
+    assert not pools_freed(checkpointed, "cuda")
+    released_first = {"gpus": [gpu("GPU-A", 10 * GIB, 1 * GIB, 8 * GIB)], "cuda": {"drop": {"GPU-A": GIB}}}
+    assert pools_freed(released_first, "cuda")
+    # Judged on the GPU the pools live on: bytes given back on another GPU do not count.
+    elsewhere = {"gpus": [gpu("GPU-A", 10 * GIB, 10 * GIB, 8 * GIB), gpu("GPU-B", 9 * GIB, GIB, 0)]}
+    assert not pools_freed(elsewhere, "cuda")
+    assert not pools_freed({"gpus": [gpu("GPU-A", 0, 0, 8 * GIB)]}, "cuda")  # NVML read nothing
+    # A CPU demo (a dry run): the process's RSS around the release, against its pools' bytes.
+    process = {"pools": [{"bytes": 100}, {"bytes": 20}], "rss_before": 1000, "rss_after": 880}
+    assert pools_freed({"processes": [process]}, "cpu")
+    assert not pools_freed({"processes": [{**process, "rss_after": 990}]}, "cpu")
+    assert not pools_freed({"processes": [{**process, "pools": []}]}, "cpu")
+
+
+def test_pools_moved_wants_this_cycles_bytes_written_read_back_and_zeroed() -> None:
+    pools_moved = load_script().pools_moved
+    spill = {"pid": 7, "total_bytes": 1000, "written_bytes": 990, "reused_bytes": 10, "dropped_bytes": 50}
+    restore = {"pid": 7, "restored_bytes": 1000, "zeroed_bytes": 50}
+    every = {"pools_wrote": True, "pools_read_back": True, "pools_zeroed": True}
+    assert pools_moved({"processes": [spill]}, {"processes": [restore]}, 7) == every
+    # The last snapshot reused (the checkpoint did the work): nothing written in this cycle.
+    reused = {**spill, "written_bytes": 0, "reused_bytes": 1000}
+    assert not pools_moved({"processes": [reused]}, {"processes": [restore]}, 7)["pools_wrote"]
+    # Pools that track nothing move nothing: every check fails, not passes on 0 == 0.
+    empty = {"pid": 7, "total_bytes": 0, "written_bytes": 0, "reused_bytes": 0, "dropped_bytes": 0}
+    nothing = {"pid": 7, "restored_bytes": 0, "zeroed_bytes": 0}
+    assert not any(pools_moved({"processes": [empty]}, {"processes": [nothing]}, 7).values())
+    # Another process's report is not this one's.
+    assert not any(pools_moved({"processes": [spill]}, {"processes": [restore]}, 8).values())
+
+
+def test_sections_not_asked_for_are_the_skipped_and_those_without_input(tmp_path: Path) -> None:
+    gpu_check = load_script()
+
+    def args(*flags: str) -> Any:
+        namespace = type("Args", (), {})()
+        namespace.skip, namespace.vllm_cumem, namespace.vllm_model, namespace.dry_run = (
+            list(flags),
+            None,
+            None,
+            False,
+        )
+        return namespace
+
+    assert gpu_check.not_asked(args("binary,group", "tmpfs")) == {
+        "binary": "--skip",
+        "group": "--skip",
+        "tmpfs": "--skip",
+        "cumem": "no --vllm-cumem given",
+        "vllm": "no --vllm-model given (a local model directory or a cached name)",
+    }
+    with pytest.raises(SystemExit, match="--skip nonsense: not a section"):
+        gpu_check.not_asked(args("nonsense"))
+    result = {
+        "sections": {
+            "driver": {"checks": {"a": True, "b": False}},
+            "group": {"cycles": [{"checks": {"c": False}}]},
+        }
+    }
+    assert gpu_check.failed_checks(result) == ["driver.b", "group[0].c"]
+
+
 @pytest.mark.slow
 def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runtime_dir: Path) -> None:
-    out = tmp_path / "gpu-check.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        cwd=REPO,
-    )
-    document = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == document
-    assert proc.returncode == 0 and document["ok"], document.get("error") or document.get("checks_failed")
+    returncode, document = dry_run(tmp_path)
+    assert returncode == 0 and document["ok"], document.get("checks_failed") or document["not_run"]
     environment = document["environment"]
     assert {"kernel", "container_runtime", "driver", "cuda", "torch", "torch_cuda", "gpu_models"} <= set(
         environment
     )
     assert environment["driver"] == "580.95.05" and environment["gpu_models"] == ["StandIn-H200"]
-    assert [c["checkpointer"] for c in document["cycles"]] == ["none", "driver", "binary"]
-    for entry in document["cycles"]:
-        assert entry["checks"]["gpu_freed"] and entry["checks"]["bit_exact"], entry["checks"]
+    sections = document["sections"]
+    assert list(sections) == [s for s in load_script().SECTIONS if s != "cumem"]
+    assert document["not_run"] == [{"section": "cumem", "why": "no --vllm-cumem given", "asked": False}]
+    cycles = demo_cycles(document)
+    assert set(cycles) == {
+        "pools-only", "driver", "binary", "tmpfs", "expandable[0]", "expandable[1]", "group[0]",
+        "group[1]", "background[0]",
+    }  # fmt: skip
+    for where, checks in cycles.items():
+        wanted = {f"{prefix}{name}" for name in POOL_CHECKS for prefix in ("", "0.", "1.", "2.")}
+        assert wanted & set(checks) and all(checks.values()), (where, checks)
+    for name in ("pools-only", "driver", "binary"):
+        entry = sections[name]
+        assert entry["checks"]["pools_freed"] and entry["checks"]["side_kept"], entry["checks"]
         assert entry["sleep"]["report"]["gpus"][0]["used_before_bytes"] > 0
+        assert entry["sleep"]["report"]["processes"][0]["written_bytes"] > 0  # a fresh directory each
         assert {"spill_gb_per_s", "restore_of_disk_read", "restore_of_host_to_device"} <= set(entry["speeds"])
     assert (
-        document["cycles"][0]["sleep"]["report"]["cuda"]["status"] == "left on the GPU (--checkpointer none)"
+        sections["pools-only"]["sleep"]["report"]["cuda"]["status"] == "left on the GPU (--checkpointer none)"
     )
-    refusal = document["refusal"]
-    assert refusal["checks"] == {
-        "sleep": True,
-        "refused": True,
-        "stays_asleep": True,
-        "wake": True,
-        "bit_exact": True,
-    }
-    assert refusal["refused_wake"]["exit"] == 12
-    assert document["reference_speeds"]["disk"]["write_gb_per_s"] > 0
+    assert len({sections[n]["snapshot_dir"] for n in ("pools-only", "driver", "binary", "tmpfs")}) == 4
+    assert sections["refusal"]["checks"] == {
+        "sleep": True, "refused": True, "stays_asleep": True, "wake": True, "bit_exact": True,
+        "pools_wrote": True, "pools_read_back": True, "pools_zeroed": True,
+    }  # fmt: skip
+    assert sections["refusal"]["refused_wake"]["exit"] == 12
+    assert sections["group"]["cycles"][0]["checks"]["cuda_checkpointed"]  # the three together
+    assert [c["checkpointer"] for c in sections["group"]["cycles"]] == ["driver", "binary"]
+    probe = sections["binary-probe"]
+    assert probe["help"]["exit"] == 0 and "--action" in probe["help"]["stdout"]
+    assert probe["unlock_running"]["exit"] != 0 and probe["mapped_unlock"]["error"] == "CheckpointStepError"
+    driver = sections["driver-probe"]
+    assert set(driver["states"]) == {"plain", "nvml", "cuinit", "missing_pid"}
+    assert driver["lock_timeout"]["name"] == "CUDA_ERROR_NOT_READY", driver["lock_timeout"]
+    assert sections["vllm"]["checks"] == {
+        "sleep": True, "gpu_freed": True, "pools_wrote": True, "wake": True, "pools_read_back": True,
+        "same_output": True,
+    }  # fmt: skip
+    assert sections["destructive"]["killed_checkpointer"]["helper_exit"] == -9
     assert document["reference_speeds"]["host_to_device"] == {"skipped": "dry run: no GPU"}
-    vllm = document["vllm"]  # the stand-in vLLM server, with one worker
-    assert vllm["checks"] == {"sleep": True, "gpu_freed": True, "wake": True, "same_output": True}
-    assert vllm["sleep"]["report"]["gpus"][0]["tracked_bytes"] > 0  # its worker's pools are on the GPU
-    assert set(document["steps_seconds"]) >= {
-        "environment",
-        "doctor",
-        "disk_speed",
-        "demo_start",
-        "refusal",
-        "vllm",
-    }
+    # Every CUDA process the run started and did not end otherwise was checkpointed before it was killed.
+    retired = document["retired"]
+    assert retired and all(r.get("state_after") == "checkpointed" for r in retired), retired
+    assert {r["why"] for r in retired} >= {"end of the run", "group", "vllm worker", "driver-probe"}
     assert document["total_seconds"] < 8 * 60
+
+
+@pytest.mark.slow
+def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runtime_dir: Path) -> None:
+    returncode, document = dry_run(tmp_path, "--demo-untracked", "--skip", "vllm,binary-probe,driver-probe")
+    assert returncode == 1 and not document["ok"]
+    cycles = demo_cycles(document)
+    assert len(cycles) == 9
+    for where, checks in cycles.items():
+        pool_checks = {name: ok for name, ok in checks.items() if name.split(".")[-1] in POOL_CHECKS}
+        assert len(pool_checks) >= 4 and not any(pool_checks.values()), (where, checks)
+        # What the checks were before: these still pass, the checkpoint alone gives them.
+        assert checks["sleep"] and checks["wake"] and checks["bit_exact"], (where, checks)
+        assert checks.get("gpu_freed", True) and checks.get("cuda_checkpointed", True), (where, checks)
+        if "pools_freed" in checks:
+            assert not checks["pools_freed"], where
+    assert not any(document["sections"]["refusal"]["checks"][name] for name in POOL_CHECKS[:3])
+
+
+@pytest.mark.slow
+def test_a_section_asked_for_and_not_run_fails_the_run(tmp_path: Path, runtime_dir: Path) -> None:
+    skip = "refusal,tmpfs,driver-probe,expandable,group,background,vllm,destructive,driver"
+    missing = tmp_path / "no-such-cuda-checkpoint"
+    returncode, document = dry_run(tmp_path, "--skip", skip, "--cuda-checkpoint", str(missing))
+    assert document["checks_failed"] == [] and list(document["sections"]) == ["pools-only"]
+    asked = [entry for entry in document["not_run"] if entry["asked"]]
+    assert [entry["section"] for entry in asked] == ["binary", "binary-probe"]
+    assert "no cuda-checkpoint found" in asked[0]["why"]
+    assert returncode == 1 and not document["ok"]
+
+
+@pytest.mark.slow
+def test_a_terminated_run_checkpoints_what_it_started_before_ending_it(
+    tmp_path: Path, runtime_dir: Path
+) -> None:
+    """SIGTERM (a timeout's) mid-run: the JSON so far is kept, and every demo is checkpointed, then killed."""
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--skip", "vllm"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        wait_until(
+            lambda: out.exists() and "driver" in json.loads(out.read_text() or "{}").get("sections", {}),
+            240,
+            "the driver cycle to end",
+            0.2,
+        )
+        demo = json.loads(out.read_text())["demo"]["pid"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    document = json.loads(out.read_text())
+    assert document["error"].startswith("stopped") and not document["ok"]
+    retired = {entry["pid"]: entry for entry in document["retired"]}
+    assert retired[demo]["state_after"] == "checkpointed", retired[demo]  # whatever step the stop came in
+    assert retired[demo]["exit"] == -signal.SIGKILL
+    assert not Path(f"/proc/{demo}").exists()
