@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import subprocess
 import tempfile
 import threading
@@ -78,6 +79,9 @@ class Detached:
         except BaseException:
             self._close()
             raise
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # Linux 5.3+; Popen.wait polls otherwise
+            self._pidfd = os.pidfd_open(self.proc.pid)
         helper = procinfo.identity(self.proc.pid) or ProcessIdentity(self.proc.pid, 0)
         self.call = DetachedCall(pid, step, what, helper)
         try:
@@ -89,6 +93,7 @@ class Detached:
             else:
                 self._let_go(b"")
                 self.proc.wait()
+                self._close_pidfd()
                 self._close()
                 raise
         if gated:
@@ -104,10 +109,16 @@ class Detached:
 
     def wait(self, timeout: float | None) -> bool:
         """Whether it has exited within ``timeout`` seconds (None: wait for ever). It is never killed."""
+        if self.proc.returncode is None and self._pidfd is not None:
+            # Woken the moment it exits (Popen.wait with a timeout polls, up to 50 ms late).
+            readable, _, _ = select.select([self._pidfd], [], [], timeout)
+            if not readable:
+                return False
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return False
+        self._close_pidfd()
         if self._late_error is not None:
             error, self._late_error = self._late_error, None
             raise error
@@ -127,6 +138,11 @@ class Detached:
             self._close()
             self._output = (texts[0], texts[1])
         return self._output
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def _close(self) -> None:
         for stream in (self._stdout, self._stderr):
