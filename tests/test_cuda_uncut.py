@@ -187,6 +187,8 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wa
     assert world.state(demo.pid) == "checkpointing"
     status = cli("status", str(demo.pid), "--json").json()["agents"][0]
     assert status["state"] == "asleep" and status["interrupted"]["resolve"] == f"hibernate recover {demo.pid}"
+    (running,) = status["interrupted"]["running"]
+    assert running.startswith(("cuCheckpointProcessCheckpoint", "cuda-checkpoint --action checkpoint"))
     world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
     recovered = cli("recover", str(demo.pid), "--checkpointer", checkpointer_kind)

@@ -196,5 +196,7 @@ def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
         "phases": entry.marks,
         "cli_pid": entry.cli_pid,
         "since_unix": entry.started_unix,
+        # checkpoints and restores it started that run on (never cut): recover waits for them
+        "running": [call.describe() for call in entry.calls if procinfo.is_alive(call.helper)],
         "resolve": f"hibernate recover {ref.pid}",
     }
