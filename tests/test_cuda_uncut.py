@@ -298,3 +298,36 @@ def test_recover_waits_for_a_call_still_running_no_longer_than_its_bound(
     recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
     assert recovered.returncode == 0, recovered.stderr
     assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+
+
+@pytest.mark.slow
+def test_recover_finishing_a_sleep_journals_its_checkpoint_and_stops_at_one_still_running(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid)
+    killed = cli(
+        "sleep", str(demo.pid), "--to", str(work_dir), env={"HIBERNATE_FAULT": "sleep.after-release:kill"}
+    )
+    assert killed.returncode == -signal.SIGKILL and world.state(demo.pid) == "running"
+    world.hold("checkpoint", demo.pid)
+    try:
+        options = orchestrator.Options(
+            checkpointer_kind="driver", cuda_timeouts=StepTimeouts(checkpoint=0.3, query=0.3)
+        )
+        with pytest.raises(StillRunningError) as still:
+            orchestrator.recover([demo.pid], options)  # finishes the sleep: only its CUDA stage was left
+        assert "did not return within 0.3s and is still running" in still.value.message
+        # The interrupted sleep's entry carries the call (and its marks) for the next recover.
+        assert [c["step"] for c in journaled_calls(runtime_dir)] == ["checkpoint"]
+        assert world.state(demo.pid) == "checkpointing"
+    finally:
+        world.release("checkpoint", demo.pid)
+    wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
+    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
+    assert recovered.returncode == 0, recovered.stderr
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"

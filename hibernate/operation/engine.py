@@ -351,6 +351,8 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
     if action is Action.FINISH_SLEEP:
         try:
             return RecoverReport("finished the interrupted sleep", _finish_sleep(units, options, sink))
+        except StillRunningError:
+            raise  # its checkpoint runs on: a wake now would act on a process mid-call
         except HibernateError as exc:
             sink.note(f"cannot finish the sleep ({exc.message}); waking instead")
     try:
@@ -370,6 +372,7 @@ def _finish_sleep(units: Sequence[Unit], options: Options, sink: ProgressSink) -
     started = time.perf_counter()
     operation = Operation(Context("sleep", options, sink), units)
     with operation.held():
+        operation.ledger.adopt()  # the interrupted sleep's entries: its marks, and the calls this adds
         operation.cuda.require(_processes(units))  # refuses holders that are not all running
         run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)
     return SleepReport(None, time.perf_counter() - started, [], operation.cuda_report)

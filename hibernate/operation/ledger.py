@@ -79,6 +79,14 @@ class Ledger:
             journal.record(entry)
             self._entries[ref.identity] = (journal, entry)
 
+    def adopt(self) -> None:
+        """Carry on the entries an interrupted operation left for these processes (finishing it)."""
+        for ref in self.refs:
+            journal = Journal(ref.socket.parent, _owner(ref))
+            entry = journal.load(ref.identity)
+            if entry is not None:
+                self._entries[ref.identity] = (journal, entry)
+
     def passed(self, mark: str, scope: Sequence[AgentRef] | None = None) -> None:
         """``mark`` is complete for ``scope`` (everyone: None): journal it, then fire its fault point."""
         wanted = None if scope is None else {ref.identity for ref in scope}
