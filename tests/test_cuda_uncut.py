@@ -79,6 +79,25 @@ def test_a_checkpoint_past_its_timeout_runs_on_in_a_process_of_its_own_and_ends(
     assert world.state(sleeper) == "locked"
 
 
+def test_a_checkpoint_starts_only_once_journaled_and_not_at_all_if_that_fails(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts())
+    checkpointer.lock(sleeper, 1000)
+    seen: list[str] = []
+
+    def journal(call: DetachedCall) -> None:
+        seen.append(world.state(sleeper))  # the call has not begun while it is being journaled
+        raise OSError(28, "No space left on device")
+
+    checkpointer.on_detach = journal
+    world.hold("checkpoint", sleeper)  # a checkpoint that began would show as checkpointing
+    with pytest.raises(OSError):
+        checkpointer.checkpoint(sleeper)
+    assert seen == ["locked"] and world.state(sleeper) == "locked"
+    assert [s for _, s, _, _ in world.calls()] == ["lock"]  # no checkpoint call was made
+
+
 def test_a_call_that_returns_within_its_timeout_leaves_nothing_behind(
     world: World, checkpointer_kind: str, sleeper: int
 ) -> None:

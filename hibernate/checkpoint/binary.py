@@ -19,7 +19,9 @@ Each run is started in a session of its own and is never killed
 (:mod:`hibernate.checkpoint.detached`): past its timeout hibernate stops
 waiting for it. A checkpoint or restore cut half-way can leave the process in
 the driver's failed state; those two are told to ``on_detach`` (the journal)
-before they are waited for.
+before they are waited for, and start only then: they are started through
+the gate of :mod:`hibernate.checkpoint.driver_call` (``--exec``), which
+becomes ``cuda-checkpoint`` once told to go.
 
 Found as ``--cuda-checkpoint PATH``, else ``$HIBERNATE_CUDA_CHECKPOINT``, else
 on ``PATH``.
@@ -31,6 +33,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,14 @@ from typing import Any
 from hibernate.checkpoint import curesult
 from hibernate.checkpoint.base import CheckpointStepError, CudaState, DetachedCall, StepTimeouts
 from hibernate.checkpoint.curesult import CuError
-from hibernate.checkpoint.detached import Detached, Strays, helper_environment, still_running
+from hibernate.checkpoint.detached import (
+    CALL_PROGRAM,
+    CannotStart,
+    Detached,
+    Strays,
+    helper_environment,
+    still_running,
+)
 from hibernate.errors import UnsupportedError
 
 BINARY_ENV = "HIBERNATE_CUDA_CHECKPOINT"
@@ -169,17 +179,21 @@ class BinaryCheckpointer:
         limit = self.timeouts.for_step(step) if timeout is None else timeout
         what = "cuda-checkpoint " + " ".join(args[:2] if args[0] == "--action" else args[:1])
         self._strays.settle(pid, step, what, self.timeouts.query)
+        uncut = step in UNCUT_STEPS
+        argv = [str(self.path), *args]
+        if uncut:  # gated: it acts only once it is journaled (the same pid, become cuda-checkpoint)
+            argv = [sys.executable, "-I", "-S", str(CALL_PROGRAM), "--exec", *argv]
         try:
             run = Detached(
-                [str(self.path), *args],
+                argv,
                 pid=pid,
                 step=step,
                 what=what,
-                gated=False,
+                gated=uncut,
                 env=helper_environment(pid),
-                on_start=self.on_detach if step in UNCUT_STEPS else None,
+                on_start=self.on_detach if uncut else None,
             )
-        except OSError as exc:
+        except CannotStart as exc:
             raise BinaryUnavailable(f"cannot run {self.path}: {exc.strerror}") from None
         if not run.wait(limit):
             self._strays.add(pid, run.name, run.wait, lambda: f"exit status {run.returncode}")

@@ -12,8 +12,10 @@ stops waiting and says so; it never kills it.
 
 Before waiting, the starter is told (``on_start``) so that the operation can
 journal the process (pid and start time): a later command waits for it
-rather than act on the same target over it. A gated call (the driver's) makes
-no call until it has read ``go``, written only once that is done.
+rather than act on the same target over it. Such a call is gated: it makes no
+call until it has read ``go``, written only once that is done
+(:mod:`hibernate.checkpoint.driver_call`, whose ``--exec`` puts the same gate
+in front of ``cuda-checkpoint``).
 
 :class:`Strays` keeps, per target, a call that outlived its timeout within
 this command: the next call for that target waits for it (bounded) instead of
@@ -31,14 +33,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from hibernate import procinfo
-from hibernate.checkpoint import HELPER_ENV
+from hibernate.checkpoint import HELPER_ENV, driver_call
 from hibernate.checkpoint.base import CheckpointStepError, DetachedCall
 from hibernate.checkpoint.curesult import CuError
 from hibernate.checkpoint.driver_call import GO
 from hibernate.procinfo import ProcessIdentity
+
+# The gate (and the driver's own call), run by path with python -I -S: it imports nothing of hibernate.
+CALL_PROGRAM = Path(driver_call.__file__)
+
+
+class CannotStart(OSError):
+    """The program itself could not be started (not what it or ``on_start`` did once it was)."""
 
 
 class Detached:
@@ -57,14 +67,15 @@ class Detached:
     ) -> None:
         """Start ``argv``; tell ``on_start`` (when given) before it may act; then let a gated one go.
 
-        If ``on_start`` raises, a gated process is told to make no call and is waited for, and the
-        error is raised; an ungated one already acts, so it is left to finish and is waited for as
-        usual, and the error is raised after it (:meth:`wait`).
+        A gated program makes its call only once it has read ``go`` (driver_call), so only a gated
+        one can be journaled before it acts. If ``on_start`` raises, it is told to make no call and
+        is waited for, and the error is raised.
         """
+        if on_start is not None and not gated:
+            raise ValueError("only a gated call can be told of before it acts")
         self.name = f"{what}({pid})"
         self._stdout: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (kept past __init__, closed in _close)
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        self._late_error: BaseException | None = None
         self._output: tuple[str, str] | None = None
         try:
             self.proc = subprocess.Popen(
@@ -76,6 +87,9 @@ class Detached:
                 start_new_session=True,  # no signal to hibernate's session, nor its end, reaches it
                 close_fds=True,
             )
+        except OSError as exc:
+            self._close()
+            raise CannotStart(exc.errno, exc.strerror) from exc
         except BaseException:
             self._close()
             raise
@@ -87,15 +101,12 @@ class Detached:
         try:
             if on_start is not None:
                 on_start(self.call)
-        except BaseException as exc:
-            if not gated:
-                self._late_error = exc
-            else:
-                self._let_go(b"")
-                self.proc.wait()
-                self._close_pidfd()
-                self._close()
-                raise
+        except BaseException:
+            self._let_go(b"")
+            self.proc.wait()
+            self._close_pidfd()
+            self._close()
+            raise
         if gated:
             self._let_go(GO)
 
@@ -119,9 +130,6 @@ class Detached:
         except subprocess.TimeoutExpired:
             return False
         self._close_pidfd()
-        if self._late_error is not None:
-            error, self._late_error = self._late_error, None
-            raise error
         return True
 
     @property

@@ -27,7 +27,6 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from hibernate.checkpoint import curesult, driver_call
@@ -40,7 +39,7 @@ from hibernate.checkpoint.base import (
     cuda_version_text,
 )
 from hibernate.checkpoint.curesult import CuError
-from hibernate.checkpoint.detached import Detached, Strays, helper_environment, still_running
+from hibernate.checkpoint.detached import CALL_PROGRAM, Detached, Strays, helper_environment, still_running
 from hibernate.checkpoint.driver_call import LockArgs, UnlockArgs
 from hibernate.errors import UnsupportedError, UsageError
 from hibernate.threads import Call, CallTimedOut, call_with_timeout
@@ -58,7 +57,6 @@ SYMBOL_BY_STEP = {
     "restore-tid": "cuCheckpointProcessGetRestoreThreadId",
 }
 REQUIRED_SYMBOLS = tuple(SYMBOL_BY_STEP.values())
-DRIVER_CALL = Path(driver_call.__file__)  # run by path: it imports nothing of hibernate
 
 
 def uuid_bytes(gpu_uuid: str) -> bytes:
@@ -202,7 +200,7 @@ class DriverCheckpointer:
         """Checkpoint or restore ``pid`` from a program of its own session: waited for, never cut."""
         function_name = SYMBOL_BY_STEP[step]
         self._strays.settle(pid, step, function_name, self.timeouts.query)
-        argv = [sys.executable, "-I", "-S", str(DRIVER_CALL), self.path, step, str(pid), *extra]
+        argv = [sys.executable, "-I", "-S", str(CALL_PROGRAM), self.path, step, str(pid), *extra]
         helper = Detached(
             argv,
             pid=pid,

@@ -1,6 +1,7 @@
 """The driver's argument structs, and the small program that makes one checkpoint or restore call.
 
     python -I -S driver_call.py LIBCUDA checkpoint|restore PID [OLD_UUID_HEX=NEW_UUID_HEX ...]
+    python -I -S driver_call.py --exec PROGRAM [ARG ...]
 
 A checkpoint or restore cut half-way (its caller killed, or exiting) can leave
 the target in the driver's failed state, so the driver checkpointer makes
@@ -13,11 +14,15 @@ could not leave an unrecorded call behind; anything else means do nothing. A
 restore needs ``cuInit(0)`` in the calling process (unless persistence mode
 is on), so it calls that first. It prints one line, ``STEP RESULT``: the
 CUresult of ``init`` if that failed, else of the call.
+
+``--exec`` is the same gate in front of ``cuda-checkpoint``: once it has read
+``go`` it becomes that program (same pid and start time, as journaled).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 GO = b"go"
@@ -99,12 +104,28 @@ def call(library: str, step: str, pid: int, pair_texts: list[str]) -> tuple[str,
     return step, result
 
 
+def become(argv: list[str]) -> int:
+    """Replace this process with ``argv`` (its stdin /dev/null); returns only if that fails."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    try:
+        os.execv(argv[0], argv)
+    except OSError as exc:
+        sys.stderr.write(f"cannot run {argv[0]}: {exc.strerror}\n")
+    return 127
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] not in ("checkpoint", "restore"):
-        sys.stderr.write("usage: driver_call.py LIBCUDA checkpoint|restore PID [OLD=NEW ...]\n")
+    gate = argv[:1] == ["--exec"]
+    if (gate and len(argv) < 2) or (not gate and (len(argv) < 3 or argv[1] not in ("checkpoint", "restore"))):
+        sys.stderr.write(
+            "usage: driver_call.py LIBCUDA checkpoint|restore PID [OLD=NEW ...] | --exec PROGRAM ...\n"
+        )
         return 2
     if sys.stdin.buffer.read() != GO:
         return 3  # the starter did not journal this call: make none
+    if gate:
+        return become(argv[1:])
     what, result = call(argv[0], argv[1], int(argv[2]), argv[3:])
     sys.stdout.write(f"{what} {result}\n")
     sys.stdout.flush()
