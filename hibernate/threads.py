@@ -5,7 +5,9 @@ is joined at interpreter exit, so one stuck call would keep ``hibernate`` from
 ever exiting. These helpers use daemon threads: a call abandoned on timeout
 dies with the process instead. Until then it runs on: :class:`Call` is its
 handle, so the next call for the same process can wait for it rather than
-overlap it.
+overlap it. Only calls that may be cut so run here (a lock, an unlock, a
+query); a checkpoint or restore must never be cut and runs in a process of its
+own (:mod:`hibernate.checkpoint.detached`).
 
 :func:`run_each` is the one fan-out: a checkpointer's step over every process,
 an agent request over every agent of an operation, a direct wake of every

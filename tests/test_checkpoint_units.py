@@ -13,7 +13,8 @@ from hibernate.checkpoint.base import CheckpointStepError, CudaState, StepTimeou
 from hibernate.checkpoint.binary import parse_help
 from hibernate.checkpoint.curesult import CuError, from_code, identify
 from hibernate.checkpoint.detect import Holder
-from hibernate.checkpoint.driver import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs, uuid_bytes
+from hibernate.checkpoint.driver import uuid_bytes
+from hibernate.checkpoint.driver_call import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs
 from hibernate.checkpoint.group import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
 from hibernate.checkpoint.nccl import nccl_traps
 from hibernate.cli.diagnosis import mount_for, ptrace_verdict

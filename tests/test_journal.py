@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hibernate import procinfo
+from hibernate.checkpoint.base import DetachedCall
 from hibernate.errors import BusyError
 from hibernate.operation.journal import Entry, Journal, TargetLock, parse_entry
 from tests.conftest import REPO
@@ -49,6 +51,20 @@ def test_entries_record_every_completed_phase_durably(runtime_dir: Path) -> None
     assert files[0].stat().st_mode & 0o777 == 0o600
     journal.remove(this_process())
     assert journal.load(this_process()) is None
+
+
+def test_detached_calls_are_journaled_with_their_helper_s_identity(runtime_dir: Path) -> None:
+    journal = Journal(runtime_dir)
+    entry = entry_for(this_process())
+    helper = procinfo.ProcessIdentity(4242, 777)
+    entry.calls.append(DetachedCall(this_process().pid, "restore", "cuCheckpointProcessRestore", helper))
+    journal.record(entry)
+    loaded = journal.load(this_process())
+    assert loaded is not None and loaded.calls == entry.calls
+    raw = json.loads(json.dumps(entry.to_wire()))
+    raw["calls"][0]["helper"] = {"pid": 4242}  # no start time: a reused pid could not be told apart
+    with pytest.raises(ValueError):
+        parse_entry(json.dumps(raw).encode())
 
 
 def test_entries_of_dead_processes_are_dropped(runtime_dir: Path) -> None:

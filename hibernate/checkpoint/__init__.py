@@ -6,6 +6,8 @@ Driven from outside the target: a process cannot lock or checkpoint itself.
     curesult   CUresult numbers, names and strings; identifying one from cuda-checkpoint's output
     driver     the driver API (cuCheckpointProcess*) through ctypes on libcuda.so.1
     binary     the cuda-checkpoint executable, one run per step
+    detached   checkpoint and restore in a process of their own session: waited for, never cut
+    driver_call  the driver's argument structs, and the small program that makes one such call
     selection  --checkpointer auto|driver|binary
     detect     which processes hold CUDA state (device files, or the driver answering)
     group      a group's checkpoint: lock all, checkpoint all; check memory, restore all, unlock all
@@ -24,7 +26,8 @@ Exit codes of the CUDA stage (the ``hibernate`` command's, see errors.ExitCode):
     6  WRONG_STATE       sleep of a process whose CUDA is already locked/checkpointed (wake it first)
     7  BUSY              another tool is checkpointing or restoring it
     10 TIMEOUT           a lock whose CUDA work did not drain in --timeout (the process runs on),
-                         or a driver call that never answered
+                         a driver call that never answered, or a checkpoint or restore past its
+                         timeout, still running uncut in its own process (`hibernate recover`)
     11 CUDA_CHECKPOINT   a step failed (the message names the process, the step and the CUresult);
                          what was done was undone; also a sleep of a process in the failed state
     12 UNSUPPORTED       no checkpointer (no driver API, no usable cuda-checkpoint), a driver too

@@ -14,13 +14,14 @@ starts but may observe.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
 from hibernate.checkpoint.curesult import CuError
-from hibernate.errors import CudaCheckpointError
+from hibernate.errors import CudaCheckpointError, HibernateTimeoutError
+from hibernate.procinfo import ProcessIdentity
 
 
 class CudaState(str, Enum):
@@ -45,12 +46,17 @@ STATE_BY_NUMBER = {
 
 @dataclass(frozen=True)
 class StepTimeouts:
-    """Seconds each step may take before hibernate gives up on it.
+    """Seconds hibernate waits for each step before it stops waiting.
 
-    ``lock`` is passed to the driver (``timeoutMs``), which then leaves the
-    process running; the others bound a call the driver cannot bound itself
-    (a checkpoint of 80 GB legitimately takes a minute). A call abandoned on
-    timeout leaves the process in a state only a fresh ``state()`` can tell.
+    ``lock`` is passed to the driver (``timeoutMs``), which then gives up and
+    leaves the process running. A checkpoint or restore is never cut: it runs
+    in a process of its own session (:mod:`hibernate.checkpoint.detached`), and
+    past its time hibernate stops waiting for it and says so, while it runs on
+    to its end (a checkpoint of 80 GB legitimately takes a minute; one stopped
+    half-way can leave the process in the driver's failed state). Unlock and the
+    queries are waited for in a thread that dies with the command: an unlock
+    moves no memory, and the next wake reads the state and unlocks only a
+    process still locked.
     """
 
     lock: float = 30.0
@@ -66,11 +72,26 @@ class StepTimeouts:
         return value
 
 
+@dataclass(frozen=True)
+class DetachedCall:
+    """A checkpoint or restore running in a process of its own session, as a journal keeps it."""
+
+    pid: int  # the process it acts on
+    step: str  # "checkpoint" or "restore"
+    what: str  # the call, as messages name it: cuCheckpointProcessRestore, cuda-checkpoint --action restore
+    helper: ProcessIdentity  # the process that makes the call (pid and start time: pids are reused)
+
+    def describe(self) -> str:
+        return f"{self.what}({self.pid}) in process {self.helper.pid}"
+
+
 class CheckpointStepError(CudaCheckpointError):
     """One checkpointer call failed: which process, which step, and the exact CUDA result.
 
     ``timed_out`` is set when hibernate (not the driver) gave up waiting; the
-    process's state is then unknown until queried.
+    process's state is then unknown until queried. ``running`` is the call
+    still running when hibernate stopped waiting for it (a checkpoint or
+    restore, never cut): nothing may act on that process until it has returned.
     """
 
     def __init__(
@@ -81,13 +102,25 @@ class CheckpointStepError(CudaCheckpointError):
         *,
         how: str,
         timed_out: bool = False,
+        running: DetachedCall | None = None,
         hint: str | None = None,
     ) -> None:
         self.pid = pid
         self.step = step
         self.error = error
         self.timed_out = timed_out
+        self.running = running
         super().__init__(f"process {pid} ({step}): {how} failed: {error}", hint=hint)
+
+
+class StillRunningError(HibernateTimeoutError):
+    """A checkpoint or restore outlived its timeout and runs on: nothing else was done to the processes.
+
+    It keeps the journal: ``hibernate recover`` waits for the call, reads the
+    real states and finishes the job.
+    """
+
+    keeps_journal = True
 
 
 class Checkpointer(Protocol):
@@ -99,6 +132,9 @@ class Checkpointer(Protocol):
     """
 
     name: str
+    # Told of each checkpoint or restore started in a process of its own, before it is waited for:
+    # where the operation journals it, so that a later command waits for it rather than overlap it.
+    on_detach: Callable[[DetachedCall], None] | None
 
     def describe(self) -> dict[str, Any]:
         """What this checkpointer is: kind, path, driver version, capabilities."""

@@ -15,6 +15,14 @@ than assumed from a version. Its contract, as observed on drivers 550-580:
   the CUDA error code truncated to 8 bits; with a driver older than 550 it
   prints ``Insufficient driver`` and exits 255.
 
+Each run is started in a session of its own and is never killed
+(:mod:`hibernate.checkpoint.detached`): past its timeout hibernate stops
+waiting for it. A checkpoint or restore cut half-way can leave the process in
+the driver's failed state; those two are told to ``on_detach`` (the journal)
+before they are waited for, and start only then: they are started through
+the gate of :mod:`hibernate.checkpoint.driver_call` (``--exec``), which
+becomes ``cuda-checkpoint`` once told to go.
+
 Found as ``--cuda-checkpoint PATH``, else ``$HIBERNATE_CUDA_CHECKPOINT``, else
 on ``PATH``.
 """
@@ -25,20 +33,30 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hibernate.checkpoint import curesult
-from hibernate.checkpoint.base import CheckpointStepError, CudaState, StepTimeouts
+from hibernate.checkpoint.base import CheckpointStepError, CudaState, DetachedCall, StepTimeouts
 from hibernate.checkpoint.curesult import CuError
+from hibernate.checkpoint.detached import (
+    CALL_PROGRAM,
+    CannotStart,
+    Detached,
+    Strays,
+    helper_environment,
+    still_running,
+)
 from hibernate.errors import UnsupportedError
 
 BINARY_ENV = "HIBERNATE_CUDA_CHECKPOINT"
 BINARY_NAME = "cuda-checkpoint"
 INSUFFICIENT_DRIVER = "Insufficient driver"
+# The steps a cut could leave in the driver's failed state: journaled, and never given up on silently.
+UNCUT_STEPS = ("checkpoint", "restore")
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)+)")
 
 
@@ -126,6 +144,8 @@ class BinaryCheckpointer:
             )
         self.path = found
         self.timeouts = timeouts or StepTimeouts()
+        self.on_detach: Callable[[DetachedCall], None] | None = None
+        self._strays = Strays()
         self.capabilities = self._probe()
 
     def _probe(self) -> Capabilities:
@@ -157,32 +177,43 @@ class BinaryCheckpointer:
 
     def _run(self, args: list[str], *, step: str, pid: int, timeout: float | None = None) -> Run:
         limit = self.timeouts.for_step(step) if timeout is None else timeout
+        what = "cuda-checkpoint " + " ".join(args[:2] if args[0] == "--action" else args[:1])
+        self._strays.settle(pid, step, what, self.timeouts.query)
+        uncut = step in UNCUT_STEPS
+        argv = [str(self.path), *args]
+        if uncut:  # gated: it acts only once it is journaled (the same pid, become cuda-checkpoint)
+            argv = [sys.executable, "-I", "-S", str(CALL_PROGRAM), "--exec", *argv]
         try:
-            proc = subprocess.Popen(
-                [str(self.path), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,  # a Ctrl-C to hibernate must not kill it mid-step
+            run = Detached(
+                argv,
+                pid=pid,
+                step=step,
+                what=what,
+                gated=uncut,
+                env=helper_environment(pid),
+                on_start=self.on_detach if uncut else None,
             )
-        except OSError as exc:
+        except CannotStart as exc:
             raise BinaryUnavailable(f"cannot run {self.path}: {exc.strerror}") from None
-        try:
-            stdout, stderr = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        if not run.wait(limit):
+            self._strays.add(pid, run.name, run.wait, lambda: f"exit status {run.returncode}")
+            if step in UNCUT_STEPS:
+                raise still_running(run.call, limit, "cuda-checkpoint")
             raise CheckpointStepError(
                 pid,
                 step,
                 CuError(
-                    None, "no answer", f"cuda-checkpoint {' '.join(args)} did not exit within {limit:g}s"
+                    None,
+                    "no answer",
+                    f"cuda-checkpoint {' '.join(args)} did not exit within {limit:g}s "
+                    "(it was left to end by itself)",
                 ),
                 how="cuda-checkpoint",
                 timed_out=True,
-            ) from None
-        return Run(proc.returncode, stdout, stderr)
+            )
+        stdout, stderr = run.output()
+        assert run.returncode is not None
+        return Run(run.returncode, stdout, stderr)
 
     def _step(self, step: str, pid: int, args: list[str], timeout: float | None = None) -> Run:
         run = self._run([*args, "--pid", str(pid)], step=step, pid=pid, timeout=timeout)
@@ -246,8 +277,8 @@ class BinaryCheckpointer:
         self._step("unlock", pid, ["--action", "unlock"])
 
     def waits(self) -> list[str]:
-        """Never any: a step that times out is killed and reaped before the next one starts."""
-        return []
+        """The calls that waited for an earlier, timed-out run for the same process, since last asked."""
+        return self._strays.waits()
 
     def restore_thread_id(self, pid: int) -> int:
         run = self._step("restore-tid", pid, ["--get-restore-tid"])

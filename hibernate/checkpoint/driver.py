@@ -8,6 +8,14 @@ exist from CUDA 12.8 (driver 570); the GPU remapping on restore from 13.0
 takes no GPU memory; ``cuInit(0)`` (needed before a restore unless persistence
 mode is on) does not either.
 
+Checkpoint and restore are never called from this process: each runs in a
+small program of its own session (:mod:`hibernate.checkpoint.driver_call`,
+ctypes and libcuda only), so that neither a timeout, a Ctrl-C nor this
+process's death cuts one half-way (:mod:`hibernate.checkpoint.detached`).
+Lock is bounded by the driver itself (``timeoutMs``); unlock and the queries
+run in a thread under a timeout, abandoned with the command if they never
+answer: they move no memory, and a retry reads the state first.
+
 ``HIBERNATE_LIBCUDA`` names another library to load: the documented seam the
 tests use to load a stand-in built from C.
 """
@@ -16,21 +24,23 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
-import time
+import sys
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hibernate.checkpoint import curesult
+from hibernate.checkpoint import curesult, driver_call
 from hibernate.checkpoint.base import (
     STATE_BY_NUMBER,
     CheckpointStepError,
     CudaState,
+    DetachedCall,
     StepTimeouts,
     cuda_version_text,
 )
 from hibernate.checkpoint.curesult import CuError
+from hibernate.checkpoint.detached import CALL_PROGRAM, Detached, Strays, helper_environment, still_running
+from hibernate.checkpoint.driver_call import LockArgs, UnlockArgs
 from hibernate.errors import UnsupportedError, UsageError
 from hibernate.threads import Call, CallTimedOut, call_with_timeout
 
@@ -49,42 +59,6 @@ SYMBOL_BY_STEP = {
 REQUIRED_SYMBOLS = tuple(SYMBOL_BY_STEP.values())
 
 
-# The argument structs: 64 bytes each, all zero means default behaviour in every version.
-class LockArgs(ctypes.Structure):
-    _fields_ = [
-        ("timeoutMs", ctypes.c_uint),  # 0 = no timeout
-        ("reserved0", ctypes.c_uint),
-        ("reserved1", ctypes.c_uint64 * 7),
-    ]
-
-
-class CheckpointArgs(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
-
-
-class GpuPair(ctypes.Structure):
-    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
-
-
-class RestoreArgs(ctypes.Structure):
-    # 13.0+: gpuPairs/gpuPairsCount; 13.4 puts customStorageInfo_out at offset 16 (left NULL).
-    _fields_ = [
-        ("gpuPairs", ctypes.POINTER(GpuPair)),
-        ("gpuPairsCount", ctypes.c_uint),
-        ("padding0", ctypes.c_uint),
-        ("reserved", ctypes.c_uint64 * 6),
-    ]
-
-
-class UnlockArgs(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
-
-
-for _struct in (LockArgs, CheckpointArgs, RestoreArgs, UnlockArgs):
-    assert ctypes.sizeof(_struct) == 64, _struct
-assert ctypes.sizeof(GpuPair) == 32
-
-
 def uuid_bytes(gpu_uuid: str) -> bytes:
     """``GPU-1a2b...`` (as NVML and nvidia-smi print it) -> the 16 bytes of a CUuuid."""
     text = gpu_uuid.strip()
@@ -96,13 +70,9 @@ def uuid_bytes(gpu_uuid: str) -> bytes:
         raise UsageError(f"not a GPU UUID: {gpu_uuid!r}", hint="use the form GPU-xxxxxxxx-xxxx-...") from None
 
 
-def gpu_pairs(gpu_map: Mapping[str, str]) -> ctypes.Array[GpuPair]:
-    """The CUcheckpointGpuPair array for a {old uuid: new uuid} map."""
-    pairs = (GpuPair * len(gpu_map))()
-    for index, (old, new) in enumerate(gpu_map.items()):
-        ctypes.memmove(pairs[index].oldUuid, uuid_bytes(old), 16)
-        ctypes.memmove(pairs[index].newUuid, uuid_bytes(new), 16)
-    return pairs
+def gpu_pairs(gpu_map: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """The (old, new) CUuuid pairs of a {old uuid: new uuid} map."""
+    return [(uuid_bytes(old), uuid_bytes(new)) for old, new in gpu_map.items()]
 
 
 def library_path() -> str:
@@ -145,13 +115,10 @@ class DriverCheckpointer:
                 function = getattr(self._lib, symbol)
                 function.restype = ctypes.c_int
                 function.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self._init_lock = threading.Lock()
-        self._initialized = False
-        # Per pid, a call that timed out and may still be running in its thread: the next call for that
-        # pid waits for it (bounded) instead of overlapping it; what was waited for is said in _waits.
-        self._strays: dict[int, Call[int]] = {}
-        self._strays_lock = threading.Lock()
-        self._waits: list[str] = []
+        self.on_detach: Callable[[DetachedCall], None] | None = None
+        # Per pid, a call that timed out and may still be running (a thread here, or a detached
+        # process): the next call for that pid waits for it (bounded) instead of overlapping it.
+        self._strays = Strays()
 
     def _driver_version(self) -> int:
         if not hasattr(self._lib, "cuDriverGetVersion"):
@@ -198,54 +165,27 @@ class DriverCheckpointer:
 
     def waits(self) -> list[str]:
         """The calls that waited for an earlier, timed-out call for the same process, since last asked."""
-        with self._strays_lock:
-            waits, self._waits = self._waits, []
-        return waits
+        return self._strays.waits()
 
-    def _outcome_text(self, call: Call[int]) -> str:
-        if call.outcome.error is not None:
-            return f"it raised {type(call.outcome.error).__name__}"
-        result = int(call.outcome.value or 0)
+    def _result_text(self, result: int) -> str:
         return "CUDA_SUCCESS" if result == 0 else str(self._error(result).name)
-
-    def _after_strays(self, step: str, pid: int, function_name: str) -> None:
-        """Wait (at most the query timeout) for a timed-out call for ``pid`` still running: never overlap."""
-        with self._strays_lock:
-            stray = self._strays.get(pid)
-        if stray is None:
-            return
-        started = time.perf_counter()
-        if not stray.wait(self.timeouts.query):
-            raise CheckpointStepError(
-                pid,
-                step,
-                CuError(
-                    None,
-                    "not called",
-                    f"{stray.name}, which had timed out, was still running {self.timeouts.query:g}s later; "
-                    f"{function_name}({pid}) was not called over it",
-                ),
-                how=function_name,
-                timed_out=True,
-            )
-        waited = time.perf_counter() - started
-        with self._strays_lock:
-            if self._strays.get(pid) is stray:
-                del self._strays[pid]
-            self._waits.append(
-                f"{function_name}({pid}) waited {waited:.1f}s for {stray.name}, which had timed out, "
-                f"to return ({self._outcome_text(stray)})"
-            )
 
     def _call(
         self, step: str, pid: int, function_name: str, func: Callable[[], int], timeout: float | None
     ) -> None:
-        self._after_strays(step, pid, function_name)
+        """``func()`` in a thread of this process, abandoned after ``timeout`` (lock, unlock, queries)."""
+        self._strays.settle(pid, step, function_name, self.timeouts.query)
         try:
             result = call_with_timeout(func, timeout, f"{function_name}({pid})")
         except CallTimedOut as late:
-            with self._strays_lock:
-                self._strays[pid] = late.call
+            call: Call[int] = late.call
+
+            def outcome() -> str:
+                if call.outcome.error is not None:
+                    return f"it raised {type(call.outcome.error).__name__}"
+                return self._result_text(int(call.outcome.value or 0))
+
+            self._strays.add(pid, call.name, call.wait, outcome)
             raise CheckpointStepError(
                 pid,
                 step,
@@ -255,6 +195,46 @@ class DriverCheckpointer:
             ) from None
         if result != 0:
             raise CheckpointStepError(pid, step, self._error(result), how=function_name)
+
+    def _call_detached(self, step: str, pid: int, extra: list[str], timeout: float) -> None:
+        """Checkpoint or restore ``pid`` from a program of its own session: waited for, never cut."""
+        function_name = SYMBOL_BY_STEP[step]
+        self._strays.settle(pid, step, function_name, self.timeouts.query)
+        argv = [sys.executable, "-I", "-S", str(CALL_PROGRAM), self.path, step, str(pid), *extra]
+        helper = Detached(
+            argv,
+            pid=pid,
+            step=step,
+            what=function_name,
+            gated=True,
+            env=helper_environment(pid),
+            on_start=self.on_detach,
+        )
+
+        def outcome() -> str:
+            _, error = self._answer(helper, function_name)
+            return "CUDA_SUCCESS" if error is None else str(error.name)
+
+        self._strays.add(pid, helper.name, helper.wait, outcome)
+        if not helper.wait(timeout):
+            raise still_running(helper.call, timeout, function_name)
+        self._strays.discard(pid, helper.name)
+        how, error = self._answer(helper, function_name)
+        if error is not None:
+            raise CheckpointStepError(pid, step, error, how=how)
+
+    def _answer(self, helper: Detached, function_name: str) -> tuple[str, CuError | None]:
+        """What the exited helper called last and its error (None: CUDA_SUCCESS)."""
+        stdout, stderr = helper.output()
+        words = stdout.split()
+        if len(words) == 2 and words[1].lstrip("-").isdigit():
+            how = "cuInit" if words[0] == "init" else function_name
+            result = int(words[1])
+            return how, None if result == 0 else self._error(result)
+        said = stderr.strip().splitlines()[-1:] or ["nothing"]
+        return function_name, CuError(
+            None, "no answer", f"its helper exited with status {helper.returncode} ({said[0]})"
+        )
 
     # -- the API -------------------------------------------------------------
 
@@ -277,20 +257,10 @@ class DriverCheckpointer:
         self._call_step("lock", pid, args, grace)
 
     def checkpoint(self, pid: int) -> None:
-        self._call_step("checkpoint", pid, CheckpointArgs(), self.timeouts.checkpoint)
-
-    def _ensure_init(self, pid: int) -> None:
-        """cuInit(0) once: a restore needs it in the caller unless persistence mode is on."""
-        with self._init_lock:
-            if self._initialized:
-                return
-            self._call("init", pid, "cuInit", lambda: int(self._lib.cuInit(0)), self.timeouts.query)
-            self._initialized = True
+        self._call_detached("checkpoint", pid, [], self.timeouts.checkpoint)
 
     def restore(self, pid: int, gpu_map: Mapping[str, str] | None = None) -> None:
-        self._ensure_init(pid)
-        args = RestoreArgs()
-        pairs = None
+        extra: list[str] = []
         if gpu_map:
             if not self.supports_gpu_map:
                 raise UnsupportedError(
@@ -298,11 +268,8 @@ class DriverCheckpointer:
                     f"CUDA {cuda_version_text(self.version)}",
                     hint="restore onto the same GPUs, or upgrade the driver",
                 )
-            pairs = gpu_pairs(gpu_map)
-            args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(GpuPair))
-            args.gpuPairsCount = len(gpu_map)
-        self._call_step("restore", pid, args, self.timeouts.restore)
-        del pairs  # kept alive through the call
+            extra = driver_call.pair_arguments(gpu_pairs(gpu_map))
+        self._call_detached("restore", pid, extra, self.timeouts.restore)
 
     def unlock(self, pid: int) -> None:
         self._call_step("unlock", pid, UnlockArgs(), self.timeouts.unlock)

@@ -18,6 +18,12 @@ what hibernate believes it did:
 Wake decides from the states it reads, so it also finishes an interrupted
 sleep or wake (some processes checkpointed, some locked, some running).
 
+A checkpoint or restore that outlives its timeout is never cut (it runs in a
+process of its own, :mod:`hibernate.checkpoint.detached`): the group then
+stops, does nothing more to any process (an undo would act on a process
+mid-call), and raises :class:`StillRunningError`, which keeps the journal for
+``hibernate recover``.
+
 Before a restore, each GPU's free memory must hold what comes back: the CUDA
 state (the drop of ``used`` the sleep measured, or what NVML saw each process
 hold) plus the pools the wake maps back (:mod:`hibernate.checkpoint.room`).
@@ -36,7 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from hibernate.checkpoint import curesult, records, room
-from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, StepTimeouts
+from hibernate.checkpoint.base import (
+    Checkpointer,
+    CheckpointStepError,
+    CudaState,
+    StepTimeouts,
+    StillRunningError,
+)
 from hibernate.checkpoint.detect import Holder
 from hibernate.errors import (
     BusyError,
@@ -245,6 +257,25 @@ def classify(error: CheckpointStepError, suffix: str = "") -> HibernateError:
     )
 
 
+def stop_if_running(errors: Sequence[CheckpointStepError], done: Sequence[int]) -> None:
+    """Raise StillRunningError if a call among ``errors`` runs on: nothing may act on the group now."""
+    running = [error for error in errors if error.running is not None]
+    if not running:
+        return
+    pids = [error.pid for error in running]
+    others = [e.message for e in errors if e.running is None]
+    also = f"; also {'; '.join(others)}" if others else ""
+    finished = f"; {_pids(done)} finished that step" if done else ""
+    raise StillRunningError(
+        "; ".join(error.message for error in running)
+        + also
+        + finished
+        + "; nothing more was done to any process, so as not to act on one in the middle of a driver call",
+        hint=f"`hibernate recover {' '.join(map(str, pids))}` waits for the call to return, reads the "
+        "state it left and finishes the job",
+    )
+
+
 def check_sleepable(holders: Sequence[Holder]) -> None:
     """Refuse, before anything changes, a sleep of holders not all running."""
     by_state: dict[CudaState, list[int]] = {}
@@ -421,10 +452,16 @@ class GroupCheckpoint:
         errors: list[CheckpointStepError] = []
         try:
             for step in ("lock", "checkpoint"):
-                _, errors = self._run(step, tracked, list(tracked))
+                done, errors = self._run(step, tracked, list(tracked))
+                running = [error.pid for error in errors if error.running is not None]
+                if running:  # what ends checkpointed is woken later: its wake checks memory by these records
+                    self._remember(tracked, [*done, *running])
+                stop_if_running(errors, done)
                 if errors:
                     break
                 self.after_step(step)
+        except StillRunningError:
+            raise  # no undo over a call still running
         except BaseException as exc:  # interrupted (Ctrl-C) or broken: put the processes back first
             self._undo_sleep(tracked, [], cause=exc)
         if errors:
@@ -542,6 +579,7 @@ class GroupCheckpoint:
             memory = self.memory_check(tracked, plan.restore)
             refuse_without_room(memory, self.force)
         restored, errors = self._run("restore", tracked, plan.restore)
+        stop_if_running(errors, restored)
         if errors:
             self._rewind(tracked, restored, errors)
         if plan.restore:

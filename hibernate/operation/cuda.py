@@ -23,7 +23,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.checkpoint import detect, nvml, records, room
-from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState
+from hibernate.checkpoint.base import Checkpointer, CheckpointStepError, CudaState, DetachedCall
 from hibernate.checkpoint.group import GroupCheckpoint, check_sleepable, refuse_without_room, room_check
 from hibernate.checkpoint.nccl import NCCL_FIX, VLLM_FIX, multi_process_traps
 from hibernate.checkpoint.selection import NONE, choose
@@ -48,10 +48,15 @@ def changed(report: dict[str, Any]) -> bool:
 
 
 class CudaStage:
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, on_detach: Callable[[DetachedCall], None] | None = None) -> None:
+        """``on_detach`` is told of each checkpoint or restore started in a process of its own, before
+        it is waited for (the operation's journal)."""
         self.options = options
+        self.on_detach = on_detach
         self._checkpointer = options.checkpointer
         self._chosen = options.checkpointer is not None
+        if self._checkpointer is not None:
+            self._checkpointer.on_detach = on_detach
         self.passed_over: list[str] = []  # why each checkpointer kind could not be used
         self.skipped: list[dict[str, Any]] = []  # processes with device files but no CUDA state
         self.holders: list[ProcessIdentity] = []
@@ -75,6 +80,8 @@ class CudaStage:
                 options.checkpointer_kind, options.cuda_checkpoint, options.cuda_timeouts
             )
             self._chosen = True
+            if self._checkpointer is not None:
+                self._checkpointer.on_detach = self.on_detach
         return self._checkpointer
 
     @property

@@ -19,6 +19,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.paths import runtime_dir
+from hibernate.checkpoint.base import StillRunningError
 from hibernate.errors import BusyError, HibernateError, StorageError, UsageError, WrongStateError
 from hibernate.fsutil import ensure_private_dir, open_private_dir
 from hibernate.operation import cuda as cuda_stage
@@ -126,10 +127,10 @@ class Operation:
         self.ctx = ctx
         self.units = list(units)
         self.directory = directory
-        self.cuda = CudaStage(ctx.options)
-        self.cuda_report: dict[str, Any] = {}
         self.ledger = Ledger(ctx.op, [ref for u in self.units for ref in u.refs])
         ctx.ledger = self.ledger
+        self.cuda = CudaStage(ctx.options, on_detach=self.ledger.journal_call)
+        self.cuda_report: dict[str, Any] = {}
 
     def label(self, step: str) -> str:
         return step
@@ -159,17 +160,32 @@ class Operation:
 
     def cuda_sleep(self) -> None:
         themselves = [pid for u in self.units for pid in u.checkpoints_itself()]
-        self.cuda_report = self.cuda.sleep(themselves, after_lock=lambda: self.ledger.passed("cuda-lock"))
+        with self._recover_hint():
+            self.cuda_report = self.cuda.sleep(themselves, after_lock=lambda: self.ledger.passed("cuda-lock"))
 
     def undo_cuda_sleep(self, error: BaseException) -> None:
         self.cuda.undo_sleep(_processes(self.units), error)
 
     def cuda_wake(self) -> None:
-        self.cuda_report = self.cuda.wake(
-            _processes(self.units),
-            after_restore=lambda: self.ledger.passed("cuda-restore"),
-            pool_bytes=_pool_bytes(self.units),
-        )
+        with self._recover_hint():
+            self.cuda_report = self.cuda.wake(
+                _processes(self.units),
+                after_restore=lambda: self.ledger.passed("cuda-restore"),
+                pool_bytes=_pool_bytes(self.units),
+            )
+
+    @contextlib.contextmanager
+    def _recover_hint(self) -> Iterator[None]:
+        """A checkpoint or restore still running: the hint names the command for these targets."""
+        try:
+            yield
+        except StillRunningError as exc:
+            pids = " ".join(str(ref.pid) for ref in self.ledger.refs)
+            exc.hint = (
+                f"`hibernate recover {pids}` waits for the call to return, reads the state it left and "
+                "finishes the job"
+            )
+            raise
 
     def steps(
         self,
@@ -186,9 +202,19 @@ class Operation:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Locks for the block; the journal concluded and every unit's connections closed at its end."""
+        """Locks for the block; the journal concluded and every unit's connections closed at its end.
+
+        A checkpoint or restore an earlier command left running (journaled) is
+        waited for first, before anything reads a state; until then the
+        journal is left as it was, whatever happens.
+        """
         self.ledger.lock()
         try:
+            try:
+                self.ledger.await_calls(self.ctx.options.cuda_timeouts.for_step, self.ctx.sink.note)
+            except BaseException:
+                self.ledger.release()
+                raise
             with self.ledger.concluding():
                 yield
         finally:
@@ -325,6 +351,8 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
     if action is Action.FINISH_SLEEP:
         try:
             return RecoverReport("finished the interrupted sleep", _finish_sleep(units, options, sink))
+        except StillRunningError:
+            raise  # its checkpoint runs on: a wake now would act on a process mid-call
         except HibernateError as exc:
             sink.note(f"cannot finish the sleep ({exc.message}); waking instead")
     try:
@@ -344,6 +372,7 @@ def _finish_sleep(units: Sequence[Unit], options: Options, sink: ProgressSink) -
     started = time.perf_counter()
     operation = Operation(Context("sleep", options, sink), units)
     with operation.held():
+        operation.ledger.adopt()  # the interrupted sleep's entries: its marks, and the calls this adds
         operation.cuda.require(_processes(units))  # refuses holders that are not all running
         run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)
     return SleepReport(None, time.perf_counter() - started, [], operation.cuda_report)

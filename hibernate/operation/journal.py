@@ -11,6 +11,12 @@ beside the process's agent socket, so any later command, whoever runs it,
 finds it. ``hibernate status`` shows an unfinished entry with the command that
 resolves it; ``hibernate wake`` and ``hibernate recover`` read it.
 
+An entry also lists each checkpoint or restore the operation started in a
+process of its own (:mod:`hibernate.checkpoint.detached`), by that process's
+pid and start time, before the command waits for it: such a call is never
+cut, so it may outlive the command, and the next command on the process waits
+for it to return before it reads the process's state.
+
 The lock is an ``flock`` on a file per process: the kernel drops it when its
 holder dies, however it dies, so a killed command never leaves a target locked.
 The holder writes who it is into the file, so the next one can say who is busy.
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
+from hibernate.checkpoint.base import DetachedCall
 from hibernate.errors import BusyError, HibernateError, PermissionDeniedError
 from hibernate.fsutil import open_existing_dir, open_private_dir, read_small_file, write_file_atomic
 from hibernate.procinfo import ProcessIdentity
@@ -61,6 +68,7 @@ class Entry:
     cuda_holders: list[list[int]]  # every CUDA holder of the operation: [pid, start_time]
     checkpointer: str | None = None
     marks: list[str] = field(default_factory=list)  # the steps completed, in order ("phases" on disk)
+    calls: list[DetachedCall] = field(default_factory=list)  # checkpoints and restores started detached
     started_unix: float = field(default_factory=time.time)
     version: int = JOURNAL_VERSION
 
@@ -84,6 +92,31 @@ def _int_pairs(value: object) -> list[list[int]]:
     ):
         raise ValueError("expected a list of [pid, start_time] pairs")
     return [list(p) for p in value]
+
+
+def _calls(value: object) -> list[DetachedCall]:
+    """The detached calls of an entry, checked field by field."""
+    if not isinstance(value, list):
+        raise ValueError("calls must be a list")
+    calls = []
+    for item in value:
+        helper = item.get("helper") if isinstance(item, dict) else None
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("pid"), int)
+            and item.get("step") in ("checkpoint", "restore")
+            and isinstance(item.get("what"), str)
+            and isinstance(helper, dict)
+            and isinstance(helper.get("pid"), int)
+            and isinstance(helper.get("start_time"), int)
+        ):
+            raise ValueError("a call must name pid, step, what and its helper's pid and start_time")
+        calls.append(
+            DetachedCall(
+                item["pid"], item["step"], item["what"], ProcessIdentity(helper["pid"], helper["start_time"])
+            )
+        )
+    return calls
 
 
 def parse_entry(data: bytes) -> Entry:
@@ -112,6 +145,7 @@ def parse_entry(data: bytes) -> Entry:
         cuda_holders=_int_pairs(raw.get("cuda_holders", [])),
         checkpointer=checkpointer if isinstance(checkpointer, str) else None,
         marks=list(phases),
+        calls=_calls(raw.get("calls", [])),
         started_unix=float(started) if isinstance(started, (int, float)) else 0.0,
     )
 

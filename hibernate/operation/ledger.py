@@ -5,23 +5,31 @@ if this command is killed). The journal says, durably and before the command
 moves on, which steps are complete, so that ``hibernate status`` can show an
 interrupted operation and ``hibernate recover`` can finish or undo it. A
 completed (or cleanly undone) operation leaves no entry behind.
+
+It also records each checkpoint or restore started in a process of its own
+before the command waits for it; the next command on the same processes waits
+for those still running (:meth:`Ledger.await_calls`) before it reads a state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from hibernate import faults, procinfo
 from hibernate.agent.paths import sweep_stale_sockets
+from hibernate.checkpoint.base import DetachedCall, StillRunningError
 from hibernate.errors import HibernateError
 from hibernate.operation.journal import Entry, Journal, TargetLock
 from hibernate.operation.targets import AgentRef
 from hibernate.procinfo import ProcessIdentity
+
+CALL_POLL_S = 0.05  # how often a call started by an earlier command is looked at while waited for
 
 
 def _owner(ref: AgentRef) -> int | None:
@@ -38,6 +46,7 @@ class Ledger:
         self._locks: list[TargetLock] = []
         self._entries: dict[ProcessIdentity, tuple[Journal, Entry]] = {}
         self._fired: set[str] = set()
+        self._writing = threading.Lock()  # calls are journaled from the threads of a step
 
     def lock(self) -> None:
         description = f"hibernate {self.op} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})"
@@ -70,14 +79,67 @@ class Ledger:
             journal.record(entry)
             self._entries[ref.identity] = (journal, entry)
 
+    def adopt(self) -> None:
+        """Carry on the entries an interrupted operation left for these processes (finishing it)."""
+        for ref in self.refs:
+            journal = Journal(ref.socket.parent, _owner(ref))
+            entry = journal.load(ref.identity)
+            if entry is not None:
+                self._entries[ref.identity] = (journal, entry)
+
     def passed(self, mark: str, scope: Sequence[AgentRef] | None = None) -> None:
         """``mark`` is complete for ``scope`` (everyone: None): journal it, then fire its fault point."""
         wanted = None if scope is None else {ref.identity for ref in scope}
-        for identity, (journal, entry) in self._entries.items():
-            if wanted is not None and identity not in wanted:
-                continue
-            journal.mark(entry, mark)
+        with self._writing:
+            for identity, (journal, entry) in self._entries.items():
+                if wanted is not None and identity not in wanted:
+                    continue
+                journal.mark(entry, mark)
         faults.point(f"{self.op}.after-{mark}")
+
+    def journal_call(self, call: DetachedCall) -> None:
+        """A checkpoint or restore started in a process of its own: recorded before it is waited for."""
+        with self._writing:
+            for journal, entry in self._entries.values():
+                entry.calls.append(call)
+                journal.record(entry)
+
+    def running_calls(self) -> list[DetachedCall]:
+        """The calls an earlier command journaled for these processes that are still running."""
+        found: dict[DetachedCall, None] = {}
+        for ref in self.refs:
+            entry = Journal(ref.socket.parent, _owner(ref)).load(ref.identity)
+            for call in entry.calls if entry is not None else []:
+                if procinfo.is_alive(call.helper):
+                    found[call] = None
+        return list(found)
+
+    def await_calls(self, bound: Callable[[str], float], note: Callable[[str], None]) -> None:
+        """Wait for every journaled call still running, at most ``bound(step)`` seconds each.
+
+        Before anything reads a state: a process in the middle of a checkpoint
+        or restore must not be acted on. A call that outlives its bound raises
+        StillRunningError, which keeps the journal (and so the call) for a
+        later ``hibernate recover``.
+        """
+        pids = " ".join(str(ref.pid) for ref in self.refs)
+        for call in self.running_calls():
+            limit = bound(call.step)
+            note(
+                f"waiting (at most {limit:g}s) for {call.describe()}, started by an earlier hibernate "
+                f"command, to return: a {call.step} is never cut"
+            )
+            deadline = time.monotonic() + limit
+            while procinfo.is_alive(call.helper):
+                if time.monotonic() >= deadline:
+                    raise StillRunningError(
+                        f"{call.describe()}, started by an earlier hibernate command, is still running "
+                        f"after {limit:g}s; nothing was done",
+                        hint=f"run `hibernate recover {pids}` again once it has returned; it must not "
+                        f"be cut (a {call.step} stopped half-way can leave the process in the "
+                        "driver's failed state)",
+                    )
+                time.sleep(CALL_POLL_S)
 
     def during(self, step: str) -> None:
         """Inside a long step (the first progress report of a transfer): its fault point, once."""
@@ -142,5 +204,7 @@ def interrupted_operation(ref: AgentRef) -> dict[str, Any] | None:
         "phases": entry.marks,
         "cli_pid": entry.cli_pid,
         "since_unix": entry.started_unix,
+        # checkpoints and restores it started that run on (never cut): recover waits for them
+        "running": [call.describe() for call in entry.calls if procinfo.is_alive(call.helper)],
         "resolve": f"hibernate recover {ref.pid}",
     }

@@ -24,6 +24,12 @@
  * cuda-checkpoint binary the same operations (the real binary, a stub, also
  * imports only cuDriverGetVersion and cuGetExportTable).
  *
+ * A checkpoint or restore held by the test (hold-<STEP>-<PID> in the world)
+ * is in progress until released: the process answers checkpointing or
+ * restoring meanwhile, and if its caller dies before the call ends (a command
+ * killed, or exiting, in the middle of it) the process is in the failed state
+ * for good, as a real cut checkpoint or restore can leave it.
+ *
  * $HIBERNATE_STANDIN_CUDA_VERSION sets what cuDriverGetVersion reports (default 13000).
  */
 #include <stdint.h>
@@ -80,6 +86,19 @@ static int owner_allows(int pid) {
     return geteuid() == 0 || st.st_uid == geteuid();
 }
 
+/* A checkpoint or restore the test holds: marked in progress, the world unlocked meanwhile (others may
+ * ask the state), until the hold is released; then the world is locked again and the process reread.
+ * Returns the world's lock. A caller killed while it waits never comes back here: the mark stays. */
+static int standin_hold(int world, const char *step, int pid, standin_proc *p) {
+    standin_mark_busy(pid, step);
+    standin_unlock(world);
+    while (standin_held(step, pid)) standin_sleep_ms(10);
+    world = standin_lock();
+    standin_clear_busy(pid);
+    if (standin_read_proc(pid, p) != 0) p->state = ST_FAILED;
+    return world;
+}
+
 /* One operation on one pid: the whole state machine. */
 static CUresult standin_op(const char *caller, const char *step, int pid, unsigned int timeout_ms,
                            const standin_pair *pairs, unsigned int npairs, int *out) {
@@ -122,6 +141,17 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
         code = CUDA_ERROR_NOT_PERMITTED;
         goto done;
     }
+    char busy_step[32] = "";
+    int busy = standin_busy(pid, busy_step, sizeof busy_step);
+    if (busy < 0) { /* a checkpoint or restore whose caller died half-way: the driver lost the process */
+        standin_clear_busy(pid);
+        p.state = ST_FAILED;
+        standin_write_proc(pid, &p);
+    } else if (busy > 0) {
+        if (strcmp(step, "state") == 0) *out = strcmp(busy_step, "restore") == 0 ? ST_RESTORING : ST_CHECKPOINTING;
+        else code = CUDA_ERROR_ILLEGAL_STATE;
+        goto done;
+    }
     if (strcmp(step, "state") == 0) {
         *out = p.state;
     } else if (strcmp(step, "restore-tid") == 0) {
@@ -131,7 +161,8 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
         else p.state = ST_LOCKED;
     } else if (strcmp(step, "checkpoint") == 0) {
         if (p.state != ST_LOCKED) code = CUDA_ERROR_ILLEGAL_STATE;
-        else p.state = ST_CHECKPOINTED;
+        else if (standin_held(step, pid)) world = standin_hold(world, step, pid, &p);
+        if (code == CUDA_SUCCESS) p.state = ST_CHECKPOINTED;
     } else if (strcmp(step, "unlock") == 0) {
         if (p.state != ST_LOCKED) code = CUDA_ERROR_ILLEGAL_STATE;
         else p.state = ST_RUNNING;
@@ -165,6 +196,7 @@ static CUresult standin_op(const char *caller, const char *step, int pid, unsign
                     code = CUDA_ERROR_OUT_OF_MEMORY;
                     p.wedged = 1;
                 } else {
+                    if (standin_held(step, pid)) world = standin_hold(world, step, pid, &p);
                     p.state = ST_LOCKED;
                     p.gpu = gpu;
                 }

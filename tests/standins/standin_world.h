@@ -10,6 +10,13 @@
  *   pid-<PID>     a registered CUDA process: STATE GPU_INDEX BYTES WEDGED
  *                 (STATE as CUprocessState: 0 running 1 locked 2 checkpointed 3 failed)
  *   calls.log     every call: CALLER STEP PID RESULT_NAME
+ *   hold-<STEP>-<PID>  while it exists, a checkpoint or restore of PID (STEP) that has begun
+ *                 does not end: the test decides how long the call takes, by a state it sets
+ *   pid-<PID>.busy     a checkpoint or restore of PID in progress: STEP CALLER_PID CALLER_START_TIME.
+ *                 While its caller lives, GetState answers checkpointing (4) or restoring (5) and
+ *                 every other call fails with CUDA_ERROR_ILLEGAL_STATE; once its caller is gone
+ *                 (killed, or exited, in the middle of the call) the process is in the failed
+ *                 state (3) for good: a checkpoint or restore cut half-way loses the process.
  *
  * Faults: $HIBERNATE_STANDIN_FAULTS = "step[@pid]=ACTION,..." where step is
  * init, state, lock, checkpoint, restore, unlock or restore-tid and ACTION a
@@ -57,7 +64,7 @@ enum {
     CUDA_ERROR_UNKNOWN = 999,
 };
 
-enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_CHECKPOINTED = 2, ST_FAILED = 3 };
+enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_CHECKPOINTED = 2, ST_FAILED = 3, ST_CHECKPOINTING = 4, ST_RESTORING = 5 };
 
 static const struct {
     int code;
@@ -220,6 +227,72 @@ static void standin_log_in(const char *dir, const char *caller, const char *step
 
 static void standin_log(const char *caller, const char *step, int pid, int result) {
     standin_log_in(standin_dir(), caller, step, pid, result);
+}
+
+/* Start time of `pid` (field 22 of /proc/PID/stat), or 0 if it is gone or a zombie (dead either way). */
+static unsigned long long standin_start_time(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *close_paren = strrchr(buf, ')');
+    if (!close_paren || close_paren[1] != ' ') return 0;
+    char state = close_paren[2];
+    if (state == 'Z' || state == 'X') return 0;
+    char *field = close_paren + 2; /* field 3 */
+    for (int i = 3; i < 22 && field; i++) {
+        field = strchr(field, ' ');
+        if (field) field++;
+    }
+    return field ? strtoull(field, NULL, 10) : 0;
+}
+
+static void standin_path(char *out, size_t size, const char *name, int pid, const char *suffix) {
+    snprintf(out, size, "%s/%s%d%s", standin_dir(), name, pid, suffix);
+}
+
+/* A checkpoint or restore of `pid` in progress: 0 none; 1 its caller lives (*step set); -1 its caller
+ * is gone: the call was cut half-way. */
+static int standin_busy(int pid, char *step, size_t size) {
+    char path[4096], found[32];
+    unsigned long long caller_start = 0;
+    int caller = 0;
+    if (!standin_dir()) return 0;
+    standin_path(path, sizeof path, "pid-", pid, ".busy");
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int ok = fscanf(f, "%31s %d %llu", found, &caller, &caller_start) == 3;
+    fclose(f);
+    if (!ok) return 0;
+    snprintf(step, size, "%s", found);
+    return standin_start_time(caller) == caller_start ? 1 : -1;
+}
+
+static void standin_mark_busy(int pid, const char *step) {
+    char path[4096];
+    standin_path(path, sizeof path, "pid-", pid, ".busy");
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fprintf(f, "%s %d %llu\n", step, (int)getpid(), standin_start_time((int)getpid()));
+    fclose(f);
+}
+
+static void standin_clear_busy(int pid) {
+    char path[4096];
+    standin_path(path, sizeof path, "pid-", pid, ".busy");
+    unlink(path);
+}
+
+/* Does the test hold `step` of `pid` from ending (hold-<STEP>-<PID> exists)? */
+static int standin_held(const char *step, int pid) {
+    char path[4096];
+    struct stat st;
+    if (!standin_dir()) return 0;
+    snprintf(path, sizeof path, "%s/hold-%s-%d", standin_dir(), step, pid);
+    return stat(path, &st) == 0;
 }
 
 enum { FAULT_NONE = 0, FAULT_ERROR = 1, FAULT_HANG = 2, FAULT_STUCK = 3 };

@@ -24,10 +24,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from hibernate import procinfo
 from tests.conftest import wait_until
 
 SOURCES = Path(__file__).resolve().parent
-STATES = ("running", "locked", "checkpointed", "failed")
+STATES = ("running", "locked", "checkpointed", "failed", "checkpointing", "restoring")
 GIB = 1 << 30
 _CFLAGS = ["-O1", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function"]
 
@@ -147,7 +148,30 @@ class World:
         return [int(x) for x in (self.dir / f"pid-{pid}").read_text().split()]
 
     def state(self, pid: int) -> str:
+        """The state the driver would answer: a call in progress (held) shows, one cut half-way is failed."""
+        busy = self.dir / f"pid-{pid}.busy"
+        with contextlib.suppress(FileNotFoundError):
+            step, caller, started = busy.read_text().split()
+            if procinfo.start_time(int(caller)) == int(started) and not _zombie(int(caller)):
+                return "restoring" if step == "restore" else "checkpointing"
+            return "failed"
         return STATES[self._read(pid)[0]]
+
+    # -- calls that take as long as the test says ---------------------------------
+
+    def hold(self, step: str, pid: int) -> None:
+        """A ``step`` (checkpoint or restore) of ``pid`` that begins does not end until :meth:`release`."""
+        (self.dir / f"hold-{step}-{pid}").touch()
+
+    def release(self, step: str, pid: int) -> None:
+        (self.dir / f"hold-{step}-{pid}").unlink(missing_ok=True)
+
+    def in_progress(self, pid: int) -> tuple[str, int] | None:
+        """The step of ``pid`` held in progress and the pid of the process that called it, if any."""
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            step, caller, _ = (self.dir / f"pid-{pid}.busy").read_text().split()
+            return step, int(caller)
+        return None
 
     def set_state(self, pid: int, state: str) -> None:
         _, gpu, nbytes, wedged = self._read(pid)
@@ -189,6 +213,13 @@ class World:
 
     def clear_calls(self) -> None:
         (self.dir / "calls.log").unlink(missing_ok=True)
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return raw[raw.rindex(")") + 2] == "Z"
+    return True
 
 
 def spec(*items: tuple[str, int | None, str]) -> str:

@@ -1,0 +1,352 @@
+"""A checkpoint or restore is never cut: not by its timeout, not by a SIGKILL of the command.
+
+A checkpoint or restore stopped half-way can leave the process in the driver's
+failed state (lost). The stand-in driver shows it: a call the test holds in
+progress (``World.hold``) whose caller dies before it ends leaves the process
+``failed`` for good. Each call runs in a process of its own session and is
+journaled before it is waited for; the command stops waiting at the timeout and
+says so, and ``hibernate recover`` waits for the call, reads the real state and
+finishes the job. Every event is ordered by a state: the stand-in's, the
+journal's, a line the command prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hibernate import orchestrator, procinfo
+from hibernate.checkpoint.base import (
+    Checkpointer,
+    CheckpointStepError,
+    DetachedCall,
+    StepTimeouts,
+    StillRunningError,
+)
+from hibernate.checkpoint.binary import BinaryCheckpointer
+from hibernate.checkpoint.detect import survey
+from hibernate.checkpoint.driver import DriverCheckpointer
+from hibernate.checkpoint.group import GroupCheckpoint
+from hibernate.errors import ExitCode
+from tests.conftest import REPO, wait_until
+from tests.standins.world import World
+
+
+def make(kind: str, timeouts: StepTimeouts) -> Checkpointer:
+    return (
+        DriverCheckpointer(timeouts=timeouts) if kind == "driver" else BinaryCheckpointer(timeouts=timeouts)
+    )
+
+
+@pytest.fixture
+def sleeper(world: World) -> Iterator[int]:
+    proc = subprocess.Popen(["sleep", "600"])
+    world.register(proc.pid)
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_checkpoint_past_its_timeout_runs_on_in_a_process_of_its_own_and_ends(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts(checkpoint=0.2))
+    journaled: list[DetachedCall] = []
+    checkpointer.on_detach = journaled.append
+    checkpointer.lock(sleeper, 1000)
+    world.hold("checkpoint", sleeper)
+    with pytest.raises(CheckpointStepError) as late:
+        checkpointer.checkpoint(sleeper)
+    running = late.value.running
+    assert late.value.timed_out and running is not None and journaled == [running]
+    assert "is still running in process" in late.value.message and "it was not cut" in late.value.message
+    assert procinfo.is_alive(running.helper) and running.helper.pid != os.getpid()
+    assert world.state(sleeper) == "checkpointing"
+    progress = world.in_progress(sleeper)
+    assert progress is not None and progress[1] == running.helper.pid  # the helper makes the call
+    world.release("checkpoint", sleeper)
+    wait_until(lambda: world.state(sleeper) == "checkpointed", 30, "the checkpoint to end")
+    checkpointer.restore(sleeper)  # waits for nothing: the call has returned
+    assert world.state(sleeper) == "locked"
+
+
+def test_a_checkpoint_starts_only_once_journaled_and_not_at_all_if_that_fails(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts())
+    checkpointer.lock(sleeper, 1000)
+    seen: list[str] = []
+
+    def journal(call: DetachedCall) -> None:
+        seen.append(world.state(sleeper))  # the call has not begun while it is being journaled
+        raise OSError(28, "No space left on device")
+
+    checkpointer.on_detach = journal
+    world.hold("checkpoint", sleeper)  # a checkpoint that began would show as checkpointing
+    with pytest.raises(OSError):
+        checkpointer.checkpoint(sleeper)
+    assert seen == ["locked"] and world.state(sleeper) == "locked"
+    assert [s for _, s, _, _ in world.calls()] == ["lock"]  # no checkpoint call was made
+
+
+def test_a_call_that_returns_within_its_timeout_leaves_nothing_behind(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts())
+    journaled: list[DetachedCall] = []
+    checkpointer.on_detach = journaled.append
+    checkpointer.lock(sleeper, 1000)
+    checkpointer.checkpoint(sleeper)
+    checkpointer.restore(sleeper)
+    assert [call.step for call in journaled] == ["checkpoint", "restore"]
+    assert not any(procinfo.is_alive(call.helper) for call in journaled)
+    assert checkpointer.waits() == []
+    assert world.state(sleeper) == "locked"
+
+
+def test_a_group_stops_at_a_checkpoint_still_running_and_calls_nothing_over_it(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        world.register(other.pid)
+        timeouts = StepTimeouts(checkpoint=0.3, query=0.3)
+        checkpointer = make(checkpointer_kind, timeouts)
+        holders = survey([sleeper, other.pid], checkpointer).holders
+        world.hold("checkpoint", sleeper)
+        world.clear_calls()
+        with pytest.raises(StillRunningError) as late:
+            GroupCheckpoint(checkpointer, timeouts).sleep(holders)
+        assert late.value.exit_code == ExitCode.TIMEOUT and late.value.keeps_journal
+        assert f"process {sleeper} (checkpoint)" in late.value.message
+        assert f"process {other.pid} finished that step" in late.value.message
+        assert f"hibernate recover {sleeper}" in (late.value.hint or "")
+        # No undo: nothing was restored or unlocked, so nothing acted on the process mid-call.
+        assert sorted(s for _, s, _, _ in world.calls()) == ["checkpoint", "lock", "lock"]
+        assert world.state(sleeper) == "checkpointing" and world.state(other.pid) == "checkpointed"
+        world.release("checkpoint", sleeper)
+        wait_until(lambda: world.state(sleeper) == "checkpointed", 30, "the checkpoint to end")
+    finally:
+        other.kill()
+        other.wait()
+
+
+# A command whose checkpoint gives up after half a second (the CLI's own is 600 s): it exits then.
+SLEEP_COMMAND = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    from hibernate import orchestrator
+    from hibernate.checkpoint.base import StepTimeouts
+    from hibernate.errors import HibernateError
+
+    pid, kind, directory = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    options = orchestrator.Options(
+        checkpointer_kind=kind, cuda_timeouts=StepTimeouts(checkpoint=0.5, query=0.5)
+    )
+    try:
+        orchestrator.sleep([pid], directory, options)
+    except HibernateError as exc:
+        print(exc)
+        sys.exit(int(exc.exit_code))
+    """
+)
+
+
+def agent_state(cli: Callable[..., Any], pid: int) -> str:
+    state: str = cli("status", str(pid), "--json").json()["agents"][0]["state"]
+    return state
+
+
+def journaled_calls(runtime_dir: Path) -> list[dict[str, Any]]:
+    """Every detached call in every journal entry under ``runtime_dir``."""
+    calls: list[dict[str, Any]] = []
+    for path in runtime_dir.rglob("journal/*.json"):
+        try:
+            calls.extend(json.loads(path.read_text()).get("calls", []))
+        except (OSError, ValueError):
+            continue  # being replaced: read it again
+    return calls
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wakes_it(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    checkpointer_kind: str,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid)
+    reference = demo.infer()["digest"]
+    world.hold("checkpoint", demo.pid)
+    command = subprocess.run(
+        [sys.executable, "-c", SLEEP_COMMAND, str(demo.pid), checkpointer_kind, str(work_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
+    assert "did not return within 0.5s and is still running" in command.stdout
+    assert f"hibernate recover {demo.pid}" in command.stdout
+    # The command has exited; the checkpoint it started was not cut.
+    assert world.state(demo.pid) == "checkpointing"
+    status = cli("status", str(demo.pid), "--json").json()["agents"][0]
+    assert status["state"] == "asleep" and status["interrupted"]["resolve"] == f"hibernate recover {demo.pid}"
+    (running,) = status["interrupted"]["running"]
+    assert running.startswith(("cuCheckpointProcessCheckpoint", "cuda-checkpoint --action checkpoint"))
+    world.release("checkpoint", demo.pid)
+    wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
+    recovered = cli("recover", str(demo.pid), "--checkpointer", checkpointer_kind)
+    assert recovered.returncode == 0, recovered.stderr
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    assert demo.infer()["digest"] == reference
+
+
+@pytest.mark.slow
+def test_a_wake_killed_mid_restore_does_not_cut_it_and_recover_waits_and_finishes(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+    checkpointer_kind: str,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid)
+    reference = demo.infer()["digest"]
+    flag = ("--checkpointer", checkpointer_kind)
+    assert cli("sleep", str(demo.pid), "--to", str(work_dir), *flag).returncode == 0
+    assert world.state(demo.pid) == "checkpointed"
+    world.hold("restore", demo.pid)
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    wake = subprocess.Popen(
+        [sys.executable, "-m", "hibernate", "wake", str(demo.pid), *flag],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until(
+        lambda: (
+            world.state(demo.pid) == "restoring"
+            and [c["step"] for c in journaled_calls(runtime_dir)] == ["restore"]
+        ),
+        60,
+        "the wake's restore to be under way and journaled",
+        process=wake,
+    )
+    wake.send_signal(signal.SIGKILL)
+    wake.wait()
+    assert world.state(demo.pid) == "restoring"  # not cut: its own process runs on
+    recover = subprocess.Popen(
+        [sys.executable, "-m", "hibernate", "recover", str(demo.pid), *flag],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert recover.stderr is not None
+        said = []
+        for line in recover.stderr:  # ordered by what recover says, not by time
+            said.append(line)
+            if "waiting" in line and "a restore is never cut" in line:
+                break
+        else:
+            pytest.fail(f"recover did not wait for the restore: {''.join(said)}")
+        assert world.state(demo.pid) == "restoring"
+        world.release("restore", demo.pid)
+        assert recover.wait(timeout=120) == 0, recover.stderr.read()
+    finally:
+        if recover.poll() is None:
+            recover.kill()
+            recover.wait()
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    assert demo.infer()["digest"] == reference
+
+
+@pytest.mark.slow
+def test_recover_waits_for_a_call_still_running_no_longer_than_its_bound(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid)
+    world.hold("checkpoint", demo.pid)
+    command = subprocess.run(
+        [sys.executable, "-c", SLEEP_COMMAND, str(demo.pid), "driver", str(work_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
+    (call,) = journaled_calls(runtime_dir)
+    try:
+        options = orchestrator.Options(checkpointer_kind="driver", cuda_timeouts=StepTimeouts(checkpoint=0.3))
+        with pytest.raises(StillRunningError) as still:
+            orchestrator.recover([demo.pid], options)
+        message = still.value.message
+        assert f"cuCheckpointProcessCheckpoint({demo.pid}) in process {call['helper']['pid']}" in message
+        assert "started by an earlier hibernate command, is still running after 0.3s" in message
+        assert f"hibernate recover {demo.pid}" in (still.value.hint or "")
+        # Nothing was done, and the journal still names the call for the next try.
+        assert world.state(demo.pid) == "checkpointing" and journaled_calls(runtime_dir) == [call]
+    finally:
+        world.release("checkpoint", demo.pid)
+    wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
+    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
+    assert recovered.returncode == 0, recovered.stderr
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+
+
+@pytest.mark.slow
+def test_recover_finishing_a_sleep_journals_its_checkpoint_and_stops_at_one_still_running(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    demo = start_demo(size_mb=16)
+    world.register(demo.pid)
+    killed = cli(
+        "sleep", str(demo.pid), "--to", str(work_dir), env={"HIBERNATE_FAULT": "sleep.after-release:kill"}
+    )
+    assert killed.returncode == -signal.SIGKILL and world.state(demo.pid) == "running"
+    world.hold("checkpoint", demo.pid)
+    try:
+        options = orchestrator.Options(
+            checkpointer_kind="driver", cuda_timeouts=StepTimeouts(checkpoint=0.3, query=0.3)
+        )
+        with pytest.raises(StillRunningError) as still:
+            orchestrator.recover([demo.pid], options)  # finishes the sleep: only its CUDA stage was left
+        assert "did not return within 0.3s and is still running" in still.value.message
+        # The interrupted sleep's entry carries the call (and its marks) for the next recover.
+        assert [c["step"] for c in journaled_calls(runtime_dir)] == ["checkpoint"]
+        assert world.state(demo.pid) == "checkpointing"
+    finally:
+        world.release("checkpoint", demo.pid)
+    wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
+    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
+    assert recovered.returncode == 0, recovered.stderr
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
