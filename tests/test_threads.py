@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -44,6 +45,19 @@ def test_at_once_bounds_how_many_run_together() -> None:
     assert most == 2
 
 
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt here, as in a terminal.
+
+    Python installs that handler only where SIGINT was not ignored when it
+    started: a background job of a non-interactive shell starts with it ignored.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises")
 def test_an_interrupt_waits_for_the_work_in_flight_before_it_goes_on() -> None:
     interrupted = threading.Event()
     both_running = threading.Barrier(2, timeout=10)
