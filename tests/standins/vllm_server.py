@@ -64,6 +64,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.standins.vllm_parallel_state import COLLECTIVE_DIR_ENV
+
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
 VERSION = "0.33.0"
@@ -76,8 +78,15 @@ class EngineError(Exception):
 class WorkerHandle:
     """One stand-in worker process, spoken to over its stdin/stdout."""
 
-    def __init__(self, index: int, cudart: str, mb: int) -> None:
-        env = {**os.environ, "RANK": str(index)}
+    def __init__(self, index: int, cudart: str, mb: int, world_size: int, collective_dir: Path) -> None:
+        # As vLLM's executor starts a worker: its rank in a world of `world_size`, with peers to meet
+        # in collectives (tests/standins/vllm_parallel_state.py).
+        env = {
+            **os.environ,
+            "RANK": str(index),
+            "WORLD_SIZE": str(world_size),
+            COLLECTIVE_DIR_ENV: str(collective_dir),
+        }
         self.index = index
         self.proc = subprocess.Popen(
             [
@@ -368,7 +377,11 @@ def main() -> None:
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
 
-    workers = [WorkerHandle(i, args.cudart, args.mb) for i in range(args.workers)]
+    collective_dir = Path(args.ready).parent / f"collectives-{os.getpid()}"  # beside the ready file
+    collective_dir.mkdir()
+    workers = [
+        WorkerHandle(i, args.cudart, args.mb, args.workers, collective_dir) for i in range(args.workers)
+    ]
     import vllm.plugins  # the API server loads the plugins too: hibernate's agent, with an empty pool
 
     vllm.plugins.load_general_plugins()

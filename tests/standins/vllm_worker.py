@@ -38,6 +38,7 @@ from typing import Any
 
 import xxhash
 
+from tests.standins import vllm_parallel_state
 from tests.standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
 from tests.standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
 
@@ -68,6 +69,11 @@ class Worker:
         StandInCuMemAllocator.instance = self.allocator
         # What `import vllm.device_allocator.cumem` gives a real worker.
         sys.modules[MODULE_NAME] = make_module(self.reservations, FakeCudaRT(cudart))
+        # And vllm.distributed.parallel_state, with its world and its checkpoint collectives.
+        self.world, with_checkpoint = vllm_parallel_state.from_environment()
+        sys.modules[vllm_parallel_state.MODULE_NAME] = vllm_parallel_state.make_module(
+            self.world, with_checkpoint
+        )
         for index, (tag, size) in enumerate(layout(total_mb)):
             address = self.allocator.allocate(size, tag)
             fill(self.reservations, address, self.allocator.size_of(address), index)
