@@ -129,7 +129,9 @@ def start_server(
     """Start the stand-in server; its workers are registered with the stand-in driver (2 GiB each)."""
     started: list[FakeServer] = []
 
-    def start(workers: int = 2, dev: bool = True, env: dict[str, str] | None = None) -> FakeServer:
+    def start(
+        workers: int = 2, dev: bool = True, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+    ) -> FakeServer:
         index = len(started)
         ready = tmp_path / f"server{index}.json"
         log = tmp_path / f"server{index}.log"
@@ -165,6 +167,7 @@ def start_server(
             "--enable-sleep-mode",
             "--sleep-mode-backend",
             "hibernate",
+            *args,
         ]
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment)

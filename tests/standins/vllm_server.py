@@ -2,6 +2,7 @@
 
     python -m tests.standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
                                    [--enable-sleep-mode] [--sleep-mode-backend NAME] [--served-model-name M]
+                                   [--enable-nccl-comm-suspend] [--disable-custom-all-reduce]
 
 Like ``vllm serve`` it is the parent of its workers: each is a real
 ``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
@@ -374,6 +375,8 @@ def main() -> None:
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--sleep-mode-backend", default="cumem")
     parser.add_argument("--served-model-name", default="standin")
+    parser.add_argument("--enable-nccl-comm-suspend", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true")
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import sys
@@ -51,6 +52,19 @@ def layout(total_mb: int) -> list[tuple[str, int]]:
     weights = [("weights", big // 2 + 12345), ("weights", big // 8)]
     kv = [("kv_cache", big // 4), ("kv_cache", big // 16 + 777)]
     return weights + kv + LAYOUT
+
+
+def map_vllm_extension(package: Path) -> mmap.mmap | None:
+    """Map vLLM's cumem extension read-only, as a real worker has it mapped (loaded, there).
+
+    Only the mapping matters: it is how hibernate finds which vLLM a process
+    runs (``/proc/PID/maps``). The library is never loaded: it needs a driver.
+    """
+    extension = package / "cumem_allocator.abi3.so"
+    if not extension.is_file():
+        return None
+    with open(extension, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
 
 def rss_bytes() -> int:
@@ -80,6 +94,8 @@ class Worker:
 
         import vllm.plugins
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+        self.mapped_extension = map_vllm_extension(Path(vllm.plugins.__file__).parent.parent)
 
         vllm.plugins.load_general_plugins()
         self.cudart = sys.modules[MODULE_NAME].libcudart
