@@ -304,6 +304,24 @@ def test_an_allocation_freed_while_discarded_is_outlived_by_a_later_wake(world: 
     assert any(f"at {gone:#x}" in w for w in world.backend.last_report["warnings"])
 
 
+def test_a_sleep_whose_first_unmap_meets_the_error_of_a_free_takes_it_as_done(world: World) -> None:
+    """Partly woken, vLLM frees what still sleeps; the next sleep's first call is then an unmap."""
+    world.backend.suspend(1)
+    world.backend.resume(["weights"])  # the KV cache stays asleep
+    for gone in world.allocator.by_tag("kv_cache"):
+        world.allocator.free(gone)
+        del world.contents[gone]
+    world.backend.suspend(1)
+    assert world.backend.state() == "SUSPENDED" and all(world.asleep())
+    assert not any(world.mapped(a) for a in world.contents)
+    warnings = world.backend.last_report["warnings"]
+    assert len(warnings) == 3 and "met the error left by that free" in warnings[2], warnings
+    assert world.reservations.leaked_bytes > 0 and world.reservations.stale_error is None
+    world.backend.resume()
+    assert_awake_as_before(world)
+    assert world.backend.last_report["warnings"] == []
+
+
 def test_a_failing_map_with_no_allocation_freed_is_not_retried(world: World) -> None:
     """Only the error a free left behind is worth a second try; any other failure is the wake's."""
     world.backend.suspend(1)

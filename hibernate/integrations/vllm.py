@@ -405,6 +405,7 @@ class HibernateBackend(SleepModeBackend):
                 self._prepare_distributed(distributed)
         finally:
             self._pool.sleep_notes = []
+            report["warnings"] = self._pool_warnings()
             self._state = self._settled_state()
         self.last_report = report
         if self._self_checkpoint is not None:
@@ -440,11 +441,9 @@ class HibernateBackend(SleepModeBackend):
                 report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
             report["loose"] = self._pool.wake_loose(wanted)
         finally:
-            report["warnings"] = self._pool.take_wake_warnings()
+            report["warnings"] = self._pool_warnings()
             self._state = self._settled_state()
         self.last_report = report
-        for warning in report["warnings"]:
-            log.warning("hibernate: %s", warning)
         restore = report.get("restore", {})
         log.info(
             "hibernate: woke %s: %.2f GiB read back and verified, %.2f GiB zero-filled%s",
@@ -519,7 +518,16 @@ class HibernateBackend(SleepModeBackend):
             self._cuda_running()
             self.last_report = self._pool.discard(tags)
         finally:
+            warnings = self._pool_warnings()
             self._state = self._settled_state()
+        self.last_report["warnings"] = warnings
+
+    def _pool_warnings(self) -> list[str]:
+        """What the pool's own maps and unmaps met in this call, logged (failed or not) and returned."""
+        warnings = self._pool.take_warnings()
+        for warning in warnings:
+            log.warning("hibernate: %s", warning)
+        return warnings
 
     def state(self) -> SleepModeState:
         """Read from the memory itself, so a wake done from outside (``hibernate recover``) shows."""

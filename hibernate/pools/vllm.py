@@ -19,8 +19,10 @@ then hands the asleep allocation's handle to its C extension, whose unmap
 fails and leaves the extension's module-global error code set: the next
 ``create_and_map`` creates physical memory, returns before mapping it (that
 memory is leaked) and raises the stale, unrelated error, which clears it.
-The pool notices such vanished records before it maps anything, says so in
-the wake's warnings, and retries the first failing map after that once.
+The pool notices such vanished records before it maps or unmaps anything,
+and meets the one failure that follows: a map is retried once; an unmap
+(which the extension did before it raised) is taken as done. Both are said in
+the warnings of the sleep or wake that met them.
 
 Nothing here imports vLLM or torch: the records are read through their fields,
 and the rules are small pure functions the integration feeds vLLM's own
@@ -198,9 +200,7 @@ class CuMemRegion(RegionAttributes):
     def release(self) -> None:
         """vLLM's ``unmap_and_release``; bookkeeping as vLLM's own sleep leaves it."""
         if self.live() and not self._data.is_asleep:
-            self._pool.device.unmap(self._data.handle)
-            self._data.is_asleep = True
-            self._pool.note_asleep(self._address, self._data)
+            self._pool.unmap_out(self._address, self._data)
         self._data.cpu_backup_tensor = None
 
     def reallocate(self) -> None:
@@ -235,7 +235,7 @@ class CuMemPool:
         # allocator by then was freed while asleep (see the module docstring).
         self._asleep: dict[int, AllocationLike] = {}
         self._stale_error_expected = False
-        self._wake_warnings: list[str] = []
+        self._met: list[str] = []  # what the pool's own maps and unmaps met, for the next report
         # Said in the report of the sleep about to run, by whoever knows more than the records
         # (the backend, of communicators this worker shares with others).
         self.sleep_notes: list[str] = []
@@ -298,7 +298,7 @@ class CuMemPool:
             gone = [(a, d) for a, d in self._asleep.items() if current.get(a) is not d]
             for address, data in gone:
                 del self._asleep[address]
-                self._wake_warnings.append(
+                self._met.append(
                     f"vLLM freed its {data.tag} allocation at {address:#x} ({int(data.handle[1])} bytes) "
                     "while it was asleep: vLLM's cumem extension fails to unmap such an allocation and "
                     "keeps that failure for its next call"
@@ -322,7 +322,7 @@ class CuMemPool:
                 retry, self._stale_error_expected = self._stale_error_expected, False
             if not retry:
                 raise
-            self._wake_warnings.append(
+            self._met.append(
                 f"mapping {data.tag} at {address:#x} failed with the error left by that free ({exc}); "
                 f"mapped on a second try, and the {int(data.handle[1])} bytes vLLM's extension created "
                 "on the first try stay allocated until the process ends"
@@ -335,11 +335,38 @@ class CuMemPool:
         with self._lock:
             self._asleep.pop(address, None)
 
-    def take_wake_warnings(self) -> list[str]:
-        """What the maps since the last call found, in words for a wake's report; cleared."""
+    def unmap_out(self, address: int, data: AllocationLike) -> None:
+        """vLLM's ``unmap_and_release`` for a mapped record, meeting a stale error as done.
+
+        With that error set, the extension unmaps the range, then returns before
+        releasing its physical memory and raises the stale error: the record is
+        asleep as far as the GPU goes, so it is marked so (a retry would fail on
+        the unmapped range and leave a new error behind).
+        """
+        self._notice_vanished()
+        try:
+            self.device.unmap(data.handle)
+        except Exception as exc:
+            with self._lock:
+                stale, self._stale_error_expected = self._stale_error_expected, False
+            if not stale:
+                raise
+            self._met.append(
+                f"releasing {data.tag} at {address:#x} met the error left by that free ({exc}): vLLM's "
+                f"extension unmapped it and keeps its {int(data.handle[1])} bytes allocated until the "
+                "process ends"
+            )
+        else:
+            with self._lock:
+                self._stale_error_expected = False
+        data.is_asleep = True
+        self.note_asleep(address, data)
+
+    def take_warnings(self) -> list[str]:
+        """What the pool's maps and unmaps met since the last call, in words for a report; cleared."""
         self._notice_vanished()
         with self._lock:
-            warnings, self._wake_warnings = self._wake_warnings, []
+            warnings, self._met = self._met, []
         return warnings
 
     # -- what vLLM's backend calls besides a sleep -------------------------------
@@ -367,9 +394,7 @@ class CuMemPool:
             if data.is_asleep:
                 skipped += 1
                 continue
-            self.device.unmap(data.handle)
-            data.is_asleep = True
-            self.note_asleep(address, data)
+            self.unmap_out(address, data)
             data.cpu_backup_tensor = None
             discarded += int(data.handle[1])
         if skipped:
