@@ -8,6 +8,8 @@ Like ``vllm serve`` it is the parent of its workers: each is a real
 ``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
 over host memory, hibernate's backend created by vLLM's factory), driven over
 its stdin as vLLM's executor drives its workers (every worker, then gather).
+Each worker is told its ``RANK``, the ``WORLD_SIZE`` and a directory where its
+collectives meet (``tests/standins/vllm_parallel_state.py``).
 The server loads vLLM's general plugins too, so it has a hibernate agent with
 an empty pool, as the real API server does. The flags after ``--ready`` are
 accepted as ``vllm serve`` accepts them (hibernate reads them from the command
