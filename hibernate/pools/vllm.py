@@ -312,12 +312,14 @@ class CuMemPool:
         After a record vanished while asleep, the extension's first call fails with
         that free's error whatever it is asked (and clears it); a map that fails
         then is retried once. The first map that succeeds shows no stale error was
-        left, so no later failure is retried.
+        left, so no later failure is retried. Vanished records are looked for when
+        a call fails (and at the end of each backend call), not before every map:
+        a wake maps every record, and the lookup walks them all.
         """
-        self._notice_vanished()
         try:
             self.device.map(data.handle)
         except Exception as exc:
+            self._notice_vanished()
             with self._lock:
                 retry, self._stale_error_expected = self._stale_error_expected, False
             if not retry:
@@ -343,10 +345,10 @@ class CuMemPool:
         asleep as far as the GPU goes, so it is marked so (a retry would fail on
         the unmapped range and leave a new error behind).
         """
-        self._notice_vanished()
         try:
             self.device.unmap(data.handle)
         except Exception as exc:
+            self._notice_vanished()
             with self._lock:
                 stale, self._stale_error_expected = self._stale_error_expected, False
             if not stale:
