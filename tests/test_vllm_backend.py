@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from hibernate import procinfo
 from hibernate.agent.controller import Agent, AgentState
 from hibernate.errors import (
+    AbortedError,
     CudaCheckpointError,
     NeedsRecoveryError,
     SnapshotInvalidError,
@@ -433,6 +435,41 @@ def test_a_failing_prepare_undoes_the_sleep_and_the_worker_keeps_serving(work_di
         assert_awake_as_before(world)
     finally:
         free_world(world)
+
+
+def test_when_one_workers_sleep_fails_every_worker_undoes_its_own_and_nothing_is_torn_down(
+    work_dir: Path, tmp_path: Path
+) -> None:
+    """Two workers of one world, in threads: the second one's spill fails; neither is left waiting."""
+    worlds: list[World] = []
+    members = [vllm_parallel_state.World(rank, 2, tmp_path / "collectives") for rank in (0, 1)]
+    (tmp_path / "collectives").mkdir()
+    prepared: list[int] = []
+    for rank, (member, spill_dir) in enumerate(zip(members, (work_dir, tmp_path / "spill"), strict=True)):
+        module = vllm_parallel_state.make_module(member)
+        module.checkpoint_prepare_distributed_state = lambda rank=rank: prepared.append(rank)  # type: ignore[attr-defined]
+        worlds.append(make_world(spill_dir, parallel_state=module))
+    worlds[1].memory.fail_copy_after = 0
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = [pool.submit(w.backend.suspend, 1) for w in worlds]
+            errors = [future.exception(timeout=60) for future in outcomes]
+        assert isinstance(errors[1], DeviceMemoryError)
+        assert isinstance(errors[0], AbortedError)
+        assert "the sleep of worker rank 1 failed: DeviceMemoryError: copying" in errors[0].message
+        assert "injected" in errors[0].message and "keeps serving" in errors[0].message
+        assert prepared == []
+        for rank, world in enumerate(worlds):
+            assert world.backend.state() == "RUNNING" and world.agent.state is AgentState.RUNNING
+            for address, before in world.contents.items():
+                # Rank 0 slept and woke again: what its level dropped comes back zero-filled.
+                kept = rank == 1 or keeps(world.tag(address), 1)
+                assert world.mapped(address) and world.read(address) == (
+                    before if kept else bytes(len(before))
+                )
+    finally:
+        for world in worlds:
+            free_world(world)
 
 
 def test_a_failing_restore_is_said_at_this_wake_and_every_later_one(work_dir: Path) -> None:

@@ -66,7 +66,13 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
 from hibernate.agent.local import local_agent
 from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
-from hibernate.errors import CudaCheckpointError, HibernateError, NeedsRecoveryError, UsageError
+from hibernate.errors import (
+    AbortedError,
+    CudaCheckpointError,
+    HibernateError,
+    NeedsRecoveryError,
+    UsageError,
+)
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
 from hibernate.pools.device import DeviceMemory
@@ -168,10 +174,40 @@ def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True
 
 @dataclass(frozen=True)
 class DistributedCheckpoint:
-    """vLLM's own preparation of its communicators for a process checkpoint, and their rebuilding."""
+    """vLLM's own preparation of its communicators for a process checkpoint, and their rebuilding.
+
+    ``agree`` lets every worker of the world learn, before any tears down what
+    the others use, whether all of their sleeps succeeded: each gives its own
+    failure (None if it slept) and all get the first failing worker's, named by
+    rank (None if all slept). None where this vLLM cannot tell (it lacks the
+    CPU-group collectives it is made of).
+    """
 
     prepare: Callable[[], None]
     restore: Callable[[], None]
+    agree: Callable[[str | None], str | None] | None = None
+
+
+def _agreement(group: Any) -> Callable[[str | None], str | None] | None:
+    """``agree`` over vLLM's world group: a sum of per-rank flags, then the first failure's words."""
+    reduce = getattr(group, "cpu_all_reduce_", None)
+    broadcast = getattr(group, "broadcast_object", None)
+    rank, size = getattr(group, "rank_in_group", None), getattr(group, "world_size", None)
+    if not callable(reduce) or not callable(broadcast) or rank is None or size is None:
+        return None
+
+    def agree(failure: str | None) -> str | None:
+        import torch  # loaded in every vLLM worker
+
+        flags = torch.zeros(int(size), dtype=torch.int64)
+        flags[int(rank)] = 0 if failure is None else 1
+        failed = [r for r, flag in enumerate(reduce(flags).tolist()) if flag]
+        if not failed:
+            return None
+        words = broadcast(failure if rank == failed[0] else None, src=failed[0])
+        return f"the sleep of worker rank {failed[0]} failed: {words}"
+
+    return agree
 
 
 def distributed_checkpoint(parallel_state: ModuleType | None) -> DistributedCheckpoint | None:
@@ -180,7 +216,7 @@ def distributed_checkpoint(parallel_state: ModuleType | None) -> DistributedChec
     restore = getattr(parallel_state, "checkpoint_restore_distributed_state", None)
     if not callable(prepare) or not callable(restore):
         return None
-    return DistributedCheckpoint(prepare, restore)
+    return DistributedCheckpoint(prepare, restore, _agreement(getattr(parallel_state, "_WORLD", None)))
 
 
 def world_size_from(group_size: int | None, torch_size: int | None, environ: Mapping[str, str]) -> int:
@@ -389,18 +425,24 @@ class HibernateBackend(SleepModeBackend):
         check_level(level)
         require_allocator(self._pool)
         caller = sys._getframe(1)  # vLLM's Worker.sleep: the self-checkpoint waits for it to return
-        self._cuda_running()
         report: dict[str, Any] = {}
+        distributed = self._distributed_to_prepare()
         try:
-            if self._agent.state is AgentState.ASLEEP:
-                # Partly woken (deferred wake) and asked to sleep again, as vLLM allows:
-                # bring the rest back first so the new snapshot holds everything.
-                report["finish_wake"] = self._agent.wake_here(self._args)
-            self._pool.set_level(level)
-            distributed = self._distributed_to_prepare()
-            base = spill_base(self._agent.default_dir, self._environ)
-            self._pool.synchronize()
-            report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+            try:
+                self._cuda_running()
+                if self._agent.state is AgentState.ASLEEP:
+                    # Partly woken (deferred wake) and asked to sleep again, as vLLM allows:
+                    # bring the rest back first so the new snapshot holds everything.
+                    report["finish_wake"] = self._agent.wake_here(self._args)
+                self._pool.set_level(level)
+                base = spill_base(self._agent.default_dir, self._environ)
+                self._pool.synchronize()
+                report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+            except BaseException as exc:
+                if distributed is not None:  # the others must not wait for this worker, and learn why
+                    words = exc.message if isinstance(exc, HibernateError) else str(exc)
+                    self._first_failure(distributed, f"{type(exc).__name__}: {words}")
+                raise
             if distributed is not None:
                 self._prepare_distributed(distributed)
         finally:
@@ -467,24 +509,52 @@ class HibernateBackend(SleepModeBackend):
             self._pool.sleep_notes = [MISSING_DISTRIBUTED_CHECKPOINT]
         return distributed
 
+    def _first_failure(self, distributed: DistributedCheckpoint, failure: str | None) -> str | None:
+        """The first failed sleep of the world, this worker giving its own (a collective; see ``agree``).
+
+        A worker whose sleep failed still comes, so that the others do not wait
+        for it in the prepare but undo their own sleep instead. Without ``agree``
+        each worker only knows itself.
+        """
+        if distributed.agree is None:
+            return failure
+        try:
+            return distributed.agree(failure)
+        except Exception as exc:
+            log.error("hibernate: the workers could not agree whether every sleep succeeded: %s", exc)
+            return failure or f"the workers could not agree whether every sleep succeeded: {exc}"
+
+    def _undo_sleep(self, cause: str, exc: BaseException) -> None:
+        """Bring this worker's memory back after a sleep it cannot keep; NeedsRecoveryError if that fails."""
+        log.error("hibernate: %s; bringing the memory back", cause)
+        try:
+            self._agent.wake_here(self._args)
+        except Exception as undo:
+            raise NeedsRecoveryError(
+                f"{cause}; bringing the memory back failed too: {undo}",
+                hint="`hibernate recover PID` or restart the vLLM server",
+            ) from exc
+
     def _prepare_distributed(self, distributed: DistributedCheckpoint) -> None:
-        """Tear down the workspaces shared across GPUs; if that fails, undo the sleep and say so.
+        """Tear down the workspaces shared across GPUs; if that cannot be done, undo the sleep and say so.
 
         Every worker of the world is inside ``suspend`` at this point (vLLM
-        calls it on all of them together), so the collective meets its peers.
+        calls it on all of them together), so the collectives meet their peers:
+        first all agree that every sleep succeeded (else each undoes its own and
+        nothing is torn down), then the prepare.
         """
+        failure = self._first_failure(distributed, None)
+        if failure is not None:
+            self._undo_sleep(failure, AbortedError(failure))
+            raise AbortedError(
+                f"{failure}; so this worker's sleep was undone too, its communicators across GPUs left as "
+                "they are: its memory is back and it keeps serving"
+            )
         try:
             distributed.prepare()
         except Exception as exc:
             cause = f"vLLM's checkpoint_prepare_distributed_state failed: {type(exc).__name__}: {exc}"
-            log.error("hibernate: %s; bringing the memory back", cause)
-            try:
-                self._agent.wake_here(self._args)
-            except Exception as undo:
-                raise NeedsRecoveryError(
-                    f"{cause}; bringing the memory back failed too: {undo}",
-                    hint="`hibernate recover PID` or restart the vLLM server",
-                ) from exc
+            self._undo_sleep(cause, exc)
             raise CudaCheckpointError(
                 f"{cause}; the sleep was undone: this worker's memory is back and it keeps serving",
                 hint="see the server's log for the cause; its other workers may have slept (wake the "
