@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm
 
-from hibernate.checkpoint.nccl import NCCL_SAFE
+from hibernate.checkpoint.nccl import COMM_SUSPEND_OFF, NCCL_SAFE
 from hibernate.errors import ExitCode
 from hibernate.store import bulk
 from tests.conftest import NOBODY, REPO, is_root, wait_until
 from tests.standins.world import GIB, Tree, World
+from tests.test_vllm_server import FakeServer, start_server  # noqa: F401 (the stand-in vLLM server's fixture)
 
 
 def checks(result: Any) -> dict[str, dict[str, Any]]:
@@ -252,3 +254,36 @@ def test_doctor_warns_of_a_torch_that_cannot_make_untracked_views_raise(
     assert result.returncode == 0, "a warning: the sleep itself works"
     human = cli("doctor", str(torch_211_target.pid))
     assert "torch 2.11.0+cu130" in human.stdout
+
+
+@pytest.mark.slow
+def test_doctor_and_the_refusal_name_the_comm_suspend_flag_where_the_servers_vllm_has_it(
+    world: World,
+    start_server: Callable[..., FakeServer],  # noqa: F811 (the fixture imported above)
+    cli: Callable[..., Any],
+    work_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in NCCL_SAFE:
+        monkeypatch.delenv(name)  # so the sleep is refused, and says what the server's vLLM offers
+    package = str(Path(vllm.__file__).parent)  # what the stand-in workers map, as vLLM workers do
+    server = start_server(workers=2)
+    peers = checks(cli("doctor", str(server.pid), "--json"))["vllm peers"]
+    assert peers["status"] == "warn" and "--enable-nccl-comm-suspend is off" in peers["detail"]
+    assert peers["fix"] == "serve with --enable-nccl-comm-suspend (NCCL 2.29.7 or newer)"
+    assert peers["data"] == {
+        "package": package,
+        "distributed_checkpoint": True,
+        "comm_suspend": True,
+        "comm_suspend_on": False,
+    }
+    refused = cli("sleep", str(server.pid), "--to", str(work_dir))
+    assert refused.returncode == ExitCode.UNSUPPORTED, refused.stderr
+    assert COMM_SUSPEND_OFF in refused.stderr and "nothing was changed" in refused.stderr
+    assert world.calls() == [] and not server.is_sleeping()
+
+    suspending = start_server(workers=2, args=("--enable-nccl-comm-suspend",))
+    peers = checks(cli("doctor", str(suspending.pid), "--json"))["vllm peers"]
+    assert peers["status"] == "ok" and "--enable-nccl-comm-suspend is on" in peers["detail"]
+    refused = cli("sleep", str(suspending.pid), "--to", str(work_dir))
+    assert refused.returncode == ExitCode.UNSUPPORTED and COMM_SUSPEND_OFF not in refused.stderr

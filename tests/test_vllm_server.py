@@ -37,6 +37,7 @@ from hibernate.flows.vllm import VllmServerUnit
 from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
 from tests.conftest import spill_root_of, wait_until
+from tests.standins.vllm_parallel_state import PREPARE_STEP, RESTORE_STEP
 from tests.standins.world import GIB, World
 
 VLLM_SLEEP_POINTS = sleep_points(VllmServerUnit)
@@ -128,7 +129,9 @@ def start_server(
     """Start the stand-in server; its workers are registered with the stand-in driver (2 GiB each)."""
     started: list[FakeServer] = []
 
-    def start(workers: int = 2, dev: bool = True, env: dict[str, str] | None = None) -> FakeServer:
+    def start(
+        workers: int = 2, dev: bool = True, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+    ) -> FakeServer:
         index = len(started)
         ready = tmp_path / f"server{index}.json"
         log = tmp_path / f"server{index}.log"
@@ -164,6 +167,7 @@ def start_server(
             "--enable-sleep-mode",
             "--sleep-mode-backend",
             "hibernate",
+            *args,
         ]
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
@@ -186,6 +190,8 @@ def start_server(
 
 
 SCHEMAS = REPO / "docs" / "json-schema"
+DRIVER_STEPS = ("lock", "checkpoint", "restore", "unlock")
+VLLM_STEPS = (PREPARE_STEP, RESTORE_STEP)  # the stand-in parallel_state's collectives, in the same log
 
 
 def valid(name: str, document: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +301,10 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     ]
     assert [world.state(pid) for pid in server.workers] == ["checkpointed", "checkpointed"]
     assert [s for _, s, _, _ in world.calls()] == ["lock", "lock", "checkpoint", "checkpoint"]
+    # Every worker tore down its workspaces shared across GPUs (a collective) before the checkpoint.
+    with_vllm = world.calls((*DRIVER_STEPS, *VLLM_STEPS))
+    assert [s for _, s, _, _ in with_vllm[:2]] == ["vllm-prepare", "vllm-prepare"]
+    assert sorted(p for _, _, p, _ in with_vllm[:2]) == sorted(server.workers)
     assert server.is_sleeping() and states(cli, server) == ["asleep", "asleep"]
     assert all(e["asleep"] for d in server.digests().values() for e in d.values())
     nothing_left_to_clean(runtime_dir)
@@ -308,6 +318,17 @@ def test_sleep_and_wake_through_the_servers_own_endpoints(
     assert [p["pid"] for p in report["processes"]] == server.workers
     assert all(p["restored_bytes"] > 0 and p["zeroed_bytes"] > 0 for p in report["processes"])
     assert [s for _, s, _, _ in world.calls()][4:] == ["restore", "restore", "unlock", "unlock"]
+    # ... and built them again once the CUDA state was back.
+    with_vllm = world.calls((*DRIVER_STEPS, *VLLM_STEPS))
+    assert [s for _, s, _, _ in with_vllm[6:]] == [
+        "restore",
+        "restore",
+        "unlock",
+        "unlock",
+        RESTORE_STEP,
+        RESTORE_STEP,
+    ]
+    assert sorted(p for _, _, p, _ in with_vllm[10:]) == sorted(server.workers)
     awake_and_whole(cli, server, world, before, "after the wake")
     assert trace.read_text().split() == [*VLLM_SLEEP_POINTS, *VLLM_WAKE_POINTS]
     nothing_left_to_clean(runtime_dir)
@@ -534,6 +555,10 @@ def test_self_checkpoint_through_plain_sleep_and_wake_up(
     assert sorted((s, p) for _, s, p, _ in world.calls()[4:]) == sorted(
         [("restore", p) for p in server.workers] + [("unlock", p) for p in server.workers]
     )
+    # Each tore down its workspaces shared across GPUs before its checkpoint, and built them after.
+    for pid in server.workers:
+        steps = [s for _, s, p, _ in world.calls((*DRIVER_STEPS, *VLLM_STEPS)) if p == pid]
+        assert steps == [PREPARE_STEP, "lock", "checkpoint", "restore", "unlock", RESTORE_STEP], (pid, steps)
     awake_and_whole(cli, server, world, before, "after plain /sleep and /wake_up")
 
     # `hibernate sleep` on such a server leaves the CUDA stage to the workers and waits for it.

@@ -7,16 +7,29 @@ job must run with ``NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1``
 (vLLM: ``--disable-custom-all-reduce``). A sleep of more than one CUDA
 process is refused without them (``--force`` overrides), and ``hibernate
 doctor`` explains the same traps.
+
+vLLM 0.33 also offers ``--enable-nccl-comm-suspend`` (``ncclCommSuspend``,
+NCCL 2.29.7 or newer), which unmaps the buffers NCCL imported from peers while
+a worker sleeps: where a process's vLLM has it and it is off, the refusal and
+``doctor`` say so. Which vLLM a process runs is read from the files it maps
+(every vLLM worker maps the package's compiled extensions), and what that
+vLLM offers from the package's own sources, never by importing it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 NCCL_SAFE = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
 NCCL_FIX = "start the job with NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1"
-VLLM_FIX = "vLLM: also --disable-custom-all-reduce"
+VLLM_FIX = (
+    "vLLM: also --disable-custom-all-reduce, and --enable-nccl-comm-suspend where its vLLM has it (0.33+)"
+)
+COMM_SUSPEND_FLAG = "--enable-nccl-comm-suspend"
+COMM_SUSPEND_OFF = f"{COMM_SUSPEND_FLAG} is off, and this process's vLLM has it"
 
 # `vllm ...` (any path to it), `python -m vllm...`, vLLM's entry points; not a path that mentions vllm.
 _VLLM_COMMAND = re.compile(r"(?:^|[\s/])vllm(?:\s|$)|(?:^|\s)-m\s+vllm(?:[.\s]|$)|\bvllm\.entrypoints\b")
@@ -27,25 +40,134 @@ def runs_vllm(cmdline: str) -> bool:
     return _VLLM_COMMAND.search(cmdline) is not None
 
 
-def nccl_traps(env: Mapping[str, str], cmdline: str, infiniband: bool) -> list[str]:
-    """The NCCL/vLLM settings of one process of a multi-process target that break a checkpoint."""
+def nccl_traps(
+    env: Mapping[str, str],
+    cmdline: str,
+    infiniband: bool,
+    vllm: VllmFeatures | None = None,
+    launched_by: str = "",
+) -> list[str]:
+    """The NCCL/vLLM settings of one process of a multi-process target that break a checkpoint.
+
+    ``vllm``: what the process's vLLM offers, if known. Its comm-suspend flag
+    is named beside the other traps, never alone: with NCCL's peer transports
+    off, nothing is left for it to unmap. The flag is looked for in
+    ``cmdline`` and in ``launched_by``, the command lines of its ancestors (a
+    worker vLLM started by spawn has none of the server's flags).
+    """
     traps = [f"{name} is not {value}" for name, value in NCCL_SAFE.items() if env.get(name) != value]
     if runs_vllm(cmdline) and "--disable-custom-all-reduce" not in cmdline:
         traps.append("vLLM custom all-reduce is on (CUDA IPC buffers cannot be checkpointed)")
     if infiniband and env.get("NCCL_IB_DISABLE") != "1":
         traps.append("NCCL may use InfiniBand (registered RDMA memory cannot be checkpointed)")
+    if (
+        traps
+        and vllm is not None
+        and vllm.comm_suspend
+        and COMM_SUSPEND_FLAG not in f"{cmdline} {launched_by}"
+    ):
+        traps.append(COMM_SUSPEND_OFF)
     return traps
 
 
+def ancestors_command_lines(pid: int) -> str:
+    """The command lines of ``pid``'s ancestors, nearest first, one string."""
+    from hibernate import procinfo
+
+    return " ".join(procinfo.command_line(p) for p in procinfo.ancestors(pid))
+
+
 def multi_process_traps(
-    pids: Sequence[int], environment: Callable[[int], Mapping[str, str]], command_line: Callable[[int], str]
+    pids: Sequence[int],
+    environment: Callable[[int], Mapping[str, str]],
+    command_line: Callable[[int], str],
+    vllm_of: Callable[[int], VllmFeatures | None] | None = None,
+    launched_by: Callable[[int], str] | None = None,
 ) -> dict[int, list[str]]:
     """Per process of a job of two or more CUDA processes, the settings that make its checkpoint fail or hang.
 
     One process alone shares no CUDA memory with another: nothing to check.
     InfiniBand is left to ``doctor`` (a warning): RDMA may be unused.
+    ``vllm_of`` tells what each process's vLLM offers and ``launched_by`` its
+    ancestors' command lines (defaults: read from /proc).
     """
     if len(pids) < 2:
         return {}
-    found = {pid: nccl_traps(environment(pid), command_line(pid), infiniband=False) for pid in pids}
-    return {pid: traps for pid, traps in found.items() if traps}
+    features_of = vllm_of or vllm_features_of
+    ancestry = launched_by or ancestors_command_lines
+    found = {}
+    for pid in pids:
+        env, line = environment(pid), command_line(pid)
+        traps = nccl_traps(env, line, infiniband=False)
+        features = features_of(pid) if traps else None
+        if features is not None and features.comm_suspend:
+            traps = nccl_traps(env, line, infiniband=False, vllm=features, launched_by=ancestry(pid))
+        if traps:
+            found[pid] = traps
+    return found
+
+
+# -- which vLLM a process runs, and what it offers ------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmFeatures:
+    """What a vLLM installation offers for a checkpoint of a worker with peers."""
+
+    package: str  # the package directory, as the process sees it
+    distributed_checkpoint: bool  # checkpoint_prepare/restore_distributed_state (0.33+)
+    comm_suspend: bool  # --enable-nccl-comm-suspend (0.33+)
+
+
+def vllm_packages(mapped: Iterable[str]) -> list[str]:
+    """The vLLM package directories among the paths of a process's mapped files, in order, once each."""
+    found: list[str] = []
+    for path in mapped:
+        if "/vllm/" not in path:
+            continue
+        package = path.rsplit("/vllm/", 1)[0] + "/vllm"
+        if package not in found:
+            found.append(package)
+    return found
+
+
+def features_in(package: str, read: Callable[[str], str | None]) -> VllmFeatures | None:
+    """What the vLLM at ``package`` offers, from its own sources (``read`` gives a file's text or None)."""
+    parallel_state = read(f"{package}/distributed/parallel_state.py")
+    arg_utils = read(f"{package}/engine/arg_utils.py")
+    if parallel_state is None or arg_utils is None:
+        return None  # not a vLLM package after all (or not readable)
+    return VllmFeatures(
+        package=package,
+        distributed_checkpoint="def checkpoint_prepare_distributed_state(" in parallel_state,
+        comm_suspend=f'"{COMM_SUSPEND_FLAG}"' in arg_utils,
+    )
+
+
+def _mapped_paths(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    return [fields[5] for fields in (line.split(maxsplit=5) for line in lines) if len(fields) == 6]
+
+
+def vllm_features_of(pid: int) -> VllmFeatures | None:
+    """What the vLLM process ``pid`` runs offers; None where it maps no vLLM (or it cannot be read).
+
+    The files are read through the process's own root, so a process in a
+    container is read as it sees its files.
+    """
+
+    def read(path: str) -> str | None:
+        try:
+            return Path(f"/proc/{pid}/root{path}").read_text(errors="replace")
+        except OSError:
+            return None
+
+    for package in vllm_packages(_mapped_paths(pid)):
+        features = features_in(package, read)
+        if features is not None:
+            return features
+    return None

@@ -135,6 +135,7 @@ class Doctor:
             self.check_target()
             self.check_torch()
             self.check_nccl()
+            self.check_vllm_peers()
         self.check_directory()
         ok = all(c.status != FAIL for c in self.checks)
         return {"ok": ok, "pid": self.pid, "checks": [c.to_wire() for c in self.checks]}
@@ -479,6 +480,72 @@ class Doctor:
             NCCL_FIX + (" NCCL_IB_DISABLE=1" if infiniband else "") + f" ({VLLM_FIX})",
             traps={str(pid): traps for pid, traps in found.items()},
         )
+
+    def check_vllm_peers(self) -> None:
+        """Whether the vLLM of a multi-GPU server can ready its communicators for a checkpoint.
+
+        vLLM 0.33 tears down its workspaces shared across GPUs
+        (``checkpoint_prepare_distributed_state``, which the hibernate backend
+        calls) and can unmap the buffers NCCL imported from peers
+        (``--enable-nccl-comm-suspend``). The vLLM is read from the workers
+        (they map its extensions), the flags from the command lines of the tree.
+        Targets of fewer than two CUDA processes, or without vLLM, get no line.
+        """
+        from hibernate import procinfo
+        from hibernate.checkpoint.nccl import COMM_SUSPEND_FLAG, runs_vllm, vllm_features_of
+
+        if len(self.holders) < 2:
+            return
+        vllm_agents = {a.pid for a in self.agents if a.status.get("kind") == "vllm"}
+        lines = {pid: procinfo.command_line(pid) for pid in self.processes}
+        vllm_pids = [pid for pid in self.processes if pid in vllm_agents or runs_vllm(lines[pid])]
+        if not vllm_pids:
+            return
+        found = [f for f in (vllm_features_of(h.pid) for h in self.holders) if f is not None]
+        if not found:
+            self.add(
+                "vllm peers",
+                WARN,
+                "cannot tell which vLLM the workers run (none maps a vLLM package): whether its "
+                "communicators can be readied for a checkpoint is unknown",
+                "vLLM 0.33 or newer readies them; serve older ones with --disable-custom-all-reduce",
+            )
+            return
+        features = found[0]
+        suspend_on = any(COMM_SUSPEND_FLAG in lines[pid] for pid in vllm_pids)
+        data: dict[str, Any] = {
+            "package": features.package,
+            "distributed_checkpoint": features.distributed_checkpoint,
+            "comm_suspend": features.comm_suspend,
+            "comm_suspend_on": suspend_on,
+        }
+        if not features.distributed_checkpoint:
+            self.add(
+                "vllm peers",
+                WARN,
+                f"the vLLM at {features.package} has no checkpoint_prepare_distributed_state (it came with "
+                "0.33): its all-reduce workspaces in memory shared across GPUs stay during a checkpoint, "
+                "which may then fail or hang",
+                "upgrade vLLM to 0.33 or newer, or serve with --disable-custom-all-reduce",
+                **data,
+            )
+        elif features.comm_suspend and not suspend_on:
+            self.add(
+                "vllm peers",
+                WARN,
+                f"the vLLM at {features.package} readies its workspaces for a checkpoint (hibernate asks it "
+                f"to), but {COMM_SUSPEND_FLAG} is off: NCCL keeps the buffers it imported from peers mapped",
+                f"serve with {COMM_SUSPEND_FLAG} (NCCL 2.29.7 or newer)",
+                **data,
+            )
+        else:
+            self.add(
+                "vllm peers",
+                OK,
+                f"the vLLM at {features.package} readies its workspaces for a checkpoint "
+                "(hibernate asks it to)" + (f"; {COMM_SUSPEND_FLAG} is on" if suspend_on else ""),
+                **data,
+            )
 
     def check_directory(self) -> None:
         from hibernate.store.directio import direct_io_supported

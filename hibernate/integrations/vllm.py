@@ -31,6 +31,15 @@ How it is wired:
   through a helper process of its own, so plain ``/sleep`` and ``/wake_up``
   give the full hibernation (:mod:`hibernate.integrations.self_checkpoint`).
 
+With more than one GPU (a world of several workers), vLLM's all-reduce and
+all-to-all workspaces live in memory shared across processes (CUDA IPC,
+multicast), which no CUDA checkpoint can take. vLLM 0.33 tears them down with
+``checkpoint_prepare_distributed_state()`` and builds them again with
+``checkpoint_restore_distributed_state()``, both collectives: the backend
+calls the first at the end of ``suspend`` and the second in ``resume`` right
+after the CUDA state is back, where every worker is inside the same call.
+An older vLLM has neither: the sleep says so in its warnings and goes on.
+
 Where the spill goes: the directory a hibernate client configured on the
 agent, else ``$HIBERNATE_DIR``, else ``$XDG_CACHE_HOME/hibernate`` (default
 ``~/.cache/hibernate``); under it, one directory per worker,
@@ -47,7 +56,9 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeState
@@ -55,7 +66,13 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
 from hibernate.agent.local import local_agent
 from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
-from hibernate.errors import HibernateError, UsageError
+from hibernate.errors import (
+    AbortedError,
+    CudaCheckpointError,
+    HibernateError,
+    NeedsRecoveryError,
+    UsageError,
+)
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
 from hibernate.pools.device import DeviceMemory
@@ -82,6 +99,7 @@ BUFFER_ENV = "HIBERNATE_BUFFER_MB"
 CHUNK_ENV = "HIBERNATE_CHUNK_MB"
 VERIFY_ENV = "HIBERNATE_VERIFY"  # 1: read each snapshot back before its memory is released
 QUIESCE_TIMEOUT_S = 30.0
+PARALLEL_STATE_MODULE = "vllm.distributed.parallel_state"
 DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
 
 _DRIVER_HINT = (
@@ -154,6 +172,70 @@ def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True
         return False
 
 
+@dataclass(frozen=True)
+class DistributedCheckpoint:
+    """vLLM's own preparation of its communicators for a process checkpoint, and their rebuilding.
+
+    ``agree`` lets every worker of the world learn, before any tears down what
+    the others use, whether all of their sleeps succeeded: each gives its own
+    failure (None if it slept) and all get the first failing worker's, named by
+    rank (None if all slept). None where this vLLM cannot tell (it lacks the
+    CPU-group collectives it is made of).
+    """
+
+    prepare: Callable[[], None]
+    restore: Callable[[], None]
+    agree: Callable[[str | None], str | None] | None = None
+
+
+def _agreement(group: Any) -> Callable[[str | None], str | None] | None:
+    """``agree`` over vLLM's world group: a sum of per-rank flags, then the first failure's words."""
+    reduce = getattr(group, "cpu_all_reduce_", None)
+    broadcast = getattr(group, "broadcast_object", None)
+    rank, size = getattr(group, "rank_in_group", None), getattr(group, "world_size", None)
+    if not callable(reduce) or not callable(broadcast) or rank is None or size is None:
+        return None
+
+    def agree(failure: str | None) -> str | None:
+        import torch  # loaded in every vLLM worker
+
+        flags = torch.zeros(int(size), dtype=torch.int64)
+        flags[int(rank)] = 0 if failure is None else 1
+        failed = [r for r, flag in enumerate(reduce(flags).tolist()) if flag]
+        if not failed:
+            return None
+        words = broadcast(failure if rank == failed[0] else None, src=failed[0])
+        return f"the sleep of worker rank {failed[0]} failed: {words}"
+
+    return agree
+
+
+def distributed_checkpoint(parallel_state: ModuleType | None) -> DistributedCheckpoint | None:
+    """vLLM's ``checkpoint_prepare/restore_distributed_state``, or None where this vLLM lacks them."""
+    prepare = getattr(parallel_state, "checkpoint_prepare_distributed_state", None)
+    restore = getattr(parallel_state, "checkpoint_restore_distributed_state", None)
+    if not callable(prepare) or not callable(restore):
+        return None
+    return DistributedCheckpoint(prepare, restore, _agreement(getattr(parallel_state, "_WORLD", None)))
+
+
+def world_size_from(group_size: int | None, torch_size: int | None, environ: Mapping[str, str]) -> int:
+    """How many workers share communicators: vLLM's world group, else torch.distributed's, else
+    ``$WORLD_SIZE``, else one."""
+    for size in (group_size, torch_size):
+        if size is not None:
+            return size
+    raw = environ.get("WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+MISSING_DISTRIBUTED_CHECKPOINT = (
+    "this vLLM has no checkpoint_prepare_distributed_state (vLLM 0.33 or newer has it): its all-reduce "
+    "workspaces in memory shared across GPUs stay in place, and a CUDA checkpoint of this worker may fail "
+    "or hang unless the server runs with --disable-custom-all-reduce"
+)
+
+
 # -- this process ------------------------------------------------------------------
 
 
@@ -163,6 +245,22 @@ def _torch_rank() -> int | None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     return None
+
+
+def _parallel_state() -> ModuleType | None:
+    """vLLM's parallel_state if this process loaded it (every worker did); never imports vLLM."""
+    return sys.modules.get(PARALLEL_STATE_MODULE)
+
+
+def _world_size(parallel_state: ModuleType | None, environ: Mapping[str, str]) -> int:
+    group = getattr(parallel_state, "_WORLD", None)
+    group_size = getattr(group, "world_size", None)
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    torch_size = None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        torch_size = int(dist.get_world_size())
+    return world_size_from(int(group_size) if group_size is not None else None, torch_size, environ)
 
 
 def _adopt(agent: Agent, *, with_pool: bool = True) -> Agent:
@@ -250,7 +348,8 @@ class HibernateBackend(SleepModeBackend):
 
     vLLM creates it with no arguments; the keyword arguments are for embedding
     and tests (an allocator and device memory of one's own, an agent not the
-    process's, a self-checkpoint helper of one's own).
+    process's, a self-checkpoint helper of one's own, vLLM's ``parallel_state``
+    module or a stand-in for it).
 
     With ``HIBERNATE_SELF_CHECKPOINT=1`` the backend starts its helper here
     (vLLM creates the backend at the first sleep, so that sleep fails cleanly,
@@ -265,6 +364,7 @@ class HibernateBackend(SleepModeBackend):
         agent: Agent | None = None,
         environ: Mapping[str, str] | None = None,
         helper: Callable[[], Helper] | None = None,
+        parallel_state: Callable[[], Any] = _parallel_state,
     ) -> None:
         super().__init__()
         self._environ: Mapping[str, str] = os.environ if environ is None else environ
@@ -282,6 +382,9 @@ class HibernateBackend(SleepModeBackend):
             self._agent.sleep_driver = VLLM_SELF_CHECKPOINT_DRIVER
         else:
             self._agent.sleep_driver = VLLM_DRIVER
+        self._parallel_state = parallel_state
+        self._prepared: DistributedCheckpoint | None = None  # prepared at the last suspend, not yet restored
+        self._distributed_lost: str | None = None  # why the communicators could not be rebuilt
         self.last_report: dict[str, Any] = {}
 
     def _attach_pool(self, allocator: AllocatorLike | None, device: DeviceMemory | None) -> CuMemPool:
@@ -322,18 +425,29 @@ class HibernateBackend(SleepModeBackend):
         check_level(level)
         require_allocator(self._pool)
         caller = sys._getframe(1)  # vLLM's Worker.sleep: the self-checkpoint waits for it to return
-        self._cuda_running()
         report: dict[str, Any] = {}
+        distributed = self._distributed_to_prepare()
         try:
-            if self._agent.state is AgentState.ASLEEP:
-                # Partly woken (deferred wake) and asked to sleep again, as vLLM allows:
-                # bring the rest back first so the new snapshot holds everything.
-                report["finish_wake"] = self._agent.wake_here(self._args)
-            self._pool.set_level(level)
-            base = spill_base(self._agent.default_dir, self._environ)
-            self._pool.synchronize()
-            report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+            try:
+                self._cuda_running()
+                if self._agent.state is AgentState.ASLEEP:
+                    # Partly woken (deferred wake) and asked to sleep again, as vLLM allows:
+                    # bring the rest back first so the new snapshot holds everything.
+                    report["finish_wake"] = self._agent.wake_here(self._args)
+                self._pool.set_level(level)
+                base = spill_base(self._agent.default_dir, self._environ)
+                self._pool.synchronize()
+                report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+            except BaseException as exc:
+                if distributed is not None:  # the others must not wait for this worker, and learn why
+                    words = exc.message if isinstance(exc, HibernateError) else str(exc)
+                    self._first_failure(distributed, f"{type(exc).__name__}: {words}")
+                raise
+            if distributed is not None:
+                self._prepare_distributed(distributed)
         finally:
+            self._pool.sleep_notes = []
+            report["warnings"] = self._pool_warnings()
             self._state = self._settled_state()
         self.last_report = report
         if self._self_checkpoint is not None:
@@ -364,10 +478,12 @@ class HibernateBackend(SleepModeBackend):
         report: dict[str, Any] = {}
         try:
             self._cuda_running()  # before any device call of this wake
+            self._restore_distributed()
             if self._agent.state is AgentState.ASLEEP:
                 report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
             report["loose"] = self._pool.wake_loose(wanted)
         finally:
+            report["warnings"] = self._pool_warnings()
             self._state = self._settled_state()
         self.last_report = report
         restore = report.get("restore", {})
@@ -379,12 +495,109 @@ class HibernateBackend(SleepModeBackend):
             "" if self._state == "RUNNING" else "; the rest stays asleep",
         )
 
+    # -- communicators across GPUs ------------------------------------------------
+
+    def _distributed_to_prepare(self) -> DistributedCheckpoint | None:
+        """vLLM's hooks a suspend of this worker must call, if it has peers; a warning if it has none."""
+        if self._prepared is not None:  # prepared at an earlier suspend and not restored since
+            return None
+        module = self._parallel_state()
+        if _world_size(module, self._environ) < 2:
+            return None
+        distributed = distributed_checkpoint(module)
+        if distributed is None:
+            self._pool.sleep_notes = [MISSING_DISTRIBUTED_CHECKPOINT]
+        return distributed
+
+    def _first_failure(self, distributed: DistributedCheckpoint, failure: str | None) -> str | None:
+        """The first failed sleep of the world, this worker giving its own (a collective; see ``agree``).
+
+        A worker whose sleep failed still comes, so that the others do not wait
+        for it in the prepare but undo their own sleep instead. Without ``agree``
+        each worker only knows itself.
+        """
+        if distributed.agree is None:
+            return failure
+        try:
+            return distributed.agree(failure)
+        except Exception as exc:
+            log.error("hibernate: the workers could not agree whether every sleep succeeded: %s", exc)
+            return failure or f"the workers could not agree whether every sleep succeeded: {exc}"
+
+    def _undo_sleep(self, cause: str, exc: BaseException) -> None:
+        """Bring this worker's memory back after a sleep it cannot keep; NeedsRecoveryError if that fails."""
+        log.error("hibernate: %s; bringing the memory back", cause)
+        try:
+            self._agent.wake_here(self._args)
+        except Exception as undo:
+            raise NeedsRecoveryError(
+                f"{cause}; bringing the memory back failed too: {undo}",
+                hint="`hibernate recover PID` or restart the vLLM server",
+            ) from exc
+
+    def _prepare_distributed(self, distributed: DistributedCheckpoint) -> None:
+        """Tear down the workspaces shared across GPUs; if that cannot be done, undo the sleep and say so.
+
+        Every worker of the world is inside ``suspend`` at this point (vLLM
+        calls it on all of them together), so the collectives meet their peers:
+        first all agree that every sleep succeeded (else each undoes its own and
+        nothing is torn down), then the prepare.
+        """
+        failure = self._first_failure(distributed, None)
+        if failure is not None:
+            self._undo_sleep(failure, AbortedError(failure))
+            raise AbortedError(
+                f"{failure}; so this worker's sleep was undone too, its communicators across GPUs left as "
+                "they are: its memory is back and it keeps serving"
+            )
+        try:
+            distributed.prepare()
+        except Exception as exc:
+            cause = f"vLLM's checkpoint_prepare_distributed_state failed: {type(exc).__name__}: {exc}"
+            self._undo_sleep(cause, exc)
+            raise CudaCheckpointError(
+                f"{cause}; the sleep was undone: this worker's memory is back and it keeps serving",
+                hint="see the server's log for the cause; its other workers may have slept (wake the "
+                "server, or restart it if collectives across GPUs fail)",
+            ) from exc
+        self._prepared = distributed
+
+    def _restore_distributed(self) -> None:
+        """Rebuild what ``_prepare_distributed`` tore down, once, before any memory comes back.
+
+        A failure is not retried by a later wake (the peers are past the
+        collective, which would hang): every later wake says it again.
+        """
+        if self._distributed_lost is not None:
+            raise NeedsRecoveryError(self._distributed_lost, hint="restart the vLLM server")
+        distributed, self._prepared = self._prepared, None
+        if distributed is None:
+            return
+        try:
+            distributed.restore()
+        except Exception as exc:
+            self._distributed_lost = (
+                f"vLLM's checkpoint_restore_distributed_state failed: {type(exc).__name__}: {exc}; this "
+                "worker's communicators across GPUs are not rebuilt, so its memory stays asleep"
+            )
+            log.error("hibernate: %s", self._distributed_lost)
+            raise NeedsRecoveryError(self._distributed_lost, hint="restart the vLLM server") from exc
+
     def discard(self, tags: tuple[str, ...]) -> None:
         try:
             self._cuda_running()
             self.last_report = self._pool.discard(tags)
         finally:
+            warnings = self._pool_warnings()
             self._state = self._settled_state()
+        self.last_report["warnings"] = warnings
+
+    def _pool_warnings(self) -> list[str]:
+        """What the pool's own maps and unmaps met in this call, logged (failed or not) and returned."""
+        warnings = self._pool.take_warnings()
+        for warning in warnings:
+            log.warning("hibernate: %s", warning)
+        return warnings
 
     def state(self) -> SleepModeState:
         """Read from the memory itself, so a wake done from outside (``hibernate recover``) shows."""

@@ -14,6 +14,16 @@ stay valid. Allocations that are already asleep when a sleep starts (discarded
 by vLLM, say) are not part of that sleep: nothing of them is left to spill, and
 :meth:`CuMemPool.wake_loose` maps them back under the same tag rules.
 
+vLLM may free an allocation while it is asleep. vLLM 0.33's free callback
+then hands the asleep allocation's handle to its C extension, whose unmap
+fails and leaves the extension's module-global error code set: the next
+``create_and_map`` creates physical memory, returns before mapping it (that
+memory is leaked) and raises the stale, unrelated error, which clears it.
+The pool notices such vanished records before it maps or unmaps anything,
+and meets the one failure that follows: a map is retried once; an unmap
+(which the extension did before it raised) is taken as done. Both are said in
+the warnings of the sleep or wake that met them.
+
 Nothing here imports vLLM or torch: the records are read through their fields,
 and the rules are small pure functions the integration feeds vLLM's own
 constants into.
@@ -190,15 +200,13 @@ class CuMemRegion(RegionAttributes):
     def release(self) -> None:
         """vLLM's ``unmap_and_release``; bookkeeping as vLLM's own sleep leaves it."""
         if self.live() and not self._data.is_asleep:
-            self._pool.device.unmap(self._data.handle)
-            self._data.is_asleep = True
+            self._pool.unmap_out(self._address, self._data)
         self._data.cpu_backup_tensor = None
 
     def reallocate(self) -> None:
         """vLLM's ``create_and_map`` at the same address (contents undefined until filled)."""
         if self.live() and self._data.is_asleep:
-            self._pool.device.map(self._data.handle)
-            self._data.is_asleep = False
+            self._pool.map_back(self._address, self._data)
 
     def zero(self) -> None:
         if self.live():
@@ -223,6 +231,14 @@ class CuMemPool:
         self._device: DeviceMemory | None = None
         self._lock = threading.Lock()
         self.level = 1
+        # Every record seen asleep, by address, until it is mapped again: one that is gone from the
+        # allocator by then was freed while asleep (see the module docstring).
+        self._asleep: dict[int, AllocationLike] = {}
+        self._stale_error_expected = False
+        self._met: list[str] = []  # what the pool's own maps and unmaps met, for the next report
+        # Said in the report of the sleep about to run, by whoever knows more than the records
+        # (the backend, of communicators this worker shares with others).
+        self.sleep_notes: list[str] = []
 
     @property
     def allocator(self) -> AllocatorLike | None:
@@ -245,9 +261,13 @@ class CuMemPool:
         allocator = self.allocator
         if allocator is None:
             return []
+        records = _records(allocator)
+        for address, data in records:
+            if data.is_asleep:
+                self.note_asleep(address, data)
         return [
             CuMemRegion(self, allocator, data, keeps(data.tag, self.level))
-            for _, data in _records(allocator)
+            for _, data in records
             if not data.is_asleep
         ]
 
@@ -261,8 +281,95 @@ class CuMemPool:
         return self.device.pinner()
 
     def warnings(self) -> list[str]:
-        """None: every mapped allocation a sleep takes is unmapped, its physical memory freed."""
-        return []
+        """Only the sleep's notes: every mapped allocation a sleep takes is unmapped, its memory freed."""
+        return list(self.sleep_notes)
+
+    # -- records freed while asleep ------------------------------------------------
+
+    def note_asleep(self, address: int, data: AllocationLike) -> None:
+        with self._lock:
+            self._asleep[address] = data
+
+    def _notice_vanished(self) -> None:
+        """Records seen asleep that the allocator no longer holds: each one's free left an error behind."""
+        allocator = self.allocator
+        current = dict(allocator.pointer_to_data) if allocator is not None else {}
+        with self._lock:
+            gone = [(a, d) for a, d in self._asleep.items() if current.get(a) is not d]
+            for address, data in gone:
+                del self._asleep[address]
+                self._met.append(
+                    f"vLLM freed its {data.tag} allocation at {address:#x} ({int(data.handle[1])} bytes) "
+                    "while it was asleep: vLLM's cumem extension fails to unmap such an allocation and "
+                    "keeps that failure for its next call"
+                )
+            if gone:
+                self._stale_error_expected = True
+
+    def map_back(self, address: int, data: AllocationLike) -> None:
+        """vLLM's ``create_and_map`` for an asleep record, once more if a stale error was expected.
+
+        After a record vanished while asleep, the extension's first call fails with
+        that free's error whatever it is asked (and clears it); a map that fails
+        then is retried once. The first map that succeeds shows no stale error was
+        left, so no later failure is retried. Vanished records are looked for when
+        a call fails (and at the end of each backend call), not before every map:
+        a wake maps every record, and the lookup walks them all.
+        """
+        try:
+            self.device.map(data.handle)
+        except Exception as exc:
+            self._notice_vanished()
+            with self._lock:
+                retry, self._stale_error_expected = self._stale_error_expected, False
+            if not retry:
+                raise
+            self._met.append(
+                f"mapping {data.tag} at {address:#x} failed with the error left by that free ({exc}); "
+                f"mapped on a second try, and the {int(data.handle[1])} bytes vLLM's extension created "
+                "on the first try stay allocated until the process ends"
+            )
+            self.device.map(data.handle)
+        else:
+            with self._lock:
+                self._stale_error_expected = False
+        data.is_asleep = False
+        with self._lock:
+            self._asleep.pop(address, None)
+
+    def unmap_out(self, address: int, data: AllocationLike) -> None:
+        """vLLM's ``unmap_and_release`` for a mapped record, meeting a stale error as done.
+
+        With that error set, the extension unmaps the range, then returns before
+        releasing its physical memory and raises the stale error: the record is
+        asleep as far as the GPU goes, so it is marked so (a retry would fail on
+        the unmapped range and leave a new error behind).
+        """
+        try:
+            self.device.unmap(data.handle)
+        except Exception as exc:
+            self._notice_vanished()
+            with self._lock:
+                stale, self._stale_error_expected = self._stale_error_expected, False
+            if not stale:
+                raise
+            self._met.append(
+                f"releasing {data.tag} at {address:#x} met the error left by that free ({exc}): vLLM's "
+                f"extension unmapped it and keeps its {int(data.handle[1])} bytes allocated until the "
+                "process ends"
+            )
+        else:
+            with self._lock:
+                self._stale_error_expected = False
+        data.is_asleep = True
+        self.note_asleep(address, data)
+
+    def take_warnings(self) -> list[str]:
+        """What the pool's maps and unmaps met since the last call, in words for a report; cleared."""
+        self._notice_vanished()
+        with self._lock:
+            warnings, self._met = self._met, []
+        return warnings
 
     # -- what vLLM's backend calls besides a sleep -------------------------------
 
@@ -285,12 +392,11 @@ class CuMemPool:
         for device in sorted({int(data.handle[0]) for _, data in records if not data.is_asleep}):
             self.device.synchronize(device)
         discarded = skipped = 0
-        for _, data in records:
+        for address, data in records:
             if data.is_asleep:
                 skipped += 1
                 continue
-            self.device.unmap(data.handle)
-            data.is_asleep = True
+            self.unmap_out(address, data)
             data.cpu_backup_tensor = None
             discarded += int(data.handle[1])
         if skipped:
@@ -314,8 +420,7 @@ class CuMemPool:
             if not data.is_asleep or not wanted(data.tag):
                 continue
             device, nbytes, address, _ = data.handle
-            self.device.map(data.handle)
-            data.is_asleep = False
+            self.map_back(int(address), data)
             backup = data.cpu_backup_tensor
             if backup is not None:
                 size = min(int(nbytes), int(backup.numel() * backup.element_size()))

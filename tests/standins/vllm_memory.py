@@ -19,6 +19,16 @@ Each stands for one real thing and keeps its contract; none is used outside test
   (CUDA's is usually 2 MiB) so that sizes are not multiples of the chunk size.
 * :func:`create_and_map` / :func:`unmap_and_release` have the signatures of
   vLLM's ``vllm.device_allocator.cumem`` functions, over the reservations.
+  They keep the one flaw of vLLM 0.33's C extension that a sleep can meet: a
+  module-global error code (:attr:`HostReservations.stale_error`). A failing
+  driver call sets it; only a failing ``create_and_map`` or
+  ``unmap_and_release`` clears it, by raising it. ``my_free`` (the end of
+  :meth:`StandInCuMemAllocator.free`) is given the handle of an allocation
+  that is asleep too, fails to unmap it and leaves the code set; so the next
+  ``create_and_map`` creates physical memory, returns before mapping it
+  (the memory is leaked) and raises the stale, unrelated message; a call after
+  that works again. The next ``unmap_and_release`` likewise unmaps, leaks the
+  physical memory and raises; ``my_malloc`` returns NULL and leaves the code set.
 * :class:`HostDeviceMemory` is hibernate's device-memory seam over host memory.
   Any access to an unmapped range raises :class:`StandInFault` (a GPU would fault).
 * :func:`reference_sleep` / :func:`reference_wake_up` behave as vLLM's own
@@ -85,6 +95,29 @@ class HostReservations:
         self._by_address: dict[int, _Reservation] = {}
         self.maps = 0
         self.unmaps = 0
+        # vLLM's cumem extension's module-global error code and message (see the module docstring).
+        self.stale_error: str | None = None
+        self.leaked_bytes = 0  # physical memory the extension created or kept and lost track of
+
+    def raise_stale(self) -> None:
+        """As ``python_create_and_map`` / ``python_unmap_and_release`` end: a set code is raised, cleared."""
+        message, self.stale_error = self.stale_error, None
+        if message is not None:
+            raise RuntimeError(message)
+
+    def release_freed(self, address: int) -> None:
+        """``my_free`` on the handle the free callback handed back: unmap and release, then free the address.
+
+        An allocation that is asleep is not mapped: ``cuMemUnmap`` fails, and
+        the error code stays set, since nothing raises it from here.
+        """
+        with self._lock:
+            reservation = self._by_address.pop(address)
+            if not reservation.mapped:
+                self.stale_error = f"CUDA Error: invalid argument at cumem_allocator.cpp ({address:#x})"
+            elif self.stale_error is not None:  # unmapped, then it returns before cuMemRelease
+                self.leaked_bytes += reservation.size
+        _check(_libc.munmap(address, reservation.size), "munmap")
 
     def reserve(self, size: int) -> int:
         """Reserve and map ``size`` bytes (a page multiple); contents are poison."""
@@ -162,15 +195,29 @@ class HostReservations:
 
 
 def create_and_map(reservations: HostReservations, handle: tuple[int, int, int, Any]) -> None:
-    """vLLM's ``create_and_map(handle)``: fresh physical memory at the reserved address."""
+    """vLLM's ``create_and_map(handle)``: fresh physical memory at the reserved address.
+
+    With a stale error code set, the memory is created but never mapped (leaked) and the stale
+    message is raised, which clears it.
+    """
     _, size, address, _ = handle
+    if reservations.stale_error is not None:
+        reservations.leaked_bytes += size
+        reservations.raise_stale()
     reservations.map(address, size)
 
 
 def unmap_and_release(reservations: HostReservations, handle: tuple[int, int, int, Any]) -> None:
-    """vLLM's ``unmap_and_release(handle)``: physical memory gone, the address stays reserved."""
+    """vLLM's ``unmap_and_release(handle)``: physical memory gone, the address stays reserved.
+
+    With a stale error code set, the range is unmapped but its physical memory is not released
+    (leaked), and the stale message is raised, which clears it.
+    """
     _, size, address, _ = handle
     reservations.unmap(address, size)
+    if reservations.stale_error is not None:
+        reservations.leaked_bytes += size
+        reservations.raise_stale()
 
 
 class StandInCuMemAllocator:
@@ -193,6 +240,8 @@ class StandInCuMemAllocator:
         return cls.instance
 
     def allocate(self, nbytes: int, tag: str) -> int:
+        if self.reservations.stale_error is not None:  # my_malloc returns NULL, the code stays set
+            raise RuntimeError("CUDA out of memory (the cumem allocator returned NULL)")
         aligned = -(-nbytes // self.granularity) * self.granularity
         address = self.reservations.reserve(aligned)
         box = ctypes.c_uint64(address)  # stands for the CUmemGenericAllocationHandle vLLM points at
@@ -202,10 +251,14 @@ class StandInCuMemAllocator:
         return address
 
     def free(self, address: int) -> None:
-        """What the free callback and the C extension do when a tensor's memory is freed."""
+        """What the free callback and the C extension do when a tensor's memory is freed.
+
+        As in vLLM 0.33 on CUDA, the callback hands back the handle of an allocation that is asleep
+        too, and ``my_free`` then fails to unmap it (see :meth:`HostReservations.release_freed`).
+        """
         data = self.pointer_to_data.pop(address)
         data.cpu_backup_tensor = None
-        self.reservations.free(address)
+        self.reservations.release_freed(address)
         del self._handle_boxes[address]
 
     def size_of(self, address: int) -> int:

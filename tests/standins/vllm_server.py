@@ -2,11 +2,14 @@
 
     python -m tests.standins.vllm_server --cudart LIB --port P --ready FILE [--host H] [--workers N] [--mb M]
                                    [--enable-sleep-mode] [--sleep-mode-backend NAME] [--served-model-name M]
+                                   [--enable-nccl-comm-suspend] [--disable-custom-all-reduce]
 
 Like ``vllm serve`` it is the parent of its workers: each is a real
 ``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
 over host memory, hibernate's backend created by vLLM's factory), driven over
 its stdin as vLLM's executor drives its workers (every worker, then gather).
+Each worker is told its ``RANK``, the ``WORLD_SIZE`` and a directory where its
+collectives meet (``tests/standins/vllm_parallel_state.py``).
 The server loads vLLM's general plugins too, so it has a hibernate agent with
 an empty pool, as the real API server does. The flags after ``--ready`` are
 accepted as ``vllm serve`` accepts them (hibernate reads them from the command
@@ -64,6 +67,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.standins.vllm_parallel_state import COLLECTIVE_DIR_ENV
+
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
 VERSION = "0.33.0"
@@ -76,8 +81,15 @@ class EngineError(Exception):
 class WorkerHandle:
     """One stand-in worker process, spoken to over its stdin/stdout."""
 
-    def __init__(self, index: int, cudart: str, mb: int) -> None:
-        env = {**os.environ, "RANK": str(index)}
+    def __init__(self, index: int, cudart: str, mb: int, world_size: int, collective_dir: Path) -> None:
+        # As vLLM's executor starts a worker: its rank in a world of `world_size`, with peers to meet
+        # in collectives (tests/standins/vllm_parallel_state.py).
+        env = {
+            **os.environ,
+            "RANK": str(index),
+            "WORLD_SIZE": str(world_size),
+            COLLECTIVE_DIR_ENV: str(collective_dir),
+        }
         self.index = index
         self.proc = subprocess.Popen(
             [
@@ -365,10 +377,16 @@ def main() -> None:
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--sleep-mode-backend", default="cumem")
     parser.add_argument("--served-model-name", default="standin")
+    parser.add_argument("--enable-nccl-comm-suspend", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true")
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
 
-    workers = [WorkerHandle(i, args.cudart, args.mb) for i in range(args.workers)]
+    collective_dir = Path(args.ready).parent / f"collectives-{os.getpid()}"  # beside the ready file
+    collective_dir.mkdir()
+    workers = [
+        WorkerHandle(i, args.cudart, args.mb, args.workers, collective_dir) for i in range(args.workers)
+    ]
     import vllm.plugins  # the API server loads the plugins too: hibernate's agent, with an empty pool
 
     vllm.plugins.load_general_plugins()

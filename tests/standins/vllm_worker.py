@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from tests.standins import vllm_parallel_state
 from tests.standins.vllm_cumem import MODULE_NAME, FakeCudaRT, make_module
 from tests.standins.vllm_memory import LAYOUT, MIB, HostReservations, StandInCuMemAllocator, fill
 
@@ -50,6 +52,19 @@ def layout(total_mb: int) -> list[tuple[str, int]]:
     weights = [("weights", big // 2 + 12345), ("weights", big // 8)]
     kv = [("kv_cache", big // 4), ("kv_cache", big // 16 + 777)]
     return weights + kv + LAYOUT
+
+
+def map_vllm_extension(package: Path) -> mmap.mmap | None:
+    """Map vLLM's cumem extension read-only, as a real worker has it mapped (loaded, there).
+
+    Only the mapping matters: it is how hibernate finds which vLLM a process
+    runs (``/proc/PID/maps``). The library is never loaded: it needs a driver.
+    """
+    extension = package / "cumem_allocator.abi3.so"
+    if not extension.is_file():
+        return None
+    with open(extension, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
 
 def rss_bytes() -> int:
@@ -68,12 +83,19 @@ class Worker:
         StandInCuMemAllocator.instance = self.allocator
         # What `import vllm.device_allocator.cumem` gives a real worker.
         sys.modules[MODULE_NAME] = make_module(self.reservations, FakeCudaRT(cudart))
+        # And vllm.distributed.parallel_state, with its world and its checkpoint collectives.
+        self.world, with_checkpoint = vllm_parallel_state.from_environment()
+        sys.modules[vllm_parallel_state.MODULE_NAME] = vllm_parallel_state.make_module(
+            self.world, with_checkpoint
+        )
         for index, (tag, size) in enumerate(layout(total_mb)):
             address = self.allocator.allocate(size, tag)
             fill(self.reservations, address, self.allocator.size_of(address), index)
 
         import vllm.plugins
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+        self.mapped_extension = map_vllm_extension(Path(vllm.plugins.__file__).parent.parent)
 
         vllm.plugins.load_general_plugins()
         self.cudart = sys.modules[MODULE_NAME].libcudart
