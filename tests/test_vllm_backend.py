@@ -29,6 +29,7 @@ from hibernate.errors import (
     UsageError,
 )
 from hibernate.integrations.vllm import MISSING_DISTRIBUTED_CHECKPOINT, HibernateBackend, world_size_from
+from hibernate.operation.reports import ProcessWake
 from hibernate.pools.device import DeviceMemoryError
 from hibernate.pools.vllm import keeps
 from hibernate.store.layout import SpillRoot
@@ -286,6 +287,10 @@ def test_an_allocation_vllm_frees_while_asleep_is_not_brought_back_and_the_error
     assert f"freed its weights allocation at {gone:#x} ({size} bytes) while it was asleep" in warnings[0]
     assert "mapped on a second try" in warnings[1] and "invalid argument" in warnings[1]
     assert world.reservations.stale_error is None
+    # hibernate wake, watching from outside, reports them with the wake it read from the agent.
+    last = world.backend._agent.status()["last_operation"]
+    answers = {step: answer for step, answer in last.items() if isinstance(answer, dict)}
+    assert ProcessWake.from_answers(os.getpid(), "worker", None, answers).warnings == warnings
     # The next cycle is clean: nothing to warn about, nothing retried.
     world.backend.suspend(1)
     world.backend.resume()

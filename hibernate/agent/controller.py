@@ -610,6 +610,21 @@ class Agent:
         finally:
             self.end(session)
 
+    def add_warnings(self, step: str, warnings: list[str]) -> None:
+        """Add what the caller of sleep_here/wake_here met around it to that operation's ``step`` answer.
+
+        The vLLM backend's own pool meets some things (an allocation vLLM freed
+        while it slept) outside the agent's steps; a client watching from
+        outside reads the last operation, so they are kept there too.
+        """
+        if not warnings:
+            return
+        with self._mutex:
+            if self._last_operation is not None:
+                answer = dict(self._last_operation.get(step) or {})  # the caller's report stays its own
+                answer["warnings"] = [*answer.get("warnings", []), *warnings]
+                self._last_operation[step] = answer
+
     def _remember(self, op: str, report: dict[str, Any]) -> None:
         """Keep what an in-process sleep or wake did, for a client watching from outside."""
         with self._mutex:

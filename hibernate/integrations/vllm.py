@@ -426,6 +426,7 @@ class HibernateBackend(SleepModeBackend):
         require_allocator(self._pool)
         caller = sys._getframe(1)  # vLLM's Worker.sleep: the self-checkpoint waits for it to return
         report: dict[str, Any] = {}
+        slept = False
         distributed = self._distributed_to_prepare()
         try:
             try:
@@ -438,6 +439,7 @@ class HibernateBackend(SleepModeBackend):
                 base = spill_base(self._agent.default_dir, self._environ)
                 self._pool.synchronize()
                 report.update(self._agent.sleep_here(base, QUIESCE_TIMEOUT_S, self._args))
+                slept = True
             except BaseException as exc:
                 if distributed is not None:  # the others must not wait for this worker, and learn why
                     words = exc.message if isinstance(exc, HibernateError) else str(exc)
@@ -448,6 +450,8 @@ class HibernateBackend(SleepModeBackend):
         finally:
             self._pool.sleep_notes = []
             report["warnings"] = self._pool_warnings()
+            if slept:  # a client reading this sleep from outside (hibernate sleep) sees them too
+                self._agent.add_warnings("spill", report["warnings"])
             self._state = self._settled_state()
         self.last_report = report
         if self._self_checkpoint is not None:
@@ -476,14 +480,18 @@ class HibernateBackend(SleepModeBackend):
 
         self._state = "RESUMING"
         report: dict[str, Any] = {}
+        woke = False
         try:
             self._cuda_running()  # before any device call of this wake
             self._restore_distributed()
             if self._agent.state is AgentState.ASLEEP:
                 report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
+                woke = True
             report["loose"] = self._pool.wake_loose(wanted)
         finally:
             report["warnings"] = self._pool_warnings()
+            if woke:  # a client reading this wake from outside (hibernate wake) sees them too
+                self._agent.add_warnings("restore", report["warnings"])
             self._state = self._settled_state()
         self.last_report = report
         restore = report.get("restore", {})

@@ -108,6 +108,7 @@ class ProcessWake:
     rss_before: Any
     rss_after: Any
     phases: dict[str, float]  # seconds of each step ("phases" in the JSON reports)
+    warnings: list[str] = field(default_factory=list)  # what the wake met and went past, and why
 
     @classmethod
     def from_answers(
@@ -130,6 +131,7 @@ class ProcessWake:
             rss_before=restore.get("rss_before"),
             rss_after=restore.get("rss_after"),
             phases=_step_seconds(answers),
+            warnings=list(restore.get("warnings", [])),
         )
 
     def to_wire(self) -> dict[str, Any]:
