@@ -1,4 +1,4 @@
-"""Root acting on other users' processes (issue 14, item 5): careful with their files, explicit about scope.
+"""Root acting on other users' processes: careful with their files, explicit about scope.
 
 The cases that need two users run as root against ``nobody`` and a user the
 test creates with ``useradd``; without root (or without ``useradd``) they are

@@ -1,5 +1,5 @@
 """A sleep never frees memory that its snapshot cannot bring back, and hibernate never touches
-what it did not create (issue 14: each test is a way main lost a process's memory or a file).
+what it did not create: each test is a way an earlier version lost a process's memory or a file.
 """
 
 from __future__ import annotations

@@ -773,7 +773,7 @@ def test_vllm_url_is_refused_for_several_servers_at_once(
 def test_the_wake_counts_the_workers_pools_with_their_cuda_state(
     world: World, start_server: Callable[..., FakeServer], cli: Callable[..., Any], work_dir: Path
 ) -> None:
-    """Issue 12, item 2: the pools' bytes each worker maps back (its agent's device_bytes) are needed too."""
+    """The pools' bytes each worker maps back (its agent's device_bytes) are needed too."""
     from hibernate.checkpoint.group import HEADROOM_BYTES
 
     server = start_server(workers=1)
