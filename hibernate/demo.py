@@ -59,7 +59,10 @@ DECODE_STEPS = 4
 VOCAB = 8192
 MAX_SEQ = 64
 PROBE_BYTES = 1 << 20  # each of the scratch, side and private tensors
-SPIN_CYCLES = 200_000_000  # the side stream's spin kernel before its write: about 0.1 s on a GPU
+# The side stream's spin kernel before its write: about 3 s on an H200 (1.98 GHz). It must outlast
+# what comes between ``mark`` and a sleep's spill (a CLI's start, discovery, the quiesce): a write
+# that landed before the sleep began proves nothing about the spill waiting for it.
+SPIN_CYCLES = 6_000_000_000
 
 
 def _dimensions(size_bytes: int, element_size: int) -> tuple[int, int]:
@@ -83,7 +86,9 @@ class Probes:
     queues on a side stream a spin kernel and the write of the pattern into
     ``side`` and returns without waiting: a sleep that spilled ``side`` before
     synchronizing the device would keep zeros. ``private`` is written at once.
-    ``inspect`` reads all three back.
+    ``inspect`` reads all three back, and says in what state of hibernate the
+    side write landed: only one that landed once a sleep had begun
+    (``quiesced`` or later, not ``running``) shows that the spill waited for it.
     """
 
     def __init__(self, torch: Any, device: str) -> None:
@@ -99,6 +104,8 @@ class Probes:
         self.rounds = 0
         self.background_error: str | None = None
         self.private_pool: Any = None
+        self.side_watch: threading.Thread | None = None
+        self.side_landed: dict[str, Any] | None = None
         # A private pool beside expandable segments is left out: not every torch allows the two together.
         expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if (
@@ -166,11 +173,28 @@ class Probes:
             torch.cuda.synchronize()
             source = pattern(torch, PROBE_BYTES, self.device)
             torch.cuda.synchronize()
+            landed = torch.cuda.Event()
             with torch.cuda.stream(self.stream):
                 torch.cuda._sleep(SPIN_CYCLES)
                 self.side.copy_(source)
+                landed.record(self.stream)
             source.record_stream(self.stream)
+        self.watch_side(landed)
         return {"side_stream": True, "private_pool": self.private is not None}
+
+    def watch_side(self, landed: Any) -> None:
+        """Note hibernate's state (and the seconds since ``mark``) when the side write lands."""
+        import hibernate
+
+        queued = time.perf_counter()
+        self.side_landed = None
+
+        def watch() -> None:
+            landed.synchronize()
+            self.side_landed = {"state": hibernate.state(), "seconds": round(time.perf_counter() - queued, 3)}
+
+        self.side_watch = threading.Thread(target=watch, daemon=True, name="demo-side-watch")
+        self.side_watch.start()
 
     def inspect(self) -> dict[str, Any]:
         import hibernate
@@ -180,10 +204,13 @@ class Probes:
             if self.cuda:
                 torch.cuda.synchronize()
             want = pattern(torch, PROBE_BYTES, self.device)
+            if self.side_watch is not None:
+                self.side_watch.join(60)
             return {
                 "scratch_zeroed": bool((self.scratch == 0).all()),
                 "side_kept": bool(torch.equal(self.side, want)),
                 "side_stream": self.stream is not None,
+                "side_landed": self.side_landed,
                 "private_kept": None if self.private is None else bool(torch.equal(self.private, want)),
                 "background": None
                 if self.background is None

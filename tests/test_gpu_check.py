@@ -9,12 +9,16 @@ the same output; and a section asked for that did not run fails the run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -203,12 +207,30 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
         "sleep": True, "gpu_freed": True, "pools_wrote": True, "wake": True, "pools_read_back": True,
         "same_output": True,
     }  # fmt: skip
-    assert sections["destructive"]["killed_checkpointer"]["helper_exit"] == -9
+    # The process making the driver call was killed inside it: the stand-in's cut call leaves "failed".
+    killed = sections["destructive"]["killed_checkpointer"]
+    assert killed["state_at_kill"] == "checkpointing" and not killed["call_ended_before_kill"], killed
+    assert killed["caller_exit"] == -signal.SIGKILL and killed["state_after_kill"] == {"value": "failed"}
+    assert sections["destructive"]["checks"]["killed_mid_call"]
+    # The identity GPU map as users run it: a driver sleep, a wake with --device-map GPU-x=GPU-x.
+    identity = driver["identity_map"]
+    assert (
+        identity["restored"] and identity["wake"]["exit"] == 0 and driver["checks"]["identity_map_restored"]
+    )
+    assert identity["wake"]["report"]["cuda"]["status"] == "restored", identity["wake"]["report"]["cuda"]
+    # Every cycle records its CUDA stage's time, and each driver step's, per process.
+    steps = sections["driver"]["speeds"]
+    assert steps["cuda_wake_seconds"] > 0, steps
+    assert set(steps["cuda_wake_steps"][str(document["demo"]["pid"])]) >= {"restore", "unlock"}, steps
+    assert set(steps["cuda_sleep_steps"][str(document["demo"]["pid"])]) >= {"lock", "checkpoint"}, steps
     assert document["reference_speeds"]["host_to_device"] == {"skipped": "dry run: no GPU"}
     # Every CUDA process the run started and did not end otherwise was checkpointed before it was killed.
     retired = document["retired"]
-    assert retired and all(r.get("state_after") == "checkpointed" for r in retired), retired
-    assert {r["why"] for r in retired} >= {"end of the run", "group", "vllm worker", "driver-probe"}
+    cut = [r for r in retired if r["why"] == "killed checkpointer"]  # its checkpoint cut: failed for good
+    assert [r.get("state_after") for r in cut] == ["failed"], retired
+    ended = [r for r in retired if r not in cut]
+    assert ended and all(r.get("state_after") == "checkpointed" for r in ended), retired
+    assert {r["why"] for r in retired} >= {"end of the run", "group", "vllm worker", "killed checkpointer"}
     assert document["total_seconds"] < 8 * 60
 
 
@@ -272,3 +294,97 @@ def test_a_terminated_run_checkpoints_what_it_started_before_ending_it(
     assert retired[demo]["state_after"] == "checkpointed", retired[demo]  # whatever step the stop came in
     assert retired[demo]["exit"] == -signal.SIGKILL
     assert not Path(f"/proc/{demo}").exists()
+
+
+def test_a_side_write_counts_only_if_it_landed_once_the_sleep_had_begun() -> None:
+    probes_checks = load_script().probes_checks
+    after = {"scratch_zeroed": True, "side_kept": True, "side_stream": True}
+    landed = probes_checks({**after, "side_landed": {"state": "quiesced", "seconds": 3.2}}, {}, [])
+    assert landed == {"dropped_zeroed": True, "side_kept": True, "side_in_sleep": True}
+    # Landed before the sleep began: kept whatever the spill did, so it proves nothing.
+    early = probes_checks({**after, "side_landed": {"state": "running", "seconds": 0.1}}, {}, [])
+    assert early["side_kept"] and not early["side_in_sleep"]
+    assert not probes_checks({**after, "side_landed": None}, {}, [])["side_in_sleep"]  # never landed
+    # No side stream (a CPU demo): its write is synchronous, there is nothing to judge.
+    assert "side_in_sleep" not in probes_checks({**after, "side_stream": False}, {}, [])
+
+
+def test_a_child_that_does_not_answer_is_given_up_on_at_its_deadline(tmp_path: Path) -> None:
+    """The cumem child's answers are awaited with a deadline: a child hung in a call does not hold the run."""
+    read_line = load_script().read_line
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; print('one', flush=True); sys.stdout.write('tw'); "
+         "sys.stdout.flush(); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        fd = child.stdout.fileno()
+        assert read_line(fd, time.monotonic() + 60) == "one\n"
+        started = time.monotonic()
+        assert read_line(fd, started + 1) is None  # half a line, then nothing: given up on
+        assert time.monotonic() - started < 30
+    finally:
+        child.kill()
+        child.wait()
+    assert read_line(fd, time.monotonic() + 60) is None  # it ended: no line
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_long_step_goes_on_after_the_grace(tmp_path: Path) -> None:
+    """A stop waits for the CLI step in flight a bounded while, then goes on: the run's ending (every
+    demo checkpointed, then killed) must fit before the hard stop's SIGKILL."""
+    began = tmp_path / "step-began"
+    code = (
+        "import importlib.machinery, importlib.util, os, signal, sys\n"
+        f"loader = importlib.machinery.SourceFileLoader('gpu_check', {str(SCRIPT)!r})\n"
+        "spec = importlib.util.spec_from_loader('gpu_check', loader)\n"
+        "module = importlib.util.module_from_spec(spec); loader.exec_module(module)\n"
+        "signal.signal(signal.SIGTERM, module._terminated)\n"
+        "step = [sys.executable, '-c', 'import os, sys, time; "
+        'open(sys.argv[1], "w").write(str(os.getpid())); time.sleep(300)\', sys.argv[1]]\n'
+        "try:\n"
+        "    module.cli_step(step, dict(os.environ), stop_grace=1)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(7)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(began)], cwd=REPO)
+    step_pid = 0
+    try:
+        wait_until(
+            lambda: proc.poll() is not None or (began.exists() and began.read_text() != ""),
+            60,
+            "the step to begin",
+            0.05,
+        )
+        assert proc.poll() is None, "the stopped process ended before its step began"
+        step_pid = int(began.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 7  # not the step's own 240 s
+        assert Path(f"/proc/{step_pid}").exists()  # the step, in a session of its own, is left to end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if step_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(step_pid, signal.SIGKILL)
+
+
+def test_gpu_run_stops_at_once_when_a_vendor_file_is_missing(tmp_path: Path) -> None:
+    """Without cuda-checkpoint or vLLM's cumem extension the run would miss sections: it refuses first."""
+    scripts = tmp_path / "checkout" / "scripts"
+    scripts.mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "gpu-run", scripts / "gpu-run")
+    (tmp_path / "checkout" / "vendor").mkdir()
+    (tmp_path / "checkout" / "vendor" / "cuda-checkpoint").write_text("")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
+    proc = subprocess.run([str(scripts / "gpu-run")], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert (
+        "missing vendor/cumem_allocator.abi3.so" in proc.stderr
+        and "GPU_CHECK_WITHOUT_VENDOR=1" in proc.stderr
+    )
+    assert "cuda-checkpoint" not in proc.stderr.split("(")[0]  # only what is missing is named
+    assert not out.exists()  # nothing was started

@@ -251,3 +251,40 @@ def test_the_site_pair_does_not_suspend_a_job_that_cannot_sleep(slurm: Cluster, 
 def test_resume_refuses_a_job_that_is_not_there(slurm: Cluster) -> None:
     result = slurm.run([str(SCRIPTS / "hibernate-resume"), "99999"])
     assert result.returncode != 0 and "Invalid job id" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_training_job_whose_wake_failed_part_way_sleeps_its_trainer_before_killing_it(
+    slurm: Cluster,
+) -> None:
+    """A wake that failed may have restored the trainer on some nodes: the ending sleeps it all the same."""
+    calls, wrapper = slurm.scratch / "job-calls", slurm.scratch / "hibernate-job-wake-fails"
+    # The second call (phase 1's wake) wakes every node, then reports a failure: the job ends early.
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$1" >> {calls}\n'
+        f'{SCRIPTS / "hibernate-job"} "$@" || exit\n'
+        f'[ "$(wc -l < {calls})" -ne 2 ]\n'
+    )
+    wrapper.chmod(0o755)
+    job_id, output = submit(
+        slurm,
+        "train-phases.sbatch",
+        {
+            "TRAIN_COMMAND": demo_command(slurm.scratch, "trainer-$SLURMD_NODENAME"),
+            "EVAL_COMMAND": "true",
+            "PHASES": "2",
+            "PHASE_SECONDS": "0",
+            "SNAPSHOTS": str(slurm.scratch / "snapshots"),
+            "HIBERNATE_JOB": str(wrapper),
+            "READY_TIMEOUT": "120",
+        },
+    )
+    wait_until(
+        lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 180, "the job to end", 0.1
+    )
+    assert slurm.world.job(job_id)["exit_code"] != 0
+    assert "phase 1: trainer awake" not in output.read_text()
+    assert calls.read_text().split() == ["sleep", "wake", "sleep"]  # the last: the ending's
+    for node in ("node0", "node1"):  # each trainer's second snapshot: the sleep before it was killed
+        assert list((slurm.scratch / "snapshots" / node).glob("*/snap-000002/manifest.json")), node
