@@ -12,12 +12,15 @@ journal's, a line the command prints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +141,111 @@ def test_a_group_stops_at_a_checkpoint_still_running_and_calls_nothing_over_it(
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_caller_holding_over_a_thousand_descriptors_waits_for_its_calls(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    """``serve`` holds its proxy's sockets: a pidfd numbered past 1024 is beyond select()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.dup(0))
+        checkpointer = make(checkpointer_kind, StepTimeouts())
+        checkpointer.lock(sleeper, 1000)
+        checkpointer.checkpoint(sleeper)
+        checkpointer.restore(sleeper)
+        assert world.state(sleeper) == "locked"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def interruptible() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt here, as in a terminal (not where it was ignored at start)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_a_checkpoint_leaves_it_running_and_nothing_is_called_over_it(
+    world: World, checkpointer_kind: str, sleeper: int, interruptible: None
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts(checkpoint=120, query=0.3))
+    checkpointer.lock(sleeper, 1000)
+    world.hold("checkpoint", sleeper)
+    main = threading.main_thread().ident or 0
+
+    def interrupt_once_under_way() -> None:
+        # The call begins only once its helper has been told to go, just before the wait.
+        wait_until(lambda: world.state(sleeper) == "checkpointing", 30, "the checkpoint to begin")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_under_way)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.checkpoint(sleeper)
+    finally:
+        interrupter.join()
+    world.clear_calls()
+    # What an undo does first: read the state. It must not run over the checkpoint in flight.
+    with pytest.raises(CheckpointStepError) as refused:
+        checkpointer.state(sleeper)
+    assert "which was still running, had not returned 0.3s later" in refused.value.message
+    assert "was not called over it" in refused.value.message
+    assert world.calls(("state", "restore", "unlock")) == [] and world.state(sleeper) == "checkpointing"
+    world.release("checkpoint", sleeper)
+    wait_until(lambda: world.state(sleeper) == "checkpointed", 30, "the checkpoint to end")
+    assert checkpointer.state(sleeper).value == "checkpointed"
+    (waited,) = checkpointer.waits()
+    assert "which was still running, to return" in waited
+
+
+def _pidfds_and_unlinked_files() -> set[tuple[int, str]]:
+    """This process's pidfds and open unlinked files (a helper's output), as /proc/self/fd shows them."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target == "anon_inode:[pidfd]" or target.endswith(" (deleted)"):
+                found.add((int(name), target))
+    return found
+
+
+def test_a_call_that_outlived_its_timeout_leaves_no_zombie_nor_descriptor_once_it_ends(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    """A long-lived caller (``serve``) must not keep a zombie, a pidfd or its files per such call."""
+    checkpointer = make(checkpointer_kind, StepTimeouts(checkpoint=0.2))
+    checkpointer.lock(sleeper, 1000)
+    before = _pidfds_and_unlinked_files()
+    world.hold("checkpoint", sleeper)
+    with pytest.raises(CheckpointStepError) as late:
+        checkpointer.checkpoint(sleeper)
+    running = late.value.running
+    assert running is not None and procinfo.is_alive(running.helper)
+    # Those of the call (an earlier test's may close meanwhile: they are not counted).
+    opened = _pidfds_and_unlinked_files() - before
+    assert len(opened) == 3  # its pidfd, its stdout and its stderr
+    world.release("checkpoint", sleeper)
+    wait_until(
+        lambda: (
+            world.state(sleeper) == "checkpointed"
+            and not os.path.exists(f"/proc/{running.helper.pid}")  # not even a zombie: reaped
+            and not opened & _pidfds_and_unlinked_files()
+        ),
+        30,
+        "the helper to end and be reaped, and its descriptors closed",
+        detail=lambda: (procinfo.zombie_wait_status(running.helper), opened & _pidfds_and_unlinked_files()),
+    )
 
 
 # A command whose checkpoint gives up after half a second (the CLI's own is 600 s): it exits then.

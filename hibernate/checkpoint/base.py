@@ -153,8 +153,9 @@ class Checkpointer(Protocol):
     def restore_thread_id(self, pid: int) -> int: ...
 
     def waits(self) -> list[str]:
-        """Calls that first waited for an earlier call for the same process that had timed out and was
-        still running (never overlapped), since last asked: the outcome of an undo names both."""
+        """Calls that first waited for an earlier call for the same process that was still running
+        (its wait had given up: a timeout or an interrupt; never overlapped), since last asked: the
+        outcome of an undo names both."""
         ...
 
 

@@ -116,8 +116,8 @@ class DriverCheckpointer:
                 function.restype = ctypes.c_int
                 function.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.on_detach: Callable[[DetachedCall], None] | None = None
-        # Per pid, a call that timed out and may still be running (a thread here, or a detached
-        # process): the next call for that pid waits for it (bounded) instead of overlapping it.
+        # Per pid, a call whose wait gave up (a timeout, or an interrupt) and may still be running (a
+        # thread here, or a detached process): the next call for that pid waits for it (bounded).
         self._strays = Strays()
 
     def _driver_version(self) -> int:
