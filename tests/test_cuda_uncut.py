@@ -6,8 +6,9 @@ progress (``World.hold``) whose caller dies before it ends leaves the process
 ``failed`` for good. Each call runs in a process of its own session and is
 journaled before it is waited for; the command stops waiting at the timeout and
 says so, and ``hibernate recover`` waits for the call, reads the real state and
-finishes the job. Every event is ordered by a state: the stand-in's, the
-journal's, a line the command prints.
+completes the operation from it (a sleep whose checkpoint succeeded stays
+asleep). Every event is ordered by a state: the stand-in's, the journal's, a
+line the command prints.
 """
 
 from __future__ import annotations
@@ -287,8 +288,24 @@ def journaled_calls(runtime_dir: Path) -> list[dict[str, Any]]:
     return calls
 
 
+def completes_the_sleep_then_wakes(
+    cli: Callable[..., Any], world: World, demo: Any, kind: str, reference: str | None
+) -> None:
+    """``hibernate recover`` after a sleep whose checkpoint ended checkpointed: the sleep stands."""
+    recovered = cli("recover", str(demo.pid), "--checkpointer", kind, "--json")
+    assert recovered.returncode == 0, recovered.stderr
+    assert recovered.json()["action"] == "finished the interrupted sleep"
+    status = cli("status", str(demo.pid), "--json").json()["agents"][0]
+    assert world.state(demo.pid) == "checkpointed" and status["state"] == "asleep"
+    assert status["interrupted"] is None
+    assert cli("wake", str(demo.pid), "--checkpointer", kind).returncode == 0
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    if reference is not None:
+        assert demo.infer()["digest"] == reference
+
+
 @pytest.mark.slow
-def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wakes_it(
+def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_completes_the_sleep(
     world: World,
     start_demo: Callable[..., Any],
     cli: Callable[..., Any],
@@ -310,6 +327,7 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wa
     assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
     assert "did not return within 0.5s and is still running" in command.stdout
     assert f"hibernate recover {demo.pid}" in command.stdout
+    assert "completes the sleep if every checkpoint succeeded" in command.stdout
     # The command has exited; the checkpoint it started was not cut.
     assert world.state(demo.pid) == "checkpointing"
     status = cli("status", str(demo.pid), "--json").json()["agents"][0]
@@ -318,10 +336,7 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wa
     assert running.startswith(("cuCheckpointProcessCheckpoint", "cuda-checkpoint --action checkpoint"))
     world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", checkpointer_kind)
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
-    assert demo.infer()["digest"] == reference
+    completes_the_sleep_then_wakes(cli, world, demo, checkpointer_kind, reference)
 
 
 @pytest.mark.slow
@@ -422,9 +437,7 @@ def test_recover_waits_for_a_call_still_running_no_longer_than_its_bound(
     finally:
         world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    completes_the_sleep_then_wakes(cli, world, demo, "driver", None)
 
 
 @pytest.mark.slow
@@ -455,6 +468,4 @@ def test_recover_finishing_a_sleep_journals_its_checkpoint_and_stops_at_one_stil
     finally:
         world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    completes_the_sleep_then_wakes(cli, world, demo, "driver", None)

@@ -117,7 +117,8 @@ class StillRunningError(HibernateTimeoutError):
     """A checkpoint or restore outlived its timeout and runs on: nothing else was done to the processes.
 
     It keeps the journal: ``hibernate recover`` waits for the call, reads the
-    real states and finishes the job.
+    real states, and completes the sleep or the wake from them (a sleep whose
+    checkpoint did not succeed is undone: the processes are woken).
     """
 
     keeps_journal = True
