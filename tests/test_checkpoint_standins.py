@@ -199,7 +199,7 @@ def test_restore_needs_cuinit_or_persistence_mode(world: World, sleeper: int) ->
     assert inits and inits[0][3] == "CUDA_SUCCESS"
 
 
-def test_a_step_that_hangs_is_abandoned_after_its_timeout(
+def test_a_checkpoint_that_hangs_runs_on_past_its_timeout_and_is_not_killed(
     world: World, checkpointer_kind: str, sleeper: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     world.register(sleeper)

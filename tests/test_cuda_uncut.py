@@ -6,18 +6,22 @@ progress (``World.hold``) whose caller dies before it ends leaves the process
 ``failed`` for good. Each call runs in a process of its own session and is
 journaled before it is waited for; the command stops waiting at the timeout and
 says so, and ``hibernate recover`` waits for the call, reads the real state and
-finishes the job. Every event is ordered by a state: the stand-in's, the
-journal's, a line the command prints.
+completes the operation from it (a sleep whose checkpoint succeeded stays
+asleep). Every event is ordered by a state: the stand-in's, the journal's, a
+line the command prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -140,6 +144,111 @@ def test_a_group_stops_at_a_checkpoint_still_running_and_calls_nothing_over_it(
         other.wait()
 
 
+def test_a_caller_holding_over_a_thousand_descriptors_waits_for_its_calls(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    """``serve`` holds its proxy's sockets: a pidfd numbered past 1024 is beyond select()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.dup(0))
+        checkpointer = make(checkpointer_kind, StepTimeouts())
+        checkpointer.lock(sleeper, 1000)
+        checkpointer.checkpoint(sleeper)
+        checkpointer.restore(sleeper)
+        assert world.state(sleeper) == "locked"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def interruptible() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt here, as in a terminal (not where it was ignored at start)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_a_checkpoint_leaves_it_running_and_nothing_is_called_over_it(
+    world: World, checkpointer_kind: str, sleeper: int, interruptible: None
+) -> None:
+    checkpointer = make(checkpointer_kind, StepTimeouts(checkpoint=120, query=0.3))
+    checkpointer.lock(sleeper, 1000)
+    world.hold("checkpoint", sleeper)
+    main = threading.main_thread().ident or 0
+
+    def interrupt_once_under_way() -> None:
+        # The call begins only once its helper has been told to go, just before the wait.
+        wait_until(lambda: world.state(sleeper) == "checkpointing", 30, "the checkpoint to begin")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_under_way)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.checkpoint(sleeper)
+    finally:
+        interrupter.join()
+    world.clear_calls()
+    # What an undo does first: read the state. It must not run over the checkpoint in flight.
+    with pytest.raises(CheckpointStepError) as refused:
+        checkpointer.state(sleeper)
+    assert "which was still running, had not returned 0.3s later" in refused.value.message
+    assert "was not called over it" in refused.value.message
+    assert world.calls(("state", "restore", "unlock")) == [] and world.state(sleeper) == "checkpointing"
+    world.release("checkpoint", sleeper)
+    wait_until(lambda: world.state(sleeper) == "checkpointed", 30, "the checkpoint to end")
+    assert checkpointer.state(sleeper).value == "checkpointed"
+    (waited,) = checkpointer.waits()
+    assert "which was still running, to return" in waited
+
+
+def _pidfds_and_unlinked_files() -> set[tuple[int, str]]:
+    """This process's pidfds and open unlinked files (a helper's output), as /proc/self/fd shows them."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target == "anon_inode:[pidfd]" or target.endswith(" (deleted)"):
+                found.add((int(name), target))
+    return found
+
+
+def test_a_call_that_outlived_its_timeout_leaves_no_zombie_nor_descriptor_once_it_ends(
+    world: World, checkpointer_kind: str, sleeper: int
+) -> None:
+    """A long-lived caller (``serve``) must not keep a zombie, a pidfd or its files per such call."""
+    checkpointer = make(checkpointer_kind, StepTimeouts(checkpoint=0.2))
+    checkpointer.lock(sleeper, 1000)
+    before = _pidfds_and_unlinked_files()
+    world.hold("checkpoint", sleeper)
+    with pytest.raises(CheckpointStepError) as late:
+        checkpointer.checkpoint(sleeper)
+    running = late.value.running
+    assert running is not None and procinfo.is_alive(running.helper)
+    # Those of the call (an earlier test's may close meanwhile: they are not counted).
+    opened = _pidfds_and_unlinked_files() - before
+    assert len(opened) == 3  # its pidfd, its stdout and its stderr
+    world.release("checkpoint", sleeper)
+    wait_until(
+        lambda: (
+            world.state(sleeper) == "checkpointed"
+            and not os.path.exists(f"/proc/{running.helper.pid}")  # not even a zombie: reaped
+            and not opened & _pidfds_and_unlinked_files()
+        ),
+        30,
+        "the helper to end and be reaped, and its descriptors closed",
+        detail=lambda: (procinfo.zombie_wait_status(running.helper), opened & _pidfds_and_unlinked_files()),
+    )
+
+
 # A command whose checkpoint gives up after half a second (the CLI's own is 600 s): it exits then.
 SLEEP_COMMAND = textwrap.dedent(
     """
@@ -179,8 +288,24 @@ def journaled_calls(runtime_dir: Path) -> list[dict[str, Any]]:
     return calls
 
 
+def completes_the_sleep_then_wakes(
+    cli: Callable[..., Any], world: World, demo: Any, kind: str, reference: str | None
+) -> None:
+    """``hibernate recover`` after a sleep whose checkpoint ended checkpointed: the sleep stands."""
+    recovered = cli("recover", str(demo.pid), "--checkpointer", kind, "--json")
+    assert recovered.returncode == 0, recovered.stderr
+    assert recovered.json()["action"] == "finished the interrupted sleep"
+    status = cli("status", str(demo.pid), "--json").json()["agents"][0]
+    assert world.state(demo.pid) == "checkpointed" and status["state"] == "asleep"
+    assert status["interrupted"] is None
+    assert cli("wake", str(demo.pid), "--checkpointer", kind).returncode == 0
+    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    if reference is not None:
+        assert demo.infer()["digest"] == reference
+
+
 @pytest.mark.slow
-def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wakes_it(
+def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_completes_the_sleep(
     world: World,
     start_demo: Callable[..., Any],
     cli: Callable[..., Any],
@@ -202,6 +327,7 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wa
     assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
     assert "did not return within 0.5s and is still running" in command.stdout
     assert f"hibernate recover {demo.pid}" in command.stdout
+    assert "completes the sleep if every checkpoint succeeded" in command.stdout
     # The command has exited; the checkpoint it started was not cut.
     assert world.state(demo.pid) == "checkpointing"
     status = cli("status", str(demo.pid), "--json").json()["agents"][0]
@@ -210,10 +336,7 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_wa
     assert running.startswith(("cuCheckpointProcessCheckpoint", "cuda-checkpoint --action checkpoint"))
     world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", checkpointer_kind)
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
-    assert demo.infer()["digest"] == reference
+    completes_the_sleep_then_wakes(cli, world, demo, checkpointer_kind, reference)
 
 
 @pytest.mark.slow
@@ -314,9 +437,7 @@ def test_recover_waits_for_a_call_still_running_no_longer_than_its_bound(
     finally:
         world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    completes_the_sleep_then_wakes(cli, world, demo, "driver", None)
 
 
 @pytest.mark.slow
@@ -347,6 +468,4 @@ def test_recover_finishing_a_sleep_journals_its_checkpoint_and_stops_at_one_stil
     finally:
         world.release("checkpoint", demo.pid)
     wait_until(lambda: world.state(demo.pid) == "checkpointed", 30, "the checkpoint to end")
-    recovered = cli("recover", str(demo.pid), "--checkpointer", "driver")
-    assert recovered.returncode == 0, recovered.stderr
-    assert world.state(demo.pid) == "running" and agent_state(cli, demo.pid) == "running"
+    completes_the_sleep_then_wakes(cli, world, demo, "driver", None)

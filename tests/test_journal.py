@@ -15,6 +15,8 @@ from hibernate import procinfo
 from hibernate.checkpoint.base import DetachedCall
 from hibernate.errors import BusyError
 from hibernate.operation.journal import Entry, Journal, TargetLock, parse_entry
+from hibernate.operation.ledger import Ledger
+from hibernate.operation.targets import AgentRef
 from tests.conftest import REPO
 
 
@@ -150,3 +152,35 @@ def test_the_lock_is_released_when_its_holder_is_killed(runtime_dir: Path) -> No
     lock = TargetLock(runtime_dir, ident)
     lock.acquire("me")
     lock.release()
+
+
+def test_an_operation_ended_by_an_interrupt_keeps_the_entry_of_a_call_still_running(
+    runtime_dir: Path,
+) -> None:
+    """A second Ctrl-C in an undo (any error not a HibernateError) must not drop a call never cut."""
+    helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        identity = procinfo.identity(helper.pid)
+        assert identity is not None
+        ref = AgentRef(this_process(), runtime_dir / "agent.sock", {})
+        call = DetachedCall(ref.pid, "checkpoint", "cuCheckpointProcessCheckpoint", identity)
+        ledger = Ledger("sleep", [ref])
+        ledger.lock()
+        ledger.record(None, [], "driver")
+        ledger.journal_call(call)
+        with pytest.raises(KeyboardInterrupt), ledger.concluding():
+            raise KeyboardInterrupt
+        kept = Journal(runtime_dir).load(this_process())
+        assert kept is not None and kept.calls == [call]
+        assert TargetLock(runtime_dir, this_process()).holder() is None  # only the locks went
+    finally:
+        assert helper.stdin is not None
+        helper.stdin.close()
+        helper.wait()
+    # Once the call has returned, the same end leaves nothing behind.
+    later = Ledger("sleep", [ref])
+    later.lock()
+    later.adopt()
+    with pytest.raises(KeyboardInterrupt), later.concluding():
+        raise KeyboardInterrupt
+    assert Journal(runtime_dir).load(this_process()) is None

@@ -117,7 +117,8 @@ class StillRunningError(HibernateTimeoutError):
     """A checkpoint or restore outlived its timeout and runs on: nothing else was done to the processes.
 
     It keeps the journal: ``hibernate recover`` waits for the call, reads the
-    real states and finishes the job.
+    real states, and completes the sleep or the wake from them (a sleep whose
+    checkpoint did not succeed is undone: the processes are woken).
     """
 
     keeps_journal = True
@@ -153,8 +154,9 @@ class Checkpointer(Protocol):
     def restore_thread_id(self, pid: int) -> int: ...
 
     def waits(self) -> list[str]:
-        """Calls that first waited for an earlier call for the same process that had timed out and was
-        still running (never overlapped), since last asked: the outcome of an undo names both."""
+        """Calls that first waited for an earlier call for the same process that was still running
+        (its wait had given up: a timeout or an interrupt; never overlapped), since last asked: the
+        outcome of an undo names both."""
         ...
 
 

@@ -195,8 +195,9 @@ class BinaryCheckpointer:
             )
         except CannotStart as exc:
             raise BinaryUnavailable(f"cannot run {self.path}: {exc.strerror}") from None
+        # A stray before the wait, as a Ctrl-C inside it leaves the run going: the undo's calls wait for it.
+        self._strays.add(pid, run.name, run.wait, lambda: f"exit status {run.returncode}")
         if not run.wait(limit):
-            self._strays.add(pid, run.name, run.wait, lambda: f"exit status {run.returncode}")
             if step in UNCUT_STEPS:
                 raise still_running(run.call, limit, "cuda-checkpoint")
             raise CheckpointStepError(
@@ -211,6 +212,7 @@ class BinaryCheckpointer:
                 how="cuda-checkpoint",
                 timed_out=True,
             )
+        self._strays.discard(pid, run.name)
         stdout, stderr = run.output()
         assert run.returncode is not None
         return Run(run.returncode, stdout, stderr)

@@ -17,14 +17,17 @@ call until it has read ``go``, written only once that is done
 (:mod:`hibernate.checkpoint.driver_call`, whose ``--exec`` puts the same gate
 in front of ``cuda-checkpoint``).
 
-:class:`Strays` keeps, per target, a call that outlived its timeout within
-this command: the next call for that target waits for it (bounded) instead of
-overlapping it, and says so.
+:class:`Strays` keeps, per target, a call still running whose wait gave up
+within this command (its timeout, or a Ctrl-C inside the wait): the next call
+for that target waits for it (bounded) instead of overlapping it, and says so.
+Once a wait gives up, a daemon thread reaps the process when it ends, so that
+a long-lived caller keeps no zombie and no descriptor behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import subprocess
@@ -94,6 +97,8 @@ class Detached:
             self._close()
             raise
         self._pidfd: int | None = None
+        self._reaper: threading.Thread | None = None  # reaps it once a wait has given up
+        self._ended = threading.Event()  # set by the reaper
         with contextlib.suppress(AttributeError, OSError):  # Linux 5.3+; Popen.wait polls otherwise
             self._pidfd = os.pidfd_open(self.proc.pid)
         helper = procinfo.identity(self.proc.pid) or ProcessIdentity(self.proc.pid, 0)
@@ -119,32 +124,68 @@ class Detached:
             stdin.close()
 
     def wait(self, timeout: float | None) -> bool:
-        """Whether it has exited within ``timeout`` seconds (None: wait for ever). It is never killed."""
+        """Whether it has exited within ``timeout`` seconds (None: wait for ever). It is never killed.
+
+        Once a wait has given up (its timeout, or an exception such as a Ctrl-C
+        raised inside it), a daemon thread reaps the process when it ends and
+        lets go of its pidfd and files, so that a long-lived caller (``serve``)
+        keeps neither a zombie nor a descriptor per call; later waits wait for
+        that thread.
+        """
+        if self._reaper is not None:
+            return self._ended.wait(timeout)
+        try:
+            exited = self._wait_here(timeout)
+        except BaseException:
+            self._hand_to_reaper()
+            raise
+        if not exited:
+            self._hand_to_reaper()
+            return False
+        self._settle()
+        return True
+
+    def _wait_here(self, timeout: float | None) -> bool:
         if self.proc.returncode is None and self._pidfd is not None:
-            # Woken the moment it exits (Popen.wait with a timeout polls, up to 50 ms late).
-            readable, _, _ = select.select([self._pidfd], [], [], timeout)
-            if not readable:
+            # Woken the moment it exits (Popen.wait with a timeout polls, up to 50 ms late). poll, not
+            # select: a caller holding over 1024 descriptors gets a pidfd that select cannot take.
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            if not poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))):
                 return False
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return False
-        self._close_pidfd()
         return True
+
+    def _hand_to_reaper(self) -> None:
+        self._reaper = threading.Thread(target=self._reap, name=f"reap {self.name}", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        self.proc.wait()
+        self._settle()
+        self._ended.set()
+
+    def _settle(self) -> None:
+        """It has exited and been reaped: keep its output, let go of its pidfd and files."""
+        texts = []
+        for stream in (self._stdout, self._stderr):
+            stream.seek(0)
+            texts.append(stream.read().decode("utf-8", "replace"))
+        self._output = (texts[0], texts[1])
+        self._close_pidfd()
+        self._close()
 
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode
 
     def output(self) -> tuple[str, str]:
-        """Its stdout and stderr, once it has exited."""
+        """Its stdout and stderr, once :meth:`wait` has said it exited."""
         if self._output is None:
-            texts = []
-            for stream in (self._stdout, self._stderr):
-                stream.seek(0)
-                texts.append(stream.read().decode("utf-8", "replace"))
-            self._close()
-            self._output = (texts[0], texts[1])
+            raise RuntimeError(f"{self.name} has not been waited for to its end")
         return self._output
 
     def _close_pidfd(self) -> None:
@@ -166,7 +207,11 @@ class _Stray:
 
 
 class Strays:
-    """Per target pid, a call that timed out and may still be running: later calls wait for it first."""
+    """Per target pid, a call that may still be running: later calls for that pid wait for it first.
+
+    A call is added before it is waited for, and discarded once it has returned to
+    its caller: one whose wait gave up (its timeout, or a Ctrl-C inside it) stays.
+    """
 
     def __init__(self) -> None:
         self._by_pid: dict[int, _Stray] = {}
@@ -187,7 +232,7 @@ class Strays:
                 del self._by_pid[pid]
 
     def settle(self, pid: int, step: str, function_name: str, bound: float) -> None:
-        """Wait (at most ``bound`` seconds) for a timed-out call for ``pid`` still running: never overlap."""
+        """Wait (at most ``bound`` seconds) for a call for ``pid`` still running: never overlap."""
         with self._lock:
             stray = self._by_pid.get(pid)
         if stray is None:
@@ -200,7 +245,7 @@ class Strays:
                 CuError(
                     None,
                     "not called",
-                    f"{stray.name}, which had timed out, was still running {bound:g}s later; "
+                    f"{stray.name}, which was still running, had not returned {bound:g}s later; "
                     f"{function_name}({pid}) was not called over it",
                 ),
                 how=function_name,
@@ -211,7 +256,7 @@ class Strays:
             if self._by_pid.get(pid) is stray:
                 del self._by_pid[pid]
             self._waits.append(
-                f"{function_name}({pid}) waited {waited:.1f}s for {stray.name}, which had timed out, "
+                f"{function_name}({pid}) waited {waited:.1f}s for {stray.name}, which was still running, "
                 f"to return ({stray.outcome()})"
             )
 

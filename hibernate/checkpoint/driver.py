@@ -1,8 +1,13 @@
-"""The CUDA driver's checkpoint API, called in-process through ctypes on ``libcuda.so.1``.
+"""The CUDA driver's checkpoint API, called through ctypes on ``libcuda.so.1``.
 
-Preferred over the ``cuda-checkpoint`` binary: no process start-up per step
-(NVIDIA Dynamo measured restore+unlock 8.57 s with the CLI, 1.32 s with a
-persistent caller) and the exact CUresult of every failure. The entry points
+Preferred over the ``cuda-checkpoint`` binary for the exact CUresult of every
+failure, and for lock, unlock and the queries, made in this process without
+starting one. Checkpoint and restore are not (below): each starts a helper
+process, 12-15 ms a call on a 2-core machine with the stand-in driver
+(``scripts/bench-detached``), and the restore's helper calls ``cuInit(0)``
+itself: one driver initialization per restore, not measured on a GPU node
+(NVIDIA Dynamo measured restore+unlock at 8.57 s from the CLI, a process per
+step, against 1.32 s from a persistent caller). The entry points
 exist from CUDA 12.8 (driver 570); the GPU remapping on restore from 13.0
 (driver 580). Calling them creates no CUDA context in this process, so it
 takes no GPU memory; ``cuInit(0)`` (needed before a restore unless persistence
@@ -116,8 +121,8 @@ class DriverCheckpointer:
                 function.restype = ctypes.c_int
                 function.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.on_detach: Callable[[DetachedCall], None] | None = None
-        # Per pid, a call that timed out and may still be running (a thread here, or a detached
-        # process): the next call for that pid waits for it (bounded) instead of overlapping it.
+        # Per pid, a call whose wait gave up (a timeout, or an interrupt) and may still be running (a
+        # thread here, or a detached process): the next call for that pid waits for it (bounded).
         self._strays = Strays()
 
     def _driver_version(self) -> int:

@@ -257,8 +257,15 @@ def classify(error: CheckpointStepError, suffix: str = "") -> HibernateError:
     )
 
 
-def stop_if_running(errors: Sequence[CheckpointStepError], done: Sequence[int]) -> None:
-    """Raise StillRunningError if a call among ``errors`` runs on: nothing may act on the group now."""
+SLEEP_RECOVERY = "completes the sleep if every checkpoint succeeded, or else wakes the processes"
+WAKE_RECOVERY = "finishes the wake from the state the call left"
+
+
+def stop_if_running(errors: Sequence[CheckpointStepError], done: Sequence[int], recovery: str) -> None:
+    """Raise StillRunningError if a call among ``errors`` runs on: nothing may act on the group now.
+
+    ``recovery`` says what ``hibernate recover`` will do once the call has returned.
+    """
     running = [error for error in errors if error.running is not None]
     if not running:
         return
@@ -271,8 +278,7 @@ def stop_if_running(errors: Sequence[CheckpointStepError], done: Sequence[int]) 
         + also
         + finished
         + "; nothing more was done to any process, so as not to act on one in the middle of a driver call",
-        hint=f"`hibernate recover {' '.join(map(str, pids))}` waits for the call to return, reads the "
-        "state it left and finishes the job",
+        hint=f"`hibernate recover {' '.join(map(str, pids))}` waits for the call to return, then {recovery}",
     )
 
 
@@ -456,7 +462,7 @@ class GroupCheckpoint:
                 running = [error.pid for error in errors if error.running is not None]
                 if running:  # what ends checkpointed is woken later: its wake checks memory by these records
                     self._remember(tracked, [*done, *running])
-                stop_if_running(errors, done)
+                stop_if_running(errors, done, SLEEP_RECOVERY)
                 if errors:
                     break
                 self.after_step(step)
@@ -579,7 +585,7 @@ class GroupCheckpoint:
             memory = self.memory_check(tracked, plan.restore)
             refuse_without_room(memory, self.force)
         restored, errors = self._run("restore", tracked, plan.restore)
-        stop_if_running(errors, restored)
+        stop_if_running(errors, restored, WAKE_RECOVERY)
         if errors:
             self._rewind(tracked, restored, errors)
         if plan.restore:

@@ -125,6 +125,27 @@ class CudaStage:
         check_sleepable(found.holders)
         self._require_nccl_settings([h.pid for h in found.holders])
 
+    def checkpointed_already(self, processes: Sequence[int]) -> dict[str, Any] | None:
+        """The report of a CUDA stage already done: every holder found CUDA-checkpointed; else None.
+
+        What a sleep leaves when its checkpoint outlived its timeout (never cut) and then
+        completed: finishing that sleep has nothing left to call.
+        """
+        checkpointer = None if self.pools_only else self.checkpointer
+        if checkpointer is None:
+            return None
+        found = self.survey(processes)
+        if not found.holders or any(h.state is not CudaState.CHECKPOINTED for h in found.holders):
+            return None
+        self.slept = True
+        return self._with_skipped(
+            {
+                "status": "checkpointed (already, by the interrupted sleep)",
+                "checkpointer": checkpointer.describe(),
+                "processes": [{"pid": h.pid, "state": "checkpointed", "steps": {}} for h in found.holders],
+            }
+        )
+
     def _require_nccl_settings(self, pids: Sequence[int]) -> None:
         """Refuse a sleep of several CUDA processes that may share CUDA IPC memory (unless --force)."""
         if self.options.force:

@@ -20,6 +20,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.agent.paths import runtime_dir
 from hibernate.checkpoint.base import StillRunningError
+from hibernate.checkpoint.group import SLEEP_RECOVERY, WAKE_RECOVERY
 from hibernate.errors import BusyError, HibernateError, StorageError, UsageError, WrongStateError
 from hibernate.fsutil import ensure_private_dir, open_private_dir
 from hibernate.operation import cuda as cuda_stage
@@ -181,10 +182,8 @@ class Operation:
             yield
         except StillRunningError as exc:
             pids = " ".join(str(ref.pid) for ref in self.ledger.refs)
-            exc.hint = (
-                f"`hibernate recover {pids}` waits for the call to return, reads the state it left and "
-                "finishes the job"
-            )
+            recovery = SLEEP_RECOVERY if self.ctx.op == "sleep" else WAKE_RECOVERY
+            exc.hint = f"`hibernate recover {pids}` waits for the call to return, then {recovery}"
             raise
 
     def steps(
@@ -368,13 +367,19 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
 
 
 def _finish_sleep(units: Sequence[Unit], options: Options, sink: ProgressSink) -> SleepReport:
-    """The CUDA stage of a sleep whose units are all asleep already."""
+    """The CUDA stage of a sleep whose units are all asleep already (nothing to call if every holder
+    is CUDA-checkpointed: a checkpoint that outlived the sleep's command and then completed)."""
     started = time.perf_counter()
     operation = Operation(Context("sleep", options, sink), units)
     with operation.held():
         operation.ledger.adopt()  # the interrupted sleep's entries: its marks, and the calls this adds
-        operation.cuda.require(_processes(units))  # refuses holders that are not all running
-        run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)
+        done = operation.cuda.checkpointed_already(_processes(units))
+        if done is not None:  # its checkpoint outlived the command, then completed: the sleep is whole
+            operation.cuda_report = done
+            operation.ledger.passed("cuda")
+        else:
+            operation.cuda.require(_processes(units))  # refuses holders that are not all running
+            run_steps(operation.steps(SLEEP_CLOSING), operation.ledger, sink)
     return SleepReport(None, time.perf_counter() - started, [], operation.cuda_report)
 
 

@@ -148,9 +148,18 @@ class Ledger:
             faults.point(f"{self.op}.during-{step}")
 
     def finish(self) -> None:
-        """Done, or cleanly undone: nothing to recover; earlier entries of these processes go too."""
+        """Done, or cleanly undone: nothing to recover; earlier entries of these processes go too.
+
+        Except an entry that names a checkpoint or restore still running: an operation ended by
+        something else than a HibernateError (a second Ctrl-C during an undo, an OSError, a bug)
+        may leave one behind, never cut. Its entry stays, so that ``hibernate status`` shows it and
+        the next command waits for it; only the locks go.
+        """
         for ref in self.refs:
-            Journal(ref.socket.parent, _owner(ref)).remove(ref.identity)
+            journal = Journal(ref.socket.parent, _owner(ref))
+            entry = journal.load(ref.identity)
+            if entry is None or not any(procinfo.is_alive(call.helper) for call in entry.calls):
+                journal.remove(ref.identity)
         self._entries.clear()
         self.release()
 
@@ -160,7 +169,8 @@ class Ledger:
 
         Success and a clean undo leave nothing to recover (``finish``); an
         error that ``keeps_journal`` keeps the entries for ``hibernate
-        recover`` and only lets go of the locks.
+        recover`` and only lets go of the locks, and so does any other end
+        with a journaled call still running.
         """
         try:
             yield
