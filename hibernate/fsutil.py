@@ -207,19 +207,22 @@ def open_existing_dir(path: Path) -> int:
     """
     parent_fd, leaf = _walk_to_parent(Path(path), create=False, owner_uid=None)
     try:
-        return open_dir(leaf, dir_fd=parent_fd)
+        return open_dir(leaf, dir_fd=parent_fd, shown=path)
     finally:
         os.close(parent_fd)
 
 
-def open_dir(path: Path | str, *, dir_fd: int | None = None) -> int:
-    """Open a directory without following a symlink at its last component."""
+def open_dir(path: Path | str, *, dir_fd: int | None = None, shown: Path | str | None = None) -> int:
+    """Open a directory without following a symlink at its last component.
+
+    ``shown`` is what an error names where ``path`` is relative to ``dir_fd``.
+    """
     try:
         return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise PermissionDeniedError(
-                f"{path} is a symbolic link or not a directory; refusing to follow it"
+                f"{shown or path} is a symbolic link or not a directory; refusing to follow it"
             ) from exc
         raise
 
