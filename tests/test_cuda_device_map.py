@@ -1,4 +1,4 @@
-"""``hibernate wake --device-map OLD=NEW`` restores onto other GPUs (issue 12, item 5).
+"""``hibernate wake --device-map OLD=NEW`` restores onto other GPUs.
 
 The map reaches the driver API's ``CUcheckpointRestoreArgs.gpuPairs`` and the
 binary's ``--action restore --device-map`` (then ``--action unlock``): the

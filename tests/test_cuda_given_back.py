@@ -1,4 +1,4 @@
-"""Reports say what each sleep really gave back per GPU, beside the tracked bytes (issue 12, item 3).
+"""Reports say what each sleep really gave back per GPU, beside the tracked bytes.
 
 NVML's ``used`` of the whole GPU before and after the sleep is the witness
 that works in containers too; per process where NVML lists the pid.

@@ -1,4 +1,4 @@
-"""hibernate's own helper processes are never CUDA holders of the server they serve (issue 12, item 7).
+"""hibernate's own helper processes are never CUDA holders of the server they serve.
 
 A vLLM worker with HIBERNATE_SELF_CHECKPOINT=1 keeps a helper child that loads
 libcuda; on a real driver its ``cuInit`` opens the NVIDIA device files and the

@@ -1,4 +1,4 @@
-"""The wake's free-memory check cannot pass silently (issue 12, item 2).
+"""The wake's free-memory check cannot pass silently.
 
 Each GPU must hold what comes back: the CUDA state (the drop of the GPU's
 ``used`` memory between the sleep's lock and checkpoint, kept in each
