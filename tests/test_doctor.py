@@ -49,7 +49,7 @@ def test_doctor_on_a_machine_without_a_gpu(cli: Callable[..., Any], tmp_path: Pa
     assert {c["status"] for c in found.values()} <= {"ok", "warn"}
     human = cli("doctor", env=no_driver_env(tmp_path))
     assert human.returncode == 0 and "verdict: ready" in human.stdout
-    assert "fix: install the NVIDIA driver, 570 or newer" in human.stdout
+    assert "fix: install the NVIDIA driver, 580 or newer" in human.stdout
 
 
 def test_doctor_says_whether_chunks_are_handled_in_c(cli: Callable[..., Any], tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ class Doctor:
                 "driver",
                 WARN,
                 f"no NVIDIA driver here ({d['path']} cannot be loaded): only host memory can be hibernated",
-                "install the NVIDIA driver, 570 or newer, to hibernate CUDA processes",
+                "install the NVIDIA driver, 580 or newer (570 and 575 with cuda-checkpoint), to hibernate CUDA processes",
                 path=d["path"],
             )
             return
@@ -170,7 +170,7 @@ class Doctor:
                 "driver",
                 WARN,
                 f"{version}: no checkpoint driver API (it needs CUDA 12.8, driver 570)",
-                "upgrade the NVIDIA driver to 570 or newer (580 to restore onto other GPUs)",
+                "upgrade the NVIDIA driver to 580 or newer (570 and 575 with cuda-checkpoint)",
                 driver=d,
             )
             return
@@ -244,7 +244,7 @@ class Doctor:
                 "none: a process holding CUDA state cannot be hibernated here ("
                 + "; ".join(passed_over)
                 + ")",
-                "install an NVIDIA driver >= 570 (driver API) or cuda-checkpoint",
+                "install an NVIDIA driver >= 580 (driver API) or cuda-checkpoint",
             )
             return
         how = (
