@@ -84,9 +84,9 @@ class Worker:
         # What `import vllm.device_allocator.cumem` gives a real worker.
         sys.modules[MODULE_NAME] = make_module(self.reservations, FakeCudaRT(cudart))
         # And vllm.distributed.parallel_state, with its world and its checkpoint collectives.
-        self.world, with_checkpoint = vllm_parallel_state.from_environment()
+        self.world, with_checkpoint, engine_size = vllm_parallel_state.from_environment()
         sys.modules[vllm_parallel_state.MODULE_NAME] = vllm_parallel_state.make_module(
-            self.world, with_checkpoint
+            self.world, with_checkpoint, engine_size
         )
         for index, (tag, size) in enumerate(layout(total_mb)):
             address = self.allocator.allocate(size, tag)
