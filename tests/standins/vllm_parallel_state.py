@@ -25,6 +25,14 @@ torn down before the driver's checkpoint and built again after its restore.
 A worker whose workspaces are torn down refuses a second prepare, and one
 whose workspaces are up refuses a restore, as the real ones would fail.
 
+``suspend_device_comms()`` and ``resume_device_comms()`` are what vLLM's
+``Worker.sleep`` / ``Worker.wake_up`` call after / before the backend with
+``--enable-nccl-comm-suspend``: collectives that take the same FlashInfer
+workspaces down and up (and suspend NCCL), logged as ``vllm-comm-suspend`` and
+``vllm-comm-resume``; they refuse workspaces already down or already up as
+``checkpoint_*`` does. A fault point ``standin.suspend_device_comms``
+(``HIBERNATE_FAULT``) after its collective makes one worker's fail.
+
 ``STANDIN_VLLM_DISTRIBUTED_CHECKPOINT=0`` makes the module of an older vLLM.
 """
 
@@ -41,12 +49,16 @@ from typing import Any
 
 import torch
 
+from hibernate import faults
+
 MODULE_NAME = "vllm.distributed.parallel_state"
 COLLECTIVE_DIR_ENV = "STANDIN_VLLM_COLLECTIVE_DIR"
 WITH_CHECKPOINT_ENV = "STANDIN_VLLM_DISTRIBUTED_CHECKPOINT"
 ENGINE_SIZE_ENV = "STANDIN_VLLM_ENGINE_SIZE"  # workers of one engine; default the whole world
 COLLECTIVE_TIMEOUT_S = 60.0  # how long a collective without a timeout stands in for "forever"
 PREPARE_STEP, RESTORE_STEP = "vllm-prepare", "vllm-restore"
+COMM_SUSPEND_STEP, COMM_RESUME_STEP = "vllm-comm-suspend", "vllm-comm-resume"
+COMM_SUSPEND_FAULT = "standin.suspend_device_comms"
 
 
 class StandInCollectiveError(RuntimeError):
@@ -126,6 +138,21 @@ class World:
         self.workspaces_up = True
         self.log(RESTORE_STEP)
 
+    def suspend_comms(self) -> None:
+        if not self.workspaces_up:
+            raise RuntimeError("suspend_device_comms: the workspaces are already torn down")
+        self.barrier(COMM_SUSPEND_STEP)
+        self.workspaces_up = False
+        self.log(COMM_SUSPEND_STEP)
+        faults.point(COMM_SUSPEND_FAULT)
+
+    def resume_comms(self) -> None:
+        if self.workspaces_up:
+            raise RuntimeError("resume_device_comms: nothing was torn down")
+        self.barrier(COMM_RESUME_STEP)
+        self.workspaces_up = True
+        self.log(COMM_RESUME_STEP)
+
 
 def cpu_all_reduce_(tensor: torch.Tensor, group: World, timeout: timedelta | None = None) -> torch.Tensor:
     """vLLM's ``vllm.distributed.utils.cpu_all_reduce_``: an in-place SUM over every rank of ``group``."""
@@ -144,6 +171,8 @@ def make_module(
     module._PP = Group(1)  # type: ignore[attr-defined]
     module._PCP = Group(1)  # type: ignore[attr-defined]
     module.cpu_all_reduce_ = cpu_all_reduce_  # type: ignore[attr-defined]
+    module.suspend_device_comms = world.suspend_comms  # type: ignore[attr-defined]
+    module.resume_device_comms = world.resume_comms  # type: ignore[attr-defined]
     if with_checkpoint:
         module.checkpoint_prepare_distributed_state = world.prepare  # type: ignore[attr-defined]
         module.checkpoint_restore_distributed_state = world.restore  # type: ignore[attr-defined]
