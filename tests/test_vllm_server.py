@@ -32,6 +32,7 @@ import pytest
 
 from hibernate import faults, orchestrator, procinfo
 from hibernate.agent.client import AgentClient
+from hibernate.checkpoint.nccl import VLLM_SAFE
 from hibernate.errors import ExitCode
 from hibernate.flows.vllm import VllmServerUnit
 from hibernate.integrations.vllm import PREPARED_REFUSAL
@@ -152,6 +153,7 @@ def start_server(
                 "HIBERNATE_BUFFER_MB": "8",
                 "HIBERNATE_CHUNK_MB": "2",
                 "VLLM_SERVER_DEV_MODE": "1" if dev else "0",
+                **VLLM_SAFE,  # as a multi-GPU server must run for a checkpoint (the refusal says so)
                 **(env or {}),
             }
         )

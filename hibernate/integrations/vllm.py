@@ -33,12 +33,18 @@ How it is wired:
 
 With more than one GPU (a world of several workers), vLLM's all-reduce and
 all-to-all workspaces live in memory shared across processes (CUDA IPC,
-multicast), which no CUDA checkpoint can take. vLLM 0.33 tears them down with
-``checkpoint_prepare_distributed_state()`` and builds them again with
-``checkpoint_restore_distributed_state()``, both collectives: the backend
+multicast), which no CUDA checkpoint can take. vLLM 0.33 tears FlashInfer's
+down with ``checkpoint_prepare_distributed_state()`` and builds them again
+with ``checkpoint_restore_distributed_state()``, both collectives: the backend
 calls the first at the end of ``suspend`` and the second in ``resume`` right
-after the CUDA state is back, where every worker is inside the same call.
-An older vLLM has neither: the sleep says so in its warnings and goes on.
+after the CUDA state is back, where every worker is inside the same call
+(with ``--enable-nccl-comm-suspend`` vLLM's own sleep and wake do it, and the
+backend leaves it to them). The workers vote, with a bounded wait, wherever
+one's failure must stop the others (see :class:`DistributedCheckpoint`);
+while the workspaces are down the agent refuses a client's restore, since
+only vLLM's wake rebuilds them. A world wider than one engine (data
+parallelism) is refused. An older vLLM has neither function: the sleep says
+so in its warnings and goes on.
 
 Where the spill goes: the directory a hibernate client configured on the
 agent, else ``$HIBERNATE_DIR``, else ``$XDG_CACHE_HOME/hibernate`` (default

@@ -382,7 +382,8 @@ def main() -> None:
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--sleep-mode-backend", default="cumem")
     parser.add_argument("--served-model-name", default="standin")
-    parser.add_argument("--enable-nccl-comm-suspend", action="store_true")
+    # vLLM's parser takes a flag spelt with "_" as well as "-".
+    parser.add_argument("--enable-nccl-comm-suspend", "--enable_nccl_comm_suspend", action="store_true")
     parser.add_argument("--disable-custom-all-reduce", action="store_true")
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
