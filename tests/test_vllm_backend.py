@@ -337,6 +337,27 @@ def test_a_sleep_whose_first_unmap_meets_the_error_of_a_free_takes_it_as_done(wo
     assert world.backend.last_report["warnings"] == []
 
 
+def test_a_free_noticed_between_calls_whose_error_vllm_met_itself_gets_no_retry_later(world: World) -> None:
+    """The end of a backend call notices the vanished record; vLLM's own next call then meets (and
+    clears) its error; a genuine failure of the next wake is the wake's, not retried (on a GPU, a
+    retry after a real failure can leak another allocation)."""
+    world.backend.suspend(1)
+    world.backend.resume(["weights"])  # the KV cache stays asleep
+    gone, other = world.allocator.by_tag("kv_cache")[:2]
+    world.allocator.free(gone)  # the error code stays set
+    del world.contents[gone]
+    assert any(f"at {gone:#x}" in w for w in world.backend.pool.take_warnings())  # as a call's end does
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        world.memory.map(world.allocator.pointer_to_data[other].handle)  # vLLM's own call meets it
+    world.reservations.stale_error = "CUDA Error: out of memory (injected)"  # a real failure, next
+    with pytest.raises(RuntimeError, match="out of memory"):
+        world.backend.resume()
+    assert world.backend.state() == "SUSPENDED"
+    assert not any(world.mapped(a) for a in world.contents if world.tag(a) == "kv_cache")
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
 def test_a_failing_map_with_no_allocation_freed_is_not_retried(world: World) -> None:
     """Only the error a free left behind is worth a second try; any other failure is the wake's."""
     world.backend.suspend(1)
