@@ -33,6 +33,7 @@ from hibernate.integrations.vllm import (
     PREPARED_REFUSAL,
     VOTE_BYTES,
     HibernateBackend,
+    peer_timeout,
     vote_outcome,
     vote_table,
     world_size_from,
@@ -642,6 +643,15 @@ def test_a_cuda_state_not_back_on_one_worker_keeps_every_worker_from_rebuilding_
     finally:
         for world in (rank0, rank1):
             free_world(world)
+
+
+def test_the_peer_timeout_is_a_positive_number_of_seconds(work_dir: Path) -> None:
+    assert peer_timeout({}) == 600.0 and peer_timeout({"HIBERNATE_VLLM_PEER_TIMEOUT_S": "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(UsageError, match="HIBERNATE_VLLM_PEER_TIMEOUT_S"):
+            peer_timeout({"HIBERNATE_VLLM_PEER_TIMEOUT_S": bad})
+    with pytest.raises(UsageError, match="not a positive number of seconds"):
+        make_world(work_dir, {"HIBERNATE_VLLM_PEER_TIMEOUT_S": "0"})  # when vLLM creates the backend
 
 
 def test_a_vote_carries_each_failing_workers_words_by_rank() -> None:

@@ -304,7 +304,7 @@ def peer_timeout(environ: Mapping[str, str]) -> float:
         seconds = float(raw)
     except ValueError:
         seconds = 0.0
-    if not seconds > 0:
+    if not 0 < seconds < 10**9:  # (nan and inf too)
         raise UsageError(f"{PEER_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
     return seconds
 
