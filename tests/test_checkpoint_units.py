@@ -250,11 +250,13 @@ def test_nccl_traps() -> None:
     assert nccl_traps(safe, "python train.py", infiniband=False) == []
     traps = nccl_traps({}, "python -m vllm.entrypoints.openai.api_server", infiniband=True)
     assert (
-        len(traps) == 5
+        len(traps) == 6
         and any("custom all-reduce" in t for t in traps)
+        and any("VLLM_ALLREDUCE_USE_SYMM_MEM" in t for t in traps)
         and any("InfiniBand" in t for t in traps)
     )
-    assert nccl_traps({**safe, "NCCL_IB_DISABLE": "1"}, "vllm serve --disable-custom-all-reduce", True) == []
+    vllm_safe = {**safe, "NCCL_IB_DISABLE": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    assert nccl_traps(vllm_safe, "vllm serve --disable-custom-all-reduce", True) == []
 
 
 def test_mount_for_takes_the_longest_mount_point() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hibernate.checkpoint.nccl import NCCL_SAFE, multi_process_traps
+from hibernate.checkpoint.nccl import NCCL_SAFE, VLLM_SAFE, multi_process_traps
 from hibernate.errors import ExitCode
 from tests.standins.world import World
 
@@ -26,7 +26,7 @@ def test_multi_process_traps_reads_each_environment() -> None:
     assert traps == {2: ["NCCL_NVLS_ENABLE is not 0", "NCCL_SHM_DISABLE is not 1"]}
     assert multi_process_traps([2], envs.__getitem__, lines.__getitem__) == {}  # one process shares nothing
     vllm = {1: "vllm serve m", 2: "vllm serve m --disable-custom-all-reduce"}
-    both_safe = {1: dict(NCCL_SAFE), 2: dict(NCCL_SAFE)}
+    both_safe = {1: {**NCCL_SAFE, **VLLM_SAFE}, 2: {**NCCL_SAFE, **VLLM_SAFE}}
     assert multi_process_traps([1, 2], both_safe.__getitem__, vllm.__getitem__) == {
         1: ["vLLM custom all-reduce is on (CUDA IPC buffers cannot be checkpointed)"]
     }

@@ -269,8 +269,17 @@ def test_doctor_and_the_refusal_name_the_comm_suspend_flag_where_the_servers_vll
     package = str(Path(vllm.__file__).parent)  # what the stand-in workers map, as vLLM workers do
     server = start_server(workers=2)
     peers = checks(cli("doctor", str(server.pid), "--json"))["vllm peers"]
-    assert peers["status"] == "warn" and "--enable-nccl-comm-suspend is off" in peers["detail"]
-    assert peers["fix"] == "serve with --enable-nccl-comm-suspend (NCCL 2.29.7 or newer)"
+    assert peers["status"] == "warn"
+    assert peers["detail"].startswith(
+        f"the vLLM at {package} tears down FlashInfer's all-reduce and all-to-all workspaces for a "
+        "checkpoint (hibernate asks it to), and nothing else: vLLM's custom all-reduce is on"
+    )
+    assert "--enable-nccl-comm-suspend is not on the command line" in peers["detail"]
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM" not in peers["detail"]  # the stand-in server runs with it 0
+    assert peers["fix"] == (
+        "serve with --disable-custom-all-reduce and VLLM_ALLREDUCE_USE_SYMM_MEM=0; "
+        "serve with --enable-nccl-comm-suspend (NCCL 2.29.7 or newer)"
+    )
     assert peers["data"] == {
         "package": package,
         "distributed_checkpoint": True,
@@ -282,8 +291,12 @@ def test_doctor_and_the_refusal_name_the_comm_suspend_flag_where_the_servers_vll
     assert COMM_SUSPEND_OFF in refused.stderr and "nothing was changed" in refused.stderr
     assert world.calls() == [] and not server.is_sleeping()
 
-    suspending = start_server(workers=2, args=("--enable-nccl-comm-suspend",))
+    suspending = start_server(
+        workers=2,
+        args=("--enable_nccl_comm_suspend", "--disable-custom-all-reduce"),  # either spelling
+    )
     peers = checks(cli("doctor", str(suspending.pid), "--json"))["vllm peers"]
     assert peers["status"] == "ok" and "--enable-nccl-comm-suspend is on" in peers["detail"]
+    assert "custom and symmetric-memory all-reduces are off" in peers["detail"]
     refused = cli("sleep", str(suspending.pid), "--to", str(work_dir))
     assert refused.returncode == ExitCode.UNSUPPORTED and COMM_SUSPEND_OFF not in refused.stderr

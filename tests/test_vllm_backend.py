@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hibernate import procinfo
-from hibernate.agent.controller import Agent, AgentState
+from hibernate.agent.controller import Agent, AgentState, Session
 from hibernate.errors import (
     AbortedError,
     CudaCheckpointError,
@@ -28,7 +28,16 @@ from hibernate.errors import (
     UnsupportedError,
     UsageError,
 )
-from hibernate.integrations.vllm import MISSING_DISTRIBUTED_CHECKPOINT, HibernateBackend, world_size_from
+from hibernate.integrations.vllm import (
+    MISSING_DISTRIBUTED_CHECKPOINT,
+    PREPARED_REFUSAL,
+    VOTE_BYTES,
+    HibernateBackend,
+    peer_timeout,
+    vote_outcome,
+    vote_table,
+    world_size_from,
+)
 from hibernate.operation.reports import ProcessWake
 from hibernate.pools.device import DeviceMemoryError
 from hibernate.pools.vllm import keeps
@@ -329,6 +338,27 @@ def test_a_sleep_whose_first_unmap_meets_the_error_of_a_free_takes_it_as_done(wo
     assert world.backend.last_report["warnings"] == []
 
 
+def test_a_free_noticed_between_calls_whose_error_vllm_met_itself_gets_no_retry_later(world: World) -> None:
+    """The end of a backend call notices the vanished record; vLLM's own next call then meets (and
+    clears) its error; a genuine failure of the next wake is the wake's, not retried (on a GPU, a
+    retry after a real failure can leak another allocation)."""
+    world.backend.suspend(1)
+    world.backend.resume(["weights"])  # the KV cache stays asleep
+    gone, other = world.allocator.by_tag("kv_cache")[:2]
+    world.allocator.free(gone)  # the error code stays set
+    del world.contents[gone]
+    assert any(f"at {gone:#x}" in w for w in world.backend.pool.take_warnings())  # as a call's end does
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        world.memory.map(world.allocator.pointer_to_data[other].handle)  # vLLM's own call meets it
+    world.reservations.stale_error = "CUDA Error: out of memory (injected)"  # a real failure, next
+    with pytest.raises(RuntimeError, match="out of memory"):
+        world.backend.resume()
+    assert world.backend.state() == "SUSPENDED"
+    assert not any(world.mapped(a) for a in world.contents if world.tag(a) == "kv_cache")
+    world.backend.resume()
+    assert_awake_as_before(world)
+
+
 def test_a_failing_map_with_no_allocation_freed_is_not_retried(world: World) -> None:
     """Only the error a free left behind is worth a second try; any other failure is the wake's."""
     world.backend.suspend(1)
@@ -347,9 +377,11 @@ def test_a_failing_map_with_no_allocation_freed_is_not_retried(world: World) -> 
 class Distributed:
     """vLLM's parallel_state of a worker in a world of ``size``, recording its calls (stand-in)."""
 
-    def __init__(self, worlds: list[World], size: int = 2, with_checkpoint: bool = True) -> None:
+    def __init__(
+        self, worlds: list[World], size: int = 2, with_checkpoint: bool = True, engine_size: int | None = None
+    ) -> None:
         self.world = vllm_parallel_state.World(0, size, None)
-        self.module = vllm_parallel_state.make_module(self.world, with_checkpoint)
+        self.module = vllm_parallel_state.make_module(self.world, with_checkpoint, engine_size)
         self.calls: list[tuple[str, bool]] = []  # (call, were the pools released at that moment?)
         self.fail: set[str] = set()
         for name, step in (("prepare", self.world.prepare), ("restore", self.world.restore)):
@@ -418,26 +450,29 @@ def test_a_vllm_without_the_checkpoint_collectives_is_said_so_and_sleeps(work_di
         free_world(world)
 
 
-def test_a_failing_prepare_undoes_the_sleep_and_the_worker_keeps_serving(work_dir: Path) -> None:
+def test_a_failing_prepare_brings_the_memory_back_and_says_the_server_must_be_restarted(
+    work_dir: Path,
+) -> None:
+    """A prepare may tear down some workspaces and not others: no later sleep or wake trusts them."""
     world, distributed = distributed_world(work_dir)
     distributed.fail.add("prepare")
     try:
-        with pytest.raises(
-            CudaCheckpointError, match="checkpoint_prepare_distributed_state failed"
-        ) as failed:
+        with pytest.raises(NeedsRecoveryError, match="checkpoint_prepare_distributed_state failed") as failed:
             world.backend.suspend(1)
-        assert "keeps serving" in failed.value.message
+        assert "keeps serving" not in failed.value.message
+        assert "must not serve" in failed.value.message and failed.value.hint == "restart the vLLM server"
         assert world.backend.state() == "RUNNING" and world.agent.state is AgentState.RUNNING
         for address, before in world.contents.items():
             data = world.allocator.pointer_to_data[address]
             assert world.mapped(address) and not data.is_asleep
             if keeps(data.tag, 1):
                 assert world.read(address) == before
+        assert "checkpoint_prepare_distributed_state failed" in world.agent.status()["restore_refusal"]
         distributed.fail.clear()
-        world.backend.suspend(1)  # and a later sleep works
-        world.backend.resume()
-        assert [c for c, _ in distributed.calls] == ["prepare", "prepare", "restore"]
-        assert_awake_as_before(world)
+        with pytest.raises(NeedsRecoveryError, match="checkpoint_prepare_distributed_state failed"):
+            world.backend.suspend(1)  # refused before anything is touched
+        assert [c for c, _ in distributed.calls] == ["prepare"]
+        assert not any(world.asleep())
     finally:
         free_world(world)
 
@@ -461,7 +496,7 @@ def test_when_one_workers_sleep_fails_every_worker_undoes_its_own_and_nothing_is
             errors = [future.exception(timeout=60) for future in outcomes]
         assert isinstance(errors[1], DeviceMemoryError)
         assert isinstance(errors[0], AbortedError)
-        assert "the sleep of worker rank 1 failed: DeviceMemoryError: copying" in errors[0].message
+        assert "worker rank 1 could not sleep (DeviceMemoryError: copying" in errors[0].message
         assert "injected" in errors[0].message and "keeps serving" in errors[0].message
         assert prepared == []
         for rank, world in enumerate(worlds):
@@ -490,6 +525,142 @@ def test_a_failing_restore_is_said_at_this_wake_and_every_later_one(work_dir: Pa
         assert [c for c, _ in distributed.calls] == ["prepare", "restore"]  # a collective is not retried
     finally:
         free_world(world)
+
+
+def client_restore(agent: Agent) -> dict[str, Any]:
+    """A restore as a hibernate client sends it (the flow's direct wake of a worker)."""
+    session = Session("pid 1, uid 0")
+    agent.begin(session)
+    try:
+        return agent.restore(session, {})
+    finally:
+        agent.end(session)
+
+
+def test_a_client_may_not_bring_back_a_worker_whose_communicators_are_torn_down(work_dir: Path) -> None:
+    world, distributed = distributed_world(work_dir)
+    try:
+        world.backend.suspend(1)
+        assert world.agent.status()["restore_refusal"] == PREPARED_REFUSAL
+        with pytest.raises(NeedsRecoveryError) as refused:
+            client_restore(world.agent)
+        assert refused.value.message == PREPARED_REFUSAL and "POST /wake_up" in (refused.value.hint or "")
+        assert all(world.asleep()) and distributed.world.workspaces_up is False
+        world.backend.resume()  # the server's own wake rebuilds them, then the memory comes back
+        assert world.agent.status()["restore_refusal"] is None
+        assert_awake_as_before(world)
+    finally:
+        free_world(world)
+
+
+def test_a_world_wider_than_its_engine_is_refused_before_anything_is_touched(work_dir: Path) -> None:
+    """Data parallelism: the world holds two engines of one worker each; no vote is held."""
+    world, distributed = distributed_world(work_dir, engine_size=1)
+    try:
+        with pytest.raises(UnsupportedError, match="world spans 2 workers while its engine has 1"):
+            world.backend.suspend(1)
+        assert not any(world.asleep()) and distributed.calls == []
+        assert world.agent.state is AgentState.RUNNING
+    finally:
+        free_world(world)
+
+
+def two_workers(work_dir: Path, tmp_path: Path, **environ: str) -> list[World]:
+    """Two workers of one world (one engine), each with its own memory, meeting at real collectives."""
+    (tmp_path / "collectives").mkdir()
+    worlds = []
+    for rank, spill_dir in enumerate((work_dir, tmp_path / "spill")):
+        member = vllm_parallel_state.World(rank, 2, tmp_path / "collectives", hang_s=5.0)
+        worlds.append(make_world(spill_dir, environ, parallel_state=vllm_parallel_state.make_module(member)))
+    return worlds
+
+
+def in_parallel(calls: list[Any]) -> list[BaseException | None]:
+    with ThreadPoolExecutor(len(calls)) as pool:
+        outcomes = [pool.submit(call) for call in calls]
+        return [future.exception(timeout=60) for future in outcomes]
+
+
+def test_a_peer_that_never_comes_to_the_vote_is_waited_for_only_the_peer_timeout(
+    work_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 fails in vLLM's Worker.sleep before it reaches the backend: rank 0 gives up, not hangs."""
+    rank0, rank1 = two_workers(work_dir, tmp_path, HIBERNATE_VLLM_PEER_TIMEOUT_S="0.5")
+    try:
+        with pytest.raises(NeedsRecoveryError, match="could not vote whether every worker can sleep") as e:
+            rank0.backend.suspend(1)
+        assert "Timed out waiting" in e.value.message and e.value.hint == "restart the vLLM server"
+        assert not any(rank0.asleep()) and rank0.agent.state is AgentState.RUNNING  # nothing released
+    finally:
+        for world in (rank0, rank1):
+            free_world(world)
+
+
+def test_a_check_failing_on_one_worker_stops_every_worker_before_any_releases_its_memory(
+    work_dir: Path, tmp_path: Path
+) -> None:
+    rank0, rank1 = two_workers(work_dir, tmp_path)
+    try:
+        errors = in_parallel([lambda: rank0.backend.suspend(1), lambda: rank1.backend.suspend(3)])
+        assert isinstance(errors[1], UsageError)
+        assert isinstance(errors[0], AbortedError)
+        assert "worker rank 1 cannot sleep (UsageError:" in errors[0].message
+        assert "nothing was released" in errors[0].message
+        for world in (rank0, rank1):
+            assert not any(world.asleep()) and world.agent.status()["snapshot"] is None
+    finally:
+        for world in (rank0, rank1):
+            free_world(world)
+
+
+def test_a_cuda_state_not_back_on_one_worker_keeps_every_worker_from_rebuilding_alone(
+    work_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Self-checkpoint: rank 1's restore of its CUDA state fails; rank 0 must not enter the rebuild."""
+    rank0, rank1 = two_workers(work_dir, tmp_path)
+    try:
+        assert in_parallel([lambda: rank0.backend.suspend(1), lambda: rank1.backend.suspend(1)]) == [
+            None,
+            None,
+        ]
+        failing = CudaCheckpointError("cuda-checkpoint --restore failed (injected)")
+
+        def not_running() -> None:
+            raise failing
+
+        monkeypatch.setattr(rank1.backend, "_cuda_running", not_running)
+        errors = in_parallel([lambda: rank0.backend.resume(), lambda: rank1.backend.resume()])
+        assert errors[1] is failing
+        assert isinstance(errors[0], CudaCheckpointError)
+        assert "worker rank 1 could not get its CUDA state back" in errors[0].message
+        assert "injected" in errors[0].message
+        for world in (rank0, rank1):
+            assert all(world.asleep()) and world.backend.state() == "SUSPENDED"
+        monkeypatch.undo()  # fixed: the next wake of every worker rebuilds together and wakes
+        assert in_parallel([lambda: rank0.backend.resume(), lambda: rank1.backend.resume()]) == [None, None]
+        for world in (rank0, rank1):
+            assert_awake_as_before(world)
+    finally:
+        for world in (rank0, rank1):
+            free_world(world)
+
+
+def test_the_peer_timeout_is_a_positive_number_of_seconds(work_dir: Path) -> None:
+    assert peer_timeout({}) == 600.0 and peer_timeout({"HIBERNATE_VLLM_PEER_TIMEOUT_S": "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(UsageError, match="HIBERNATE_VLLM_PEER_TIMEOUT_S"):
+            peer_timeout({"HIBERNATE_VLLM_PEER_TIMEOUT_S": bad})
+    with pytest.raises(UsageError, match="not a positive number of seconds"):
+        make_world(work_dir, {"HIBERNATE_VLLM_PEER_TIMEOUT_S": "0"})  # when vLLM creates the backend
+
+
+def test_a_vote_carries_each_failing_workers_words_by_rank() -> None:
+    tables = [vote_table(0, 3, None), vote_table(1, 3, "UsageError: é" + "x" * 500), vote_table(2, 3, "boom")]
+    summed = [[sum(cells) for cells in zip(*rows, strict=True)] for rows in zip(*tables, strict=True)]
+    outcome = vote_outcome(summed)
+    assert sorted(outcome) == [1, 2] and outcome[2] == "boom"
+    assert outcome[1].startswith("UsageError: é") and len(outcome[1].encode()) <= VOTE_BYTES
+    assert vote_outcome([row for row in vote_table(0, 2, None)]) == {}
 
 
 # -- where the spill goes ---------------------------------------------------------

@@ -16,10 +16,14 @@ from pathlib import Path
 import vllm
 
 from hibernate.checkpoint.nccl import (
+    COMM_SUSPEND_FLAG,
     COMM_SUSPEND_OFF,
     NCCL_SAFE,
+    SYMM_MEM_ON,
+    VLLM_SAFE,
     VllmFeatures,
     features_in,
+    has_flag,
     multi_process_traps,
     nccl_traps,
     vllm_features_of,
@@ -85,8 +89,20 @@ def test_the_comm_suspend_flag_is_named_beside_the_other_traps_where_the_vllm_ha
     )
     assert COMM_SUSPEND_OFF not in nccl_traps(unsafe, line, False, OLD)
     assert COMM_SUSPEND_OFF not in nccl_traps(unsafe, line, False, None)
-    # Never alone: with NCCL's peer transports and the custom all-reduce off, nothing is refused.
-    assert nccl_traps(dict(NCCL_SAFE), line + " --disable-custom-all-reduce", False, NEW) == []
+    # Never alone: with NCCL's peer transports and vLLM's all-reduces through IPC off, nothing is refused.
+    safe = {**NCCL_SAFE, **VLLM_SAFE}
+    assert nccl_traps(safe, line + " --disable-custom-all-reduce", False, NEW) == []
+
+
+def test_vllms_symmetric_memory_all_reduce_is_a_trap_of_every_vllm_process_until_turned_off() -> None:
+    """On by default, and independent of --disable-custom-all-reduce: a server and a spawned worker
+    (which maps vLLM; its command line is not vLLM's) both carry it."""
+    flags = " --disable-custom-all-reduce"
+    assert nccl_traps(dict(NCCL_SAFE), "vllm serve m" + flags, False) == [SYMM_MEM_ON]
+    worker = "python -c from multiprocessing.spawn import spawn_main"
+    assert nccl_traps(dict(NCCL_SAFE), worker, False, OLD, "vllm serve m" + flags) == [SYMM_MEM_ON]
+    assert nccl_traps({**NCCL_SAFE, **VLLM_SAFE}, worker, False, OLD, "vllm serve m" + flags) == []
+    assert nccl_traps(dict(NCCL_SAFE), "python train.py", False) == []  # not vLLM's business
 
 
 def test_the_refusal_reads_each_process_vllm() -> None:
@@ -103,3 +119,30 @@ def test_the_refusal_reads_each_process_vllm() -> None:
         [1, 2], envs.__getitem__, lines.__getitem__, vllms.__getitem__, server.__getitem__
     )
     assert COMM_SUSPEND_OFF not in traps[1]
+
+
+def test_a_flag_is_found_spelt_either_way_and_only_as_a_whole_word() -> None:
+    assert has_flag("vllm serve m --enable_nccl_comm_suspend", COMM_SUSPEND_FLAG)
+    assert has_flag("vllm serve m --enable-nccl-comm-suspend=true", COMM_SUSPEND_FLAG)
+    assert not has_flag("vllm serve m --enable-nccl-comm-suspend-later", COMM_SUSPEND_FLAG)
+    assert not has_flag("vllm serve m --config c.yaml", COMM_SUSPEND_FLAG)  # a config file is not read
+    unsafe: dict[str, str] = {}
+    assert COMM_SUSPEND_OFF not in nccl_traps(unsafe, "vllm serve m --enable_nccl_comm_suspend", False, NEW)
+
+
+def test_a_vllm_replaced_on_disk_under_a_running_process_is_not_read_as_its_own(tmp_path: Path) -> None:
+    """A mapping "(deleted)": the package now on disk is not the one the process runs."""
+    package = tmp_path / "site-packages" / "vllm"
+    (package / "distributed").mkdir(parents=True)
+    (package / "engine").mkdir()
+    (package / "distributed" / "parallel_state.py").write_text(
+        "def checkpoint_prepare_distributed_state():\n"
+    )
+    (package / "engine" / "arg_utils.py").write_text('"--enable-nccl-comm-suspend"\n')
+    extension = package / "cumem_allocator.abi3.so"
+    extension.write_bytes(b"\0" * 4096)
+    with open(extension, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        assert vllm_features_of(os.getpid()) == VllmFeatures(str(package), True, True)
+        extension.unlink()  # the upgrade replaces the file; the mapping now reads "(deleted)"
+        extension.write_bytes(b"\0" * 4096)
+        assert vllm_features_of(os.getpid()) is None

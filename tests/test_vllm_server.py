@@ -32,12 +32,20 @@ import pytest
 
 from hibernate import faults, orchestrator, procinfo
 from hibernate.agent.client import AgentClient
+from hibernate.checkpoint.nccl import VLLM_SAFE
 from hibernate.errors import ExitCode
 from hibernate.flows.vllm import VllmServerUnit
+from hibernate.integrations.vllm import PREPARED_REFUSAL
 from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
 from tests.conftest import spill_root_of, wait_until
-from tests.standins.vllm_parallel_state import PREPARE_STEP, RESTORE_STEP
+from tests.standins.vllm_parallel_state import (
+    COMM_RESUME_STEP,
+    COMM_SUSPEND_FAULT,
+    COMM_SUSPEND_STEP,
+    PREPARE_STEP,
+    RESTORE_STEP,
+)
 from tests.standins.world import GIB, World
 
 VLLM_SLEEP_POINTS = sleep_points(VllmServerUnit)
@@ -145,6 +153,7 @@ def start_server(
                 "HIBERNATE_BUFFER_MB": "8",
                 "HIBERNATE_CHUNK_MB": "2",
                 "VLLM_SERVER_DEV_MODE": "1" if dev else "0",
+                **VLLM_SAFE,  # as a multi-GPU server must run for a checkpoint (the refusal says so)
                 **(env or {}),
             }
         )
@@ -192,6 +201,7 @@ def start_server(
 SCHEMAS = REPO / "docs" / "json-schema"
 DRIVER_STEPS = ("lock", "checkpoint", "restore", "unlock")
 VLLM_STEPS = (PREPARE_STEP, RESTORE_STEP)  # the stand-in parallel_state's collectives, in the same log
+COMM_STEPS = (COMM_SUSPEND_STEP, COMM_RESUME_STEP)  # vLLM's own, with --enable-nccl-comm-suspend
 
 
 def valid(name: str, document: dict[str, Any]) -> dict[str, Any]:
@@ -422,6 +432,84 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     )
     assert cli("ls", "--json").json()["agents"] == []
     nothing_left_to_clean(runtime_dir)
+
+
+def test_with_vllms_own_comm_suspend_the_workspaces_are_taken_down_and_up_once(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+) -> None:
+    """--enable-nccl-comm-suspend: vLLM's Worker.sleep tears the workspaces down after the backend, and
+    Worker.wake_up builds them after it; the backend does not do it a second time."""
+    server = start_server(workers=2, args=("--enable-nccl-comm-suspend",))
+    before = server.digests()
+    asleep = cli("sleep", str(server.pid), "--to", str(work_dir))
+    assert asleep.returncode == 0, asleep.stderr
+    woken = cli("wake", str(server.pid))
+    assert woken.returncode == 0, woken.stderr
+    steps = [s for _, s, _, _ in world.calls((*DRIVER_STEPS, *VLLM_STEPS, *COMM_STEPS))]
+    assert steps == [
+        *[COMM_SUSPEND_STEP] * 2,
+        *["lock", "lock", "checkpoint", "checkpoint", "restore", "restore", "unlock", "unlock"],
+        *[COMM_RESUME_STEP] * 2,
+    ]
+    awake_and_whole(cli, server, world, before, "after sleep and wake with comm suspend")
+
+
+def test_a_worker_whose_communicators_are_torn_down_is_not_woken_behind_vllms_back(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+) -> None:
+    """Every worker slept and tore its workspaces down, then vLLM counts the sleep as failed (one
+    worker's comm suspend fails after it): vLLM will not wake them, and woken through their agents they
+    would serve without workspaces. So they stay asleep, scheduling stays paused, and the error says
+    to restart the server."""
+    server = start_server(workers=2, args=("--enable-nccl-comm-suspend",))
+    assert server.request("POST", f"/standin/worker-fault?index=0&spec={COMM_SUSPEND_FAULT}")[0] == 200
+    failed = cli("sleep", str(server.pid), "--to", str(work_dir), "--json")
+    assert failed.returncode == ExitCode.NEEDS_RECOVERY, failed.stderr
+    error = valid("error", failed.json())["error"]
+    assert "HTTP 500: Call to sleep method failed" in error["message"]
+    assert f"fault injected at {COMM_SUSPEND_FAULT}" in error["message"]
+    assert "undoing it failed too" in error["message"] and PREPARED_REFUSAL in error["message"]
+    assert "the server's scheduling stays paused" in error["message"]
+    assert error["hint"] == "restart the vLLM server"
+    assert states(cli, server) == ["asleep", "asleep"] and server.is_sleeping()
+    assert world.calls() == [], "the CUDA state was never touched"
+
+
+def test_an_interrupted_sleep_of_workers_with_peers_is_woken_by_vllm_which_rebuilds_first(
+    world: World,
+    start_server: Callable[..., FakeServer],
+    cli: Callable[..., Any],
+    work_dir: Path,
+) -> None:
+    """The CLI dies while the server sleeps; the server finishes, its workers' workspaces torn down. The
+    wake that follows leaves them to vLLM's /wake_up (which rebuilds them, then maps the memory), not
+    to their agents (which refuse)."""
+    server = start_server(workers=2)
+    before = server.digests()
+    killed = cli(
+        "sleep",
+        str(server.pid),
+        "--to",
+        str(work_dir),
+        "-q",
+        env={faults.ENV: "sleep.during-vllm-sleep:kill"},
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    wait_until(
+        lambda: states(cli, server) == ["asleep", "asleep"], 60, "the server to finish its sleep", 0.05
+    )
+    woken = cli("wake", str(server.pid), "--json")
+    assert woken.returncode == 0, woken.stderr
+    assert woken.json()["vllm"]["woken_directly"] == []
+    steps = [s for _, s, _, _ in world.calls(VLLM_STEPS)]
+    assert steps == [PREPARE_STEP, PREPARE_STEP, RESTORE_STEP, RESTORE_STEP]
+    awake_and_whole(cli, server, world, before, "after the wake")
 
 
 @pytest.mark.slow

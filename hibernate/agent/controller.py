@@ -225,6 +225,10 @@ class Agent:
         self._last_operation: dict[str, Any] | None = None  # the report of the newest sleep_here/wake_here
         self.signals_configured = False  # hibernate-on-signal handlers, once per process
         self.crash_record: Path | None = None  # where a restore's fatal signal is named (agent/crash.py)
+        # Why a client may not bring this process's memory back now (None: it may), asked by each
+        # client restore and shown in status: a sleep driver whose own wake must rebuild state
+        # first (vLLM's communicators across GPUs) says so here.
+        self.restore_refusal: Callable[[], HibernateError | None] | None = None
 
     # -- pools ---------------------------------------------------------------
 
@@ -282,6 +286,7 @@ class Agent:
             "self_checkpoint": bool(self.sleep_driver and self.sleep_driver.checkpoints_itself),
             "transfer": transfer,
             "last_operation": last_operation,
+            "restore_refusal": refusal.message if (refusal := self._restore_refused()) else None,
             "torch": torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
         }
 
@@ -477,7 +482,14 @@ class Agent:
         args: dict[str, Any],
         wanted: Callable[[SpillableRegion], bool] | None = None,
     ) -> dict[str, Any]:
-        """Bring back the pending regions ``wanted`` selects (all by default); see plan_restore."""
+        """Bring back the pending regions ``wanted`` selects (all by default); see plan_restore.
+
+        A client's restore is refused while the sleep driver says its own wake
+        must come first (``restore_refusal``); the process's own wake is not.
+        """
+        refusal = None if session.in_process else self._restore_refused()
+        if refusal is not None:
+            raise refusal
         with self._mutex:
             sleeping = self._sleep
         indices: list[int] = []
@@ -574,6 +586,9 @@ class Agent:
             self._sleep = None
         self.guard.open()
         return {}
+
+    def _restore_refused(self) -> HibernateError | None:
+        return self.restore_refusal() if self.restore_refusal is not None else None
 
     def _require_sleep(self) -> _Sleep:
         with self._mutex:

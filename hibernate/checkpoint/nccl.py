@@ -1,12 +1,16 @@
 """Multi-process CUDA jobs and NCCL: which settings a checkpoint needs, read from each process's environment.
 
 cuda-checkpoint cannot checkpoint CUDA IPC memory, which NCCL's P2P and NVLS
-transports, its SHM transport's CUDA buffers and vLLM's custom all-reduce
-use: a multi-process NCCL job checkpointed with them on fails or hangs. The
-job must run with ``NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1``
-(vLLM: ``--disable-custom-all-reduce``). A sleep of more than one CUDA
-process is refused without them (``--force`` overrides), and ``hibernate
-doctor`` explains the same traps.
+transports, its SHM transport's CUDA buffers, vLLM's custom all-reduce and
+vLLM's all-reduce through torch symmetric memory use: a multi-process NCCL job
+checkpointed with them on fails or hangs. The job must run with
+``NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1`` (vLLM: also
+``--disable-custom-all-reduce`` and ``VLLM_ALLREDUCE_USE_SYMM_MEM=0``; the
+symmetric-memory all-reduce is on by default and independent of the flag). A
+sleep of more than one CUDA process is refused without them (``--force``
+overrides), and ``hibernate doctor`` explains the same traps. vLLM 0.33's own
+preparation for a checkpoint (which the hibernate backend calls) tears down
+FlashInfer's all-reduce and all-to-all workspaces only.
 
 vLLM 0.33 also offers ``--enable-nccl-comm-suspend`` (``ncclCommSuspend``,
 NCCL 2.29.7 or newer), which unmaps the buffers NCCL imported from peers while
@@ -26,13 +30,29 @@ from pathlib import Path
 NCCL_SAFE = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}
 NCCL_FIX = "start the job with NCCL_P2P_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1"
 VLLM_FIX = (
-    "vLLM: also --disable-custom-all-reduce, and --enable-nccl-comm-suspend where its vLLM has it (0.33+)"
+    "vLLM: also --disable-custom-all-reduce and VLLM_ALLREDUCE_USE_SYMM_MEM=0, and "
+    "--enable-nccl-comm-suspend where its vLLM has it (0.33+)"
+)
+VLLM_SAFE = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # vLLM's all-reduce through torch symmetric memory
+SYMM_MEM_ON = (
+    "VLLM_ALLREDUCE_USE_SYMM_MEM is not 0 (vLLM's all-reduce through torch symmetric memory, on by "
+    "default, maps peers' memory that cannot be checkpointed)"
 )
 COMM_SUSPEND_FLAG = "--enable-nccl-comm-suspend"
-COMM_SUSPEND_OFF = f"{COMM_SUSPEND_FLAG} is off, and this process's vLLM has it"
+COMM_SUSPEND_OFF = (
+    f"{COMM_SUSPEND_FLAG} is not on the command line (nor its parents'), and this process's vLLM has it"
+)
 
 # `vllm ...` (any path to it), `python -m vllm...`, vLLM's entry points; not a path that mentions vllm.
 _VLLM_COMMAND = re.compile(r"(?:^|[\s/])vllm(?:\s|$)|(?:^|\s)-m\s+vllm(?:[.\s]|$)|\bvllm\.entrypoints\b")
+
+
+def has_flag(cmdline: str, flag: str) -> bool:
+    """Whether ``flag`` is on a command line, spelt with ``-`` or ``_`` (vLLM's parser takes both).
+
+    A flag set in a ``--config`` file, or through the Python API, is not seen.
+    """
+    return any(word.split("=", 1)[0].replace("_", "-") == flag for word in cmdline.split())
 
 
 def runs_vllm(cmdline: str) -> bool:
@@ -49,23 +69,23 @@ def nccl_traps(
 ) -> list[str]:
     """The NCCL/vLLM settings of one process of a multi-process target that break a checkpoint.
 
-    ``vllm``: what the process's vLLM offers, if known. Its comm-suspend flag
+    ``vllm``: what the process's vLLM offers, if known (a process is vLLM's
+    if it maps a vLLM or its command line starts one). Its comm-suspend flag
     is named beside the other traps, never alone: with NCCL's peer transports
-    off, nothing is left for it to unmap. The flag is looked for in
+    off, nothing is left for it to unmap. The flags are looked for in
     ``cmdline`` and in ``launched_by``, the command lines of its ancestors (a
     worker vLLM started by spawn has none of the server's flags).
     """
     traps = [f"{name} is not {value}" for name, value in NCCL_SAFE.items() if env.get(name) != value]
-    if runs_vllm(cmdline) and "--disable-custom-all-reduce" not in cmdline:
+    given = f"{cmdline} {launched_by}"
+    is_vllm = vllm is not None or runs_vllm(cmdline)
+    if runs_vllm(cmdline) and not has_flag(given, "--disable-custom-all-reduce"):
         traps.append("vLLM custom all-reduce is on (CUDA IPC buffers cannot be checkpointed)")
+    if is_vllm and any(env.get(name) != value for name, value in VLLM_SAFE.items()):
+        traps.append(SYMM_MEM_ON)
     if infiniband and env.get("NCCL_IB_DISABLE") != "1":
         traps.append("NCCL may use InfiniBand (registered RDMA memory cannot be checkpointed)")
-    if (
-        traps
-        and vllm is not None
-        and vllm.comm_suspend
-        and COMM_SUSPEND_FLAG not in f"{cmdline} {launched_by}"
-    ):
+    if traps and vllm is not None and vllm.comm_suspend and not has_flag(given, COMM_SUSPEND_FLAG):
         traps.append(COMM_SUSPEND_OFF)
     return traps
 
@@ -98,10 +118,9 @@ def multi_process_traps(
     found = {}
     for pid in pids:
         env, line = environment(pid), command_line(pid)
-        traps = nccl_traps(env, line, infiniband=False)
-        features = features_of(pid) if traps else None
-        if features is not None and features.comm_suspend:
-            traps = nccl_traps(env, line, infiniband=False, vllm=features, launched_by=ancestry(pid))
+        features = features_of(pid)
+        launched = ancestry(pid) if features is not None else ""
+        traps = nccl_traps(env, line, infiniband=False, vllm=features, launched_by=launched)
         if traps:
             found[pid] = traps
     return found
@@ -150,7 +169,13 @@ def _mapped_paths(pid: int) -> list[str]:
             lines = maps.read().splitlines()
     except OSError:
         return []
-    return [fields[5] for fields in (line.split(maxsplit=5) for line in lines) if len(fields) == 6]
+    # A mapping "(deleted)" is of a file replaced since (vLLM upgraded under a running server):
+    # what is on disk now is not what the process runs.
+    return [
+        fields[5]
+        for fields in (line.split(maxsplit=5) for line in lines)
+        if len(fields) == 6 and not fields[5].endswith(" (deleted)")
+    ]
 
 
 def vllm_features_of(pid: int) -> VllmFeatures | None:

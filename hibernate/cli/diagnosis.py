@@ -482,17 +482,26 @@ class Doctor:
         )
 
     def check_vllm_peers(self) -> None:
-        """Whether the vLLM of a multi-GPU server can ready its communicators for a checkpoint.
+        """What of a multi-GPU vLLM server's memory shared across GPUs a checkpoint would meet.
 
-        vLLM 0.33 tears down its workspaces shared across GPUs
+        vLLM 0.33 tears down FlashInfer's all-reduce and all-to-all workspaces
         (``checkpoint_prepare_distributed_state``, which the hibernate backend
         calls) and can unmap the buffers NCCL imported from peers
-        (``--enable-nccl-comm-suspend``). The vLLM is read from the workers
-        (they map its extensions), the flags from the command lines of the tree.
+        (``--enable-nccl-comm-suspend``); its custom all-reduce and its
+        all-reduce through torch symmetric memory stay unless turned off. The
+        vLLM is read from the workers (they map its extensions), the flags from
+        the command lines of the tree, the environment from the workers.
         Targets of fewer than two CUDA processes, or without vLLM, get no line.
         """
         from hibernate import procinfo
-        from hibernate.checkpoint.nccl import COMM_SUSPEND_FLAG, runs_vllm, vllm_features_of
+        from hibernate.checkpoint.nccl import (
+            COMM_SUSPEND_FLAG,
+            SYMM_MEM_ON,
+            VLLM_SAFE,
+            has_flag,
+            runs_vllm,
+            vllm_features_of,
+        )
 
         if len(self.holders) < 2:
             return
@@ -501,6 +510,7 @@ class Doctor:
         vllm_pids = [pid for pid in self.processes if pid in vllm_agents or runs_vllm(lines[pid])]
         if not vllm_pids:
             return
+        safe_fix = "serve with --disable-custom-all-reduce and VLLM_ALLREDUCE_USE_SYMM_MEM=0"
         found = [f for f in (vllm_features_of(h.pid) for h in self.holders) if f is not None]
         if not found:
             self.add(
@@ -508,17 +518,29 @@ class Doctor:
                 WARN,
                 "cannot tell which vLLM the workers run (none maps a vLLM package): whether its "
                 "communicators can be readied for a checkpoint is unknown",
-                "vLLM 0.33 or newer readies them; serve older ones with --disable-custom-all-reduce",
+                f"vLLM 0.33 or newer tears down FlashInfer's workspaces; {safe_fix}",
             )
             return
         features = found[0]
-        suspend_on = any(COMM_SUSPEND_FLAG in lines[pid] for pid in vllm_pids)
+        tree = " ".join(lines[pid] for pid in vllm_pids)
+        suspend_on = has_flag(tree, COMM_SUSPEND_FLAG)
         data: dict[str, Any] = {
             "package": features.package,
             "distributed_checkpoint": features.distributed_checkpoint,
             "comm_suspend": features.comm_suspend,
             "comm_suspend_on": suspend_on,
         }
+        left = []  # what a checkpoint would still meet
+        if not has_flag(tree, "--disable-custom-all-reduce"):
+            left.append(
+                "vLLM's custom all-reduce is on (--disable-custom-all-reduce is not on the command line)"
+            )
+        if any(
+            procinfo.environment(h.pid).get(name) != value
+            for h in self.holders
+            for name, value in VLLM_SAFE.items()
+        ):
+            left.append(SYMM_MEM_ON)
         if not features.distributed_checkpoint:
             self.add(
                 "vllm peers",
@@ -526,26 +548,34 @@ class Doctor:
                 f"the vLLM at {features.package} has no checkpoint_prepare_distributed_state (it came with "
                 "0.33): its all-reduce workspaces in memory shared across GPUs stay during a checkpoint, "
                 "which may then fail or hang",
-                "upgrade vLLM to 0.33 or newer, or serve with --disable-custom-all-reduce",
+                f"upgrade vLLM to 0.33 or newer, and {safe_fix}",
                 **data,
             )
-        elif features.comm_suspend and not suspend_on:
+            return
+        if features.comm_suspend and not suspend_on:
+            left.append(
+                f"{COMM_SUSPEND_FLAG} is not on the command line: NCCL keeps the buffers it imported "
+                "from peers mapped"
+            )
+        done = (
+            f"the vLLM at {features.package} tears down FlashInfer's all-reduce and all-to-all workspaces "
+            "for a checkpoint (hibernate asks it to)"
+        )
+        if left:
+            fixes = [safe_fix] if len(left) > 1 or not left[0].startswith(COMM_SUSPEND_FLAG) else []
+            if features.comm_suspend and not suspend_on:
+                fixes.append(f"serve with {COMM_SUSPEND_FLAG} (NCCL 2.29.7 or newer)")
             self.add(
-                "vllm peers",
-                WARN,
-                f"the vLLM at {features.package} readies its workspaces for a checkpoint (hibernate asks it "
-                f"to), but {COMM_SUSPEND_FLAG} is off: NCCL keeps the buffers it imported from peers mapped",
-                f"serve with {COMM_SUSPEND_FLAG} (NCCL 2.29.7 or newer)",
-                **data,
+                "vllm peers", WARN, f"{done}, and nothing else: {'; '.join(left)}", "; ".join(fixes), **data
             )
-        else:
-            self.add(
-                "vllm peers",
-                OK,
-                f"the vLLM at {features.package} readies its workspaces for a checkpoint "
-                "(hibernate asks it to)" + (f"; {COMM_SUSPEND_FLAG} is on" if suspend_on else ""),
-                **data,
-            )
+            return
+        self.add(
+            "vllm peers",
+            OK,
+            f"{done}; its custom and symmetric-memory all-reduces are off"
+            + (f"; {COMM_SUSPEND_FLAG} is on" if suspend_on else ""),
+            **data,
+        )
 
     def check_directory(self) -> None:
         from hibernate.store.directio import direct_io_supported

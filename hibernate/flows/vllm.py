@@ -299,11 +299,19 @@ class _Monitor:
                 client.close()
 
 
+def refused_restore(status: Mapping[str, Any] | None) -> str | None:
+    """Why a worker's agent will not let a client bring its memory back (its communicators across
+    GPUs are torn down, or cannot be trusted); None if it will."""
+    return (status or {}).get("restore_refusal")
+
+
 def wake_directly(ref: AgentRef, options: Options) -> dict[str, Any]:
     """Bring a worker's pools back through its agent (vLLM will not: its executor thinks it awake).
 
     Only for undo and recovery: the agent allows a client's restore, which
-    brings memory back and never releases it.
+    brings memory back and never releases it. A worker whose communicators
+    across GPUs are torn down refuses it (NeedsRecoveryError): only vLLM's own
+    wake rebuilds them.
     """
     with ref.connect(options.agent_timeout) as client:
         client.call("begin")
@@ -661,8 +669,15 @@ class VllmServerUnit(Unit):
         if alive and self.slept:
             failures += self._wake_up()
         failures += _wake_leftovers(server, self.ctx.options)
-        if alive and self.paused and not self.slept:
-            failures += self._wake_up()  # resumes scheduling (vLLM's executor was not asleep)
+        if not failures:  # awake, but with communicators that cannot be trusted
+            failures += [
+                f"process {pid}: {refused}"
+                for pid, status in statuses(server.workers).items()
+                if (refused := refused_restore(status))
+            ]
+        if alive and self.paused and not self.slept and not failures:
+            # Resumes scheduling (vLLM's executor was not asleep); never over a worker that cannot serve.
+            failures += self._wake_up()
         if alive and not failures:
             with contextlib.suppress(HibernateError):
                 if server.http.is_sleeping():
@@ -672,9 +687,17 @@ class VllmServerUnit(Unit):
                 with contextlib.suppress(HibernateError), ref.connect(STATUS_TIMEOUT_S) as client:
                     client.call("configure", {"dir": self.configured[ref.pid]})
         if failures:
+            any_refused = any(refused_restore(s) for s in statuses(server.workers).values())
             raise NeedsRecoveryError(
-                f"{error}; undoing it failed too: {'; '.join(failures)}",
-                hint=f"run `hibernate recover {server.pid}` once the cause is fixed",
+                f"{error}; undoing it failed too: {'; '.join(failures)}"
+                + (
+                    "; the server's scheduling stays paused"
+                    if alive and self.paused and not self.slept
+                    else ""
+                ),
+                hint="restart the vLLM server"
+                if any_refused
+                else f"run `hibernate recover {server.pid}` once the cause is fixed",
             ) from error
 
     def _wake_up(self) -> list[str]:
@@ -701,10 +724,15 @@ class VllmServerUnit(Unit):
         if not self.has_sleeping():
             return  # awake already, while other targets of the command slept
         options = self.ctx.options
-        if self.asleep_workers and (self.agent_first or not self.sleeping):
+        direct = self.asleep_workers
+        if self.sleeping:
+            # A worker whose communicators across GPUs are torn down is left to vLLM's own wake,
+            # which rebuilds them first; its agent would refuse.
+            direct = [r for r in direct if not refused_restore(self.last_statuses.get(r.pid))]
+        if direct and (self.agent_first or not self.sleeping):
             # vLLM may not know these sleep (an interrupted or failed /sleep): woken through their
             # agents before scheduling resumes; vLLM's own wake_up then finds them awake.
-            failures = _woken_directly(self.asleep_workers, options, self.woken)
+            failures = _woken_directly(direct, options, self.woken)
             if failures:
                 raise failures[0]
         if self.sleeping:

@@ -33,12 +33,18 @@ How it is wired:
 
 With more than one GPU (a world of several workers), vLLM's all-reduce and
 all-to-all workspaces live in memory shared across processes (CUDA IPC,
-multicast), which no CUDA checkpoint can take. vLLM 0.33 tears them down with
-``checkpoint_prepare_distributed_state()`` and builds them again with
-``checkpoint_restore_distributed_state()``, both collectives: the backend
+multicast), which no CUDA checkpoint can take. vLLM 0.33 tears FlashInfer's
+down with ``checkpoint_prepare_distributed_state()`` and builds them again
+with ``checkpoint_restore_distributed_state()``, both collectives: the backend
 calls the first at the end of ``suspend`` and the second in ``resume`` right
-after the CUDA state is back, where every worker is inside the same call.
-An older vLLM has neither: the sleep says so in its warnings and goes on.
+after the CUDA state is back, where every worker is inside the same call
+(with ``--enable-nccl-comm-suspend`` vLLM's own sleep and wake do it, and the
+backend leaves it to them). The workers vote, with a bounded wait, wherever
+one's failure must stop the others (see :class:`DistributedCheckpoint`);
+while the workspaces are down the agent refuses a client's restore, since
+only vLLM's wake rebuilds them. A world wider than one engine (data
+parallelism) is refused. An older vLLM has neither function: the sleep says
+so in its warnings and goes on.
 
 Where the spill goes: the directory a hibernate client configured on the
 agent, else ``$HIBERNATE_DIR``, else ``$XDG_CACHE_HOME/hibernate`` (default
@@ -57,6 +63,7 @@ import sys
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,6 +78,7 @@ from hibernate.errors import (
     CudaCheckpointError,
     HibernateError,
     NeedsRecoveryError,
+    UnsupportedError,
     UsageError,
 )
 from hibernate.integrations import VLLM_KIND
@@ -99,6 +107,10 @@ BUFFER_ENV = "HIBERNATE_BUFFER_MB"
 CHUNK_ENV = "HIBERNATE_CHUNK_MB"
 VERIFY_ENV = "HIBERNATE_VERIFY"  # 1: read each snapshot back before its memory is released
 QUIESCE_TIMEOUT_S = 30.0
+PEER_TIMEOUT_ENV = "HIBERNATE_VLLM_PEER_TIMEOUT_S"
+# A peer still spilling is waited for this long at the vote after the spill: long enough for
+# hundreds of GB on a slow disk, short enough that a hung peer does not hold the others forever.
+DEFAULT_PEER_TIMEOUT_S = 600.0
 PARALLEL_STATE_MODULE = "vllm.distributed.parallel_state"
 DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
 
@@ -176,47 +188,125 @@ def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True
 class DistributedCheckpoint:
     """vLLM's own preparation of its communicators for a process checkpoint, and their rebuilding.
 
-    ``agree`` lets every worker of the world learn, before any tears down what
-    the others use, whether all of their sleeps succeeded: each gives its own
-    failure (None if it slept) and all get the first failing worker's, named by
-    rank (None if all slept). None where this vLLM cannot tell (it lacks the
-    CPU-group collectives it is made of).
+    ``vote`` lets every worker of the world learn, at the points where one
+    worker's failure must stop the others (before any releases its memory,
+    before any tears down what the others use, before any rebuilds it), what
+    failed where: each gives its own failure (None if it went well) and all get
+    every failing worker's, by rank (empty if none failed). It waits for the
+    peers at most the peer timeout, then raises. None where this vLLM cannot
+    vote (it lacks the CPU-group all-reduce it is made of).
+
+    ``tear_down`` is False where vLLM's own ``--enable-nccl-comm-suspend`` takes
+    the workspaces down and up again around the backend's calls (a second
+    prepare of the same workspaces is not something vLLM does itself).
     """
 
     prepare: Callable[[], None]
     restore: Callable[[], None]
-    agree: Callable[[str | None], str | None] | None = None
+    vote: Callable[[str | None], dict[int, str]] | None = None
+    tear_down: bool = True
 
 
-def _agreement(group: Any) -> Callable[[str | None], str | None] | None:
-    """``agree`` over vLLM's world group: a sum of per-rank flags, then the first failure's words."""
-    reduce = getattr(group, "cpu_all_reduce_", None)
-    broadcast = getattr(group, "broadcast_object", None)
+VOTE_BYTES = 240  # of each worker's failure, carried by a vote
+
+
+def vote_table(rank: int, size: int, failure: str | None) -> list[list[int]]:
+    """This worker's row of a vote (a flag, then its failure's UTF-8 bytes), zeros for the others."""
+    table = [[0] * (VOTE_BYTES + 1) for _ in range(size)]
+    if failure is not None:
+        words = failure.encode()[:VOTE_BYTES]
+        table[rank][0] = 1
+        table[rank][1 : 1 + len(words)] = list(words)
+    return table
+
+
+def vote_outcome(summed: list[list[int]]) -> dict[int, str]:
+    """The failing workers of a summed vote table (each row was written by its own worker only)."""
+    return {
+        rank: bytes(b for b in row[1:] if b).decode(errors="replace")
+        for rank, row in enumerate(summed)
+        if row[0]
+    }
+
+
+def _voting(
+    parallel_state: ModuleType | None, timeout_s: float
+) -> Callable[[str | None], dict[int, str]] | None:
+    """``vote`` over vLLM's world group: one bounded all-reduce of a table with a row per worker.
+
+    vLLM's ``GroupCoordinator.cpu_all_reduce_`` waits without limit (the CPU
+    group's timeout is unset by default), so the module's own
+    ``cpu_all_reduce_(tensor, group, timeout)`` is called with the peer timeout.
+    """
+    group = getattr(parallel_state, "_WORLD", None)
+    reduce = getattr(parallel_state, "cpu_all_reduce_", None)
+    cpu_group = getattr(group, "cpu_group", None)
     rank, size = getattr(group, "rank_in_group", None), getattr(group, "world_size", None)
-    if not callable(reduce) or not callable(broadcast) or rank is None or size is None:
+    if not callable(reduce) or cpu_group is None or rank is None or size is None:
         return None
 
-    def agree(failure: str | None) -> str | None:
+    def vote(failure: str | None) -> dict[int, str]:
         import torch  # loaded in every vLLM worker
 
-        flags = torch.zeros(int(size), dtype=torch.int64)
-        flags[int(rank)] = 0 if failure is None else 1
-        failed = [r for r, flag in enumerate(reduce(flags).tolist()) if flag]
-        if not failed:
-            return None
-        words = broadcast(failure if rank == failed[0] else None, src=failed[0])
-        return f"the sleep of worker rank {failed[0]} failed: {words}"
+        table = torch.tensor(vote_table(int(rank), int(size), failure), dtype=torch.int64)
+        return vote_outcome(reduce(table, cpu_group, timedelta(seconds=timeout_s)).tolist())
 
-    return agree
+    return vote
 
 
-def distributed_checkpoint(parallel_state: ModuleType | None) -> DistributedCheckpoint | None:
+def distributed_checkpoint(
+    parallel_state: ModuleType | None, timeout_s: float, *, comm_suspend: bool = False
+) -> DistributedCheckpoint | None:
     """vLLM's ``checkpoint_prepare/restore_distributed_state``, or None where this vLLM lacks them."""
     prepare = getattr(parallel_state, "checkpoint_prepare_distributed_state", None)
     restore = getattr(parallel_state, "checkpoint_restore_distributed_state", None)
     if not callable(prepare) or not callable(restore):
         return None
-    return DistributedCheckpoint(prepare, restore, _agreement(getattr(parallel_state, "_WORLD", None)))
+    return DistributedCheckpoint(prepare, restore, _voting(parallel_state, timeout_s), not comm_suspend)
+
+
+def engine_size(parallel_state: ModuleType | None) -> int | None:
+    """How many workers one engine has: its tensor x pipeline x prefill-context parallel groups
+    (``world_size`` of vLLM's ``_TP``, ``_PP``, ``_PCP``); None where the first two are not set up."""
+    size = 1
+    for name in ("_TP", "_PP", "_PCP"):
+        group_size = getattr(getattr(parallel_state, name, None), "world_size", None)
+        if group_size is None and name != "_PCP":  # (_PCP is newer than the others)
+            return None
+        size *= int(group_size or 1)
+    return size
+
+
+def multi_engine_refusal(world_size: int, one_engine: int) -> str | None:
+    """Why a sleep is refused when vLLM's world spans more than one engine (data parallelism)."""
+    if world_size <= one_engine:
+        return None
+    return (
+        f"this worker's world spans {world_size} workers while its engine has {one_engine} (data "
+        "parallelism, or a torchrun world of several engines): the workers of every engine would wait "
+        "for each other at this sleep, and an engine asked to sleep alone would wait for the others; "
+        "nothing was changed"
+    )
+
+
+def comm_suspend_of(worker: Any) -> bool:
+    """Whether vLLM's ``Worker`` (the caller of suspend) runs with ``--enable-nccl-comm-suspend``."""
+    model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    return bool(getattr(model_config, "enable_nccl_comm_suspend", False))
+
+
+def peer_timeout(environ: Mapping[str, str]) -> float:
+    """``HIBERNATE_VLLM_PEER_TIMEOUT_S``: how long a worker waits for its peers at a vote."""
+    raw = environ.get(PEER_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 10**9:  # (nan and inf too)
+        raise UsageError(f"{PEER_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return seconds
 
 
 def world_size_from(group_size: int | None, torch_size: int | None, environ: Mapping[str, str]) -> int:
@@ -227,6 +317,34 @@ def world_size_from(group_size: int | None, torch_size: int | None, environ: Map
             return size
     raw = environ.get("WORLD_SIZE", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+RESTART_HINT = "restart the vLLM server"
+PREPARED_REFUSAL = (
+    "this vLLM worker's communicators across GPUs are torn down for its sleep, and only the server's own "
+    "wake rebuilds them (with every worker together) before its memory comes back; brought back from "
+    "outside, the worker would serve without them"
+)
+PREPARED_HINT = (
+    "POST /wake_up to the server if it reports is_sleeping: true (`hibernate wake PID` does); "
+    "else restart the vLLM server"
+)
+
+
+def _words(exc: BaseException | None) -> str | None:
+    """An exception in one line, for a vote (None: no failure)."""
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {exc.message if isinstance(exc, HibernateError) else exc}"
+
+
+def _describe(failed: Mapping[int, str], verb: str = "") -> str:
+    """The first failing worker of a vote, in words (``failed`` is never empty here)."""
+    rank = min(failed)
+    more = len(failed) - 1
+    return f"worker rank {rank}{f' {verb}' if verb else ''} ({failed[rank]})" + (
+        f", and {more} more" if more else ""
+    )
 
 
 MISSING_DISTRIBUTED_CHECKPOINT = (
@@ -383,8 +501,12 @@ class HibernateBackend(SleepModeBackend):
         else:
             self._agent.sleep_driver = VLLM_DRIVER
         self._parallel_state = parallel_state
-        self._prepared: DistributedCheckpoint | None = None  # prepared at the last suspend, not yet restored
-        self._distributed_lost: str | None = None  # why the communicators could not be rebuilt
+        self._rank = rank
+        self._peer_timeout = peer_timeout(self._environ)
+        # Asleep with its peers since the last suspend, their communicators not yet rebuilt.
+        self._prepared: DistributedCheckpoint | None = None
+        self._distributed_lost: str | None = None  # why the communicators cannot be trusted any more
+        self._agent.restore_refusal = self._restore_refusal
         self.last_report: dict[str, Any] = {}
 
     def _attach_pool(self, allocator: AllocatorLike | None, device: DeviceMemory | None) -> CuMemPool:
@@ -422,13 +544,12 @@ class HibernateBackend(SleepModeBackend):
             self._self_checkpoint.wake()
 
     def suspend(self, level: int = 1) -> None:
-        check_level(level)
-        require_allocator(self._pool)
         caller = sys._getframe(1)  # vLLM's Worker.sleep: the self-checkpoint waits for it to return
         report: dict[str, Any] = {}
         slept = False
-        distributed = self._distributed_to_prepare()
         try:
+            distributed = self._distributed_to_prepare(comm_suspend_of(caller.f_locals.get("self")))
+            self._ready(distributed, level)
             try:
                 self._cuda_running()
                 if self._agent.state is AgentState.ASLEEP:
@@ -442,8 +563,7 @@ class HibernateBackend(SleepModeBackend):
                 slept = True
             except BaseException as exc:
                 if distributed is not None:  # the others must not wait for this worker, and learn why
-                    words = exc.message if isinstance(exc, HibernateError) else str(exc)
-                    self._first_failure(distributed, f"{type(exc).__name__}: {words}")
+                    self._vote(distributed, _words(exc), "whether every sleep succeeded")
                 raise
             if distributed is not None:
                 self._prepare_distributed(distributed)
@@ -482,7 +602,7 @@ class HibernateBackend(SleepModeBackend):
         report: dict[str, Any] = {}
         woke = False
         try:
-            self._cuda_running()  # before any device call of this wake
+            self._cuda_running_with_peers()  # before any device call of this wake
             self._restore_distributed()
             if self._agent.state is AgentState.ASLEEP:
                 report.update(self._agent.wake_here(self._args, lambda region: wanted(region.tag)))
@@ -505,32 +625,76 @@ class HibernateBackend(SleepModeBackend):
 
     # -- communicators across GPUs ------------------------------------------------
 
-    def _distributed_to_prepare(self) -> DistributedCheckpoint | None:
-        """vLLM's hooks a suspend of this worker must call, if it has peers; a warning if it has none."""
+    def _distributed_to_prepare(self, comm_suspend: bool) -> DistributedCheckpoint | None:
+        """vLLM's hooks a suspend of this worker must call, if it has peers; a warning if it has none.
+
+        Refused before anything is touched where the communicators are known
+        lost, or where the world spans more than one engine (every worker of
+        every engine computes the same, so no peer is left waiting).
+        """
+        if self._distributed_lost is not None:
+            raise NeedsRecoveryError(self._distributed_lost, hint=RESTART_HINT)
         if self._prepared is not None:  # prepared at an earlier suspend and not restored since
             return None
         module = self._parallel_state()
-        if _world_size(module, self._environ) < 2:
+        world = _world_size(module, self._environ)
+        if world < 2:
             return None
-        distributed = distributed_checkpoint(module)
+        one_engine = engine_size(module)
+        refusal = None if one_engine is None else multi_engine_refusal(world, one_engine)
+        if refusal is not None:
+            raise UnsupportedError(
+                refusal,
+                hint="serve with one engine (no --data-parallel-size) to put it to sleep with hibernate",
+            )
+        distributed = distributed_checkpoint(module, self._peer_timeout, comm_suspend=comm_suspend)
         if distributed is None:
             self._pool.sleep_notes = [MISSING_DISTRIBUTED_CHECKPOINT]
         return distributed
 
-    def _first_failure(self, distributed: DistributedCheckpoint, failure: str | None) -> str | None:
-        """The first failed sleep of the world, this worker giving its own (a collective; see ``agree``).
-
-        A worker whose sleep failed still comes, so that the others do not wait
-        for it in the prepare but undo their own sleep instead. Without ``agree``
-        each worker only knows itself.
-        """
-        if distributed.agree is None:
-            return failure
+    def _ready(self, distributed: DistributedCheckpoint | None, level: int) -> None:
+        """The checks that can refuse a sleep, then, with peers, a vote before any releases anything."""
+        refused: BaseException | None = None
         try:
-            return distributed.agree(failure)
+            check_level(level)
+            require_allocator(self._pool)
         except Exception as exc:
-            log.error("hibernate: the workers could not agree whether every sleep succeeded: %s", exc)
-            return failure or f"the workers could not agree whether every sleep succeeded: {exc}"
+            refused = exc
+        if distributed is not None:
+            failed = self._vote(distributed, _words(refused), "whether every worker can sleep")
+            if refused is None and failed:
+                raise AbortedError(
+                    f"{_describe(failed, 'cannot sleep')}; so no worker slept: nothing was released"
+                )
+        if refused is not None:
+            raise refused
+
+    def _vote(
+        self, distributed: DistributedCheckpoint, failure: str | None, about: str, *, undo: bool = False
+    ) -> dict[int, str]:
+        """Every worker's failure by rank (see ``DistributedCheckpoint.vote``), this one giving its own.
+
+        A vote that cannot be held (a peer that never comes within the peer
+        timeout, or gone) leaves the world's collectives out of step: the
+        communicators are called lost, and with ``undo`` this worker's memory
+        comes back first. Without ``vote`` each worker only knows itself.
+        """
+        if distributed.vote is None:
+            return {} if failure is None else {self._rank or 0: failure}
+        try:
+            return distributed.vote(failure)
+        except Exception as exc:
+            self._distributed_lost = (
+                f"the workers could not vote {about}: {type(exc).__name__}: {exc}"
+                + (f" (this worker's own: {failure})" if failure is not None else "")
+                + "; a peer may be hung or gone, and the workers' collectives may be out of step"
+            )
+            log.error("hibernate: %s", self._distributed_lost)
+            if undo:
+                self._undo_sleep(self._distributed_lost, exc)
+            raise NeedsRecoveryError(
+                self._distributed_lost + ("; this worker's memory is back" if undo else ""), hint=RESTART_HINT
+            ) from exc
 
     def _undo_sleep(self, cause: str, exc: BaseException) -> None:
         """Bring this worker's memory back after a sleep it cannot keep; NeedsRecoveryError if that fails."""
@@ -544,31 +708,67 @@ class HibernateBackend(SleepModeBackend):
             ) from exc
 
     def _prepare_distributed(self, distributed: DistributedCheckpoint) -> None:
-        """Tear down the workspaces shared across GPUs; if that cannot be done, undo the sleep and say so.
+        """Tear down the workspaces shared across GPUs, once every worker slept; undo all if any cannot.
 
         Every worker of the world is inside ``suspend`` at this point (vLLM
         calls it on all of them together), so the collectives meet their peers:
         first all agree that every sleep succeeded (else each undoes its own and
-        nothing is torn down), then the prepare.
+        nothing is torn down), then the prepare, then a vote on the prepare. A
+        prepare that failed anywhere may have torn down some workspaces and not
+        others, and their rebuilding is a collective not every worker can
+        enter: the memory comes back, and the server must be restarted.
         """
-        failure = self._first_failure(distributed, None)
-        if failure is not None:
-            self._undo_sleep(failure, AbortedError(failure))
+        failed = self._vote(distributed, None, "whether every sleep succeeded", undo=True)
+        if failed:
+            cause = _describe(failed, "could not sleep")
+            self._undo_sleep(cause, AbortedError(cause))
             raise AbortedError(
-                f"{failure}; so this worker's sleep was undone too, its communicators across GPUs left as "
+                f"{cause}; so this worker's sleep was undone too, its communicators across GPUs left as "
                 "they are: its memory is back and it keeps serving"
             )
-        try:
-            distributed.prepare()
-        except Exception as exc:
-            cause = f"vLLM's checkpoint_prepare_distributed_state failed: {type(exc).__name__}: {exc}"
-            self._undo_sleep(cause, exc)
-            raise CudaCheckpointError(
-                f"{cause}; the sleep was undone: this worker's memory is back and it keeps serving",
-                hint="see the server's log for the cause; its other workers may have slept (wake the "
-                "server, or restart it if collectives across GPUs fail)",
-            ) from exc
+        if distributed.tear_down:
+            error: Exception | None = None
+            try:
+                distributed.prepare()
+            except Exception as exc:
+                error = exc
+            failed = self._vote(distributed, _words(error), "whether every prepare succeeded", undo=True)
+            if failed:
+                self._distributed_lost = (
+                    f"vLLM's checkpoint_prepare_distributed_state failed on {_describe(failed)}: the "
+                    "communicators across GPUs may be torn down on some workers and not on others, and "
+                    "rebuilding them is a collective they cannot all enter"
+                )
+                origin = error or AbortedError(self._distributed_lost)
+                self._undo_sleep(self._distributed_lost, origin)
+                raise NeedsRecoveryError(
+                    f"{self._distributed_lost}; this worker's memory is back, but the server must not serve",
+                    hint=RESTART_HINT,
+                ) from origin
         self._prepared = distributed
+
+    def _cuda_running_with_peers(self) -> None:
+        """``_cuda_running``, and with peers a vote on it: the rebuild after it is a collective."""
+        if self._distributed_lost is not None:
+            raise NeedsRecoveryError(self._distributed_lost, hint=RESTART_HINT)
+        distributed = self._prepared
+        if distributed is None:
+            self._cuda_running()
+            return
+        error: Exception | None = None
+        try:
+            self._cuda_running()
+        except Exception as exc:
+            error = exc
+        failed = self._vote(distributed, _words(error), "whether every CUDA state is back")
+        if error is not None:
+            raise error
+        if failed:
+            raise CudaCheckpointError(
+                f"{_describe(failed, 'could not get its CUDA state back')}; so no worker rebuilt its "
+                "communicators or brought its memory back: the server stays asleep",
+                hint="see the server's log; wake it again once the cause is fixed",
+            )
 
     def _restore_distributed(self) -> None:
         """Rebuild what ``_prepare_distributed`` tore down, once, before any memory comes back.
@@ -576,10 +776,8 @@ class HibernateBackend(SleepModeBackend):
         A failure is not retried by a later wake (the peers are past the
         collective, which would hang): every later wake says it again.
         """
-        if self._distributed_lost is not None:
-            raise NeedsRecoveryError(self._distributed_lost, hint="restart the vLLM server")
         distributed, self._prepared = self._prepared, None
-        if distributed is None:
+        if distributed is None or not distributed.tear_down:
             return
         try:
             distributed.restore()
@@ -589,7 +787,15 @@ class HibernateBackend(SleepModeBackend):
                 "worker's communicators across GPUs are not rebuilt, so its memory stays asleep"
             )
             log.error("hibernate: %s", self._distributed_lost)
-            raise NeedsRecoveryError(self._distributed_lost, hint="restart the vLLM server") from exc
+            raise NeedsRecoveryError(self._distributed_lost, hint=RESTART_HINT) from exc
+
+    def _restore_refusal(self) -> HibernateError | None:
+        """Why a hibernate client may not bring this worker's memory back (the agent asks)."""
+        if self._distributed_lost is not None:
+            return NeedsRecoveryError(self._distributed_lost, hint=RESTART_HINT)
+        if self._prepared is not None:
+            return NeedsRecoveryError(PREPARED_REFUSAL, hint=PREPARED_HINT)
+        return None
 
     def discard(self, tags: tuple[str, ...]) -> None:
         try:

@@ -19,10 +19,12 @@ then hands the asleep allocation's handle to its C extension, whose unmap
 fails and leaves the extension's module-global error code set: the next
 ``create_and_map`` creates physical memory, returns before mapping it (that
 memory is leaked) and raises the stale, unrelated error, which clears it.
-The pool notices such vanished records before it maps or unmaps anything,
-and meets the one failure that follows: a map is retried once; an unmap
-(which the extension did before it raised) is taken as done. Both are said in
-the warnings of the sleep or wake that met them.
+The pool notices such vanished records when one of its maps or unmaps fails,
+and then meets that failure as the stale error: a map is retried once; an
+unmap (which the extension did before it raised) is taken as done. Both are
+said in the warnings of the sleep or wake that met them. A record found
+vanished at the end of a call is only reported: its error may be met by
+vLLM's own next call, and a genuine failure must not be retried.
 
 Nothing here imports vLLM or torch: the records are read through their fields,
 and the rules are small pure functions the integration feeds vLLM's own
@@ -234,7 +236,6 @@ class CuMemPool:
         # Every record seen asleep, by address, until it is mapped again: one that is gone from the
         # allocator by then was freed while asleep (see the module docstring).
         self._asleep: dict[int, AllocationLike] = {}
-        self._stale_error_expected = False
         self._met: list[str] = []  # what the pool's own maps and unmaps met, for the next report
         # Said in the report of the sleep about to run, by whoever knows more than the records
         # (the backend, of communicators this worker shares with others).
@@ -290,8 +291,9 @@ class CuMemPool:
         with self._lock:
             self._asleep[address] = data
 
-    def _notice_vanished(self) -> None:
-        """Records seen asleep that the allocator no longer holds: each one's free left an error behind."""
+    def _notice_vanished(self) -> bool:
+        """Records seen asleep that the allocator no longer holds (each one's free left an error
+        behind), said in the next warnings; whether there were any not noticed before."""
         allocator = self.allocator
         current = dict(allocator.pointer_to_data) if allocator is not None else {}
         with self._lock:
@@ -303,36 +305,28 @@ class CuMemPool:
                     "while it was asleep: vLLM's cumem extension fails to unmap such an allocation and "
                     "keeps that failure for its next call"
                 )
-            if gone:
-                self._stale_error_expected = True
+        return bool(gone)
 
     def map_back(self, address: int, data: AllocationLike) -> None:
-        """vLLM's ``create_and_map`` for an asleep record, once more if a stale error was expected.
+        """vLLM's ``create_and_map`` for an asleep record, once more if it failed with a free's error.
 
         After a record vanished while asleep, the extension's first call fails with
-        that free's error whatever it is asked (and clears it); a map that fails
-        then is retried once. The first map that succeeds shows no stale error was
-        left, so no later failure is retried. Vanished records are looked for when
-        a call fails (and at the end of each backend call), not before every map:
-        a wake maps every record, and the lookup walks them all.
+        that free's error whatever it is asked (and clears it): a map that fails
+        when a vanished record is found is retried once. Vanished records are
+        looked for when a call fails, not before every map: a wake maps every
+        record, and the lookup walks them all.
         """
         try:
             self.device.map(data.handle)
         except Exception as exc:
-            self._notice_vanished()
-            with self._lock:
-                retry, self._stale_error_expected = self._stale_error_expected, False
-            if not retry:
+            if not self._notice_vanished():
                 raise
+            self.device.map(data.handle)
             self._met.append(
                 f"mapping {data.tag} at {address:#x} failed with the error left by that free ({exc}); "
                 f"mapped on a second try, and the {int(data.handle[1])} bytes vLLM's extension created "
                 "on the first try stay allocated until the process ends"
             )
-            self.device.map(data.handle)
-        else:
-            with self._lock:
-                self._stale_error_expected = False
         data.is_asleep = False
         with self._lock:
             self._asleep.pop(address, None)
@@ -348,24 +342,22 @@ class CuMemPool:
         try:
             self.device.unmap(data.handle)
         except Exception as exc:
-            self._notice_vanished()
-            with self._lock:
-                stale, self._stale_error_expected = self._stale_error_expected, False
-            if not stale:
+            if not self._notice_vanished():
                 raise
             self._met.append(
                 f"releasing {data.tag} at {address:#x} met the error left by that free ({exc}): vLLM's "
                 f"extension unmapped it and keeps its {int(data.handle[1])} bytes allocated until the "
                 "process ends"
             )
-        else:
-            with self._lock:
-                self._stale_error_expected = False
         data.is_asleep = True
         self.note_asleep(address, data)
 
     def take_warnings(self) -> list[str]:
-        """What the pool's maps and unmaps met since the last call, in words for a report; cleared."""
+        """What the pool's maps and unmaps met since the last call, in words for a report; cleared.
+
+        Records vanished since are said too, but no failure of a later call is
+        retried for them (see the module docstring).
+        """
         self._notice_vanished()
         with self._lock:
             warnings, self._met = self._met, []

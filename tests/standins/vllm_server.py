@@ -13,7 +13,9 @@ collectives meet (``tests/standins/vllm_parallel_state.py``).
 The server loads vLLM's general plugins too, so it has a hibernate agent with
 an empty pool, as the real API server does. The flags after ``--ready`` are
 accepted as ``vllm serve`` accepts them (hibernate reads them from the command
-line); the others are the stand-in's.
+line; ``--enable-nccl-comm-suspend`` also reaches the workers, whose sleep and
+wake then suspend and resume their communicators as vLLM's do); the others are
+the stand-in's.
 
 What it serves, and how, follows vLLM 0.33 (read from the released package):
 
@@ -81,7 +83,9 @@ class EngineError(Exception):
 class WorkerHandle:
     """One stand-in worker process, spoken to over its stdin/stdout."""
 
-    def __init__(self, index: int, cudart: str, mb: int, world_size: int, collective_dir: Path) -> None:
+    def __init__(
+        self, index: int, cudart: str, mb: int, world_size: int, collective_dir: Path, comm_suspend: bool
+    ) -> None:
         # As vLLM's executor starts a worker: its rank in a world of `world_size`, with peers to meet
         # in collectives (tests/standins/vllm_parallel_state.py).
         env = {
@@ -102,6 +106,7 @@ class WorkerHandle:
                 cudart,
                 "--mb",
                 str(mb),
+                *(["--enable-nccl-comm-suspend"] if comm_suspend else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -377,7 +382,8 @@ def main() -> None:
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--sleep-mode-backend", default="cumem")
     parser.add_argument("--served-model-name", default="standin")
-    parser.add_argument("--enable-nccl-comm-suspend", action="store_true")
+    # vLLM's parser takes a flag spelt with "_" as well as "-".
+    parser.add_argument("--enable-nccl-comm-suspend", "--enable_nccl_comm_suspend", action="store_true")
     parser.add_argument("--disable-custom-all-reduce", action="store_true")
     args = parser.parse_args()
     dev_mode = bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
@@ -385,7 +391,8 @@ def main() -> None:
     collective_dir = Path(args.ready).parent / f"collectives-{os.getpid()}"  # beside the ready file
     collective_dir.mkdir()
     workers = [
-        WorkerHandle(i, args.cudart, args.mb, args.workers, collective_dir) for i in range(args.workers)
+        WorkerHandle(i, args.cudart, args.mb, args.workers, collective_dir, args.enable_nccl_comm_suspend)
+        for i in range(args.workers)
     ]
     import vllm.plugins  # the API server loads the plugins too: hibernate's agent, with an empty pool
 

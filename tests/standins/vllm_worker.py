@@ -7,7 +7,7 @@ through a stand-in ``vllm.device_allocator.cumem`` module whose ``libcudart``
 is the fake CUDA runtime), and has vLLM's own factory create the sleep-mode
 backend, which then runs hibernate's real CUDA seam.
 
-    python -m tests.standins.vllm_worker --cudart LIB [--mb N]
+    python -m tests.standins.vllm_worker --cudart LIB [--mb N] [--enable-nccl-comm-suspend]
 
 It prints one JSON line when ready, then answers commands on stdin, one JSON
 line each: ``suspend LEVEL``, ``resume [TAG...]``, ``digests``, ``memory``,
@@ -77,16 +77,20 @@ def peak_rss_bytes() -> int:
 
 
 class Worker:
-    def __init__(self, cudart: Path, total_mb: int) -> None:
+    def __init__(self, cudart: Path, total_mb: int, comm_suspend: bool = False) -> None:
+        # What the backend may read of vLLM's Worker (its caller): the model config's flag.
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(enable_nccl_comm_suspend=comm_suspend)
+        )
         self.reservations = HostReservations()
         self.allocator = StandInCuMemAllocator(self.reservations)
         StandInCuMemAllocator.instance = self.allocator
         # What `import vllm.device_allocator.cumem` gives a real worker.
         sys.modules[MODULE_NAME] = make_module(self.reservations, FakeCudaRT(cudart))
         # And vllm.distributed.parallel_state, with its world and its checkpoint collectives.
-        self.world, with_checkpoint = vllm_parallel_state.from_environment()
+        self.world, with_checkpoint, engine_size = vllm_parallel_state.from_environment()
         sys.modules[vllm_parallel_state.MODULE_NAME] = vllm_parallel_state.make_module(
-            self.world, with_checkpoint
+            self.world, with_checkpoint, engine_size
         )
         for index, (tag, size) in enumerate(layout(total_mb)):
             address = self.allocator.allocate(size, tag)
@@ -102,13 +106,18 @@ class Worker:
         self.backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend="hibernate"))
 
     def sleep(self, level: int) -> None:
-        """vLLM's Worker.sleep: the backend's suspend, then device calls (synchronize, memory info)."""
+        """vLLM's Worker.sleep: the backend's suspend, vLLM's own communicator suspend if asked, then
+        device calls (synchronize, memory info)."""
         self.backend.suspend(level)
+        if self.vllm_config.model_config.enable_nccl_comm_suspend:
+            sys.modules[vllm_parallel_state.MODULE_NAME].suspend_device_comms()
         self.cudart.lib.cudaDeviceSynchronize()
 
     def wake_up(self, tags: list[str] | None) -> None:
-        """vLLM's Worker.wake_up: the backend's resume first, then device calls."""
+        """vLLM's Worker.wake_up: the backend's resume first, then its communicators, then device calls."""
         self.backend.resume(tags)
+        if self.vllm_config.model_config.enable_nccl_comm_suspend:
+            sys.modules[vllm_parallel_state.MODULE_NAME].resume_device_comms()
         self.cudart.lib.cudaDeviceSynchronize()
 
     def digests(self) -> dict[str, Any]:
@@ -185,8 +194,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cudart", type=Path, required=True)
     parser.add_argument("--mb", type=int, default=0)
+    parser.add_argument("--enable-nccl-comm-suspend", action="store_true")
     args = parser.parse_args()
-    worker = Worker(args.cudart, args.mb)
+    worker = Worker(args.cudart, args.mb, args.enable_nccl_comm_suspend)
     from hibernate.agent.local import local_agent
 
     agent = local_agent()
