@@ -160,7 +160,8 @@ class Doctor:
                 "driver",
                 WARN,
                 f"no NVIDIA driver here ({d['path']} cannot be loaded): only host memory can be hibernated",
-                "install the NVIDIA driver, 580 or newer (570 and 575 with cuda-checkpoint), to hibernate CUDA processes",
+                "install the NVIDIA driver, 580 or newer (570 and 575 with cuda-checkpoint), "
+                "to hibernate CUDA processes",
                 path=d["path"],
             )
             return
