@@ -304,6 +304,18 @@ def completes_the_sleep_then_wakes(
         assert demo.infer()["digest"] == reference
 
 
+def sleep_that_gives_up(pid: int, kind: str, work_dir: Path) -> subprocess.CompletedProcess[str]:
+    """SLEEP_COMMAND run to its end: its checkpoint gives up waiting after half a second."""
+    return subprocess.run(
+        [sys.executable, "-c", SLEEP_COMMAND, str(pid), kind, str(work_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
 @pytest.mark.slow
 def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_completes_the_sleep(
     world: World,
@@ -316,14 +328,7 @@ def test_a_checkpoint_that_outlives_its_timeout_ends_checkpointed_and_recover_co
     world.register(demo.pid)
     reference = demo.infer()["digest"]
     world.hold("checkpoint", demo.pid)
-    command = subprocess.run(
-        [sys.executable, "-c", SLEEP_COMMAND, str(demo.pid), checkpointer_kind, str(work_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    command = sleep_that_gives_up(demo.pid, checkpointer_kind, work_dir)
     assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
     assert "did not return within 0.5s and is still running" in command.stdout
     assert f"hibernate recover {demo.pid}" in command.stdout
@@ -414,14 +419,7 @@ def test_recover_waits_for_a_call_still_running_no_longer_than_its_bound(
     demo = start_demo(size_mb=16)
     world.register(demo.pid)
     world.hold("checkpoint", demo.pid)
-    command = subprocess.run(
-        [sys.executable, "-c", SLEEP_COMMAND, str(demo.pid), "driver", str(work_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    command = sleep_that_gives_up(demo.pid, "driver", work_dir)
     assert command.returncode == ExitCode.TIMEOUT, command.stdout + command.stderr
     (call,) = journaled_calls(runtime_dir)
     try:

@@ -163,17 +163,11 @@ def test_a_training_job_sleeps_between_phases_on_every_node(slurm: Cluster) -> N
     assert sorted(p.name for p in (slurm.scratch / "snapshots").iterdir()) == ["node0", "node1"]
 
 
-@pytest.mark.slow
-def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killing_it(slurm: Cluster) -> None:
-    """A restored CUDA process killed can hang its node: the job's ending sleeps it first."""
-    calls, wrapper = slurm.scratch / "job-calls", slurm.scratch / "hibernate-job-third-fails"
-    # The third call (phase 2's sleep) fails, with the trainer woken once: the job ends early.
-    wrapper.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "$1" >> {calls}\n'
-        f'[ "$(wc -l < {calls})" -eq 3 ] && exit 1\n'
-        f'exec {SCRIPTS / "hibernate-job"} "$@"\n'
-    )
+def train_two_phases_ending_early(slurm: Cluster, wrapper: Path) -> Path:
+    """train-phases.sbatch over two phases with ``wrapper`` as its hibernate-job; it must end in failure.
+
+    Returns the job's output file.
+    """
     wrapper.chmod(0o755)
     job_id, output = submit(
         slurm,
@@ -192,6 +186,21 @@ def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killi
         lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 180, "the job to end", 0.1
     )
     assert slurm.world.job(job_id)["exit_code"] != 0
+    return output
+
+
+@pytest.mark.slow
+def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killing_it(slurm: Cluster) -> None:
+    """A restored CUDA process killed can hang its node: the job's ending sleeps it first."""
+    calls, wrapper = slurm.scratch / "job-calls", slurm.scratch / "hibernate-job-third-fails"
+    # The third call (phase 2's sleep) fails, with the trainer woken once: the job ends early.
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$1" >> {calls}\n'
+        f'[ "$(wc -l < {calls})" -eq 3 ] && exit 1\n'
+        f'exec {SCRIPTS / "hibernate-job"} "$@"\n'
+    )
+    output = train_two_phases_ending_early(slurm, wrapper)
     assert "phase 1: trainer awake" in output.read_text()
     assert calls.read_text().split() == ["sleep", "wake", "sleep", "sleep"]  # the last: the ending's
     for node in ("node0", "node1"):  # each trainer's second snapshot: the sleep before it was killed
@@ -266,24 +275,7 @@ def test_a_training_job_whose_wake_failed_part_way_sleeps_its_trainer_before_kil
         f'{SCRIPTS / "hibernate-job"} "$@" || exit\n'
         f'[ "$(wc -l < {calls})" -ne 2 ]\n'
     )
-    wrapper.chmod(0o755)
-    job_id, output = submit(
-        slurm,
-        "train-phases.sbatch",
-        {
-            "TRAIN_COMMAND": demo_command(slurm.scratch, "trainer-$SLURMD_NODENAME"),
-            "EVAL_COMMAND": "true",
-            "PHASES": "2",
-            "PHASE_SECONDS": "0",
-            "SNAPSHOTS": str(slurm.scratch / "snapshots"),
-            "HIBERNATE_JOB": str(wrapper),
-            "READY_TIMEOUT": "120",
-        },
-    )
-    wait_until(
-        lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 180, "the job to end", 0.1
-    )
-    assert slurm.world.job(job_id)["exit_code"] != 0
+    output = train_two_phases_ending_early(slurm, wrapper)
     assert "phase 1: trainer awake" not in output.read_text()
     assert calls.read_text().split() == ["sleep", "wake", "sleep"]  # the last: the ending's
     for node in ("node0", "node1"):  # each trainer's second snapshot: the sleep before it was killed
