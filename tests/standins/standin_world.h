@@ -271,13 +271,17 @@ static int standin_busy(int pid, char *step, size_t size) {
     return standin_start_time(caller) == caller_start ? 1 : -1;
 }
 
+/* Written whole, then renamed into place: a reader (this library in another process, or the test's
+ * World.state) never sees it half-written. */
 static void standin_mark_busy(int pid, const char *step) {
-    char path[4096];
+    char path[4096], tmp[4200];
     standin_path(path, sizeof path, "pid-", pid, ".busy");
-    FILE *f = fopen(path, "w");
+    snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
     if (!f) return;
     fprintf(f, "%s %d %llu\n", step, (int)getpid(), standin_start_time((int)getpid()));
     fclose(f);
+    rename(tmp, path);
 }
 
 static void standin_clear_busy(int pid) {
