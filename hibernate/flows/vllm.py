@@ -407,9 +407,10 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     for ref, outcome in zip(asleep, run_each(asleep, lambda ref: wake_directly(ref, options)), strict=True):
         error = outcome.error
         if error is not None:
-            # A worker whose server died is on its way out (its agent goes first): give it as long
-            # as a status call gets before calling its lost connection a failure.
-            gone = isinstance(error, (AgentConnectionLost, NoSuchProcessError))
+            # A worker whose server died is on its way out (its agent goes first, or it refuses a
+            # restore only its server's wake could make): give it as long as a status call gets
+            # before calling what it answered a failure.
+            gone = isinstance(error, (AgentConnectionLost, NoSuchProcessError)) or not server.alive()
             if gone and exits(ref.identity, within=STATUS_TIMEOUT_S):
                 continue
             words = error.message if isinstance(error, HibernateError) else repr(error)
@@ -669,7 +670,7 @@ class VllmServerUnit(Unit):
         if alive and self.slept:
             failures += self._wake_up()
         failures += _wake_leftovers(server, self.ctx.options)
-        if not failures:  # awake, but with communicators that cannot be trusted
+        if alive and not failures:  # awake, but with communicators that cannot be trusted
             failures += [
                 f"process {pid}: {refused}"
                 for pid, status in statuses(server.workers).items()
