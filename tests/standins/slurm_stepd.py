@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_world import World, alive, cgroup_pids, descendants, is_stepd, write_json
+from slurm_world import World, alive, cgroup_pids, descendants, is_stepd, write_json, write_members
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -86,9 +86,7 @@ def main(argv: list[str]) -> int:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         if tree != listed:
-            tmp = cgroup / ".cgroup.procs.tmp"
-            tmp.write_text("".join(f"{p}\n" for p in tree))
-            os.replace(tmp, cgroup / "cgroup.procs")
+            write_members(cgroup, tree)
             listed = tree
         reap(task.pid)
         time.sleep(0.05)

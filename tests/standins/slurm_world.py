@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hibernate import procinfo
+
 HERE = Path(__file__).resolve().parent
 WORLD_ENV = "HIBERNATE_STANDIN_SLURM"
 COMMANDS = {"srun": "slurm_srun.py", "sbatch": "slurm_sbatch.py", "scontrol": "slurm_scontrol.py"}
@@ -137,12 +139,34 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+# Beside each stand-in cgroup.procs, its members with their start times ("PID START_TIME" per line).
+# The kernel lists only live members; a file written earlier may name a pid that exited and was given
+# to another process since (pids wrap at 32768 on small machines): that one is no member, never killed.
+MEMBERS = ".members"
+
+
+def write_members(directory: Path, pids: Sequence[int]) -> None:
+    """Set a cgroup's members (those still alive), its cgroup.procs as hibernate reads it."""
+    members = [m for m in (procinfo.identity(pid) for pid in dict.fromkeys(pids)) if m is not None]
+    for name, text in (
+        (MEMBERS, "".join(f"{m.pid} {m.start_time}\n" for m in members)),
+        ("cgroup.procs", "".join(f"{m.pid}\n" for m in members)),
+    ):
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, directory / name)
+
+
 def cgroup_pids(directory: Path) -> list[int]:
+    """The live members of the cgroups at and under ``directory`` (a reused pid is not one)."""
     found: list[int] = []
     for current, _dirs, files in os.walk(directory):
-        if "cgroup.procs" in files:
-            with contextlib.suppress(OSError):
-                found.extend(int(x) for x in (Path(current) / "cgroup.procs").read_text().split())
+        if MEMBERS in files:
+            with contextlib.suppress(OSError, ValueError):
+                for line in (Path(current) / MEMBERS).read_text().splitlines():
+                    pid, started = (int(x) for x in line.split())
+                    if procinfo.start_time(pid) == started:
+                        found.append(pid)
     return list(dict.fromkeys(found))
 
 
@@ -211,8 +235,7 @@ class World:
         """Put ``pids`` in a step's cgroup on ``node`` (what slurmstepd does for the tasks it starts)."""
         directory = self.task_cgroup(node, job_id, step)
         directory.mkdir(parents=True, exist_ok=True)
-        existing = cgroup_pids(directory)
-        (directory / "cgroup.procs").write_text("".join(f"{p}\n" for p in dict.fromkeys([*existing, *pids])))
+        write_members(directory, [*cgroup_pids(directory), *pids])
         return directory
 
     # -- jobs -------------------------------------------------------------------
@@ -430,17 +453,21 @@ class World:
         return int(read_json(path)["exit_code"])
 
     def stepd_pid(self, job_id: int, step: str, index: int) -> int | None:
+        """The step's stand-in slurmstepd while it runs (not a pid its ended one left and another took)."""
         path = self.stepd_pid_path(job_id, step, index)
         try:
-            return int(path.read_text())
+            pid = int(path.read_text())
         except (OSError, ValueError):
             return None
+        return pid if is_stepd(pid) else None
 
     def cleanup(self) -> None:
         """Kill every process of every job and every stand-in slurmstepd (test teardown)."""
         for path in (self.root / "steps").glob("*.stepd"):
             with contextlib.suppress(OSError, ValueError):
-                os.kill(int(path.read_text()), signal.SIGKILL)
+                pid = int(path.read_text())
+                if is_stepd(pid):  # a stepd that ended left its file: its pid may be another's now
+                    os.kill(pid, signal.SIGKILL)
         for path in (self.root / "jobs").glob("*.json"):
             job_id = int(path.stem)
             for _ in range(3):
