@@ -89,9 +89,17 @@ def serve(path: str) -> None:
         with conn, conn.makefile("rw") as stream:
             request = json.loads(stream.readline())
             if request["op"] == "start":
+                # Pids wrap (at 32768 on small machines): a new target may get the pid of one that
+                # exited long ago, whose exit status is kept. It is forgotten before the reaper can
+                # record the new one's (SIGCHLD is held until then), or status would call the new
+                # target dead at once.
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
                 pid = os.fork()
                 if pid == 0:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
                     _become_target(request, listener, conn)
+                _exited.pop(pid, None)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
                 stream.write(json.dumps({"pid": pid}) + "\n")
             elif request["op"] == "status":
                 with _lock:
