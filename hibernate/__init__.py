@@ -8,6 +8,14 @@ Inside the process to be hibernated::
     with hibernate.guard():
         out = model(x)                                  # a sleep waits for this to finish
 
+or, where CUDA graphs or compiled code hold the memory's addresses::
+
+    with hibernate.pool():                              # same addresses after every wake
+        model = build_model().cuda()
+    graph = torch.cuda.CUDAGraph()
+    with hibernate.cuda_graph(graph):                   # its private pool is hibernated too
+        out = model(static_input)
+
 From outside: ``hibernate sleep <pid> --to DIR`` and ``hibernate wake <pid>``.
 The process itself may call :func:`sleep` and :func:`wake`.
 
@@ -23,7 +31,7 @@ from typing import Any
 
 from hibernate.version import __version__
 
-__all__ = ["__version__", "guard", "sleep", "state", "track", "untrack", "wake"]
+__all__ = ["__version__", "cuda_graph", "guard", "pool", "sleep", "state", "track", "untrack", "wake"]
 
 
 def track(
@@ -49,8 +57,6 @@ def track(
     environment variables HIBERNATE_ON_SIGNAL, HIBERNATE_WAKE_SIGNAL and
     HIBERNATE_DIR do the same without changing the program.
     """
-    import os
-
     from hibernate.agent import signals as agent_signals
     from hibernate.agent.local import local_agent
     from hibernate.pools.tensors import TensorPool
@@ -60,9 +66,8 @@ def track(
         agent.default_dir = Path(to).expanduser().absolute()
     if on_signal is not None:
         agent_signals.install(agent, on_signal, wake_signal, agent.default_dir)
-    elif not agent.signals_configured:
-        agent_signals.install_from_environment(agent, dict(os.environ))
-    agent.signals_configured = True
+        agent.signals_configured = True
+    agent = _started_agent()
     pool = agent.pool(TensorPool.name)
     if pool is None:
         pool = TensorPool()
@@ -70,6 +75,82 @@ def track(
     assert isinstance(pool, TensorPool)
     pool.track(obj, tag, keep, name)
     return obj
+
+
+@contextmanager
+def pool(tag: str = "weights", keep: bool = True) -> Iterator[None]:
+    """CUDA memory allocated inside (this thread) keeps its addresses across every sleep and wake.
+
+    Its allocations come from an address-preserving allocator (the provider:
+    torch_memory_saver, the ``hibernate[pools]`` extra, or vLLM's
+    CuMemAllocator; ``HIBERNATE_POOL_PROVIDER`` picks one) and are hibernated
+    under ``tag``: with ``keep`` their bytes are written to the snapshot and
+    read back, verified, at the same addresses; without, they come back
+    zero-filled. CUDA graphs and compiled code captured over them stay valid.
+    No ``track`` is needed; tracking such tensors too changes nothing. Starts
+    this process's agent, as ``track`` does.
+    """
+    provider = _pool_provider(tag, keep)
+    with provider.region(tag):
+        yield
+
+
+@contextmanager
+def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **capture: Any) -> Iterator[None]:
+    """``torch.cuda.graph(graph, ...)`` with the graph's memory in an address-preserving pool.
+
+    The graph's private pool (its static inputs, outputs and intermediates)
+    is released on sleep and mapped back at the same addresses on wake, with
+    its bytes (``keep``, the default: a static input may live there) or
+    zero-filled. ``capture`` takes ``torch.cuda.graph``'s other arguments
+    (``stream``, ``capture_error_mode``), not ``pool``.
+    """
+    import torch
+
+    if "pool" in capture:
+        raise TypeError("hibernate.cuda_graph() chooses the graph's pool itself; do not pass pool=")
+    provider = _pool_provider(tag, keep)
+    with provider.graph_pool(tag) as pool_id, torch.cuda.graph(graph, pool=pool_id, **capture):
+        yield
+
+
+def _pool_provider(tag: str, keep: bool) -> Any:
+    """The process's provider, ``tag`` declared to it, its pool added to this process's agent."""
+    from hibernate.errors import UsageError
+    from hibernate.pools import provided
+
+    if not isinstance(tag, str) or not tag or any(ch in tag for ch in "/\n\0"):
+        raise UsageError(f"tag {tag!r} must be a non-empty name without '/'")
+    provider = provided.current(_make_provider)
+    provider.declare(tag, keep)
+    _started_agent().add_pool(provider.pool())
+    return provider
+
+
+def _started_agent() -> Any:
+    """This process's agent, with the sleep and wake signals its environment asks for (once)."""
+    import os
+
+    from hibernate.agent import signals as agent_signals
+    from hibernate.agent.local import local_agent
+
+    agent = local_agent()
+    if not agent.signals_configured:
+        agent_signals.install_from_environment(agent, dict(os.environ))
+        agent.signals_configured = True
+    return agent
+
+
+def _make_provider(name: str) -> Any:
+    from hibernate.pools import provided
+
+    if name == provided.TORCH_MEMORY_SAVER:
+        from hibernate.pools.tms import TmsProvider
+
+        return TmsProvider()
+    from hibernate.pools.vllm import CuMemProvider
+
+    return CuMemProvider()
 
 
 def untrack(obj: Any) -> bool:
@@ -88,6 +169,7 @@ def sleep(
     buffer_mb: int = 256,
     verify: bool = False,
     skip_reuse_check: bool | None = None,
+    allow_moves: bool | None = None,
 ) -> dict[str, Any]:
     """Hibernate this process's tracked memory to ``to`` (a directory), from inside.
 
@@ -98,16 +180,27 @@ def sleep(
     anything is released. ``skip_reuse_check`` (default: ``$HIBERNATE_SKIP_REUSE_CHECK``)
     reuses the previous snapshot's unchanged chunks without reading them back
     first; the result's ``spill.warnings`` then says how many bytes were trusted.
+    ``allow_moves`` lets a sleep move tracked CUDA memory while the process
+    has captured CUDA graphs (the program captures them again after each
+    wake; default ``$HIBERNATE_ALLOW_MOVES``); without it such a sleep raises
+    AddressesWouldMoveError.
     """
     import os
 
     from hibernate.agent.local import local_agent
-    from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
+    from hibernate.environ import ALLOW_MOVES_ENV, SKIP_REUSE_CHECK_ENV, env_flag
 
     directory = Path(to).expanduser().absolute()
     if skip_reuse_check is None:
         skip_reuse_check = env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
-    args = {"buffer_mb": buffer_mb, "verify": verify, "skip_reuse_check": skip_reuse_check}
+    if allow_moves is None:
+        allow_moves = env_flag(os.environ, ALLOW_MOVES_ENV)
+    args = {
+        "buffer_mb": buffer_mb,
+        "verify": verify,
+        "skip_reuse_check": skip_reuse_check,
+        "allow_moves": allow_moves,
+    }
     return local_agent().sleep_here(directory, timeout, args)
 
 

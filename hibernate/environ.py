@@ -14,6 +14,10 @@ from hibernate.errors import UsageError
 # 1: a re-sleep reuses the previous snapshot's unchanged chunks without reading them back first (the
 # default of `hibernate sleep --skip-reuse-check`, and of hibernate.sleep() and the vLLM backend).
 SKIP_REUSE_CHECK_ENV = "HIBERNATE_SKIP_REUSE_CHECK"
+# 1: a sleep may move tracked CUDA memory while the process has captured CUDA graphs, because the
+# program captures them again after each wake (the default of `hibernate sleep --allow-moves`, and
+# of hibernate.sleep() and of sleeps on a signal).
+ALLOW_MOVES_ENV = "HIBERNATE_ALLOW_MOVES"
 
 
 def env_flag(environ: Mapping[str, str], name: str) -> bool:

@@ -30,6 +30,7 @@ class ExitCode(IntEnum):
     UNSUPPORTED = 12  # this machine or target cannot do what was asked
     NEEDS_RECOVERY = 13  # an operation stopped half-way and could not be undone
     SERVER_FAILED = 14  # the target's own server (vLLM) refused or failed a request
+    ADDRESSES_WOULD_MOVE = 15  # a sleep would move memory that captured CUDA graphs may read
 
 
 class HibernateError(Exception):
@@ -149,6 +150,19 @@ class ServerFailedError(HibernateError):
     wire_name = "server-failed"
 
 
+class AddressesWouldMoveError(HibernateError):
+    """A sleep would bring tracked memory back at new addresses while CUDA graphs may hold the old ones.
+
+    A graph replays against the addresses it captured: after such a wake it
+    would read memory that is no longer the program's tensors and give wrong
+    answers with no error. Refused before anything is touched, unless the
+    caller says the program captures its graphs again after each wake.
+    """
+
+    exit_code = ExitCode.ADDRESSES_WOULD_MOVE
+    wire_name = "addresses-would-move"
+
+
 class AbortedError(HibernateError):
     """The operation was called off (its client went away); everything was undone."""
 
@@ -181,6 +195,7 @@ _BY_WIRE_NAME: dict[str, type[HibernateError]] = {
         UnsupportedError,
         NeedsRecoveryError,
         ServerFailedError,
+        AddressesWouldMoveError,
         AbortedError,
         ProtocolError,
     )

@@ -53,9 +53,17 @@ from hibernate import faults, procinfo
 from hibernate.agent.crash import recording_crashes
 from hibernate.agent.guard import Guard
 from hibernate.agent.leases import Leases
-from hibernate.errors import BusyError, HibernateError, UnsupportedError, UsageError, WrongStateError
+from hibernate.errors import (
+    AddressesWouldMoveError,
+    BusyError,
+    HibernateError,
+    UnsupportedError,
+    UsageError,
+    WrongStateError,
+)
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.pools.device import torch_in_process
+from hibernate.pools.graphs import MOVES_HINT
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords
@@ -171,6 +179,19 @@ class _Sleep:
 
     def pending(self) -> list[bool]:
         return [i not in self.restored for i in range(len(self.all_regions))]
+
+
+def refuse_moves(pools: Sequence[Pool], allowed: bool) -> list[str]:
+    """Refuse a sleep that would move memory captured CUDA graphs may read (hibernate.pools.graphs).
+
+    Asked of the regions just enumerated, before a byte is written. With
+    ``allowed`` (the program captures its graphs again after each wake) the
+    reasons become the sleep's warnings instead.
+    """
+    reasons = [reason for pool in pools if (reason := pool.moves_refusal()) is not None]
+    if reasons and not allowed:
+        raise AddressesWouldMoveError("; ".join(reasons), hint=MOVES_HINT)
+    return [f"{reason.removesuffix('. Nothing was changed')} (allowed: --allow-moves)" for reason in reasons]
 
 
 def _bytes_option(args: dict[str, Any], name: str, default: int) -> int:
@@ -397,6 +418,7 @@ class Agent:
             with self._mutex:
                 pools = list(self._pools)
             regions = [(pool, list(pool.regions())) for pool in pools]
+            moves = refuse_moves(pools, bool(args.get("allow_moves", False)))
             for pool in pools:
                 pool.synchronize()  # work the program queued on any stream lands before a byte is read
             sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.root_token), "")
@@ -447,6 +469,7 @@ class Agent:
             report["warnings"] = [
                 *result.warnings,
                 *(warning for pool in pools for warning in pool.warnings()),
+                *moves,
             ]
             return report
 

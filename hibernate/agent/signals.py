@@ -14,6 +14,7 @@ ignores the signals, so that one sent to the whole job step does not kill it.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 from hibernate.agent.controller import Agent
 from hibernate.agent.triggers import ENV_DIR, ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
+from hibernate.environ import ALLOW_MOVES_ENV, env_flag
 from hibernate.errors import HibernateError, UsageError
 
 
@@ -63,8 +65,10 @@ def install(
     if target is None:
         raise UsageError(f"{ENV_SLEEP} needs a snapshot directory", hint=f"set {ENV_DIR} or pass to=...")
 
+    args = {"allow_moves": env_flag(os.environ, ALLOW_MOVES_ENV)}  # read here: a handler must not fail
+
     def on_sleep(signum: int, frame: object) -> None:
-        _in_background(lambda: agent.sleep_here(target, timeout, {}), "sleep on signal")
+        _in_background(lambda: agent.sleep_here(target, timeout, args), "sleep on signal")
 
     def on_wake(signum: int, frame: object) -> None:
         _in_background(lambda: agent.wake_here({}), "wake on signal")

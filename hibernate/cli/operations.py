@@ -17,6 +17,7 @@ import typer
 
 from hibernate.cli.options import (
     AllOption,
+    AllowMovesOption,
     AllUsersOption,
     BufferOption,
     CgroupOption,
@@ -32,6 +33,7 @@ from hibernate.cli.options import (
     SkipReuseCheckOption,
     TimeoutOption,
     VllmUrlOption,
+    allow_moves_by_default,
     by_selector,
     handles_errors,
     options_from_flags,
@@ -113,6 +115,7 @@ def sleep(
         ),
     ] = False,
     skip_reuse_check: SkipReuseCheckOption = False,
+    allow_moves: AllowMovesOption = False,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
@@ -149,6 +152,7 @@ def sleep(
         io_mode=io_mode,
         verify=verify,
         skip_reuse_check=skip_reuse_check or skip_reuse_check_by_default(),
+        allow_moves=allow_moves or allow_moves_by_default(),
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         no_cuda=no_cuda,

@@ -89,6 +89,15 @@ SkipReuseCheckOption = Annotated[
         "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
     ),
 ]
+AllowMovesOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-moves",
+        help="Sleep even where the process has captured CUDA graphs and tracked CUDA memory outside "
+        "hibernate.pool(), which the wake brings back at new addresses: only for a program that "
+        "captures its graphs again after each wake. Default: $HIBERNATE_ALLOW_MOVES.",
+    ),
+]
 NoCudaOption = Annotated[
     bool,
     typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
@@ -246,6 +255,15 @@ def skip_reuse_check_by_default() -> bool:
     return env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
 
 
+def allow_moves_by_default() -> bool:
+    """``$HIBERNATE_ALLOW_MOVES``: the default of ``--allow-moves`` (a yes/no, else refused)."""
+    import os
+
+    from hibernate.environ import ALLOW_MOVES_ENV, env_flag
+
+    return env_flag(os.environ, ALLOW_MOVES_ENV)
+
+
 def _io_mode(value: str) -> str:
     """``--io-mode``, checked here: the store takes any value but direct or buffered for auto, silently."""
     if value not in ("auto", "direct", "buffered"):
@@ -260,6 +278,7 @@ def options_from_flags(
     io_mode: str = "auto",
     verify: bool = False,
     skip_reuse_check: bool = False,
+    allow_moves: bool = False,
     checkpointer: str = "auto",
     cuda_checkpoint: Path | None = None,
     no_cuda: bool = False,
@@ -288,7 +307,10 @@ def options_from_flags(
 
     options = orchestrator.Options(
         io=orchestrator.IoOptions(
-            io_mode=_io_mode(io_mode), verify=verify, skip_reuse_check=skip_reuse_check
+            io_mode=_io_mode(io_mode),
+            verify=verify,
+            skip_reuse_check=skip_reuse_check,
+            allow_moves=allow_moves,
         ),
         kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
         all_users=spans_users(all_users, job, cgroup),

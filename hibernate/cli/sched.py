@@ -15,6 +15,7 @@ import typer
 
 from hibernate.cli.options import (
     AllOption,
+    AllowMovesOption,
     BufferOption,
     CgroupOption,
     CheckpointerOption,
@@ -28,6 +29,7 @@ from hibernate.cli.options import (
     QuietOption,
     SkipReuseCheckOption,
     TimeoutOption,
+    allow_moves_by_default,
     handles_errors,
     options_from_flags,
     parse_directory,
@@ -123,6 +125,7 @@ def node_step(
     no_cuda: NoCudaOption = False,
     force: ForceOption = False,
     skip_reuse_check: SkipReuseCheckOption = False,
+    allow_moves: AllowMovesOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -153,6 +156,7 @@ def node_step(
             force=force,
             lock_timeout=timeout if operation == "sleep" else None,
             skip_reuse_check=operation == "sleep" and (skip_reuse_check or skip_reuse_check_by_default()),
+            allow_moves=allow_moves or allow_moves_by_default(),
             job=job,
             cgroup=cgroup,
         ),

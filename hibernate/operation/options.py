@@ -17,6 +17,8 @@ class IoOptions:
     verify: bool = False  # read each snapshot back before its memory is released
     # Reuse the previous snapshot's chunks without reading them back first (--skip-reuse-check).
     skip_reuse_check: bool = False
+    # Move tracked CUDA memory even while the process has captured CUDA graphs (--allow-moves).
+    allow_moves: bool = False
 
     def to_args(self) -> dict[str, Any]:
         return {
@@ -25,6 +27,7 @@ class IoOptions:
             "io_mode": self.io_mode,
             "verify": self.verify,
             "skip_reuse_check": self.skip_reuse_check,
+            "allow_moves": self.allow_moves,
         }
 
 

@@ -106,6 +106,11 @@ class Pool(Protocol):
         """What the newest ``regions()`` found that a sleep will not free, in words for its report."""
         ...
 
+    def moves_refusal(self) -> str | None:
+        """Why the newest ``regions()`` may not sleep: memory a captured CUDA graph may read would come
+        back at new addresses (hibernate.pools.graphs); None where nothing of the pool moves."""
+        ...
+
 
 @dataclass(frozen=True)
 class PoolSummary:

@@ -137,6 +137,25 @@ class DeviceMemory(DeviceCopies, Protocol):
         ...
 
 
+def attempt_copy(
+    copy: Callable[[int, int, memoryview], None], device: int, address: int, view: memoryview
+) -> str | None:
+    """Run a device copy; a failure comes back as words, not as an exception.
+
+    A raised exception's traceback would keep ``view`` (a slice of a store
+    staging buffer) alive, and the store could then not unmap that buffer: its
+    BufferError would hide the real failure. So the caller raises afresh, once
+    it has dropped its own reference to the view.
+    """
+    try:
+        copy(device, address, view)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del view
+    return None
+
+
 def buffer_address(view: memoryview) -> int:
     """The address of a writable buffer's first byte."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -38,6 +38,7 @@ parameters were replaced since ``track`` is hibernated as it is now.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import itertools
@@ -60,6 +61,8 @@ from hibernate.pools.device import (
     torch_cuda_in_use,
     untracked_views_warning,
 )
+from hibernate.pools.graphs import graph_pools, moves_refusal
+from hibernate.pools.provided import Span, covered_spans
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
@@ -499,12 +502,29 @@ def cuda_index(storage: torch.UntypedStorage) -> int | None:
     return 0 if storage.device.index is None else storage.device.index
 
 
+class PooledAddresses:
+    """The allocations of ``hibernate.pool()``, to tell whether a storage lies in one (by its address)."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self._spans = sorted(spans, key=lambda span: span.address)
+        self._starts = [span.address for span in self._spans]
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        if not self._spans or not storage.nbytes():
+            return False
+        address = storage.data_ptr()
+        index = bisect.bisect_right(self._starts, address) - 1
+        return index >= 0 and self._spans[index].holds(address)
+
+
 class TensorPool:
     """The tensors this process asked to hibernate.
 
     ``copies`` makes the device copy seam on first need (a CPU-only program never
     loads one); ``device_of`` says which storages are device memory, and where;
-    ``segments`` lists the device allocator's segments and the pool of each.
+    ``segments`` lists the device allocator's segments and the pool of each;
+    ``covered`` the allocations of ``hibernate.pool()``, whose storages their
+    own pool hibernates at their addresses (tracking them too changes nothing).
     """
 
     name = "torch"
@@ -514,6 +534,7 @@ class TensorPool:
         copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
         device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
         segments: Callable[[], Sequence[Mapping[str, Any]]] = allocator_segments,
+        covered: Callable[[], Sequence[Span]] = covered_spans,
     ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
@@ -524,10 +545,12 @@ class TensorPool:
         self._left_in_place: list[str] = []
         self._device_storages: list[tuple[str, int, int, int]] = []
         self._resized_any = False
+        self._moving: list[tuple[str, int]] = []  # storages a sleep brings back elsewhere: (key, bytes)
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
         self._segments = segments
+        self._covered = covered
         self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
 
     def copies(self) -> DeviceCopies:
@@ -568,10 +591,13 @@ class TensorPool:
         # storage identity -> [owning entry, first name, storage, views, {id: (tensor, name)}];
         # a storage shared with a kept tensor is kept, under that tensor's tag.
         by_storage: dict[int, list[Any]] = {}
+        in_pools = PooledAddresses(self._covered())
         for entry in tracked:
             for name, tensor in _named_tensors(entry):
                 _check_trackable(name, tensor)
                 storage = tensor.untyped_storage()
+                if in_pools.holds(storage):
+                    continue  # hibernated at its own address by its pool (hibernate.pool)
                 view = {
                     "name": name,
                     "dtype": _dtype_name(tensor.dtype),
@@ -628,7 +654,8 @@ class TensorPool:
                 regions.append(StorageRegion(*args))
         self._left_in_place = warnings
         self._device_storages = device_storages
-        self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)
+        self._moving = [(r.key, r.nbytes) for r in regions if type(r) is StorageRegion and r.nbytes]
+        self._resized_any = bool(self._moving)
         self._devices = frozenset(devices)
         return regions
 
@@ -663,6 +690,21 @@ class TensorPool:
                     "frees memory on the GPU, or leaves it with that allocator, is unknown"
                 )
         return found
+
+    def moves_refusal(self) -> str | None:
+        """Storages the newest regions() resizes, while CUDA graphs live (hibernate.pools.graphs).
+
+        Asked only where something moves: the allocator's snapshot is costly. An
+        allocator that cannot list its segments cannot show graphs either; its
+        warning (see warnings) says so.
+        """
+        if not self._moving:
+            return None
+        try:
+            segments = self._segments()
+        except UnknownSegments:
+            return None
+        return moves_refusal(self._moving, graph_pools(segments))
 
     def after_release(self) -> None:
         _trim_host_heap()

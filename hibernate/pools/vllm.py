@@ -33,15 +33,18 @@ constants into.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
-from hibernate.errors import UnsupportedError, UsageError
+from hibernate.errors import UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn
+from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn, attempt_copy
+from hibernate.pools.provided import VLLM_CUMEM, Span
 from hibernate.store.regions import memory_at
 
 log = logging.getLogger(__name__)
@@ -139,25 +142,6 @@ def _backup_view(tensor: Any, nbytes: int) -> memoryview:
 # -- regions -----------------------------------------------------------------------
 
 
-def _attempt(
-    copy: Callable[[int, int, memoryview], None], device: int, address: int, view: memoryview
-) -> str | None:
-    """Run a device copy; a failure comes back as words, not as an exception.
-
-    A raised exception's traceback would keep ``view`` (a slice of a store
-    staging buffer) alive, and the store could then not unmap that buffer: its
-    BufferError would hide the real failure. So the caller raises afresh, once
-    it has dropped its own reference to the view.
-    """
-    try:
-        copy(device, address, view)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        del view
-    return None
-
-
 class CuMemRegion(RegionAttributes):
     """One CuMemAllocator allocation: its whole aligned size, at its fixed address."""
 
@@ -180,7 +164,7 @@ class CuMemRegion(RegionAttributes):
         return self._allocator.pointer_to_data.get(self._address) is self._data
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
-        failure = _attempt(self._pool.device.copy_to_host, self._device, self._address + offset, dst)
+        failure = attempt_copy(self._pool.device.copy_to_host, self._device, self._address + offset, dst)
         if failure is not None:
             del dst
             raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
@@ -188,7 +172,7 @@ class CuMemRegion(RegionAttributes):
     def copy_in(self, offset: int, src: memoryview) -> None:
         if not self.live():
             return
-        failure = _attempt(self._pool.device.copy_from_host, self._device, self._address + offset, src)
+        failure = attempt_copy(self._pool.device.copy_from_host, self._device, self._address + offset, src)
         if failure is not None:
             del src
             raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
@@ -219,7 +203,11 @@ class CuMemRegion(RegionAttributes):
 
 
 class CuMemPool:
-    """Every allocation of this process's CuMemAllocator; ``level`` decides what is kept."""
+    """Every allocation of this process's CuMemAllocator; ``level`` decides what is kept.
+
+    ``keep`` replaces the level's rule where the tags are a program's own (its
+    ``hibernate.pool(tag, keep)``), not vLLM's.
+    """
 
     name = "vllm-cumem"
 
@@ -227,9 +215,11 @@ class CuMemPool:
         self,
         allocator: Callable[[], AllocatorLike | None] = live_allocator,
         device: Callable[[], DeviceMemory] = default_device,
+        keep: Callable[[str], bool] | None = None,
     ) -> None:
         self._allocator_source = allocator
         self._device_source = device
+        self._keep = keep
         self._device: DeviceMemory | None = None
         self._lock = threading.Lock()
         self.level = 1
@@ -256,6 +246,9 @@ class CuMemPool:
     def set_level(self, level: int) -> None:
         self.level = check_level(level)
 
+    def keeps(self, tag: str) -> bool:
+        return self._keep(tag) if self._keep is not None else keeps(tag, self.level)
+
     # -- the Pool contract -----------------------------------------------------
 
     def regions(self) -> Sequence[SpillableRegion]:
@@ -267,7 +260,7 @@ class CuMemPool:
             if data.is_asleep:
                 self.note_asleep(address, data)
         return [
-            CuMemRegion(self, allocator, data, keeps(data.tag, self.level))
+            CuMemRegion(self, allocator, data, self.keeps(data.tag))
             for _, data in records
             if not data.is_asleep
         ]
@@ -284,6 +277,10 @@ class CuMemPool:
     def warnings(self) -> list[str]:
         """Only the sleep's notes: every mapped allocation a sleep takes is unmapped, its memory freed."""
         return list(self.sleep_notes)
+
+    def moves_refusal(self) -> str | None:
+        """Nothing: every allocation is mapped back at its own address."""
+        return None
 
     # -- records freed while asleep ------------------------------------------------
 
@@ -423,6 +420,70 @@ class CuMemPool:
                 self.device.zero(int(device), int(address), int(nbytes))
             mapped += int(nbytes)
         return {"mapped_bytes": mapped, "from_backup_bytes": from_backup}
+
+
+class CuMemProvider:
+    """vLLM's CuMemAllocator as the provider of ``hibernate.pool()`` in a program that is not vLLM.
+
+    ``use_memory_pool(tag)`` routes the allocations of its block to a MemPool
+    of vLLM's pluggable allocator, recorded under ``tag``; ``cudagraph_pool()``
+    gives a pool of it to capture a graph into. The allocator is vLLM's
+    singleton: in a vLLM worker it is vLLM's own, and vLLM's sleep mode
+    (hibernate's backend there) hibernates it instead.
+    """
+
+    name = VLLM_CUMEM
+
+    def __init__(
+        self,
+        allocator: Callable[[], Any] | None = None,
+        device: Callable[[], DeviceMemory] = default_device,
+    ) -> None:
+        self._instance = allocator or _allocator_instance
+        self._declared: dict[str, bool] = {}
+        self._pool = CuMemPool(allocator=self._instance, device=device, keep=self._keeps)
+
+    def _keeps(self, tag: str) -> bool:
+        return self._declared.get(tag, True)  # a tag nobody declared is kept: dropping it could lose data
+
+    def region(self, tag: str) -> AbstractContextManager[None]:
+        if tag in self._pool.asleep_tags():
+            raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
+        context: AbstractContextManager[None] = self._instance().use_memory_pool(tag)
+        return context
+
+    @contextmanager
+    def graph_pool(self, tag: str) -> Iterator[tuple[int, int]]:
+        """vLLM's graph pool, its allocations recorded under ``tag`` (vLLM itself uses "cudagraph")."""
+        allocator = self._instance()
+        with allocator.cudagraph_pool() as pool_id:
+            allocator.current_tag = tag
+            yield (int(pool_id[0]), int(pool_id[1]))
+
+    def declare(self, tag: str, keep: bool) -> None:
+        self._declared[tag] = keep
+
+    def pool(self) -> CuMemPool:
+        return self._pool
+
+    def spans(self) -> list[Span]:
+        return [
+            Span(data.tag, int(data.handle[0]), int(data.handle[2]), int(data.handle[1]))
+            for _, data in _records(self._pool.allocator)
+            if data.tag in self._declared
+        ]
+
+
+def _allocator_instance() -> Any:
+    """vLLM's CuMemAllocator singleton, made on first use (imports vLLM's cumem module)."""
+    try:
+        cumem = importlib.import_module(CUMEM_MODULE)
+    except ImportError as exc:
+        raise UnsupportedError(
+            f"vLLM's cumem allocator cannot be loaded here ({exc})",
+            hint="it needs a CUDA build of vLLM and a GPU driver",
+        ) from exc
+    return cumem.CuMemAllocator.get_instance()
 
 
 def require_allocator(pool: CuMemPool) -> AllocatorLike:

@@ -1,0 +1,347 @@
+"""torch_memory_saver as the provider of ``hibernate.pool()`` (the ``hibernate[pools]`` extra).
+
+torch_memory_saver (0.0.10) in its ``torch`` hook mode gives each tag a
+``torch.cuda.MemPool`` whose raw allocations come from its own pluggable
+allocator: each is a reserved virtual range with physical memory mapped in.
+``pause(tag)`` unmaps and releases the physical memory of every allocation
+with that tag; ``resume(tag)`` creates and maps fresh memory at the same
+addresses. Its CPU and disk backups stay off: the bytes go through
+hibernate's store instead (spilled before the pause, written back and
+verified after the resume).
+
+Its C core ends the process (``exit(1)``) on three things this pool
+therefore never lets happen: a pause of a tag that holds an allocation not
+mapped (a second pause), a resume of one that holds an allocation mapped
+(one made while the tag slept), and a resume the GPU has no memory for. A
+pool keeps which tags it paused and what they held, refuses a resume whose
+tag gained an allocation meanwhile, and checks the free memory of every GPU
+before it maps anything back.
+
+Which memory a tag holds is read from torch's allocator: the segments of the
+tag's MemPools (``torch.cuda.memory_snapshot(pool_id)``), each one raw
+allocation of torch_memory_saver. torch_memory_saver names no public way to
+reach those pools; they are read from its ``_impl._mem_pools``, keyed
+``(tag, cpu backup, disk backup, backup kind, device)`` in 0.0.10, and a
+version that keeps them elsewhere is refused with that said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from hibernate.errors import HibernateError, UnsupportedError, UsageError, WrongStateError
+from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.device import CudaCopies, DeviceCopies, DeviceMemoryError, PinFn, attempt_copy
+from hibernate.pools.graphs import PoolId
+from hibernate.pools.provided import TORCH_MEMORY_SAVER, Span, bytes_per_device, shortfalls
+
+KNOWN_VERSION = "0.0.10"
+HOOK_MODE = "torch"
+
+Segments = Callable[[PoolId], Sequence[Mapping[str, Any]]]
+
+
+def _cuda_segments(pool: PoolId) -> Sequence[Mapping[str, Any]]:
+    import torch
+
+    return list(torch.cuda.memory_snapshot(pool, include_traces=False))
+
+
+def _cuda_free_bytes(device: int) -> int | None:
+    import torch
+
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except RuntimeError:
+        return None
+    return int(free)
+
+
+def _cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def _import_saver() -> Any:
+    try:
+        import torch_memory_saver
+    except ImportError as exc:
+        raise UnsupportedError(
+            f"torch_memory_saver cannot be imported ({exc})",
+            hint="pip install 'hibernate[pools]'",
+        ) from exc
+    return torch_memory_saver
+
+
+def spans_of(tag: str, segments: Sequence[Mapping[str, Any]]) -> list[Span]:
+    """One span per segment (one raw allocation of the provider), in address order."""
+    found = [
+        Span(tag, int(s["device"]), int(s["address"]), int(s["total_size"]))
+        for s in segments
+        if int(s["total_size"]) > 0
+    ]
+    return sorted(found, key=lambda span: (span.device, span.address))
+
+
+def pools_of_tag(mem_pools: Mapping[Any, Any], tag: str) -> list[PoolId]:
+    """The ids of torch_memory_saver's MemPools for ``tag`` (any device, any backup setting)."""
+    ids = []
+    for key, pool in list(mem_pools.items()):
+        if isinstance(key, tuple) and key and key[0] == tag:
+            first, second = pool.id
+            ids.append((int(first), int(second)))
+    return ids
+
+
+class TmsRegion(RegionAttributes):
+    """One raw allocation of torch_memory_saver: released and mapped back with its whole tag."""
+
+    def __init__(self, pool: TmsPool, span: Span, keep: bool) -> None:
+        meta = {"device": span.device, "address": span.address}
+        super().__init__(f"{span.tag}/{span.address:#x}", span.tag, keep, span.nbytes, meta)
+        self._pool = pool
+        self._span = span
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        copies = self._pool.copies()
+        failure = attempt_copy(copies.copy_to_host, self._span.device, self._span.address + offset, dst)
+        if failure is not None:
+            del dst
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        copies = self._pool.copies()
+        failure = attempt_copy(copies.copy_from_host, self._span.device, self._span.address + offset, src)
+        if failure is not None:
+            del src
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return None  # device memory: the store stages it
+
+    def host_address(self) -> int | None:
+        return None
+
+    def release(self) -> None:
+        """The whole tag is paused with its first region; the others find it paused."""
+        self._pool.pause(self._tag)
+
+    def reallocate(self) -> None:
+        self._pool.resume(self._tag)
+
+    def zero(self) -> None:
+        self._pool.copies().zero(self._span.device, self._span.address, self._nbytes)
+
+
+class TmsPool:
+    """The allocations of the tags given to ``hibernate.pool()``, paused and resumed a tag at a time."""
+
+    name = TORCH_MEMORY_SAVER
+
+    def __init__(self, provider: TmsProvider) -> None:
+        self._provider = provider
+        self._lock = threading.Lock()
+        self._keep: dict[str, bool] = {}
+        self._paused: dict[str, list[Span]] = {}  # tag -> what it held when paused
+
+    def declare(self, tag: str, keep: bool) -> None:
+        with self._lock:
+            self._keep[tag] = keep
+
+    def asleep(self, tag: str) -> bool:
+        with self._lock:
+            return tag in self._paused
+
+    def copies(self) -> DeviceCopies:
+        return self._provider.copies()
+
+    def spans(self) -> list[Span]:
+        with self._lock:
+            tags = list(self._keep)
+            paused = {tag: list(spans) for tag, spans in self._paused.items()}
+        return [span for tag in tags for span in paused.get(tag) or self._provider.spans(tag)]
+
+    # -- the Pool contract -----------------------------------------------------
+
+    def regions(self) -> Sequence[SpillableRegion]:
+        with self._lock:
+            keep = dict(self._keep)
+        by_tag: dict[str, list[Span]] = {}
+        for span in self.spans():
+            by_tag.setdefault(span.tag, []).append(span)
+        return [TmsRegion(self, span, keep[tag]) for tag, spans in by_tag.items() for span in spans]
+
+    def after_release(self) -> None:
+        """Nothing: a pause hands the physical memory back to the driver itself."""
+
+    def pinner(self) -> PinFn | None:
+        return self.copies().pinner() if self.spans() else None
+
+    def synchronize(self) -> None:
+        for device in sorted({span.device for span in self.spans()}):
+            self.copies().synchronize(device)
+
+    def warnings(self) -> list[str]:
+        return []
+
+    def moves_refusal(self) -> str | None:
+        """Nothing of this pool moves: that is what it is for."""
+        return None
+
+    # -- pause and resume, a tag at a time ---------------------------------------
+
+    def pause(self, tag: str) -> None:
+        with self._lock:
+            if tag in self._paused:
+                return
+        spans = self._provider.spans(tag)
+        self._provider.pause(tag)
+        with self._lock:
+            self._paused[tag] = spans
+
+    def resume(self, tag: str) -> None:
+        """Map the tag back, unless that would end the process inside torch_memory_saver."""
+        with self._lock:
+            paused = self._paused.get(tag)
+        if paused is None:
+            return
+        now = self._provider.spans(tag)
+        known = {(span.device, span.address) for span in paused}
+        added = [span for span in now if (span.device, span.address) not in known]
+        if added:
+            raise WrongStateError(
+                f"memory was allocated in hibernate.pool({tag!r}) while it slept "
+                f"({len(added)} allocation(s), {sum(s.nbytes for s in added)} bytes, at "
+                f"{', '.join(hex(s.address) for s in added[:3])}): torch_memory_saver ends the process "
+                "when it resumes a tag holding memory that is not paused, so the process stays asleep",
+                hint="allocate in a pool only under hibernate.guard(), which waits for the wake",
+            )
+        short = shortfalls(bytes_per_device(now), self._provider.free_bytes)
+        if short:
+            described = ", ".join(
+                f"cuda:{device} needs {needed} bytes and has {free} free" for device, needed, free in short
+            )
+            raise UnsupportedError(
+                f"not enough free GPU memory to map back hibernate.pool({tag!r}) ({described}); nothing of "
+                "it was mapped and the process stays asleep",
+                hint="free memory on that GPU (put another process to sleep), then wake again",
+            )
+        self._provider.resume(tag)
+        with self._lock:
+            self._paused.pop(tag, None)
+
+
+class TmsProvider:
+    """torch_memory_saver, in ``torch`` hook mode, behind hibernate's provider contract.
+
+    ``saver`` is the ``torch_memory_saver`` module; ``segments`` lists a
+    MemPool's segments (torch's allocator snapshot), ``copies`` moves bytes to
+    and from the device, ``free_bytes`` reads a GPU's free memory and
+    ``device`` the current device: the seams a test replaces.
+    """
+
+    name = TORCH_MEMORY_SAVER
+
+    def __init__(
+        self,
+        saver: Any = None,
+        segments: Segments = _cuda_segments,
+        copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
+        free_bytes: Callable[[int], int | None] = _cuda_free_bytes,
+        device: Callable[[], int] = _cuda_device,
+    ) -> None:
+        module = saver if saver is not None else _import_saver()
+        self._saver = module.torch_memory_saver
+        self._segments = segments
+        self._copies_source = copies
+        self._copies: DeviceCopies | None = None
+        self.free_bytes = free_bytes
+        self._device = device
+        self._lock = threading.Lock()
+        self._pool = TmsPool(self)
+        self._use_torch_hooks()
+
+    def _use_torch_hooks(self) -> None:
+        """torch hook mode, set before torch_memory_saver starts; refused if it started in another."""
+        impl = getattr(self._saver, "_impl", None)
+        if impl is None:
+            self._saver.hook_mode = HOOK_MODE
+            return
+        mode = getattr(impl, "_hook_mode", None)
+        if mode != HOOK_MODE:
+            raise UsageError(
+                f"torch_memory_saver was started in {mode!r} hook mode before hibernate.pool(); hibernate "
+                f"uses its {HOOK_MODE!r} mode (no LD_PRELOAD)",
+                hint="call hibernate.pool() before anything else starts torch_memory_saver; unset LD_PRELOAD",
+            )
+
+    def _mem_pools(self) -> Mapping[Any, Any]:
+        impl = getattr(self._saver, "_impl", None)
+        pools = getattr(impl, "_mem_pools", None)
+        if impl is not None and not isinstance(pools, Mapping):
+            raise UnsupportedError(
+                "this torch_memory_saver keeps its memory pools where hibernate does not know to find them "
+                f"(it knows {KNOWN_VERSION})",
+                hint=f"pip install torch-memory-saver=={KNOWN_VERSION}",
+            )
+        return pools if isinstance(pools, Mapping) else {}
+
+    def copies(self) -> DeviceCopies:
+        with self._lock:
+            if self._copies is None:
+                self._copies = self._copies_source()
+            return self._copies
+
+    # -- the provider contract ---------------------------------------------------
+
+    @contextmanager
+    def region(self, tag: str) -> Iterator[None]:
+        if self._pool.asleep(tag):
+            raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._saver.region(tag))
+            except RuntimeError as exc:  # its start-up checks (expandable_segments, the CUDA runtime)
+                raise UnsupportedError(f"torch_memory_saver refused to start: {exc}") from exc
+            yield
+
+    @contextmanager
+    def graph_pool(self, tag: str) -> Iterator[PoolId]:
+        with self.region(tag):
+            device = self._device()
+            ids = [
+                pool.id
+                for key, pool in list(self._mem_pools().items())
+                if isinstance(key, tuple) and key[0] == tag and key[-1] == device
+                and not any(key[1:3])  # neither of its own backups
+            ]  # fmt: skip
+            if not ids:
+                raise HibernateError(f"torch_memory_saver made no memory pool for {tag!r} on cuda:{device}")
+            first, second = ids[0]
+            yield (int(first), int(second))
+
+    def declare(self, tag: str, keep: bool) -> None:
+        self._pool.declare(tag, keep)
+
+    def pool(self) -> TmsPool:
+        return self._pool
+
+    def spans(self, tag: str | None = None) -> list[Span]:
+        """The allocations of ``tag`` as torch's allocator lists them; every declared tag's without one."""
+        if tag is None:
+            return self._pool.spans()
+        found: list[Span] = []
+        for pool_id in pools_of_tag(self._mem_pools(), tag):
+            found.extend(spans_of(tag, self._segments(pool_id)))
+        return found
+
+    def pause(self, tag: str) -> None:
+        self._saver.pause(tag)
+
+    def resume(self, tag: str) -> None:
+        self._saver.resume(tag)

@@ -1,0 +1,184 @@
+"""The rules around address-preserving pools: which provider, which graphs, what would move, what fits.
+
+Pure functions, and the tensor pool's refusal run in this process over CPU
+tensors whose allocator segments the test names (``segments=``), as torch's
+snapshot would list them on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hibernate import procinfo
+from hibernate.agent.controller import Agent, AgentState
+from hibernate.errors import AddressesWouldMoveError, ExitCode, UnsupportedError, UsageError
+from hibernate.pools.graphs import graph_pools, is_graph_pool, moves_refusal
+from hibernate.pools.provided import (
+    PROVIDER_ENV,
+    ROOM_HEADROOM_BYTES,
+    TORCH_MEMORY_SAVER,
+    VLLM_CUMEM,
+    Span,
+    choose,
+    shortfalls,
+)
+from hibernate.pools.tensors import TensorPool
+
+MIB = 1 << 20
+
+
+def segment(pool: tuple[int, int], address: int = 0x7000_0000, size: int = 2 * MIB) -> dict[str, Any]:
+    return {"device": 0, "address": address, "total_size": size, "segment_pool_id": pool}
+
+
+# -- which pools are graphs' ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pool", "graph"),
+    [((0, 0), False), ((0, 3), False), ((1, 0), True), ((7, 0), True)],
+)
+def test_only_pools_a_graph_made_for_itself_count_as_graphs(pool: tuple[int, int], graph: bool) -> None:
+    assert is_graph_pool(pool) is graph
+
+
+def test_graph_pools_are_listed_once_in_order_and_unnamed_pools_are_unknown() -> None:
+    segments = [segment((0, 0)), segment((2, 0)), segment((0, 1)), segment((2, 0)), segment((5, 0))]
+    segments.append({"device": 0, "address": 1, "total_size": 1})  # a torch that names no pool
+    assert graph_pools(segments) == [(2, 0), (5, 0)]
+
+
+def test_nothing_is_refused_without_both_graphs_and_moves() -> None:
+    assert moves_refusal([], [(1, 0)]) is None
+    assert moves_refusal([("weights/w", 10)], []) is None
+
+
+def test_a_refusal_names_the_graphs_and_the_largest_storages_that_would_move() -> None:
+    moving = [(f"weights/layer{i}", (i + 1) * MIB) for i in range(8)]
+    reason = moves_refusal(moving, [(1, 0)])
+    assert reason is not None
+    assert "(1, 0)" in reason and "8 tracked storage(s)" in reason
+    assert "weights/layer7" in reason and "weights/layer0" not in reason and "and 3 more" in reason
+
+
+# -- which provider --------------------------------------------------------------------------
+
+
+def test_auto_takes_torch_memory_saver_first_then_vllm() -> None:
+    assert choose(None, {TORCH_MEMORY_SAVER: None, VLLM_CUMEM: None}) == TORCH_MEMORY_SAVER
+    assert choose("auto", {TORCH_MEMORY_SAVER: "not installed", VLLM_CUMEM: None}) == VLLM_CUMEM
+
+
+def test_a_provider_asked_for_by_name_is_used_or_refused_with_its_reason() -> None:
+    assert choose(VLLM_CUMEM, {TORCH_MEMORY_SAVER: None, VLLM_CUMEM: None}) == VLLM_CUMEM
+    with pytest.raises(UnsupportedError) as caught:
+        choose(VLLM_CUMEM, {TORCH_MEMORY_SAVER: None, VLLM_CUMEM: "vLLM is not installed"})
+    assert "vLLM is not installed" in caught.value.message and TORCH_MEMORY_SAVER not in caught.value.message
+
+
+def test_none_usable_names_every_package_and_what_it_needs() -> None:
+    with pytest.raises(UnsupportedError) as caught:
+        choose(None, {TORCH_MEMORY_SAVER: "not installed", VLLM_CUMEM: "CPU-only torch"})
+    error = caught.value
+    assert error.exit_code == ExitCode.UNSUPPORTED
+    assert "torch_memory_saver: not installed" in error.message and "vllm: CPU-only torch" in error.message
+    assert error.hint is not None and "hibernate[pools]" in error.hint and "vLLM" in error.hint
+
+
+def test_an_unknown_provider_name_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=PROVIDER_ENV):
+        choose("tms", {TORCH_MEMORY_SAVER: None, VLLM_CUMEM: None})
+
+
+def test_hibernate_pool_on_a_cpu_only_torch_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, fresh_agent: None
+) -> None:
+    import hibernate
+    from hibernate.pools import provided
+
+    monkeypatch.setattr(provided, "_provider", None)
+    with pytest.raises(UnsupportedError) as caught, hibernate.pool():
+        pass
+    assert "CPU-only" in caught.value.message or "not installed" in caught.value.message
+    assert provided.installed() is None
+
+
+# -- what fits -------------------------------------------------------------------------------
+
+
+def test_a_device_short_of_its_bytes_plus_headroom_is_a_shortfall() -> None:
+    free = {0: 10 * MIB + ROOM_HEADROOM_BYTES, 1: 10 * MIB + ROOM_HEADROOM_BYTES - 1}
+    assert shortfalls({0: 10 * MIB, 1: 10 * MIB}, free.get) == [(1, 10 * MIB + ROOM_HEADROOM_BYTES, free[1])]
+
+
+def test_a_device_whose_free_memory_cannot_be_read_is_not_a_shortfall() -> None:
+    assert shortfalls({0: 10 * MIB}, lambda device: None) == []
+
+
+# -- the tensor pool: what moves, and what its pool keeps in place ------------------------------
+
+
+def agent_with(pool: TensorPool) -> Agent:
+    identity = procinfo.identity(os.getpid())
+    assert identity is not None
+    agent = Agent(identity, name="pool-rules")
+    agent.add_pool(pool)
+    return agent
+
+
+def test_a_sleep_beside_a_graph_pool_is_refused_before_anything_changes(work_dir: Path) -> None:
+    weights = torch.arange(4096, dtype=torch.float32)
+    before = weights.clone()
+    address = weights.data_ptr()
+    pool = TensorPool(segments=lambda: [segment((0, 0)), segment((1, 0))])
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    with pytest.raises(AddressesWouldMoveError) as caught:
+        agent.sleep_here(work_dir, 5.0, {})
+    assert caught.value.exit_code == ExitCode.ADDRESSES_WOULD_MOVE == 15
+    assert "weights/w" in caught.value.message
+    assert caught.value.hint is not None and "hibernate.pool()" in caught.value.hint
+    assert agent.state is AgentState.RUNNING
+    assert weights.data_ptr() == address and torch.equal(weights, before)
+    assert list(work_dir.iterdir()) == []  # refused before the snapshot's directory was made
+
+
+def test_allow_moves_sleeps_and_says_so(work_dir: Path) -> None:
+    weights = torch.arange(4096, dtype=torch.float32)
+    before = weights.clone()
+    pool = TensorPool(segments=lambda: [segment((1, 0))])
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    report = agent.sleep_here(work_dir, 5.0, {"allow_moves": True})
+    assert any("allowed: --allow-moves" in w for w in report["spill"]["warnings"])
+    agent.wake_here({})
+    assert torch.equal(weights, before)
+
+
+def test_without_graphs_nothing_is_refused(work_dir: Path) -> None:
+    weights = torch.arange(4096, dtype=torch.float32)
+    pool = TensorPool(segments=lambda: [segment((0, 0)), segment((0, 4))])
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    agent.sleep_here(work_dir, 5.0, {})
+    agent.wake_here({})
+
+
+def test_storages_in_a_pool_are_left_to_it_even_when_tracked(work_dir: Path) -> None:
+    pooled = torch.arange(4096, dtype=torch.float32)
+    moving = torch.ones(1024)
+    span = Span("weights", 0, pooled.untyped_storage().data_ptr(), pooled.untyped_storage().nbytes())
+    pool = TensorPool(segments=lambda: [segment((1, 0))], covered=lambda: [span])
+    pool.track({"pooled": pooled, "moving": moving}, "weights", True, "m")
+    keys = [region.key for region in pool.regions()]
+    assert keys == ["weights/m.moving"]
+    assert pool.moves_refusal() is not None  # the one outside the pool still moves
+    pool.untrack({"pooled": pooled, "moving": moving})
+    only_pooled = TensorPool(segments=lambda: [segment((1, 0))], covered=lambda: [span])
+    only_pooled.track(pooled, "weights", True, "p")
+    assert list(only_pooled.regions()) == [] and only_pooled.moves_refusal() is None
