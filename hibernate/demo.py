@@ -6,6 +6,7 @@
     python -m hibernate.demo mark --control PATH                      # fill scratch, rewrite side (async)
     python -m hibernate.demo inspect --control PATH                   # scratch zeroed? side, private intact?
     python -m hibernate.demo serve --http-port 8001 [--model-name demo]  # also an OpenAI-style HTTP server
+    python -m hibernate.demo serve --device cuda --pool --graphs      # same addresses, a CUDA graph replayed
 
 The model has random (seeded) weights, tracked as ``weights``, and a KV cache
 tracked with ``keep=False``. Each ``infer`` request runs a fixed prompt through
@@ -24,6 +25,17 @@ each against the pattern ``mark`` wrote. ``--untracked`` starts the agent but
 tracks nothing, so a check of what the pools did can be shown to fail;
 ``--background-work`` runs a thread that does device work outside ``guard()``
 all along (``inspect`` counts its rounds).
+
+With ``--pool`` the weights, the KV cache and the probes are allocated inside
+``hibernate.pool()`` instead of tracked (the weights kept, the cache and
+scratch dropped), so they keep their addresses across every sleep (``infer``
+answers the weights' addresses, ``pointers``, to show it). With ``--graphs``
+it also captures a CUDA graph of the prompt's forward pass at start-up and
+``infer`` replays that same graph (``graph_digest``) beside the eager run: with
+``--pool`` through ``hibernate.cuda_graph``, so the graph's own memory is
+hibernated too and its replay after a wake is bit-exact; without, through
+``torch.cuda.graph`` over tracked weights, which a sleep must refuse (exit 15)
+unless told ``--allow-moves``.
 
 With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
 (``--http-host`` for another address) for ``hibernate serve``: ``GET
@@ -91,12 +103,17 @@ class Probes:
     (``quiesced`` or later, not ``running``) shows that the spill waited for it.
     """
 
-    def __init__(self, torch: Any, device: str) -> None:
+    def __init__(self, torch: Any, device: str, pooled: bool = False) -> None:
+        import hibernate
+
         self.torch = torch
         self.device = device
         self.cuda = device.startswith("cuda")
-        self.scratch = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
-        self.side = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+        self.pooled = pooled  # in hibernate.pool(), not tracked: no private pool then (see below)
+        with hibernate.pool("kv_cache", keep=False) if pooled else contextlib.nullcontext():
+            self.scratch = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+        with hibernate.pool("weights") if pooled else contextlib.nullcontext():
+            self.side = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.private: Any = None
         self.background: threading.Thread | None = None
@@ -110,6 +127,7 @@ class Probes:
         expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if (
             self.cuda
+            and not pooled  # a tracked storage outside the pools would move under the demo's graph
             and not expandable
             and hasattr(torch.cuda, "MemPool")
             and hasattr(torch.cuda, "use_mem_pool")
@@ -146,6 +164,8 @@ class Probes:
         import hibernate
 
         self.tracked = True
+        if self.pooled:
+            return  # their pools hibernate them
         hibernate.track(self.scratch, tag="kv_cache", keep=False, name="scratch")
         hibernate.track(self.side, tag="weights", name="side")
         if self.private is not None:
@@ -222,11 +242,21 @@ class Probes:
             }
 
 
-def build(size_mb: int, dtype_name: str, device: str, seed: int, tracked: bool = True) -> Any:
+def build(
+    size_mb: int,
+    dtype_name: str,
+    device: str,
+    seed: int,
+    tracked: bool = True,
+    pooled: bool = False,
+    graphs: bool = False,
+) -> Any:
     """Build the model, KV cache and probes, track them with hibernate; returns the runner and probes.
 
     ``tracked=False`` starts the agent with nothing tracked: every sleep then
     moves no byte, which is how a check of what the pools did is shown to fail.
+    ``pooled`` allocates them in ``hibernate.pool()`` instead; ``graphs``
+    captures a CUDA graph of the prompt's forward pass (see the module docstring).
     """
     import torch
     from torch import nn
@@ -284,20 +314,28 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int, tracked: bool =
         for param in model.parameters():
             if param.dim() > 1:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        model = model.to(device=device, dtype=dtype).eval()
-    kv_cache = torch.zeros(layers, 2, MAX_SEQ, d_model, dtype=dtype, device=device)
-    probes = Probes(torch, device)
-    if tracked:
+        with hibernate.pool("weights") if pooled else contextlib.nullcontext():
+            for param in model.parameters():  # a copy each, made inside the pool (``to`` may not copy)
+                param.data = param.data.to(device=device, dtype=dtype, copy=True)
+        model = model.eval()
+    with hibernate.pool("kv_cache", keep=False) if pooled else contextlib.nullcontext():
+        kv_cache = torch.zeros(layers, 2, MAX_SEQ, d_model, dtype=dtype, device=device)
+    probes = Probes(torch, device, pooled)
+    if pooled:
+        hibernate.track([])  # the agent and its signals; the pools hibernate everything
+    elif tracked:
         hibernate.track(model, tag="weights")
         hibernate.track(kv_cache, tag="kv_cache", keep=False, name="kv_cache")
         probes.track()
     else:
         hibernate.track([])  # the agent alone
     prompt = torch.randint(0, VOCAB, (PROMPT_TOKENS,), generator=generator).to(device)
+    graph = capture_prompt_graph(torch, model, prompt, kv_cache, pooled) if graphs else None
 
     def infer() -> dict[str, Any]:
         started = time.perf_counter()
         with hibernate.guard(), torch.no_grad():
+            graph_digest = graph.replay() if graph is not None else None
             logits = model(prompt, kv_cache, 0)
             generated = []
             position = PROMPT_TOKENS
@@ -307,10 +345,11 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int, tracked: bool =
                 logits = model(token, kv_cache, position)
                 position += 1
             final = logits.float().cpu().contiguous()
-        digest = hashlib.sha256(ctypes.string_at(final.data_ptr(), final.nbytes)).hexdigest()
         return {
-            "digest": digest,
+            "digest": tensor_digest(final),
             "tokens": generated,
+            "graph_digest": graph_digest,
+            "pointers": weight_pointers(model, kv_cache),
             "seconds": round(time.perf_counter() - started, 4),
         }
 
@@ -327,9 +366,60 @@ def build(size_mb: int, dtype_name: str, device: str, seed: int, tracked: bool =
             "tracked": tracked,
             "side_stream": probes.stream is not None,
             "private_pool": probes.private is not None,
+            "pooled": pooled,
+            "graphs": graph is not None,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         },
     )
+
+
+def tensor_digest(tensor: Any) -> str:
+    """SHA-256 of a CPU tensor's bytes."""
+    return hashlib.sha256(ctypes.string_at(tensor.data_ptr(), tensor.nbytes)).hexdigest()
+
+
+def weight_pointers(model: Any, kv_cache: Any) -> dict[str, int]:
+    """Where the weights and the KV cache live: a pooled sleep and wake must leave every one in place."""
+    pointers = {name: int(param.data_ptr()) for name, param in model.named_parameters()}
+    pointers["kv_cache"] = int(kv_cache.data_ptr())
+    return pointers
+
+
+class PromptGraph:
+    """A CUDA graph of the prompt's forward pass, captured once; each replay answers its output's digest."""
+
+    def __init__(self, torch: Any, graph: Any, output: Any) -> None:
+        self._torch = torch
+        self._graph = graph
+        self._output = output
+
+    def replay(self) -> str:
+        self._graph.replay()
+        if self._output.is_cuda:
+            self._torch.cuda.synchronize()
+        return tensor_digest(self._output.float().cpu().contiguous())
+
+
+def capture_prompt_graph(torch: Any, model: Any, prompt: Any, kv_cache: Any, pooled: bool) -> PromptGraph:
+    """Capture ``model(prompt, kv_cache, 0)``: in hibernate's pool where ``pooled``, else torch's own.
+
+    As torch's documentation asks, the forward pass runs a few times on a side
+    stream first, so that lazy initialisation is not captured.
+    """
+    import hibernate
+
+    with torch.no_grad():
+        if prompt.is_cuda:
+            warmup = torch.cuda.Stream()
+            warmup.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warmup):
+                for _ in range(3):
+                    model(prompt, kv_cache, 0)
+            torch.cuda.current_stream().wait_stream(warmup)
+        graph = torch.cuda.CUDAGraph()
+        with hibernate.cuda_graph(graph) if pooled else torch.cuda.graph(graph):
+            output = model(prompt, kv_cache, 0)
+    return PromptGraph(torch, graph, output)
 
 
 class HttpApi:
@@ -489,7 +579,9 @@ def serve_http(api: HttpApi, port: int, host: str = "127.0.0.1") -> ThreadingHTT
 def serve(args: argparse.Namespace) -> int:
     import hibernate
 
-    infer, probes, shape = build(args.size_mb, args.dtype, args.device, args.seed, not args.untracked)
+    infer, probes, shape = build(
+        args.size_mb, args.dtype, args.device, args.seed, not args.untracked, args.pool, args.graphs
+    )
     if args.background_work:
         probes.start_background()
     api = HttpApi(infer, args.model_name)
@@ -597,6 +689,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--background-work", action="store_true", help="a thread doing device work outside guard() throughout"
     )
+    run.add_argument(
+        "--pool", action="store_true", help="allocate in hibernate.pool(): same addresses after every wake"
+    )
+    run.add_argument(
+        "--graphs",
+        action="store_true",
+        help="capture a CUDA graph of the forward pass and replay it on every infer "
+        "(with --pool through hibernate.cuda_graph)",
+    )
     for name in ("infer", "quit", "hold", "mark", "inspect"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")
         client.add_argument("--control", required=True)
@@ -604,7 +705,13 @@ def main(argv: list[str] | None = None) -> int:
             client.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        from hibernate.errors import HibernateError
+
+        try:
+            return serve(args)
+        except HibernateError as exc:  # --pool without a provider, say: the words, not a traceback
+            print(f"demo: {exc}", file=sys.stderr)
+            return int(exc.exit_code)
     command = f"hold {args.seconds}" if args.command == "hold" else args.command
     print(json.dumps(request(args.control, command)))
     return 0

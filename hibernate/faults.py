@@ -31,6 +31,8 @@ TRACE_ENV = "HIBERNATE_FAULT_TRACE"  # a file: every point reached is appended t
 # its transition table: hibernate.agent.controller.AGENT_POINTS), and the store, between writing
 # a snapshot's data and publishing it.
 STORE_POINTS = ("store.write", "store.publish")
+# And an address-preserving pool (hibernate.pool), before it pauses or resumes a tag.
+POOL_POINTS = ("pool.pause", "pool.resume")
 
 
 class InjectedFault(HibernateError):

@@ -145,6 +145,7 @@ def test_exit_codes_are_stable(exit_code: ExitCode) -> None:
         "UNSUPPORTED": 12,
         "NEEDS_RECOVERY": 13,
         "SERVER_FAILED": 14,
+        "ADDRESSES_WOULD_MOVE": 15,
     }
     assert documented[exit_code.name] == exit_code.value
 

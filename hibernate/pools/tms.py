@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from hibernate import faults
 from hibernate.errors import HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import CudaCopies, DeviceCopies, DeviceMemoryError, PinFn, attempt_copy
@@ -200,6 +201,7 @@ class TmsPool:
             if tag in self._paused:
                 return
         spans = self._provider.spans(tag)
+        faults.point("pool.pause")
         self._provider.pause(tag)
         with self._lock:
             self._paused[tag] = spans
@@ -231,6 +233,7 @@ class TmsPool:
                 "it was mapped and the process stays asleep",
                 hint="free memory on that GPU (put another process to sleep), then wake again",
             )
+        faults.point("pool.resume")
         self._provider.resume(tag)
         with self._lock:
             self._paused.pop(tag, None)
