@@ -182,3 +182,36 @@ def test_storages_in_a_pool_are_left_to_it_even_when_tracked(work_dir: Path) -> 
     only_pooled = TensorPool(segments=lambda: [segment((1, 0))], covered=lambda: [span])
     only_pooled.track(pooled, "weights", True, "p")
     assert list(only_pooled.regions()) == [] and only_pooled.moves_refusal() is None
+
+
+# -- a wake that the GPUs have no room for ------------------------------------------------------
+
+
+def test_a_wake_without_room_on_a_gpu_refuses_before_mapping_anything_and_stays_asleep(
+    cudart_path: Path, work_dir: Path
+) -> None:
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    cudart = FakeCudaRT(cudart_path)
+    weights = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB, a "device" storage on cuda:1
+    before = weights.clone()
+    ids = {weights.untyped_storage()._cdata}
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=lambda storage: 1 if storage._cdata in ids else None,
+        segments=lambda: [],
+    )
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool)
+    free = {1: MIB + ROOM_HEADROOM_BYTES - 1}
+    agent.free_device_memory = free.get
+    agent.sleep_here(work_dir, 5.0, {})
+    with pytest.raises(UnsupportedError) as caught:
+        agent.wake_here({})
+    assert "cuda:1 needs" in caught.value.message and "stays asleep" in caught.value.message
+    assert agent.state is AgentState.ASLEEP
+    assert weights.untyped_storage().nbytes() == 0  # nothing was mapped back
+    free[1] += 1
+    agent.wake_here({})
+    assert agent.state is AgentState.RUNNING and torch.equal(weights, before)

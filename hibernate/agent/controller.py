@@ -62,8 +62,9 @@ from hibernate.errors import (
     WrongStateError,
 )
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
-from hibernate.pools.device import torch_in_process
+from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
+from hibernate.pools.provided import shortfalls
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords
@@ -250,6 +251,8 @@ class Agent:
         # client restore and shown in status: a sleep driver whose own wake must rebuild state
         # first (vLLM's communicators across GPUs) says so here.
         self.restore_refusal: Callable[[], HibernateError | None] | None = None
+        # A CUDA device's free memory now (None: unknown), read before a restore maps anything back.
+        self.free_device_memory: Callable[[int], int | None] = free_device_bytes
 
     # -- pools ---------------------------------------------------------------
 
@@ -486,7 +489,8 @@ class Agent:
                 for pool, _ in sleeping.regions:
                     pool.after_release()
             except BaseException:
-                self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))))
+                # Memory the release just gave back: no room check, a partial undo is worse than none.
+                self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))), check_room=False)
                 raise
             resident = sum(r.resident_after_release for r in sleeping.all_regions)
             return {
@@ -535,7 +539,12 @@ class Agent:
             return self._transition(session, op, action)
 
     def _refill(
-        self, sleeping: _Sleep, session: Session, args: dict[str, Any], indices: Sequence[int]
+        self,
+        sleeping: _Sleep,
+        session: Session,
+        args: dict[str, Any],
+        indices: Sequence[int],
+        check_room: bool = True,
     ) -> dict[str, Any]:
         """Memory and bytes back for the regions at ``indices``, verified.
 
@@ -546,6 +555,8 @@ class Agent:
         options = write_options(args)
         regions = sleeping.all_regions
         chosen = [regions[i] for i in indices]
+        if check_room:
+            self._refuse_without_room(chosen)
         fill = {i for i in indices if regions[i].keep}
         # The reader walks every record; those not chosen now are read, verified and skipped.
         targets: list[Any] = [r if i in fill else Discard(r) for i, r in enumerate(regions) if r.keep]
@@ -596,6 +607,30 @@ class Agent:
         report["zeroed_bytes"] = sum(r.nbytes for r in chosen if not r.keep)
         report["restored_regions"] = len(chosen)
         return report
+
+    def _refuse_without_room(self, regions: Sequence[SpillableRegion]) -> None:
+        """Refuse a restore, before anything is mapped, that the GPUs' free memory cannot take.
+
+        Every pool's device bytes count (tracked storages, hibernate.pool's
+        allocations, vLLM's), per device, with the headroom a program needs to
+        run its first kernels: a provider that runs out half-way may end the
+        process (torch_memory_saver does), and a half-restored process is
+        worse than one still asleep.
+        """
+        need: dict[int, int] = {}
+        for device, nbytes in device_bytes(regions).items():
+            index = int(device.partition(":")[2] or 0)
+            need[index] = need.get(index, 0) + nbytes
+        short = shortfalls(need, self.free_device_memory)
+        if short:
+            described = ", ".join(
+                f"cuda:{device} needs {needed} bytes and has {free} free" for device, needed, free in short
+            )
+            raise UnsupportedError(
+                f"not enough free GPU memory to bring this process's memory back ({described}); nothing "
+                "was mapped back and the process stays asleep",
+                hint="free memory on that GPU (put another process to sleep), then wake again",
+            )
 
     def resume(self, session: Session) -> dict[str, Any]:
         result = self._transition(session, "resume", self._do_resume)

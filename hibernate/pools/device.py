@@ -52,6 +52,22 @@ def torch_cuda_in_use() -> bool:
     return torch is not None and bool(torch.cuda.is_initialized())
 
 
+def free_device_bytes(device: int) -> int | None:
+    """The free memory of CUDA device ``device`` now, as the driver counts it; None where unknown.
+
+    Asked only where torch already started CUDA (see torch_cuda_in_use): a
+    process without it has no device memory to bring back.
+    """
+    if not torch_cuda_in_use():
+        return None
+    torch = sys.modules["torch"]
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except RuntimeError:
+        return None
+    return int(free)
+
+
 # torch._C's pair that makes a storage raise on data-pointer access, and undoes it. Bound in CUDA
 # builds only (torch/csrc/cuda/Module.cpp); the second from STORAGE_POISONING_SINCE (2.11 has the first).
 POISON_STORAGE = "_set_storage_data_ptr_access_error_msg"

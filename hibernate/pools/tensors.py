@@ -214,8 +214,10 @@ class StorageRegion(RegionAttributes):
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
         on_device: tuple[Callable[[], DeviceCopies], int] | None = None,
     ) -> None:
-        # Strings and ints only (see TensorPool._regions): plain by construction.
-        meta = PlainMeta(device=str(storage.device), views=views)
+        # Strings and ints only (see TensorPool._regions): plain by construction. A device storage is
+        # named by the index its seam copies it on (the same as torch's "cuda:N" for a CUDA storage).
+        device = f"cuda:{on_device[1]}" if on_device is not None else str(storage.device)
+        meta = PlainMeta(device=device, views=views)
         super().__init__(key, tag, keep, storage.nbytes(), meta)
         self._storage = storage
         self._device = storage.device

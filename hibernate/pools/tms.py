@@ -36,7 +36,14 @@ from typing import Any
 from hibernate import faults
 from hibernate.errors import HibernateError, UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import CudaCopies, DeviceCopies, DeviceMemoryError, PinFn, attempt_copy
+from hibernate.pools.device import (
+    CudaCopies,
+    DeviceCopies,
+    DeviceMemoryError,
+    PinFn,
+    attempt_copy,
+    free_device_bytes,
+)
 from hibernate.pools.graphs import PoolId
 from hibernate.pools.provided import TORCH_MEMORY_SAVER, Span, bytes_per_device, shortfalls
 
@@ -50,16 +57,6 @@ def _cuda_segments(pool: PoolId) -> Sequence[Mapping[str, Any]]:
     import torch
 
     return list(torch.cuda.memory_snapshot(pool, include_traces=False))
-
-
-def _cuda_free_bytes(device: int) -> int | None:
-    import torch
-
-    try:
-        free, _ = torch.cuda.mem_get_info(device)
-    except RuntimeError:
-        return None
-    return int(free)
 
 
 def _cuda_device() -> int:
@@ -255,7 +252,7 @@ class TmsProvider:
         saver: Any = None,
         segments: Segments = _cuda_segments,
         copies: Callable[[], DeviceCopies] = CudaCopies.from_process,
-        free_bytes: Callable[[int], int | None] = _cuda_free_bytes,
+        free_bytes: Callable[[int], int | None] = free_device_bytes,
         device: Callable[[], int] = _cuda_device,
     ) -> None:
         module = saver if saver is not None else _import_saver()
