@@ -131,11 +131,31 @@ def agent_with(pool: TensorPool) -> Agent:
     return agent
 
 
-def test_a_sleep_beside_a_graph_pool_is_refused_before_anything_changes(work_dir: Path) -> None:
+def on_device(
+    cudart_path: Path, tensors: list[torch.Tensor], segments: list[dict[str, Any]], covered: list[Span] = ()
+) -> TensorPool:
+    """A tensor pool whose ``tensors`` are device storages on cuda:1 (copied through the stand-in
+    CUDA runtime) and whose allocator lists ``segments``."""
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    cudart = FakeCudaRT(cudart_path)
+    ids = {t.untyped_storage()._cdata for t in tensors}
+    return TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=lambda storage: 1 if storage._cdata in ids else None,
+        segments=lambda: segments,
+        covered=lambda: list(covered),
+    )
+
+
+def test_a_sleep_beside_a_graph_pool_is_refused_before_anything_changes(
+    cudart_path: Path, work_dir: Path
+) -> None:
     weights = torch.arange(4096, dtype=torch.float32)
     before = weights.clone()
     address = weights.data_ptr()
-    pool = TensorPool(segments=lambda: [segment((0, 0)), segment((1, 0))])
+    pool = on_device(cudart_path, [weights], [segment((0, 0)), segment((1, 0))])
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool)
     with pytest.raises(AddressesWouldMoveError) as caught:
@@ -148,10 +168,10 @@ def test_a_sleep_beside_a_graph_pool_is_refused_before_anything_changes(work_dir
     assert list(work_dir.iterdir()) == []  # refused before the snapshot's directory was made
 
 
-def test_allow_moves_sleeps_and_says_so(work_dir: Path) -> None:
+def test_allow_moves_sleeps_and_says_so(cudart_path: Path, work_dir: Path) -> None:
     weights = torch.arange(4096, dtype=torch.float32)
     before = weights.clone()
-    pool = TensorPool(segments=lambda: [segment((1, 0))])
+    pool = on_device(cudart_path, [weights], [segment((1, 0))])
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool)
     report = agent.sleep_here(work_dir, 5.0, {"allow_moves": True})
@@ -160,26 +180,36 @@ def test_allow_moves_sleeps_and_says_so(work_dir: Path) -> None:
     assert torch.equal(weights, before)
 
 
-def test_without_graphs_nothing_is_refused(work_dir: Path) -> None:
+def test_without_graphs_nothing_is_refused(cudart_path: Path, work_dir: Path) -> None:
     weights = torch.arange(4096, dtype=torch.float32)
-    pool = TensorPool(segments=lambda: [segment((0, 0)), segment((0, 4))])
+    pool = on_device(cudart_path, [weights], [segment((0, 0)), segment((0, 4))])
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool)
     agent.sleep_here(work_dir, 5.0, {})
     agent.wake_here({})
 
 
-def test_storages_in_a_pool_are_left_to_it_even_when_tracked(work_dir: Path) -> None:
+def test_host_memory_moving_beside_graphs_is_not_refused(work_dir: Path) -> None:
+    """A graph reads device memory: tracked CPU tensors (an offloaded optimizer state) may move."""
+    state = torch.arange(4096, dtype=torch.float32)
+    pool = TensorPool(segments=lambda: [segment((1, 0))])
+    pool.track(state, "optimizer", True, "adam")
+    agent = agent_with(pool)
+    agent.sleep_here(work_dir, 5.0, {})
+    agent.wake_here({})
+    assert torch.equal(state, torch.arange(4096, dtype=torch.float32))
+
+
+def test_storages_in_a_pool_are_left_to_it_even_when_tracked(cudart_path: Path) -> None:
     pooled = torch.arange(4096, dtype=torch.float32)
     moving = torch.ones(1024)
-    span = Span("weights", 0, pooled.untyped_storage().data_ptr(), pooled.untyped_storage().nbytes())
-    pool = TensorPool(segments=lambda: [segment((1, 0))], covered=lambda: [span])
-    pool.track({"pooled": pooled, "moving": moving}, "weights", True, "m")
-    keys = [region.key for region in pool.regions()]
-    assert keys == ["weights/m.moving"]
+    span = Span("weights", 1, pooled.untyped_storage().data_ptr(), pooled.untyped_storage().nbytes())
+    both = {"pooled": pooled, "moving": moving}
+    pool = on_device(cudart_path, [pooled, moving], [segment((1, 0))], [span])
+    pool.track(both, "weights", True, "m")
+    assert [region.key for region in pool.regions()] == ["weights/m.moving"]
     assert pool.moves_refusal() is not None  # the one outside the pool still moves
-    pool.untrack({"pooled": pooled, "moving": moving})
-    only_pooled = TensorPool(segments=lambda: [segment((1, 0))], covered=lambda: [span])
+    only_pooled = on_device(cudart_path, [pooled], [segment((1, 0))], [span])
     only_pooled.track(pooled, "weights", True, "p")
     assert list(only_pooled.regions()) == [] and only_pooled.moves_refusal() is None
 
@@ -190,18 +220,9 @@ def test_storages_in_a_pool_are_left_to_it_even_when_tracked(work_dir: Path) -> 
 def test_a_wake_without_room_on_a_gpu_refuses_before_mapping_anything_and_stays_asleep(
     cudart_path: Path, work_dir: Path
 ) -> None:
-    from hibernate.pools.device import CudaCopies, CudaRuntime
-    from tests.standins.vllm_cumem import FakeCudaRT
-
-    cudart = FakeCudaRT(cudart_path)
     weights = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB, a "device" storage on cuda:1
     before = weights.clone()
-    ids = {weights.untyped_storage()._cdata}
-    pool = TensorPool(
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
-        device_of=lambda storage: 1 if storage._cdata in ids else None,
-        segments=lambda: [],
-    )
+    pool = on_device(cudart_path, [weights], [])
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool)
     free = {1: MIB + ROOM_HEADROOM_BYTES - 1}

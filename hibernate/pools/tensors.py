@@ -547,7 +547,6 @@ class TensorPool:
         self._left_in_place: list[str] = []
         self._device_storages: list[tuple[str, int, int, int]] = []
         self._resized_any = False
-        self._moving: list[tuple[str, int]] = []  # storages a sleep brings back elsewhere: (key, bytes)
         self._copies_source = copies
         self._copies: DeviceCopies | None = None
         self._device_of = device_of
@@ -656,8 +655,7 @@ class TensorPool:
                 regions.append(StorageRegion(*args))
         self._left_in_place = warnings
         self._device_storages = device_storages
-        self._moving = [(r.key, r.nbytes) for r in regions if type(r) is StorageRegion and r.nbytes]
-        self._resized_any = bool(self._moving)
+        self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)
         self._devices = frozenset(devices)
         return regions
 
@@ -694,19 +692,22 @@ class TensorPool:
         return found
 
     def moves_refusal(self) -> str | None:
-        """Storages the newest regions() resizes, while CUDA graphs live (hibernate.pools.graphs).
+        """Device storages the newest regions() resizes, while CUDA graphs live (hibernate.pools.graphs).
 
-        Asked only where something moves: the allocator's snapshot is costly. An
-        allocator that cannot list its segments cannot show graphs either; its
-        warning (see warnings) says so.
+        Every tracked device storage moves (a pool's are not tracked here: see
+        ``covered``); host storages are not counted, as a graph reads device
+        memory. Asked only where something moves: the allocator's snapshot is
+        costly. An allocator that cannot list its segments cannot show graphs
+        either; its warning (see warnings) says so.
         """
-        if not self._moving:
+        moving = [(key, nbytes) for key, _, _, nbytes in self._device_storages]
+        if not moving:
             return None
         try:
             segments = self._segments()
         except UnknownSegments:
             return None
-        return moves_refusal(self._moving, graph_pools(segments))
+        return moves_refusal(moving, graph_pools(segments))
 
     def after_release(self) -> None:
         _trim_host_heap()
