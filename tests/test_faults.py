@@ -64,8 +64,8 @@ def test_every_step_boundary_is_a_fault_point_and_the_readme_counts_them() -> No
     assert (
         f"{len(SLEEP_POINTS) + len(WAKE_POINTS)} step boundaries ({len(SLEEP_POINTS)} of sleep, "
         f"{len(WAKE_POINTS)} of wake), {vllm} of a vLLM server's sleep and wake, "
-        f"plus {len(AGENT_POINTS)} inside the agent (one per transition) "
-        f"and {len(faults.STORE_POINTS)} in the store"
+        f"plus {len(AGENT_POINTS)} inside the agent (one per transition), "
+        f"{len(faults.STORE_POINTS)} in the store and {len(faults.POOL_POINTS)} in an address-preserving pool"
     ) in readme
 
 
