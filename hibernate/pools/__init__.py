@@ -2,8 +2,11 @@
 
 ``base`` holds the contract; ``tensors`` the PyTorch tensors a program names
 with ``hibernate.track``; ``vllm`` the allocations of vLLM's CuMemAllocator;
-``device`` the copies to and from GPU memory both use; ``hostpages`` how host
-memory torch cannot resize is freed in place.
+``provided`` the address-preserving pools of ``hibernate.pool()`` and the
+choice of their provider (``tms``: torch_memory_saver, or ``vllm``);
+``graphs`` which memory a captured CUDA graph may read, so a sleep that would
+move it is refused; ``device`` the copies to and from GPU memory all use;
+``hostpages`` how host memory torch cannot resize is freed in place.
 Importing this package does not import torch.
 """
 
