@@ -86,45 +86,66 @@ def pool(tag: str = "weights", keep: bool = True) -> Iterator[None]:
     CuMemAllocator; ``HIBERNATE_POOL_PROVIDER`` picks one) and are hibernated
     under ``tag``: with ``keep`` their bytes are written to the snapshot and
     read back, verified, at the same addresses; without, they come back
-    zero-filled. CUDA graphs and compiled code captured over them stay valid.
-    No ``track`` is needed; tracking such tensors too changes nothing. Starts
-    this process's agent, as ``track`` does.
+    zero-filled. A tag keeps its first ``keep``. CUDA graphs and compiled code
+    captured over this memory stay valid. No ``track`` is needed; tracking
+    such tensors too changes nothing. The block holds ``guard()``: a sleep
+    waits for it, and it waits for a wake. Starts this process's agent, as
+    ``track`` does.
     """
-    provider = _pool_provider(tag, keep)
-    with provider.region(tag):
+    agent, provider = _pool_provider(tag, keep)
+    with agent.guard.hold(), provider.region(tag):
         yield
 
 
 @contextmanager
 def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **capture: Any) -> Iterator[None]:
-    """``torch.cuda.graph(graph, ...)`` with the graph's memory in an address-preserving pool.
+    """``torch.cuda.graph(graph, ...)`` captured into an address-preserving pool.
 
-    The graph's private pool (its static inputs, outputs and intermediates)
-    is released on sleep and mapped back at the same addresses on wake, with
-    its bytes (``keep``, the default: a static input may live there) or
-    zero-filled. ``capture`` takes ``torch.cuda.graph``'s other arguments
-    (``stream``, ``capture_error_mode``), not ``pool``.
+    The memory the capture allocates (the graph's intermediates and outputs,
+    and tensors created inside the block) is in ``tag``'s pool, shared by
+    every capture and ``pool()`` block of that tag: released on sleep and
+    mapped back at the same addresses on wake, with its bytes (``keep``, the
+    default) or zero-filled. Memory the graph reads that was made outside
+    (its weights, a static input) belongs in ``pool()`` too. The capture must
+    allocate on this thread (not a backward pass captured by
+    ``make_graphed_callables``). ``capture`` takes ``torch.cuda.graph``'s other
+    arguments (``stream``, ``capture_error_mode``), not ``pool``.
     """
     import torch
 
+    from hibernate.errors import UsageError
+
     if "pool" in capture:
-        raise TypeError("hibernate.cuda_graph() chooses the graph's pool itself; do not pass pool=")
-    provider = _pool_provider(tag, keep)
-    with provider.graph_pool(tag) as pool_id, torch.cuda.graph(graph, pool=pool_id, **capture):
+        raise UsageError("hibernate.cuda_graph() chooses the graph's pool itself; do not pass pool=")
+    agent, provider = _pool_provider(tag, keep)
+    with (
+        agent.guard.hold(),
+        provider.graph_pool(tag) as pool_id,
+        torch.cuda.graph(graph, pool=pool_id, **capture),
+    ):
         yield
 
 
-def _pool_provider(tag: str, keep: bool) -> Any:
-    """The process's provider, ``tag`` declared to it, its pool added to this process's agent."""
+def _pool_provider(tag: str, keep: bool) -> tuple[Any, Any]:
+    """This process's agent, and its provider with ``tag`` declared and its pool added to the agent."""
     from hibernate.errors import UsageError
     from hibernate.pools import provided
 
     if not isinstance(tag, str) or not tag or any(ch in tag for ch in "/\n\0"):
-        raise UsageError(f"tag {tag!r} must be a non-empty name without '/'")
+        raise UsageError(f"tag {tag!r} must be a non-empty name without '/', a newline or a NUL")
     provider = provided.current(_make_provider)
+    agent = _started_agent()
+    pool = provider.pool()
+    existing = agent.pool(pool.name)
+    if existing is not None and existing is not pool:
+        raise UsageError(
+            f"this process's {pool.name} allocations are already hibernated by {agent.kind} "
+            "(in a vLLM worker, vLLM's sleep mode does it): hibernate.pool() cannot take them too",
+            hint="allocate through vLLM's own pools there, or set HIBERNATE_POOL_PROVIDER=torch_memory_saver",
+        )
     provider.declare(tag, keep)
-    _started_agent().add_pool(provider.pool())
-    return provider
+    agent.add_pool(pool)
+    return agent, provider
 
 
 def _started_agent() -> Any:

@@ -330,7 +330,19 @@ def build(
     else:
         hibernate.track([])  # the agent alone
     prompt = torch.randint(0, VOCAB, (PROMPT_TOKENS,), generator=generator).to(device)
-    graph = capture_prompt_graph(torch, model, prompt, kv_cache, pooled) if graphs else None
+    graph = None
+    if graphs:
+        from hibernate.errors import HibernateError, UnsupportedError
+
+        try:
+            graph = capture_prompt_graph(torch, model, prompt, kv_cache, pooled)
+        except HibernateError:
+            raise
+        except Exception as exc:  # a CPU torch has no CUDA graphs: the words, not a traceback
+            raise UnsupportedError(
+                f"--graphs: capturing a CUDA graph on {device} failed ({type(exc).__name__}: {exc})",
+                hint="run the demo with --device cuda",
+            ) from exc
 
     def infer() -> dict[str, Any]:
         started = time.perf_counter()
@@ -704,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "hold":
             client.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.pool and args.untracked:
+        parser.error("--pool and --untracked contradict each other: a pool hibernates what it holds")
     if args.command == "serve":
         from hibernate.errors import HibernateError
 

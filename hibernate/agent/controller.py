@@ -489,7 +489,8 @@ class Agent:
                 for pool, _ in sleeping.regions:
                     pool.after_release()
             except BaseException:
-                # Memory the release just gave back: no room check, a partial undo is worse than none.
+                # Memory the release just gave back: no room check of the agent's (a pool's own, which
+                # keeps its provider from ending the process, still runs).
                 self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))), check_room=False)
                 raise
             resident = sum(r.resident_after_release for r in sleeping.all_regions)

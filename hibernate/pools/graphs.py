@@ -14,9 +14,13 @@ names its pool (``segment_pool_id``). torch numbers the pools a user creates
 (``torch.cuda.graph`` without ``pool=``, ``graph_pool_handle()``, the graph
 trees of ``torch.compile(mode="reduce-overhead")``) ``(N, 0)``. A live graph
 pool is the sign that graphs were captured outside an address-preserving pool.
-What cannot be seen: a graph captured into a user pool of the program's own
-(``pool=my_mempool.id``) whose pool holds no segment any more, and graphs made
-by other libraries directly through the CUDA runtime.
+Graphs captured with ``hibernate.cuda_graph`` live in a user pool of the
+provider's; the provider names those pools. What cannot be seen: a graph
+captured into a user pool of the program's own (``pool=my_mempool.id``), a
+graph that allocated nothing, and graphs made by other libraries directly
+through the CUDA runtime. A graph pool whose graphs are gone may still hold
+its segments until torch empties its cache: a sleep is then refused until it
+does (``torch.cuda.empty_cache()``).
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ def moves_refusal(moving: Sequence[tuple[str, int]], pools: Sequence[PoolId]) ->
     return (
         f"this process has captured CUDA graphs (private memory pool{plural} "
         f"{', '.join(map(str, pools))}) and {len(moving)} tracked storage(s) ({total} bytes) would come "
-        f"back at new addresses after the wake: {names}{more}; a graph replayed over them would read "
-        "memory that is no longer those tensors. Nothing was changed"
+        f"back at new addresses after the wake: {names}{more}; a graph that reads any of them would, "
+        "replayed after the wake, read memory that is no longer those tensors. Nothing was changed"
     )
 
 

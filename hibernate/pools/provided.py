@@ -98,6 +98,25 @@ class PoolProvider(Protocol):
         """Every allocation of the declared tags now: what ``hibernate.track`` must leave alone."""
         ...
 
+    def graph_pools(self) -> list[PoolId]:
+        """The pools ``graph_pool`` gave to captures: CUDA graphs live there (hibernate.pools.graphs)."""
+        ...
+
+
+def declare_once(declared: dict[str, bool], tag: str, keep: bool) -> None:
+    """Record ``tag``'s keep; a tag declared again with the other keep is refused.
+
+    Its memory, allocated under the first, would silently follow the second:
+    weights declared again with ``keep=False`` would come back zero-filled.
+    """
+    if declared.get(tag, keep) != keep:
+        raise UsageError(
+            f"hibernate.pool({tag!r}) was first opened with keep={declared[tag]}; a pool keeps one "
+            f"keep for the life of the process, so it cannot be opened with keep={keep}",
+            hint="use another tag for memory with the other keep",
+        )
+    declared[tag] = keep
+
 
 def choose(requested: str | None, unusable: Mapping[str, str | None]) -> str:
     """The provider to use: ``requested`` (``HIBERNATE_POOL_PROVIDER``), else the first usable one.
@@ -166,20 +185,20 @@ def _importable(module: str) -> bool:
 def unusable_here() -> dict[str, str | None]:
     """Why each provider cannot be used in this process (None: it can), without importing either."""
     torch = sys.modules.get("torch")
-    cpu_only = torch is not None and getattr(torch.version, "cuda", None) is None
+    no_cuda = (
+        f"torch {torch.__version__} is not a CUDA build"
+        if torch is not None and getattr(torch.version, "cuda", None) is None
+        else None
+    )
     reasons: dict[str, str | None] = {}
     if not _importable("torch_memory_saver"):
         reasons[TORCH_MEMORY_SAVER] = "torch_memory_saver is not installed"
-    elif cpu_only:
-        reasons[TORCH_MEMORY_SAVER] = f"torch {torch.__version__} is a CPU-only build"  # type: ignore[union-attr]
     else:
-        reasons[TORCH_MEMORY_SAVER] = None
+        reasons[TORCH_MEMORY_SAVER] = no_cuda
     if not _importable("vllm"):
         reasons[VLLM_CUMEM] = "vLLM is not installed"
-    elif cpu_only:
-        reasons[VLLM_CUMEM] = f"torch {torch.__version__} is a CPU-only build"  # type: ignore[union-attr]
     else:
-        reasons[VLLM_CUMEM] = None
+        reasons[VLLM_CUMEM] = no_cuda
     return reasons
 
 
@@ -221,3 +240,9 @@ def covered_spans() -> Sequence[Span]:
     """What the process's provider holds now ([] before any ``hibernate.pool()``); never chooses one."""
     provider = installed()
     return provider.spans() if provider is not None else []
+
+
+def captured_graph_pools() -> Sequence[PoolId]:
+    """The pools of the process's provider that ``hibernate.cuda_graph`` captured into ([] before any)."""
+    provider = installed()
+    return provider.graph_pools() if provider is not None else []

@@ -62,7 +62,7 @@ from hibernate.pools.device import (
     untracked_views_warning,
 )
 from hibernate.pools.graphs import graph_pools, moves_refusal
-from hibernate.pools.provided import Span, covered_spans
+from hibernate.pools.provided import Span, captured_graph_pools, covered_spans
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
@@ -526,7 +526,8 @@ class TensorPool:
     loads one); ``device_of`` says which storages are device memory, and where;
     ``segments`` lists the device allocator's segments and the pool of each;
     ``covered`` the allocations of ``hibernate.pool()``, whose storages their
-    own pool hibernates at their addresses (tracking them too changes nothing).
+    own pool hibernates at their addresses (tracking them too changes nothing);
+    ``captured`` the pools ``hibernate.cuda_graph`` captured graphs into.
     """
 
     name = "torch"
@@ -537,6 +538,7 @@ class TensorPool:
         device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
         segments: Callable[[], Sequence[Mapping[str, Any]]] = allocator_segments,
         covered: Callable[[], Sequence[Span]] = covered_spans,
+        captured: Callable[[], Sequence[tuple[int, int]]] = captured_graph_pools,
     ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
@@ -552,6 +554,7 @@ class TensorPool:
         self._device_of = device_of
         self._segments = segments
         self._covered = covered
+        self._captured = captured
         self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
 
     def copies(self) -> DeviceCopies:
@@ -707,7 +710,11 @@ class TensorPool:
             segments = self._segments()
         except UnknownSegments:
             return None
-        return moves_refusal(moving, graph_pools(segments))
+        # Graphs hibernate.cuda_graph captured live in a pool of the provider's (a user pool, (0, N)):
+        # counted while that pool holds memory. They keep their own memory in place, not what they read.
+        holding = {tuple(s["segment_pool_id"]) for s in segments if s.get("segment_pool_id") is not None}
+        pools = [*graph_pools(segments), *(pool for pool in self._captured() if pool in holding)]
+        return moves_refusal(moving, pools)
 
     def after_release(self) -> None:
         _trim_host_heap()

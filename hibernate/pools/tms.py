@@ -17,6 +17,11 @@ pool keeps which tags it paused and what they held, refuses a resume whose
 tag gained an allocation meanwhile, and checks the free memory of every GPU
 before it maps anything back.
 
+hibernate's tags live in a name space of their own in torch_memory_saver's
+process-wide tags (``hibernate:<tag>``): a pause acts on every allocation with
+its tag, whoever made it, and a library that uses torch_memory_saver itself
+with a tag such as ``weights`` must not have its memory paused unspilled.
+
 Which memory a tag holds is read from torch's allocator: the segments of the
 tag's MemPools (``torch.cuda.memory_snapshot(pool_id)``), each one raw
 allocation of torch_memory_saver. torch_memory_saver names no public way to
@@ -45,10 +50,11 @@ from hibernate.pools.device import (
     free_device_bytes,
 )
 from hibernate.pools.graphs import PoolId
-from hibernate.pools.provided import TORCH_MEMORY_SAVER, Span, bytes_per_device, shortfalls
+from hibernate.pools.provided import TORCH_MEMORY_SAVER, Span, bytes_per_device, declare_once, shortfalls
 
 KNOWN_VERSION = "0.0.10"
 HOOK_MODE = "torch"
+TAG_PREFIX = "hibernate:"  # hibernate's tags among torch_memory_saver's (see the module docstring)
 
 Segments = Callable[[PoolId], Sequence[Mapping[str, Any]]]
 
@@ -99,11 +105,12 @@ def pools_of_tag(mem_pools: Mapping[Any, Any], tag: str) -> list[PoolId]:
 class TmsRegion(RegionAttributes):
     """One raw allocation of torch_memory_saver: released and mapped back with its whole tag."""
 
-    def __init__(self, pool: TmsPool, span: Span, keep: bool) -> None:
+    def __init__(self, pool: TmsPool, span: Span, keep: bool, listed: Sequence[Span]) -> None:
         meta = {"device": span.device, "address": span.address}
         super().__init__(f"{span.tag}/{span.address:#x}", span.tag, keep, span.nbytes, meta)
         self._pool = pool
         self._span = span
+        self._listed = listed  # every allocation of its tag listed with it
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
         copies = self._pool.copies()
@@ -127,7 +134,7 @@ class TmsRegion(RegionAttributes):
 
     def release(self) -> None:
         """The whole tag is paused with its first region; the others find it paused."""
-        self._pool.pause(self._tag)
+        self._pool.pause(self._tag, self._listed)
 
     def reallocate(self) -> None:
         self._pool.resume(self._tag)
@@ -149,7 +156,7 @@ class TmsPool:
 
     def declare(self, tag: str, keep: bool) -> None:
         with self._lock:
-            self._keep[tag] = keep
+            declare_once(self._keep, tag, keep)
 
     def asleep(self, tag: str) -> bool:
         with self._lock:
@@ -169,10 +176,12 @@ class TmsPool:
     def regions(self) -> Sequence[SpillableRegion]:
         with self._lock:
             keep = dict(self._keep)
-        by_tag: dict[str, list[Span]] = {}
+        listed: dict[str, list[Span]] = {tag: [] for tag in keep}
         for span in self.spans():
-            by_tag.setdefault(span.tag, []).append(span)
-        return [TmsRegion(self, span, keep[tag]) for tag, spans in by_tag.items() for span in spans]
+            listed[span.tag].append(span)
+        return [
+            TmsRegion(self, span, keep[tag], listed[tag]) for tag, spans in listed.items() for span in spans
+        ]
 
     def after_release(self) -> None:
         """Nothing: a pause hands the physical memory back to the driver itself."""
@@ -193,11 +202,28 @@ class TmsPool:
 
     # -- pause and resume, a tag at a time ---------------------------------------
 
-    def pause(self, tag: str) -> None:
+    def pause(self, tag: str, listed: Sequence[Span]) -> None:
+        """Release the tag's memory, if all of it is what the sleep spilled (``listed``: what the regions
+        it wrote were), once the GPU is done with it.
+
+        An allocation made after the spill enumerated the tag (a thread that
+        allocated outside guard()) has no bytes in the snapshot: refused, and
+        the sleep is undone, rather than paused and lost.
+        """
         with self._lock:
             if tag in self._paused:
                 return
         spans = self._provider.spans(tag)
+        known = {(span.device, span.address) for span in listed}
+        late = [span for span in spans if (span.device, span.address) not in known]
+        if late:
+            raise WrongStateError(
+                f"memory was allocated in hibernate.pool({tag!r}) after its bytes were written "
+                f"({len(late)} allocation(s), {sum(s.nbytes for s in late)} bytes): nothing was released",
+                hint="allocate in a pool only inside hibernate.pool() blocks, which a sleep waits for",
+            )
+        for device in sorted({span.device for span in spans}):
+            self.copies().synchronize(device)  # no kernel of an unguarded thread still uses the memory
         faults.point("pool.pause")
         self._provider.pause(tag)
         with self._lock:
@@ -217,8 +243,9 @@ class TmsPool:
                 f"memory was allocated in hibernate.pool({tag!r}) while it slept "
                 f"({len(added)} allocation(s), {sum(s.nbytes for s in added)} bytes, at "
                 f"{', '.join(hex(s.address) for s in added[:3])}): torch_memory_saver ends the process "
-                "when it resumes a tag holding memory that is not paused, so the process stays asleep",
-                hint="allocate in a pool only under hibernate.guard(), which waits for the wake",
+                "when it resumes a tag holding memory that is not paused, so the process stays asleep and "
+                "cannot be woken; its snapshot is whole, for a process restarted from it",
+                hint="allocate in a pool only inside hibernate.pool() blocks, which wait for the wake",
             )
         short = shortfalls(bytes_per_device(now), self._provider.free_bytes)
         if short:
@@ -264,6 +291,7 @@ class TmsProvider:
         self._device = device
         self._lock = threading.Lock()
         self._pool = TmsPool(self)
+        self._graph_pools: set[PoolId] = set()  # the pools hibernate.cuda_graph captured into
         self._use_torch_hooks()
 
     def _use_torch_hooks(self) -> None:
@@ -305,25 +333,53 @@ class TmsProvider:
             raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(self._saver.region(tag))
+                stack.enter_context(self._saver.region(TAG_PREFIX + tag))
             except RuntimeError as exc:  # its start-up checks (expandable_segments, the CUDA runtime)
-                raise UnsupportedError(f"torch_memory_saver refused to start: {exc}") from exc
+                raise UnsupportedError(
+                    f"torch_memory_saver could not open a region for {tag!r}: {exc}"
+                ) from exc
             yield
 
     @contextmanager
     def graph_pool(self, tag: str) -> Iterator[PoolId]:
+        """The MemPool of ``tag`` on this device, with torch_memory_saver's allocator set up on this thread.
+
+        Not through ``region``: that makes the thread allocate to the pool
+        (``use_mem_pool``), and torch refuses a capture into a pool already
+        being allocated to ("already recording to mempool_id"). The capture
+        routes its own allocations to the pool; what torch_memory_saver's
+        allocator needs besides is its thread-local tag and region flag, which
+        it keeps per thread: the capture must allocate on this thread (a
+        backward pass captured by make_graphed_callables allocates on
+        autograd's threads, where the allocator ends the process).
+        """
         with self.region(tag):
-            device = self._device()
-            ids = [
-                pool.id
-                for key, pool in list(self._mem_pools().items())
-                if isinstance(key, tuple) and key[0] == tag and key[-1] == device
-                and not any(key[1:3])  # neither of its own backups
-            ]  # fmt: skip
-            if not ids:
-                raise HibernateError(f"torch_memory_saver made no memory pool for {tag!r} on cuda:{device}")
-            first, second = ids[0]
-            yield (int(first), int(second))
+            pass  # torch_memory_saver makes the tag's pool on this device on first use
+        device = self._device()
+        ids = [
+            pool.id
+            for key, pool in list(self._mem_pools().items())
+            if isinstance(key, tuple) and key[0] == TAG_PREFIX + tag and key[-1] == device
+            and not any(key[1:3])  # neither of its own backups
+        ]  # fmt: skip
+        if not ids:
+            raise HibernateError(f"torch_memory_saver made no memory pool for {tag!r} on cuda:{device}")
+        pool_id = (int(ids[0][0]), int(ids[0][1]))
+        configure = getattr(self._saver._impl, "_with_region_config", None)
+        if configure is None:
+            raise UnsupportedError(
+                "this torch_memory_saver cannot set its allocator up for a graph capture the way hibernate "
+                f"knows (it knows {KNOWN_VERSION})",
+                hint=f"pip install torch-memory-saver=={KNOWN_VERSION}",
+            )
+        with self._lock:
+            self._graph_pools.add(pool_id)
+        with configure(tag=TAG_PREFIX + tag, enable_cpu_backup=False, cpu_backup_backend=None):
+            yield pool_id
+
+    def graph_pools(self) -> list[PoolId]:
+        with self._lock:
+            return sorted(self._graph_pools)
 
     def declare(self, tag: str, keep: bool) -> None:
         self._pool.declare(tag, keep)
@@ -336,12 +392,12 @@ class TmsProvider:
         if tag is None:
             return self._pool.spans()
         found: list[Span] = []
-        for pool_id in pools_of_tag(self._mem_pools(), tag):
+        for pool_id in pools_of_tag(self._mem_pools(), TAG_PREFIX + tag):
             found.extend(spans_of(tag, self._segments(pool_id)))
         return found
 
     def pause(self, tag: str) -> None:
-        self._saver.pause(tag)
+        self._saver.pause(TAG_PREFIX + tag)
 
     def resume(self, tag: str) -> None:
-        self._saver.resume(tag)
+        self._saver.resume(TAG_PREFIX + tag)

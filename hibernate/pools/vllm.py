@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from hibernate.errors import UnsupportedError, UsageError, WrongStateError
 from hibernate.pools.base import RegionAttributes, SpillableRegion
 from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn, attempt_copy
-from hibernate.pools.provided import VLLM_CUMEM, Span
+from hibernate.pools.provided import VLLM_CUMEM, Span, declare_once
 from hibernate.store.regions import memory_at
 
 log = logging.getLogger(__name__)
@@ -442,6 +442,7 @@ class CuMemProvider:
         self._instance = allocator or _allocator_instance
         self._declared: dict[str, bool] = {}
         self._pool = CuMemPool(allocator=self._instance, device=device, keep=self._keeps)
+        self._graph_pools: set[tuple[int, int]] = set()
 
     def _keeps(self, tag: str) -> bool:
         return self._declared.get(tag, True)  # a tag nobody declared is kept: dropping it could lose data
@@ -454,14 +455,25 @@ class CuMemProvider:
 
     @contextmanager
     def graph_pool(self, tag: str) -> Iterator[tuple[int, int]]:
-        """vLLM's graph pool, its allocations recorded under ``tag`` (vLLM itself uses "cudagraph")."""
+        """vLLM's graph pool, its allocations recorded under ``tag`` (vLLM itself uses "cudagraph").
+
+        vLLM's allocator keeps its current tag for the whole process: pools of
+        two tags opened on two threads at once would mix their allocations.
+        """
+        if tag in self._pool.asleep_tags():
+            raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
         allocator = self._instance()
         with allocator.cudagraph_pool() as pool_id:
             allocator.current_tag = tag
-            yield (int(pool_id[0]), int(pool_id[1]))
+            captured = (int(pool_id[0]), int(pool_id[1]))
+            self._graph_pools.add(captured)
+            yield captured
+
+    def graph_pools(self) -> list[tuple[int, int]]:
+        return sorted(self._graph_pools)
 
     def declare(self, tag: str, keep: bool) -> None:
-        self._declared[tag] = keep
+        declare_once(self._declared, tag, keep)
 
     def pool(self) -> CuMemPool:
         return self._pool
@@ -483,6 +495,11 @@ def _allocator_instance() -> Any:
             f"vLLM's cumem allocator cannot be loaded here ({exc})",
             hint="it needs a CUDA build of vLLM and a GPU driver",
         ) from exc
+    if not getattr(cumem, "cumem_available", False):  # get_instance() would only assert it
+        raise UnsupportedError(
+            "vLLM's cumem allocator extension is not available in this vLLM build",
+            hint="it needs a CUDA build of vLLM and a GPU driver",
+        )
     return cumem.CuMemAllocator.get_instance()
 
 
