@@ -263,6 +263,11 @@ class CachingMemPool:
         }
 
 
+def live_pools() -> list[CachingMemPool]:
+    """Every pool alive, in no particular order."""
+    return list(_live_pools)
+
+
 def pool_by_id(pool_id: PoolId) -> CachingMemPool | None:
     """The live pool with id ``pool_id``, if any."""
     wanted = (int(pool_id[0]), int(pool_id[1]))
