@@ -35,24 +35,65 @@ SIGSEGV, as a GPU faults), memory reached other than through aten ops
 Python data inside ``fn`` (``torch.tensor``: the capture reads a temporary).
 Random ops draw anew on each replay (real graphs advance a Philox offset);
 ``fn`` should be deterministic.
+
+:class:`CUDAGraph` and :class:`graph` are ``torch.cuda.CUDAGraph`` and
+``torch.cuda.graph`` themselves, with torch's contract, for code that uses
+them directly (``hibernate.cuda_graph`` does; :func:`patched_torch_cuda`
+puts them in ``torch.cuda`` for a block):
+
+* Between ``capture_begin`` and ``capture_end`` (the ``with graph(g):``
+  block) the ops of the capturing thread are recorded, NOT run, as on a GPU:
+  each op's results are worked out on the meta device (shape, strides,
+  dtype; no data) and get fresh memory of the capture's pool holding garbage
+  (the poison byte) until the first replay; an in-place op (``add_``,
+  ``out=``) leaves its target as it was. Views run (they launch no kernel),
+  and the ops that only allocate (``empty``) are recorded as nothing.
+* The capture's pool: a new private pool ``(N, 0)`` without ``pool=``; the
+  pool of ``graph_pool_handle()`` or of another graph's ``pool()``; or the
+  live MemPool ``(0, N)`` named (a torch_memory_saver tag's, vLLM's
+  ``cudagraph_pool()``), through torch's caching allocator
+  (:mod:`tests.standins.mempool`). A private pool's segments show in
+  :func:`graph_segments` while a graph uses it or a tensor holds a block.
+  Every tensor a capture made stays allocated until the graph is reset or
+  collected (torch would reuse an intermediate's block within the capture;
+  nothing else may use a graph's memory, so only the footprint differs).
+* ``replay()`` runs every kernel on the raw addresses captured (arguments
+  and results alike) and writes each result where the capture put it; it
+  allocates nothing. Before running, each address is checked where a GPU
+  would fault: memory of a pool asks the pool (a paused torch_memory_saver
+  allocation, an asleep vLLM one, a freed one all fault); other memory must
+  still be mapped and readable (:func:`readable`), and is read whatever it
+  holds now: a tensor that moved leaves the graph reading garbage.
+* Refused during a capture as on a GPU (RuntimeError "operation not
+  permitted when stream is capturing"): a result read on the host
+  (``.item()``, ``torch.equal``) and ops whose result shape depends on the
+  data (``nonzero``); a second capture on the thread; an unknown
+  ``capture_error_mode``. Not modelled: streams (one stands for all), the
+  capture error modes' effect on other threads, ``enable_annotations``, a
+  ``use_mem_pool`` entered inside a capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import itertools
+import os
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from tests.standins import tms
-from tests.standins.vllm_memory import StandInFault
+from tests.standins.mempool import CachingMemPool, PoolId, live_pools, pool_by_id, pool_holding
+from tests.standins.vllm_memory import PAGE, POISON, HostReservations, StandInFault
 
 _graph_pool_ids = itertools.count(1)  # torch counts the pools graphs make (N, 0) process-wide from 1
 _live_graphs: weakref.WeakSet[StandInGraph] = weakref.WeakSet()
@@ -385,6 +426,435 @@ class StandInGraph:
 
 
 def graph_segments() -> list[dict[str, Any]]:
-    """The private-pool segments of every live stand-in graph (captured, not reset, not collected)."""
+    """The private-pool segments of every live stand-in graph (captured, not reset, not collected),
+    and of every graph pool (``(N, 0)``) of :class:`CUDAGraph` captures that still holds one."""
     segments = [graph.segment() for graph in list(_live_graphs)]
-    return [segment for segment in segments if segment is not None]
+    private = [s for pool in live_pools() if isinstance(pool, GraphPool) for s in pool.snapshot()]
+    return [segment for segment in segments if segment is not None] + private
+
+
+# -- torch.cuda.CUDAGraph and torch.cuda.graph: a capture that records, not runs ----------------
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_NOT_PERMITTED = "CUDA error: operation not permitted when stream is capturing"
+
+# Ops that only allocate: no kernel is captured for them.
+_ALLOCATION_ONLY = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+
+_graph_memory = HostReservations()  # where graphs' private pools take their segments
+_capturing = threading.local()  # .graph: the CUDAGraph capturing on this thread, if any
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+_libc.write.restype = ctypes.c_ssize_t
+
+
+def readable(address: int, nbytes: int) -> bool:
+    """Whether every page of ``[address, address + nbytes)`` can be read, asked without reading it:
+    the kernel copies a byte of each page into a pipe and answers EFAULT where it cannot."""
+    reader, writer = os.pipe()
+    try:
+        pages = range(address - address % PAGE, address + max(nbytes, 1), PAGE)
+        for index, page in enumerate(pages):
+            if _libc.write(writer, max(page, address), 1) != 1:
+                return False
+            if index % 4096 == 4095:
+                os.read(reader, 4096)  # the pipe holds 64 KiB
+        return True
+    finally:
+        os.close(reader)
+        os.close(writer)
+
+
+class GraphPool(CachingMemPool):
+    """A pool a graph makes for itself, ``(N, 0)``: torch's caching allocator over host segments.
+
+    Its segments go back once no graph uses it and their last block is freed
+    (``torch.cuda.empty_cache`` would give them back then, too).
+    """
+
+    def __init__(self, pool_id: PoolId) -> None:
+        super().__init__(0, threading.RLock(), pool_id)
+        self.users = 0
+
+    def malloc_segment(self, size: int) -> int:
+        return _graph_memory.reserve(size)
+
+    def free_segment(self, address: int) -> None:
+        _graph_memory.free(address)
+
+    def releases_free_segments(self) -> bool:
+        return self.users == 0
+
+
+def _capture_pool(pool: PoolId | None) -> CachingMemPool:
+    """The pool a capture allocates in: a new private one, another graph's, or a MemPool's (``pool=``)."""
+    if pool is None:
+        return GraphPool(graph_pool_handle())
+    if len(pool) != 2 or tuple(pool) == (0, 0) or 0 not in tuple(pool):
+        raise RuntimeError(f"pool must be a pool id (N, 0) or (0, N), not {pool!r}")
+    found = pool_by_id(pool)
+    if found is not None:
+        return found
+    if pool[1] == 0:  # a graph_pool_handle() no capture used yet
+        return GraphPool((int(pool[0]), 0))
+    raise RuntimeError(f"no memory pool with id {tuple(pool)} is alive")
+
+
+def _returns_tensors(schema: Any) -> bool:
+    """Whether every return of an op is a tensor, a list of tensors or an optional tensor."""
+
+    def is_tensor_type(kind: Any) -> bool:
+        if isinstance(kind, torch.TensorType):
+            return True
+        if isinstance(kind, (torch.ListType, torch.OptionalType)):
+            return isinstance(kind.getElementType(), torch.TensorType)
+        return False
+
+    return all(is_tensor_type(r.type) for r in schema.returns)
+
+
+class _HostGuard:
+    """Memory outside every pool: garbage to read once its tensor moved, a fault once it is not readable."""
+
+    def check(self, address: int, nbytes: int) -> None:
+        if not readable(address, nbytes):
+            raise StandInFault(
+                f"replay reads {address:#x}, which is not mapped (or not readable) any more: a GPU faults"
+            )
+
+
+class _PoolGuard:
+    """Memory of a pool: the pool says whether a kernel may touch it (a paused allocation faults)."""
+
+    def __init__(self, pool: CachingMemPool) -> None:
+        self._pool = pool
+
+    def check(self, address: int, nbytes: int) -> None:
+        self._pool.check_access(address, nbytes)
+
+
+@dataclass
+class _Kernel:
+    """One captured kernel: the op, its arguments with tensors as raw addresses, where its results go."""
+
+    func: Any
+    spec: TreeSpec
+    leaves: list[Any]
+    outputs: list[tuple[int, TensorRead]]  # (index among the op's flattened results, where it lives)
+
+
+class _Recording:
+    """What a capture recorded, and the memory it holds while the graph lives."""
+
+    def __init__(self, pool: CachingMemPool) -> None:
+        self.pool = pool
+        self.kernels: list[_Kernel] = []
+        self.guards: dict[tuple[int, int], _HostGuard | _PoolGuard] = {}
+        self.made: list[torch.Tensor] = []  # every tensor the capture allocated: its address is the graph's
+        if isinstance(pool, GraphPool):
+            pool.users += 1
+
+    def read(self, tensor: torch.Tensor) -> TensorRead:
+        read = TensorRead(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        key = (read.address, read.nbytes)
+        if read.nbytes and key not in self.guards:
+            pool = pool_holding(read.address, read.nbytes)
+            self.guards[key] = _PoolGuard(pool) if pool is not None else _HostGuard()
+        return read
+
+    def close(self) -> None:
+        """The graph is gone: its memory goes back to its pool (a private pool's segments with it)."""
+        pool = self.pool
+        if isinstance(pool, GraphPool):
+            pool.users -= 1
+        self.kernels, self.guards, self.made = [], {}, []
+        if isinstance(pool, GraphPool) and pool.users == 0:
+            pool.release_free_segments()
+
+
+class _CaptureMode(TorchDispatchMode):
+    """Records each op instead of running it; new tensors come from the capture's pool, holding garbage."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self._recording = recording
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        with _disable_current_modes():  # what the capture itself does is not captured, nor routed
+            return self._capture(func, args, kwargs or {})
+
+    def _capture(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+        if any(t.layout != torch.strided or t.device.type != "cpu" for t in tensors):
+            raise NotImplementedError(f"the stand-in graph captures strided host tensors only ({func})")
+        schema = func._schema
+        if not _returns_tensors(schema):  # .item(), torch.equal: a result read back on the host
+            raise RuntimeError(f"{_NOT_PERMITTED} ({func} reads its result back on the host)")
+        aliases = [r.alias_info for r in schema.returns]
+        if schema.returns and all(a is not None and not a.is_write for a in aliases):
+            return func(*args, **kwargs)  # a view: no kernel, the same memory
+        if any(a is not None and not a.is_write for a in aliases):
+            raise NotImplementedError(f"the stand-in graph cannot capture {func}: it returns a view and more")
+        shapes = self._shapes(func, args, kwargs)
+        written = _written_arguments(schema, args, kwargs)
+        fresh: set[int] = set()
+
+        def allocate(meta: Any) -> Any:
+            if not isinstance(meta, torch.Tensor):
+                return meta
+            out = self._allocate(meta)
+            fresh.add(id(out))
+            return out
+
+        per_return = list(shapes) if len(schema.returns) > 1 else [shapes]
+        results = [
+            written[index] if index in written else tree_map(allocate, meta)
+            for index, meta in enumerate(per_return)
+        ]
+        result: Any = tuple(results) if len(schema.returns) > 1 else results[0] if results else None
+        if func not in _ALLOCATION_ONLY:
+            recording = self._recording
+            leaves = [recording.read(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+            outputs = [
+                (index, recording.read(value))
+                for index, value in enumerate(tree_flatten(result)[0])
+                if isinstance(value, torch.Tensor) and id(value) in fresh
+            ]
+            recording.kernels.append(_Kernel(func, spec, leaves, outputs))
+        return result
+
+    @staticmethod
+    def _shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The op's results on the meta device: shapes, strides and dtypes, no data, nothing run."""
+
+        def to_meta(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            if isinstance(value, torch.device):
+                return torch.device("meta")
+            return value
+
+        meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+        names = [argument.name for argument in func._schema.arguments]
+        if "device" in names and names.index("device") >= len(meta_args):
+            meta_kwargs["device"] = torch.device("meta")  # a factory: made on the meta device too
+        if meta_kwargs.get("pin_memory"):
+            meta_kwargs["pin_memory"] = False
+        try:
+            return func(*meta_args, **meta_kwargs)
+        except Exception as exc:  # data-dependent shapes (nonzero, unique) need the data: a sync
+            raise RuntimeError(f"{_NOT_PERMITTED} ({func} cannot be captured: {exc})") from exc
+
+    def _allocate(self, meta: torch.Tensor) -> torch.Tensor:
+        nbytes = meta.untyped_storage().nbytes()
+        if nbytes == 0:
+            return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
+        storage = self._recording.pool.allocate(nbytes, POISON)
+        out = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
+        self._recording.made.append(out)
+        return out
+
+
+def _written_arguments(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, Any]:
+    """The returns that are arguments the op writes (``add_``, ``out=``), by return index: those arguments."""
+    values = {argument.name: value for argument, value in zip(schema.arguments, args, strict=False)}
+    values.update(kwargs)
+    written = {}
+    for index, ret in enumerate(schema.returns):
+        alias = ret.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        for argument in schema.arguments:
+            if argument.alias_info is not None and argument.alias_info.before_set == alias.before_set:
+                written[index] = values[argument.name]
+                break
+    return written
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph`` over host memory (see the module docstring)."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self._keep_graph = keep_graph
+        self._recording: _Recording | None = None
+        self._mode: _CaptureMode | None = None
+        self._captured = False
+        self._release: weakref.finalize | None = None
+
+    def capture_begin(
+        self,
+        pool: PoolId | None = None,
+        capture_error_mode: str = "global",
+        check_input_liveness: bool = False,
+    ) -> None:
+        """Begin capturing this thread's ops; new tensors come from ``pool`` (a private pool without)."""
+        if self._recording is not None:
+            raise RuntimeError(
+                "This CUDAGraph instance already owns a captured graph. To capture a new graph, create a"
+                " new instance."
+            )
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise RuntimeError(
+                "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got "
+                f"{capture_error_mode}"
+            )
+        if getattr(_capturing, "graph", None) is not None:
+            raise RuntimeError(f"{_NOT_PERMITTED} (a capture is already underway on this thread)")
+        recording = _Recording(_capture_pool(pool))
+        self._recording = recording
+        self._release = weakref.finalize(self, recording.close)
+        self._mode = _CaptureMode(recording)
+        self._mode.__enter__()
+        _capturing.graph = self
+
+    def capture_end(self) -> None:
+        if self._mode is None:
+            raise RuntimeError("Called CUDAGraph::capture_end without a preceding capture_begin")
+        mode, self._mode = self._mode, None
+        _capturing.graph = None
+        mode.__exit__(None, None, None)
+        self._captured = True
+
+    def instantiate(self) -> None:
+        self._require_captured()
+
+    def _require_captured(self) -> _Recording:
+        if not self._captured or self._recording is None:
+            raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+        return self._recording
+
+    def replay(self) -> None:
+        """Run the captured kernels on the addresses they were captured with; nothing is allocated."""
+        recording = self._require_captured()
+        for (address, nbytes), guard in recording.guards.items():
+            guard.check(address, nbytes)
+        with _disable_current_modes(), torch.no_grad():
+            for kernel in recording.kernels:
+                leaves = [
+                    _tensor_at(leaf) if isinstance(leaf, TensorRead) else leaf for leaf in kernel.leaves
+                ]
+                args, kwargs = tree_unflatten(leaves, kernel.spec)
+                result = kernel.func(*args, **kwargs)
+                if kernel.outputs:
+                    flat = tree_flatten(result)[0]
+                    for index, target in kernel.outputs:
+                        _tensor_at(target).copy_(flat[index])
+
+    def reset(self) -> None:
+        """The graph is gone; its memory goes back to its pool."""
+        if self._mode is not None:
+            self.capture_end()
+        if self._release is not None:
+            self._release()
+        self._recording, self._release, self._captured = None, None, False
+
+    def pool(self) -> PoolId:
+        """The id of the pool the graph's memory comes from (to share it with another capture)."""
+        if self._recording is None:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return self._recording.pool.id
+
+    @property
+    def kernels(self) -> int:
+        """How many kernels the capture recorded (a stand-in reading, not torch's)."""
+        return len(self._recording.kernels) if self._recording is not None else 0
+
+    def enable_debug_mode(self) -> None:
+        raise NotImplementedError("the stand-in CUDAGraph has no debug dump")
+
+    def debug_dump(self, debug_path: str) -> None:
+        raise NotImplementedError("the stand-in CUDAGraph has no debug dump")
+
+
+class graph:
+    """``torch.cuda.graph``: capture the block into ``cuda_graph`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        cuda_graph: CUDAGraph,
+        pool: PoolId | None = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+        enable_annotations: bool = False,
+        check_input_liveness: bool = False,
+    ) -> None:
+        if enable_annotations:
+            raise NotImplementedError(
+                "the stand-in graph has no kernel annotations (they need cuda.bindings)"
+            )
+        self.pool: tuple[()] | tuple[PoolId] = () if pool is None else (pool,)
+        self.capture_stream = stream  # one stream stands for all here
+        self.cuda_graph = cuda_graph
+        self.capture_error_mode = capture_error_mode
+        self.check_input_liveness = check_input_liveness
+
+    def __enter__(self) -> None:
+        # torch synchronizes, collects if torch.compiler.config.force_cudagraph_gc, and empties the
+        # caches: nothing to wait for here, and a private pool no graph uses gives its segments back
+        # as its last block goes.
+        if torch.compiler.config.force_cudagraph_gc:
+            gc.collect()
+        self.cuda_graph.capture_begin(
+            *self.pool,
+            capture_error_mode=self.capture_error_mode,
+            check_input_liveness=self.check_input_liveness,
+        )
+
+    def __exit__(self, *args: object) -> None:
+        self.cuda_graph.capture_end()
+
+
+def is_current_stream_capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing``: whether this thread is capturing."""
+    return getattr(_capturing, "graph", None) is not None
+
+
+_PATCHED = {
+    "CUDAGraph": CUDAGraph,
+    "graph": graph,
+    "graph_pool_handle": graph_pool_handle,
+    "is_current_stream_capturing": is_current_stream_capturing,
+}
+
+
+@contextlib.contextmanager
+def patched_torch_cuda() -> Iterator[None]:
+    """``torch.cuda.CUDAGraph``, ``graph``, ``graph_pool_handle`` and ``is_current_stream_capturing``
+    are the stand-ins for the block (in-process tests); what was there before comes back after."""
+    missing = object()
+    before = {name: getattr(torch.cuda, name, missing) for name in _PATCHED}
+    for name, value in _PATCHED.items():
+        setattr(torch.cuda, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is missing:
+                delattr(torch.cuda, name)
+            else:
+                setattr(torch.cuda, name, value)
+
+
+def memory_snapshot(pool_id: PoolId | None = None) -> list[dict[str, Any]]:
+    """``torch.cuda.memory_snapshot()`` over every stand-in pool alive (and every stand-in graph's)."""
+    segments = [segment for pool in live_pools() for segment in pool.snapshot()]
+    segments += [s for s in (g.segment() for g in list(_live_graphs)) if s is not None]
+    if pool_id is None or tuple(pool_id) == (0, 0):
+        return segments
+    return [s for s in segments if s["segment_pool_id"] == tuple(pool_id)]

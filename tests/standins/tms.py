@@ -33,7 +33,8 @@ It has the real layering, each layer keeping its real contract:
   (``CUDA_ERROR_CHECK``): in this mode an out-of-memory inside a region is
   fatal, never a ``torch.OutOfMemoryError``.
 * :class:`StandInMemPool` is ``torch.cuda.MemPool(allocator=tms)``, with
-  torch's caching allocator in front of the library: requests rounded to 512
+  torch's caching allocator in front of the library (:mod:`tests.standins.mempool`,
+  shared with the other stand-ins): requests rounded to 512
   bytes; up to 1 MiB from 2 MiB "small" segments, up to 10 MiB from 20 MiB
   "large" segments, above that a segment of the size rounded to 2 MiB; best
   fit, blocks split and merged as torch does. A tensor's death frees its
@@ -59,8 +60,6 @@ real CUDA storage can.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import itertools
 import os
 import sys
 import threading
@@ -74,9 +73,17 @@ from importlib.machinery import ModuleSpec
 from typing import Any, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+# torch's caching allocator, shared with the other stand-ins (named here as this module always had them)
+from tests.standins.mempool import LARGE_BUFFER as LARGE_BUFFER
+from tests.standins.mempool import MIN_BLOCK_SIZE as MIN_BLOCK_SIZE
+from tests.standins.mempool import MIN_LARGE_ALLOC as MIN_LARGE_ALLOC
+from tests.standins.mempool import ROUND_LARGE as ROUND_LARGE
+from tests.standins.mempool import SMALL_BUFFER as SMALL_BUFFER
+from tests.standins.mempool import SMALL_SIZE as SMALL_SIZE
+from tests.standins.mempool import CachingMemPool, round_up, use_mem_pool
+from tests.standins.mempool import round_block_size as round_block_size
+from tests.standins.mempool import segment_size_for as segment_size_for
 from tests.standins.vllm_memory import HostReservations, StandInFault
 
 MODULE_NAME = "torch_memory_saver"
@@ -85,19 +92,6 @@ GRANULARITY = 2 * MIB  # cuMemGetAllocationGranularity(MINIMUM) on current NVIDI
 CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 CUDA_ERROR_INVALID_VALUE = 1  # what cudaFree answers for a pointer it never gave
 _SOURCE = "[torch_memory_saver.cpp]"
-
-# torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp)
-MIN_BLOCK_SIZE = 512
-SMALL_SIZE = 1 * MIB
-SMALL_BUFFER = 2 * MIB
-LARGE_BUFFER = 20 * MIB
-MIN_LARGE_ALLOC = 10 * MIB
-ROUND_LARGE = 2 * MIB
-
-# Ops whose output aliases their input yet is a tensor the program just made (``torch.tensor(...)``).
-_FRESH_ALIASES = (torch.ops.aten.lift_fresh.default,)
-
-_user_pool_ids = itertools.count(1)  # torch counts user-created pools (0, N) process-wide from 1
 
 
 class StandInExit(StandInFault):
@@ -123,24 +117,6 @@ class Allocation:
     state: AllocationState
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def round_block_size(nbytes: int) -> int:
-    """torch's ``round_size``: at least 512 bytes, a multiple of 512."""
-    return max(MIN_BLOCK_SIZE, _round_up(nbytes, MIN_BLOCK_SIZE))
-
-
-def segment_size_for(block_size: int) -> int:
-    """torch's ``get_allocation_size``: the size of the segment a new block of ``block_size`` gets."""
-    if block_size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if block_size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return _round_up(block_size, ROUND_LARGE)
-
-
 # -- the C++ core and the loaded library ---------------------------------------------------
 
 
@@ -155,7 +131,7 @@ class SaverCore:
     def malloc(self, device: int, raw_size: int, tag: str) -> int | None:
         """An address, or None for ``cudaErrorMemoryAllocation``."""
         world = self._world
-        allocation_size = _round_up(raw_size, GRANULARITY)
+        allocation_size = round_up(raw_size, GRANULARITY)
         with world.lock:
             margin = self.memory_margin_bytes
             free = world.free_bytes(device)
@@ -305,187 +281,43 @@ class StandInLibrary:
             )
 
 
-# -- torch's side: MemPool with the caching allocator, and the routing of a thread's ops ------
+# -- torch's side: MemPool with the caching allocator in front of the library ----------------
 
 
-@dataclass
-class _Block:
-    address: int
-    size: int
-    requested: int = 0
-    allocated: bool = False
-
-
-@dataclass
-class _Segment:
-    address: int
-    size: int
-    small: bool
-    blocks: list[_Block]
-
-    def fully_free(self) -> bool:
-        return len(self.blocks) == 1 and not self.blocks[0].allocated
-
-
-class StandInMemPool:
+class StandInMemPool(CachingMemPool):
     """``torch.cuda.MemPool(allocator=...)`` of the tms library (see the module docstring)."""
 
     def __init__(self, world: StandInTms, library: StandInLibrary, device: int) -> None:
-        self.id: tuple[int, int] = (0, next(_user_pool_ids))
-        self.device = device
+        super().__init__(device, world.lock)
         self._world = world
         self._library = library
-        self._segments: list[_Segment] = []
         world.register_pool(self)
 
-    def _allocate_block(self, nbytes: int) -> tuple[_Segment, _Block]:
-        size = round_block_size(nbytes)
-        small = size <= SMALL_SIZE
-        best: tuple[_Segment, _Block] | None = None
-        for segment in self._segments:
-            if segment.small != small:
-                continue
-            for block in segment.blocks:
-                if block.allocated or block.size < size:
-                    continue
-                if best is None or (block.size, block.address) < (best[1].size, best[1].address):
-                    best = (segment, block)
-        if best is None:
-            segment_size = segment_size_for(size)
-            address = self._library.tms_torch_malloc(segment_size, self.device)
-            segment = _Segment(address, segment_size, small, [_Block(address, segment_size)])
-            self._segments.append(segment)
-            best = (segment, segment.blocks[0])
-        segment, block = best
-        remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK_SIZE) or (not small and remaining > SMALL_SIZE):
-            index = segment.blocks.index(block)
-            segment.blocks.insert(index + 1, _Block(block.address + size, remaining))
-            block.size = size
-        block.allocated = True
-        block.requested = nbytes
-        return segment, block
+    def malloc_segment(self, size: int) -> int:
+        return self._library.tms_torch_malloc(size, self.device)
 
-    def adopt(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
-        """A storage of this pool holding ``storage``'s bytes; its death frees the block."""
-        nbytes = storage.nbytes()
-        with self._world.lock:
-            segment, block = self._allocate_block(nbytes)
-            if not self._world.reservations.is_mapped(segment.address):
-                self._free_block(block.address)
-                raise StandInFault(
-                    f"a new tensor got a block of the paused allocation {segment.address:#x}"
-                    " (writing it faults on a GPU: allocate in a region only while its tag is resumed)"
-                )
-        ctypes.memmove(block.address, storage.data_ptr(), nbytes)
-        buffer = (ctypes.c_uint8 * nbytes).from_address(block.address)
-        weakref.finalize(buffer, self._free_block, block.address).atexit = False
-        return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    def free_segment(self, address: int) -> None:
+        self._world.core.free(address)
 
-    def _free_block(self, address: int) -> None:
-        """torch's ``free_block``: the block is free for reuse, merged with free neighbours."""
-        with self._world.lock:
-            for segment in self._segments:
-                for index, block in enumerate(segment.blocks):
-                    if block.address == address:
-                        self._merge_free(segment, index)
-                        if self._world.closed and segment.fully_free():
-                            self._segments.remove(segment)
-                            self._world.core.free(segment.address)
-                        return
-
-    @staticmethod
-    def _merge_free(segment: _Segment, index: int) -> None:
-        block = segment.blocks[index]
-        block.allocated, block.requested = False, 0
-        after = index + 1
-        if after < len(segment.blocks) and not segment.blocks[after].allocated:
-            block.size += segment.blocks.pop(after).size
-        if index > 0 and not segment.blocks[index - 1].allocated:
-            segment.blocks[index - 1].size += segment.blocks.pop(index).size
-
-    def release_free_segments(self) -> None:
-        """Give every segment with no live block back (cleanup when the stand-in is uninstalled)."""
-        with self._world.lock:
-            for segment in [s for s in self._segments if s.fully_free()]:
-                self._segments.remove(segment)
-                self._world.core.free(segment.address)
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """This pool's segments as ``torch.cuda.memory_snapshot`` gives them."""
-        with self._world.lock:
-            return [self._segment_dict(s) for s in self._segments]
-
-    def _segment_dict(self, segment: _Segment) -> dict[str, Any]:
-        allocated = [b for b in segment.blocks if b.allocated]
-        return {
-            "device": self.device,
-            "address": segment.address,
-            "total_size": segment.size,
-            "allocated_size": sum(b.size for b in allocated),
-            "active_size": sum(b.size for b in allocated),
-            "requested_size": sum(b.requested for b in allocated),
-            "stream": 0,
-            "segment_type": "small" if segment.small else "large",
-            "segment_pool_id": self.id,
-            "is_expandable": False,
-            "frames": [],
-            "blocks": [
-                {
-                    "address": b.address,
-                    "size": b.size,
-                    "requested_size": b.requested,
-                    "state": "active_allocated" if b.allocated else "inactive",
-                    "frames": [],
-                }
-                for b in segment.blocks
-            ],
-        }
-
-
-class _PoolRouting(TorchDispatchMode):
-    """Moves a thread's fresh op outputs into the pool it routes to (``torch.cuda.use_mem_pool``)."""
-
-    def __init__(self, stack: list[StandInMemPool]) -> None:
-        super().__init__()
-        self._stack = stack
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        pool = self._stack[-1]
-        inputs = {
-            leaf.untyped_storage().data_ptr()
-            for leaf in tree_flatten((args, kwargs))[0]
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided
-        }
-        moved: dict[int, torch.UntypedStorage] = {}
-
-        def move(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
-                return value
-            storage = value.untyped_storage()
-            pointer = storage.data_ptr()
-            if storage.nbytes() == 0 or (pointer in inputs and func not in _FRESH_ALIASES):
-                return value
-            if pointer not in moved:
-                moved[pointer] = pool.adopt(storage)
-            return torch.empty(0, dtype=value.dtype).set_(
-                moved[pointer], value.storage_offset(), value.size(), value.stride()
+    def require_usable(self, segment_address: int) -> None:
+        if not self._world.reservations.is_mapped(segment_address):
+            raise StandInFault(
+                f"a new tensor got a block of the paused allocation {segment_address:#x}"
+                " (writing it faults on a GPU: allocate in a region only while its tag is resumed)"
             )
 
-        return tree_map(move, out)
+    def releases_free_segments(self) -> bool:
+        return self._world.closed
 
-
-class _ThreadRouting(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[StandInMemPool] = []
-        self.mode: _PoolRouting | None = None
+    def check_access(self, address: int, nbytes: int) -> None:
+        found = self._world.core.find(address, nbytes)
+        if found is None:
+            raise StandInFault(f"access to {address:#x}, in a freed torch_memory_saver allocation")
+        if found.state is not AllocationState.ACTIVE:
+            raise StandInFault(
+                f"access to {address:#x}, in the paused torch_memory_saver allocation {found.address:#x}"
+                f" (tag {found.tag!r}): a GPU faults"
+            )
 
 
 # -- the world a test controls --------------------------------------------------------------
@@ -507,7 +339,6 @@ class StandInTms:
         self._free: dict[int, int] = {}  # free device memory, for devices the test gave a budget
         self._used: defaultdict[int, int] = defaultdict(int)
         self._pools: list[StandInMemPool] = []
-        self._routing = _ThreadRouting()
         _worlds.add(self)
 
     # controls and readings
@@ -589,20 +420,8 @@ class StandInTms:
     @contextlib.contextmanager
     def use_mem_pool(self, pool: StandInMemPool) -> Iterator[None]:
         """``torch.cuda.use_mem_pool(pool)``: this thread's new tensors come from ``pool``."""
-        routing = self._routing
-        routing.stack.append(pool)
-        entered = routing.mode is None
-        if entered:
-            routing.mode = _PoolRouting(routing.stack)
-            routing.mode.__enter__()
-        try:
+        with use_mem_pool(pool):
             yield
-        finally:
-            routing.stack.pop()
-            if entered:
-                assert routing.mode is not None
-                routing.mode.__exit__(None, None, None)
-                routing.mode = None
 
     def close(self) -> None:
         """Give back every segment no tensor uses; the others go when their last tensor dies."""

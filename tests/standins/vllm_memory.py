@@ -17,6 +17,15 @@ Each stands for one real thing and keeps its contract; none is used outside test
   keyed by address, with vLLM's handle layout (device, aligned size, pointer,
   pointer to the generic allocation handle). The granularity is the page size
   (CUDA's is usually 2 MiB) so that sizes are not multiples of the chunk size.
+  Like vLLM 0.33's, ``use_memory_pool(tag)`` routes the block's new tensors
+  (the calling thread's) through a new MemPool of the allocator
+  (:class:`StandInCuMemPool`: torch's caching allocator in front, each
+  segment one allocation recorded under the allocator's ``current_tag``),
+  and releases its free segments on the way out (vLLM's ``_trim``);
+  ``cudagraph_pool()`` yields the id of the allocator's one graph MemPool with
+  ``current_tag`` ``cudagraph`` inside, for a capture's ``pool=``
+  (:mod:`tests.standins.cuda_graphs`). ``allocate`` makes one allocation
+  directly, as the tests of the pool's own rules do.
 * :func:`create_and_map` / :func:`unmap_and_release` have the signatures of
   vLLM's ``vllm.device_allocator.cumem`` functions, over the reservations.
   They keep the one flaw of vLLM 0.33's C extension that a sleep can meet: a
@@ -38,10 +47,11 @@ Each stands for one real thing and keeps its contract; none is used outside test
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,6 +59,7 @@ import torch
 from vllm.device_allocator import DEFERRABLE_TAGS, AllocationData
 
 from hibernate.pools.device import buffer_address
+from tests.standins.mempool import CachingMemPool, PoolId, use_mem_pool
 
 POISON = 0xA5
 PROT_NONE = 0
@@ -232,6 +243,51 @@ class StandInCuMemAllocator:
         self.granularity = granularity
         self.pointer_to_data: dict[int, AllocationData] = {}
         self._handle_boxes: dict[int, ctypes.c_uint64] = {}
+        # What use_memory_pool and cudagraph_pool keep, as vLLM's CuMemAllocator does.
+        self.current_tag = self.default_tag
+        self.allocator_and_pools: dict[str, list[StandInCuMemPool]] = {}
+        self.lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: str | None = None) -> Iterator[None]:
+        """vLLM's ``use_memory_pool(tag)``: the block's new tensors come from a new MemPool of the
+        allocator, each of its segments one allocation recorded under the current tag; on the way out
+        the segments no tensor uses any more are released (vLLM's ``_trim``)."""
+        if tag is None:
+            tag = self.default_tag
+        assert isinstance(tag, str)
+        old_tag = self.current_tag
+        self.current_tag = tag
+        try:
+            if tag != old_tag:  # older pools of this tag are never reused, so trim them
+                for older in self.allocator_and_pools.get(tag, []):
+                    self._trim(older)
+            pool = StandInCuMemPool(self)
+            self.allocator_and_pools.setdefault(tag, []).append(pool)
+            with use_mem_pool(pool):
+                yield
+                self._trim(pool)
+        finally:
+            self.current_tag = old_tag
+
+    def _trim(self, pool: StandInCuMemPool) -> None:
+        for segment in pool.snapshot():
+            data = self.pointer_to_data.get(segment["address"])
+            if segment["allocated_size"] == 0 and data is not None and not data.is_asleep:
+                pool.release_segment(segment["address"])
+
+    @contextlib.contextmanager
+    def cudagraph_pool(self) -> Iterator[PoolId]:
+        """vLLM's ``cudagraph_pool()``: the id of the allocator's graph MemPool (one, made on first use),
+        with the current tag ``cudagraph`` while inside; a capture given ``pool=`` that id allocates there."""
+        if "cudagraph" not in self.allocator_and_pools:
+            self.allocator_and_pools["cudagraph"] = [StandInCuMemPool(self)]
+        old_tag = self.current_tag
+        self.current_tag = "cudagraph"
+        try:
+            yield self.allocator_and_pools["cudagraph"][0].id
+        finally:
+            self.current_tag = old_tag
 
     @classmethod
     def get_instance(cls) -> StandInCuMemAllocator:
@@ -266,6 +322,35 @@ class StandInCuMemAllocator:
 
     def by_tag(self, tag: str) -> list[int]:
         return [a for a, d in self.pointer_to_data.items() if d.tag == tag]
+
+
+class StandInCuMemPool(CachingMemPool):
+    """``torch.cuda.MemPool`` over vLLM's pluggable allocator: each segment is one allocation of
+    :class:`StandInCuMemAllocator`, recorded under the allocator's current tag when it is made.
+
+    vLLM's ``_trim`` releases a free segment behind torch's back (torch still lists it); here the
+    segment also leaves the pool's list, which only the snapshot after a trim shows.
+    """
+
+    def __init__(self, allocator: StandInCuMemAllocator) -> None:
+        super().__init__(allocator.device, allocator.lock)
+        self._allocator = allocator
+
+    def malloc_segment(self, size: int) -> int:
+        return self._allocator.allocate(size, self._allocator.current_tag)
+
+    def free_segment(self, address: int) -> None:
+        self._allocator.free(address)
+
+    def require_usable(self, segment_address: int) -> None:
+        if not self._allocator.reservations.is_mapped(segment_address):
+            raise StandInFault(
+                f"a new tensor got a block of the allocation {segment_address:#x}, which is asleep"
+                " (writing it faults on a GPU)"
+            )
+
+    def check_access(self, address: int, nbytes: int) -> None:
+        self._allocator.reservations.check_access(address, nbytes)
 
 
 class HostDeviceMemory:
