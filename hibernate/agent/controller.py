@@ -43,7 +43,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -490,8 +490,11 @@ class Agent:
                     pool.after_release()
             except BaseException:
                 # Memory the release just gave back: no room check of the agent's (a pool's own, which
-                # keeps its provider from ending the process, still runs).
-                self._refill(sleeping, session, {}, list(range(len(sleeping.all_regions))), check_room=False)
+                # keeps its provider from ending the process, still runs). A dropped region is
+                # zero-filled only where its memory went: one the failure came before keeps its bytes.
+                regions = sleeping.all_regions
+                lost = {i for i, region in enumerate(regions) if not region.keep and region.released}
+                self._refill(sleeping, session, {}, range(len(regions)), check_room=False, zero=lost)
                 raise
             resident = sum(r.resident_after_release for r in sleeping.all_regions)
             return {
@@ -546,6 +549,7 @@ class Agent:
         args: dict[str, Any],
         indices: Sequence[int],
         check_room: bool = True,
+        zero: Collection[int] | None = None,
     ) -> dict[str, Any]:
         """Memory and bytes back for the regions at ``indices``, verified.
 
@@ -591,9 +595,9 @@ class Agent:
                         "io_mode": None,
                         "staging_bytes": 0,
                     }
-                for region in chosen:
-                    if not region.keep:
-                        region.zero()
+                for index in indices:
+                    if not regions[index].keep and (zero is None or index in zero):
+                        regions[index].zero()
                 for pool, _ in sleeping.regions:
                     pool.synchronize()  # the fills are on the device before the program runs again
             except BaseException:

@@ -24,6 +24,7 @@ class Guard:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._holders = 0
+        self._waiting = 0  # threads blocked in enter() until the guard opens
         self._closing = False
         self._closed = False
         self._local = threading.local()
@@ -32,6 +33,12 @@ class Guard:
     def holders(self) -> int:
         with self._cond:
             return self._holders
+
+    @property
+    def waiting(self) -> int:
+        """Threads waiting to enter (for the wake): a test orders itself on this, not on time."""
+        with self._cond:
+            return self._waiting
 
     @property
     def closed(self) -> bool:
@@ -59,7 +66,11 @@ class Guard:
                     raise HibernateTimeoutError(
                         f"the process stayed asleep for more than {timeout:g}s; guard not entered"
                     )
-                self._cond.wait(remaining)
+                self._waiting += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._waiting -= 1
             self._holders += 1
         self._local.depth = 1
 

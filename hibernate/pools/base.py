@@ -32,6 +32,11 @@ class SpillableRegion(Region, Protocol):
     def zero(self) -> None: ...
 
     @property
+    def released(self) -> bool:
+        """Whether its memory is away now (released, not yet reallocated)."""
+        ...
+
+    @property
     def resident_after_release(self) -> int:
         """Bytes a release leaves in memory (the partial edge pages of host memory freed in place)."""
         ...

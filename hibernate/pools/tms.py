@@ -139,6 +139,10 @@ class TmsRegion(RegionAttributes):
     def reallocate(self) -> None:
         self._pool.resume(self._tag)
 
+    @property
+    def released(self) -> bool:
+        return self._pool.asleep(self._tag)
+
     def zero(self) -> None:
         self._pool.copies().zero(self._span.device, self._span.address, self._nbytes)
 

@@ -189,6 +189,10 @@ class CuMemRegion(RegionAttributes):
             self._pool.unmap_out(self._address, self._data)
         self._data.cpu_backup_tensor = None
 
+    @property
+    def released(self) -> bool:
+        return self.live() and self._data.is_asleep
+
     def reallocate(self) -> None:
         """vLLM's ``create_and_map`` at the same address (contents undefined until filled)."""
         if self.live() and self._data.is_asleep:

@@ -498,7 +498,16 @@ class _TorchMemorySaverImpl:
             yield
 
     @contextlib.contextmanager
-    def _with_region_config(self, tag: str) -> Iterator[None]:
+    def _with_region_config(
+        self,
+        tag: str,
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: str | None = None,
+        enable_disk_backup: bool = False,
+    ) -> Iterator[None]:
+        """0.0.10's signature; the backups hibernate keeps off are not modelled."""
+        if enable_cpu_backup or enable_disk_backup or cpu_backup_backend is not None:
+            raise NotImplementedError(_NOT_MODELLED)
         cdll = self._binary_wrapper.cdll
         previous_tag = cdll.tms_get_current_tag().decode("utf-8")
         previous_region = cdll.tms_get_interesting_region()
