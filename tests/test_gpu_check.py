@@ -480,6 +480,65 @@ def test_a_stop_during_a_long_step_goes_on_after_the_grace(tmp_path: Path) -> No
                 os.kill(step_pid, signal.SIGKILL)
 
 
+def checkout_with_vendor(tmp_path: Path, *files: str) -> Path:
+    """A copy of scripts/gpu-run in a checkout whose vendor/ holds ``files`` (empty ones)."""
+    scripts = tmp_path / "checkout" / "scripts"
+    scripts.mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "gpu-run", scripts / "gpu-run")
+    (tmp_path / "checkout" / "vendor").mkdir()
+    for name in files:
+        (tmp_path / "checkout" / "vendor" / name).write_text("")
+    return scripts / "gpu-run"
+
+
+def wheel(path: Path, files: dict[str, str]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+
+
+TMS_WHEEL = "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
+
+
+def test_gpu_run_stops_at_once_without_the_torch_memory_saver_wheel(tmp_path: Path) -> None:
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "missing vendor/torch_memory_saver-0.0.10-*.whl (see the head of scripts/gpu-run)" in proc.stderr
+    assert not out.exists()
+
+
+def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path) -> None:
+    """Nothing can be installed on the GPU machine: each vendor/*.whl is unpacked and importable."""
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
+    vendor = gpu_run.parent.parent / "vendor"
+    wheel(vendor / TMS_WHEEL, {"torch_memory_saver/__init__.py": "where = __file__\n"})
+    wheel(vendor / "carried-1.0-py3-none-any.whl", {"carried.py": "VALUE = 7\n"})
+    # gpu-check's stand-in: it reports what it can import, as the real one's pools section would.
+    (gpu_run.parent / "gpu-check").write_text(
+        "import sys, carried, torch_memory_saver\n"
+        "print(carried.VALUE, torch_memory_saver.where)\n"
+        "print(' '.join(sys.argv[1:]), file=sys.stderr)\n"
+    )
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    value, where = (out / "gpu-check.stdout").read_text().split()
+    assert value == "7" and where.endswith("torch_memory_saver/__init__.py")
+    assert not where.startswith(str(vendor))  # unpacked elsewhere: the checkout is left as it was
+    assert sorted(p.name for p in vendor.iterdir()) == sorted(
+        [TMS_WHEEL, "carried-1.0-py3-none-any.whl", "cuda-checkpoint", "cumem_allocator.abi3.so"]
+    )
+    log = (out / "gpu-run.log").read_text()
+    assert "--cuda-checkpoint" in log and "--vllm-cumem" in log and "torch_memory_saver" in log
+
+
 def test_gpu_run_stops_at_once_when_a_vendor_file_is_missing(tmp_path: Path) -> None:
     """Without cuda-checkpoint or vLLM's cumem extension the run would miss sections: it refuses first."""
     scripts = tmp_path / "checkout" / "scripts"
