@@ -13,7 +13,8 @@ allocates anything (tests only):
   copies through the host reservations, its free memory, its device), so
   ``hibernate.pool()`` and ``hibernate.cuda_graph()`` run their real code;
 * ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` capture a block as a CUDA
-  graph does, by raw address (the recorder of ``tests.standins.cuda_graphs``):
+  graph does, by raw address (the recorder of ``tests.standins.cuda_graphs``),
+  its allocations in the MemPool named by ``pool=`` if any:
   a replay reads and writes the memory the block captured, not the Python
   tensors, checks that this memory is still in place (a read of a storage
   freed or reallocated since, or of a paused allocation, raises where a GPU
@@ -125,11 +126,13 @@ def stand_in_graph(
     cuda_graph: StandInCUDAGraph, pool: tuple[int, int] | None = None, stream: Any = None,
     capture_error_mode: str = "global",
 ) -> Iterator[None]:  # fmt: skip
-    """``torch.cuda.graph``: the block's ops recorded (its allocations stay where the caller routes them)."""
-    from tests.standins import cuda_graphs
+    """``torch.cuda.graph``: the block's ops recorded; with ``pool=`` a MemPool's id (a torch_memory_saver
+    tag's), the memory the block allocates comes from that pool, as a capture into it allocates."""
+    from tests.standins import cuda_graphs, tms
 
+    mempools = [p for p in tms.current().pools() if pool is not None and p.id == tuple(pool)]
     recorder = cuda_graphs._Recorder()
-    with recorder:
+    with tms.current().use_mem_pool(mempools[0]) if mempools else contextlib.nullcontext(), recorder:
         yield
     cuda_graph.record(recorder, tuple(pool) if pool is not None else cuda_graphs.graph_pool_handle())
 
