@@ -387,6 +387,33 @@ def test_torch_memory_saver_not_installed_is_an_input_not_given_and_a_broken_one
     assert provider_unusable(run, {"PYTHONPATH": str(broken.parent)}) is None
 
 
+def test_the_backups_answer_is_found_among_what_the_library_prints(tmp_path: Path) -> None:
+    """torch_memory_saver's C++ core prints its own lines on stdout: the child's JSON is found after them."""
+    gpu_check = load_script()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, sys\n"
+        "print('[torch_memory_saver.cpp] something the library says', flush=True)\n"
+        "print(json.dumps({'cpu_backup': {'pause_gb_per_s': 3.0}, 'argv': sys.argv[1:]}), flush=True)\n"
+    )
+    gpu_check.POOLS_CHILD = child
+    args = type("Args", (), {"dry_run": False, "to": tmp_path})()
+    run = type(
+        "Run",
+        (),
+        {
+            "args": args,
+            "scratch": tmp_path,
+            "env": dict(os.environ),
+            "fresh_dir": lambda self, name: tmp_path / name,
+        },
+    )()
+    found = gpu_check.provider_backups(run, 1 << 20, {})
+    assert found["cpu_backup"] == {"pause_gb_per_s": 3.0} and found["exit"] == 0
+    assert found["argv"] == ["--bytes", str(1 << 20), "--disk-dir", str(tmp_path / "tms-disk-backup")]
+    assert found["stdout"] == "[torch_memory_saver.cpp] something the library says"
+
+
 @pytest.mark.slow
 def test_the_pools_section_fails_when_a_sleep_under_a_graph_is_not_refused(
     tmp_path: Path, runtime_dir: Path
