@@ -42,7 +42,7 @@ def load_script() -> ModuleType:
     return module
 
 
-def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
+def dry_run(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     out, shm = tmp_path / "gpu-check.json", tmp_path / "shm"  # /dev/shm may be small where CI runs
     shm.mkdir()
     proc = subprocess.run(
@@ -51,6 +51,7 @@ def dry_run(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
         text=True,
         timeout=480,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
     document = json.loads(out.read_text())
     assert json.loads(proc.stdout) == document
@@ -174,8 +175,8 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
     assert document["not_run"] == [{"section": "cumem", "why": "no --vllm-cumem given", "asked": False}]
     cycles = demo_cycles(document)
     assert set(cycles) == {
-        "pools-only", "driver", "binary", "tmpfs", "expandable[0]", "expandable[1]", "group[0]",
-        "group[1]", "background[0]",
+        "pools-only", "driver", "binary", "tmpfs", "pools[0]", "pools[1]", "expandable[0]",
+        "expandable[1]", "group[0]", "group[1]", "background[0]",
     }  # fmt: skip
     for where, checks in cycles.items():
         wanted = {f"{prefix}{name}" for name in POOL_CHECKS for prefix in ("", "0.", "1.", "2.")}
@@ -195,6 +196,25 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
         "pools_wrote": True, "pools_read_back": True, "pools_zeroed": True,
     }  # fmt: skip
     assert sections["refusal"]["refused_wake"]["exit"] == 12
+    pools = sections["pools"]  # hibernate.pool() over the stand-in torch_memory_saver, a stand-in graph
+    assert pools["demo"]["pooled"] and pools["demo"]["graphs"] and pools["reference"]["graph_digest"]
+    for entry in pools["cycles"]:
+        assert entry["checks"]["same_pointers"] and entry["checks"]["graph_bit_exact"], entry["checks"]
+    assert [c["checkpointer"] for c in pools["cycles"]] == ["none", "driver"]
+    assert pools["checks"] == {
+        "refused": True, "refusal_stays_running": True, "refusal_changed_nothing": True,
+        "allow_moves_slept": True, "allow_moves_woke": True,
+    }  # fmt: skip
+    refusal = pools["graphs_refusal"]
+    assert refusal["refused_sleep"]["exit"] == 15
+    assert "captured CUDA graphs" in refusal["refused_sleep"]["report"]["error"]["message"]
+    assert "after_moves" in refusal  # what the graph replays after a wake that moved its memory: recorded
+    speeds = pools["speeds"]
+    assert speeds["spill_of_disk_write"] and speeds["restore_of_disk_read"], speeds
+    assert abs(speeds["bytes"] - pools["disk_same_bytes"]["bytes"]) < 8 << 20  # the disk's 8 MiB requests
+    assert pools["provider_backups"] == {
+        "skipped": "dry run: the stand-in torch_memory_saver has no CPU or disk backup"
+    }
     assert sections["group"]["cycles"][0]["checks"]["cuda_checkpointed"]  # the three together
     assert [c["checkpointer"] for c in sections["group"]["cycles"]] == ["driver", "binary"]
     probe = sections["binary-probe"]
@@ -230,13 +250,17 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
     assert [r.get("state_after") for r in cut] == ["failed"], retired
     ended = [r for r in retired if r not in cut]
     assert ended and all(r.get("state_after") == "checkpointed" for r in ended), retired
-    assert {r["why"] for r in retired} >= {"end of the run", "group", "vllm worker", "killed checkpointer"}
+    assert {r["why"] for r in retired} >= {
+        "end of the run", "group", "vllm worker", "killed checkpointer", "pools", "graphs",
+    }  # fmt: skip
     assert document["total_seconds"] < 8 * 60
 
 
 @pytest.mark.slow
 def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runtime_dir: Path) -> None:
-    returncode, document = dry_run(tmp_path, "--demo-untracked", "--skip", "vllm,binary-probe,driver-probe")
+    # The pools section's demos allocate in hibernate.pool(), which --demo-untracked does not change.
+    skip = "vllm,binary-probe,driver-probe,pools"
+    returncode, document = dry_run(tmp_path, "--demo-untracked", "--skip", skip)
     assert returncode == 1 and not document["ok"]
     cycles = demo_cycles(document)
     assert len(cycles) == 9
@@ -253,7 +277,7 @@ def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runti
 
 @pytest.mark.slow
 def test_a_section_asked_for_and_not_run_fails_the_run(tmp_path: Path, runtime_dir: Path) -> None:
-    skip = "refusal,tmpfs,driver-probe,expandable,group,background,vllm,destructive,driver"
+    skip = "refusal,pools,tmpfs,driver-probe,expandable,group,background,vllm,destructive,driver"
     missing = tmp_path / "no-such-cuda-checkpoint"
     returncode, document = dry_run(tmp_path, "--skip", skip, "--cuda-checkpoint", str(missing))
     assert document["checks_failed"] == [] and list(document["sections"]) == ["pools-only"]
@@ -294,6 +318,119 @@ def test_a_terminated_run_checkpoints_what_it_started_before_ending_it(
     assert retired[demo]["state_after"] == "checkpointed", retired[demo]  # whatever step the stop came in
     assert retired[demo]["exit"] == -signal.SIGKILL
     assert not Path(f"/proc/{demo}").exists()
+
+
+def test_a_pooled_wake_must_leave_every_pointer_and_the_graphs_replay_as_they_were() -> None:
+    same_place = load_script().same_place
+    before = {"digest": "d", "graph_digest": "g", "pointers": {"embed.weight": 4096, "kv_cache": 8192}}
+    assert same_place(before, dict(before)) == {"same_pointers": True, "graph_bit_exact": True}
+    moved = {
+        **before,
+        "pointers": {"embed.weight": 4096, "kv_cache": 12288},
+    }  # one tensor came back elsewhere
+    assert same_place(before, moved) == {"same_pointers": False, "graph_bit_exact": True}
+    assert not same_place(before, {**before, "graph_digest": "h"})["graph_bit_exact"]
+    assert not any(same_place(before, {"error": "no answer"}).values())
+    # Answers without pointers or a graph (a demo without --pool --graphs) prove nothing: they fail.
+    assert not any(same_place({"digest": "d", "graph_digest": None, "pointers": {}}, before).values())
+
+
+def test_a_wake_that_moved_memory_under_a_graph_is_recorded_as_it_answered() -> None:
+    moved_by = load_script().moved_by
+    before = {"digest": "d", "graph_digest": "g", "pointers": {"a": 1, "b": 2, "c": 3}}
+    after = {"digest": "d", "graph_digest": "x", "pointers": {"a": 1, "b": 20, "c": 30}}
+    assert moved_by(before, after) == {
+        "answered": True, "digest_same": True, "graph_digest_same": False, "pointers": 3, "pointers_moved": 2,
+    }  # fmt: skip
+    assert moved_by(before, {"error": "no answer to 'infer'"}) == {
+        "answered": False,
+        "error": "no answer to 'infer'",
+    }
+
+
+def test_pool_speeds_set_the_spill_and_restore_beside_the_disk_and_the_providers_backups() -> None:
+    pool_speeds = load_script().pool_speeds
+    spill, restore = {"gb_per_s": 2.0, "total_bytes": 1 << 30}, {"gb_per_s": 1.5}
+    disk = {"write_gb_per_s": 2.5, "read_gb_per_s": 3.0}
+    backups = {
+        "cpu_backup": {"pause_gb_per_s": 4.0, "resume_gb_per_s": 6.0},
+        "disk_backup": {"pause_gb_per_s": 8.0, "pause_and_sync_gb_per_s": 1.0, "resume_gb_per_s": 0.5},
+    }
+    speeds = pool_speeds(spill, restore, disk, backups)
+    assert speeds["bytes"] == 1 << 30
+    assert (speeds["spill_of_disk_write"], speeds["restore_of_disk_read"]) == (0.8, 0.5)
+    assert (speeds["spill_of_tms_cpu_pause"], speeds["restore_of_tms_cpu_resume"]) == (0.5, 0.25)
+    # The disk backup counts once its bytes are durable, as a sleep's snapshot is when it returns.
+    assert speeds["spill_of_tms_disk_pause"] == 2.0 and speeds["tms_disk_pause_of_disk_write"] == 0.4
+    assert speeds["restore_of_tms_disk_resume"] == 3.0 and speeds["tms_disk_resume_of_disk_read"] == 0.167
+    # Backups not measured (a dry run, a failed child): their ratios are None, not 0 or an error.
+    unmeasured = pool_speeds(spill, restore, disk, {"skipped": "dry run"})
+    assert unmeasured["spill_of_tms_cpu_pause"] is None and unmeasured["spill_of_disk_write"] == 0.8
+
+
+def test_torch_memory_saver_not_installed_is_an_input_not_given_and_a_broken_one_a_failure(
+    tmp_path: Path,
+) -> None:
+    provider_unusable = load_script().provider_unusable
+    run = type("Run", (), {"env": {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}})()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    why, installed = provider_unusable(run, {"PYTHONPATH": str(empty)})
+    assert not installed and why == "torch_memory_saver is not installed (pip install 'hibernate[pools]')"
+    broken = tmp_path / "broken" / "torch_memory_saver"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import numpy_that_is_not_there\n")
+    why, installed = provider_unusable(run, {"PYTHONPATH": str(broken.parent)})
+    assert installed and why.startswith("torch_memory_saver is installed but cannot be imported: ")
+    assert "numpy_that_is_not_there" in why
+    (broken / "__init__.py").write_text("torch_memory_saver = object()\n")
+    assert provider_unusable(run, {"PYTHONPATH": str(broken.parent)}) is None
+
+
+def test_the_backups_answer_is_found_among_what_the_library_prints(tmp_path: Path) -> None:
+    """torch_memory_saver's C++ core prints its own lines on stdout: the child's JSON is found after them."""
+    gpu_check = load_script()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, sys\n"
+        "print('[torch_memory_saver.cpp] something the library says', flush=True)\n"
+        "print(json.dumps({'cpu_backup': {'pause_gb_per_s': 3.0}, 'argv': sys.argv[1:]}), flush=True)\n"
+    )
+    gpu_check.POOLS_CHILD = child
+    args = type("Args", (), {"dry_run": False, "to": tmp_path})()
+    run = type(
+        "Run",
+        (),
+        {
+            "args": args,
+            "scratch": tmp_path,
+            "env": dict(os.environ),
+            "fresh_dir": lambda self, name: tmp_path / name,
+        },
+    )()
+    found = gpu_check.provider_backups(run, 1 << 20, {})
+    assert found["cpu_backup"] == {"pause_gb_per_s": 3.0} and found["exit"] == 0
+    assert found["argv"] == ["--bytes", str(1 << 20), "--disk-dir", str(tmp_path / "tms-disk-backup")]
+    assert found["stdout"] == "[torch_memory_saver.cpp] something the library says"
+
+
+@pytest.mark.slow
+def test_the_pools_section_fails_when_a_sleep_under_a_graph_is_not_refused(
+    tmp_path: Path, runtime_dir: Path
+) -> None:
+    """With HIBERNATE_ALLOW_MOVES=1 every sleep moves memory under graphs: the refusal does not happen."""
+    others = ",".join(s for s in load_script().SECTIONS if s != "pools")
+    returncode, document = dry_run(tmp_path, "--skip", others, env={"HIBERNATE_ALLOW_MOVES": "1"})
+    assert returncode == 1 and not document["ok"]
+    failed = document["checks_failed"]
+    assert {"pools.refused", "pools.refusal_stays_running"} <= set(failed), failed
+    # Besides: what the graph's replay did after that unrefused sleep, whatever moved (recorded).
+    assert set(failed) <= {"pools.refused", "pools.refusal_stays_running", "pools.refusal_changed_nothing"}
+    refusal = document["sections"]["pools"]["graphs_refusal"]
+    assert refusal["refused_sleep"]["exit"] == 0 and refusal["unrefused_wake"]["exit"] == 0
+    # The pooled demo is not concerned: its pools keep every address, with or without the flag.
+    for entry in document["sections"]["pools"]["cycles"]:
+        assert all(entry["checks"].values()), entry["checks"]
 
 
 def test_a_side_write_counts_only_if_it_landed_once_the_sleep_had_begun() -> None:
@@ -368,6 +505,65 @@ def test_a_stop_during_a_long_step_goes_on_after_the_grace(tmp_path: Path) -> No
         if step_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(step_pid, signal.SIGKILL)
+
+
+def checkout_with_vendor(tmp_path: Path, *files: str) -> Path:
+    """A copy of scripts/gpu-run in a checkout whose vendor/ holds ``files`` (empty ones)."""
+    scripts = tmp_path / "checkout" / "scripts"
+    scripts.mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "gpu-run", scripts / "gpu-run")
+    (tmp_path / "checkout" / "vendor").mkdir()
+    for name in files:
+        (tmp_path / "checkout" / "vendor" / name).write_text("")
+    return scripts / "gpu-run"
+
+
+def wheel(path: Path, files: dict[str, str]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+
+
+TMS_WHEEL = "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
+
+
+def test_gpu_run_stops_at_once_without_the_torch_memory_saver_wheel(tmp_path: Path) -> None:
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "missing vendor/torch_memory_saver-0.0.10-*.whl (see the head of scripts/gpu-run)" in proc.stderr
+    assert not out.exists()
+
+
+def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path) -> None:
+    """Nothing can be installed on the GPU machine: each vendor/*.whl is unpacked and importable."""
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
+    vendor = gpu_run.parent.parent / "vendor"
+    wheel(vendor / TMS_WHEEL, {"torch_memory_saver/__init__.py": "where = __file__\n"})
+    wheel(vendor / "carried-1.0-py3-none-any.whl", {"carried.py": "VALUE = 7\n"})
+    # gpu-check's stand-in: it reports what it can import, as the real one's pools section would.
+    (gpu_run.parent / "gpu-check").write_text(
+        "import sys, carried, torch_memory_saver\n"
+        "print(carried.VALUE, torch_memory_saver.where)\n"
+        "print(' '.join(sys.argv[1:]), file=sys.stderr)\n"
+    )
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    value, where = (out / "gpu-check.stdout").read_text().split()
+    assert value == "7" and where.endswith("torch_memory_saver/__init__.py")
+    assert not where.startswith(str(vendor))  # unpacked elsewhere: the checkout is left as it was
+    assert sorted(p.name for p in vendor.iterdir()) == sorted(
+        [TMS_WHEEL, "carried-1.0-py3-none-any.whl", "cuda-checkpoint", "cumem_allocator.abi3.so"]
+    )
+    log = (out / "gpu-run.log").read_text()
+    assert "--cuda-checkpoint" in log and "--vllm-cumem" in log and "torch_memory_saver" in log
 
 
 def test_gpu_run_stops_at_once_when_a_vendor_file_is_missing(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Measure hibernate's spill and restore against raw O_DIRECT and the usual libraries, in one run.
 
   scripts/bench-store [--size-mb 2048] [--tensors 64] [--dir DIR] [--reps 5] [--json-out FILE]
+  scripts/bench-store --pools [--size-mb 2048] ...   # hibernate.pool()'s pool beside the tensor pool
 
 With more than 1,000 tensors it measures per-tensor cost: the time a spill or a restore
 takes beyond the raw transfer of the same bytes, per tensor, judged against 10 us.
@@ -60,6 +61,7 @@ import torch
 import xxhash
 
 from hibernate.operation.options import StagingShare, share_staging
+from hibernate.pools.base import Pool
 from hibernate.pools.tensors import TensorPool
 from hibernate.store import bulk
 from hibernate.store.arena import arena_bytes_for
@@ -373,6 +375,7 @@ class Transfer:
     io_mode: str
     written_bytes: int = 0
     reuse_read_bytes: int = 0
+    map_seconds: float = 0.0  # of a restore's seconds, those that brought the regions back before the read
 
 
 def hash_seconds(tensors: dict[str, torch.Tensor], chunk_bytes: int, threads: int) -> float:
@@ -400,14 +403,20 @@ def hash_seconds(tensors: dict[str, torch.Tensor], chunk_bytes: int, threads: in
     return time.perf_counter() - started
 
 
-class Hibernate:
-    """hibernate's store, driven the way the agent drives it (TensorPool regions)."""
+def tensor_pool(tensors: dict[str, torch.Tensor]) -> TensorPool:
+    """The tensors tracked as ``hibernate.track(model)`` tracks them: kept, tagged weights."""
+    pool = TensorPool()
+    pool.track(tensors, tag="weights", keep=True, name="model")
+    return pool
 
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], options: WriteOptions) -> None:
+
+class Hibernate:
+    """hibernate's store, driven the way the agent drives it, over one pool's regions."""
+
+    def __init__(self, path: Path, pool: Pool, options: WriteOptions) -> None:
         self.path = path
         self.options = options
-        self.pool = TensorPool()
-        self.pool.track(tensors, tag="weights", keep=True, name="model")
+        self.pool = pool
         self.regions = list(self.pool.regions())
         self.total = sum(r.nbytes for r in self.regions)
         self.snapshot = ""
@@ -430,6 +439,7 @@ class Hibernate:
                 producer={"bench": "bench-store"},
                 options=options,
                 known=self.known,  # as an agent holds what its last wake read
+                pin=self.pool.pinner(),
             )
             seconds = time.perf_counter() - started
         self.snapshot = result.snapshot
@@ -454,12 +464,17 @@ class Hibernate:
             started = time.perf_counter()
             for region in self.regions:
                 region.reallocate()
+            mapped = time.perf_counter() - started
             with SpillRoot(self.path) as root, SnapshotReader(root, self.snapshot) as reader:
                 reader.check_matches(self.regions, written=self.written)
-                result = reader.read_into(self.regions, buffer_bytes=self.options.buffer_bytes)
+                result = reader.read_into(
+                    self.regions, buffer_bytes=self.options.buffer_bytes, pin=self.pool.pinner()
+                )
             seconds = time.perf_counter() - started
         # The restore legitimately grows RSS by the tensors it refills; the rest is its own.
-        return Transfer(seconds, sampler.rss_growth - self.total, sampler.cache_growth, result.io_mode)
+        return Transfer(
+            seconds, sampler.rss_growth - self.total, sampler.cache_growth, result.io_mode, map_seconds=mapped
+        )
 
 
 def torch_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -573,10 +588,17 @@ def main() -> int:
         default=1,
         help="N > 1: sleep and wake N target processes at once through the CLI, sharing --size-mb",
     )
+    parser.add_argument(
+        "--pools",
+        action="store_true",
+        help="hibernate.pool()'s torch_memory_saver pool (over host memory) beside the tensor pool",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the JSON document here")
     args = parser.parse_args()
     if args.size_mb < 64 or args.tensors < 2 or args.reps < 1 or args.procs < 1:
         parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1, --procs >= 1")
+    if args.pools and args.procs > 1:
+        parser.error("--pools measures one process: not with --procs")
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {args.dir} is not a directory")
     if args.json_out is not None and not args.json_out.parent.is_dir():
@@ -589,6 +611,8 @@ def main() -> int:
     try:
         if args.procs > 1:
             return run_processes(args, work, run_started)
+        if args.pools:
+            return run_pools(args, work, run_started)
         return run(args, work, run_started)
     finally:
         Sampler.shutdown()
@@ -628,7 +652,7 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
     reference = digest(tensors)
     options = WriteOptions(buffer_bytes=args.buffer_mb * MiB, chunk_bytes=args.chunk_mb * MiB)
     limits = RawLimits(work / "raw.bin", total - total % SIMPLE_REQUEST, options)
-    hib = Hibernate(work / "hibernate", tensors, options)
+    hib = Hibernate(work / "hibernate", tensor_pool(tensors), options)
 
     reps: list[dict[str, Any]] = []
     for rep in range(args.reps):
@@ -1023,6 +1047,245 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
     }
     print_processes_table(document)
     return emit(document, args.json_out)
+
+
+# -- an address-preserving pool (--pools) ------------------------------------------
+
+
+POOLS_METHOD = (
+    "the tensors are copied into torch_memory_saver allocations (its stand-in over host memory: each "
+    "allocation a fixed address range, paused by unmapping it and resumed at the same address, as on a "
+    "GPU) and hibernate's pool for them (TmsPool) spills and restores them through the store, its bytes "
+    "copied through the host device seam as a GPU's would be through CUDA copies; each repetition runs a "
+    "raw O_DIRECT write, the pool's spill and the tensor pool's spill of the same tensors, each "
+    "repetition starting with the next of the three (over three repetitions each runs first, second and "
+    "third once), then the same with a raw read and the two restores; each restore releases its memory "
+    "first (the pool's: the tag paused) and brings it back inside the timing (resumed, or reallocated), "
+    "as a wake does; the pool's restore is judged on the store's read that follows the resume, since the "
+    "stand-in's resume faults in and fills every page on the host where a GPU's map touches nothing, and "
+    "shown with it too; every spill goes to a fresh directory; ratios are the medians of the paired "
+    "ratios. torch_memory_saver's own CPU and disk backups need a GPU: scripts/gpu-check's pools section "
+    "measures them beside hibernate's pool"
+)
+
+
+def in_turn(
+    raw: Callable[[], float], pool: Callable[[], Transfer], plain: Callable[[], Transfer], rep: int
+) -> tuple[float, Transfer, Transfer]:
+    """The three measurements, starting with a different one each repetition (in three repetitions
+    each takes the first, second and third place once: a disk that writes faster after a pause, or
+    slower after a long write, favours none); returns (raw seconds, the pool's, the tensor pool's)."""
+    steps: list[tuple[str, Callable[[], Any]]] = [("raw", raw), ("pool", pool), ("plain", plain)]
+    results: dict[str, Any] = {}
+    for turn in range(len(steps)):
+        name, step = steps[(rep + turn) % len(steps)]
+        results[name] = step()
+    return results["raw"], results["pool"], results["plain"]
+
+
+def run_pools(args: argparse.Namespace, work: Path, run_started: float) -> int:
+    """--pools: a hibernate.pool() spills and restores at the store's speed, not the provider's.
+
+    The provider is torch_memory_saver's stand-in (tests/standins/tms.py):
+    hibernate's pool drives it as it drives the real package, and moves every
+    byte through the store; only the device copies are host copies here.
+    """
+    from hibernate.pools.tms import TmsProvider
+    from tests.standins import tms as standin_tms
+    from tests.standins.vllm_memory import HostDeviceMemory
+
+    tensors = make_tensors(args.size_mb * MiB, args.tensors)
+    reference = digest(tensors)
+    options = WriteOptions(buffer_bytes=args.buffer_mb * MiB, chunk_bytes=args.chunk_mb * MiB)
+    reps: list[dict[str, Any]] = []
+    with standin_tms.installed() as module:
+        world = module.standin
+        provider = TmsProvider(
+            saver=module,
+            segments=world.memory_snapshot,
+            copies=lambda: HostDeviceMemory(world.reservations),
+            free_bytes=world.free_bytes,
+            device=lambda: world.current_device,
+        )
+        provider.declare("weights", True)
+        with provider.region("weights"):
+            pooled = {name: tensor.clone() for name, tensor in tensors.items()}
+        pool = Hibernate(work / "pool", provider.pool(), options)
+        plain = Hibernate(work / "tensors", tensor_pool(tensors), options)
+        limits = RawLimits(work / "raw.bin", pool.total - pool.total % SIMPLE_REQUEST, options)
+        try:
+            for rep in range(args.reps):
+                pool.fresh()
+                plain.fresh()
+                raw_write, pool_spill, plain_spill = in_turn(
+                    lambda: sampled(limits.write.write), pool.spill, plain.spill, rep
+                )
+                raw_read, pool_restore, plain_restore = in_turn(
+                    lambda: sampled(limits.read.read), pool.restore, plain.restore, rep
+                )
+                if digest(pooled) != reference or digest(tensors) != reference:
+                    raise SystemExit("a restore returned different bytes")
+                raw_write_gbps = gbps(limits.total, raw_write)
+                raw_read_gbps = gbps(limits.total, raw_read)
+                figures = {
+                    "raw_write_gbps": raw_write_gbps,
+                    "raw_read_gbps": raw_read_gbps,
+                    "pool_spill_gbps": gbps(pool.total, pool_spill.seconds),
+                    # The store's part of the pool's restore: what follows the provider's resume. The
+                    # stand-in's resume faults in and poison-fills every page on the host, which a GPU's
+                    # map does not; the whole restore is shown beside it.
+                    "pool_restore_gbps": gbps(pool.total, pool_restore.seconds - pool_restore.map_seconds),
+                    "pool_wake_gbps": gbps(pool.total, pool_restore.seconds),
+                    "pool_resume_seconds": pool_restore.map_seconds,
+                    "tensor_spill_gbps": gbps(plain.total, plain_spill.seconds),
+                    "tensor_restore_gbps": gbps(plain.total, plain_restore.seconds),
+                }
+                figures.update(
+                    {
+                        "pool_spill_ratio": figures["pool_spill_gbps"] / raw_write_gbps,
+                        "pool_restore_ratio": figures["pool_restore_gbps"] / raw_read_gbps,
+                        "pool_wake_ratio": figures["pool_wake_gbps"] / raw_read_gbps,
+                        "tensor_spill_ratio": figures["tensor_spill_gbps"] / raw_write_gbps,
+                        "tensor_restore_ratio": figures["tensor_restore_gbps"] / raw_read_gbps,
+                        "pool_spill_of_tensor": figures["pool_spill_gbps"] / figures["tensor_spill_gbps"],
+                        "pool_restore_of_tensor": figures["pool_restore_gbps"]
+                        / figures["tensor_restore_gbps"],
+                        "pool_spill_extra_rss": pool_spill.rss_growth,
+                        "pool_restore_extra_rss": pool_restore.rss_growth,
+                    }
+                )
+                reps.append(figures)
+        finally:
+            pool.fresh()
+            plain.fresh()
+            limits.close()
+            del pooled
+        segments = len(pool.regions)
+        pool_bytes = pool.total
+    spreads = {key: spread([r[key] for r in reps]) for key in POOL_SPREAD_KEYS}
+    judged = [
+        ("pool spill >= 0.90x the tensor pool's spill", spreads["pool_spill_of_tensor"]["median"]),
+        ("pool restore (the store's read) >= 0.90x the tensor pool's restore",
+         spreads["pool_restore_of_tensor"]["median"]),
+    ]  # fmt: skip
+    shown = [
+        ("pool spill >= 0.90x raw O_DIRECT write", spreads["pool_spill_ratio"]["median"]),
+        (
+            "pool restore (the store's read) >= 0.90x raw O_DIRECT read",
+            spreads["pool_restore_ratio"]["median"],
+        ),
+        (
+            "pool restore with the stand-in's resume >= 0.90x raw O_DIRECT read",
+            spreads["pool_wake_ratio"]["median"],
+        ),
+    ]
+    targets = [
+        {"target": name, "value": value, "limit": TARGET_THROUGHPUT, "pass": value >= TARGET_THROUGHPUT,
+         "judged": index < len(judged)}
+        for index, (name, value) in enumerate(judged + shown)
+    ]  # fmt: skip
+    document = {
+        "machine": {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "directory": str(work.parent),
+            "filesystem": filesystem_of(work),
+            "torch": torch.__version__,
+        },
+        "data": {
+            "bytes": sum(t.nbytes for t in tensors.values()),
+            "tensors": len(tensors),
+            "dtype": "bfloat16",
+            "pool_bytes": pool_bytes,
+            "pool_allocations": segments,
+        },
+        "hibernate_options": {
+            "buffer_bytes": options.buffer_bytes,
+            "chunk_bytes": options.effective_chunk_bytes,
+            "write_request_bytes": limits.write.request,
+            "read_request_bytes": limits.read.request,
+        },
+        "method": POOLS_METHOD,
+        "spread": spreads,
+        "repetitions": reps,
+        "targets": targets,
+        "all_pass": all(t["pass"] for t in targets if t["judged"]),
+        "seconds": time.perf_counter() - run_started,
+    }
+    print_pools_table(document)
+    return emit(document, args.json_out)
+
+
+POOL_SPREAD_KEYS = [
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "pool_spill_gbps",
+    "pool_restore_gbps",
+    "pool_wake_gbps",
+    "pool_resume_seconds",
+    "tensor_spill_gbps",
+    "tensor_restore_gbps",
+    "pool_spill_ratio",
+    "pool_restore_ratio",
+    "pool_wake_ratio",
+    "tensor_spill_ratio",
+    "tensor_restore_ratio",
+    "pool_spill_of_tensor",
+    "pool_restore_of_tensor",
+]
+
+
+def print_pools_table(doc: dict[str, Any]) -> None:
+    data, spreads, options = doc["data"], doc["spread"], doc["hibernate_options"]
+    print(
+        f"bench-store --pools: {data['bytes'] / MiB:.0f} MiB of {data['dtype']} in {data['tensors']} tensors "
+        f"({data['pool_bytes'] / MiB:.0f} MiB in {data['pool_allocations']} torch_memory_saver allocations), "
+        f"{doc['machine']['filesystem']} at {doc['machine']['directory']}, {doc['machine']['cpus']} CPUs, "
+        f"{len(doc['repetitions'])} repetitions"
+    )
+    print(f"method: {doc['method']}.")
+    print()
+
+    def cell(key: str | None) -> str:
+        if key is None:
+            return ""
+        s = spreads[key]
+        return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+    write_mib, read_mib = options["write_request_bytes"] // MiB, options["read_request_bytes"] // MiB
+    rows = [
+        (f"raw O_DIRECT write, {write_mib} MiB requests (the limit)", "raw_write_gbps", None, None),
+        ("hibernate spill, tensor pool", "tensor_spill_gbps", "tensor_spill_ratio", None),
+        (
+            "hibernate spill, torch_memory_saver pool",
+            "pool_spill_gbps",
+            "pool_spill_ratio",
+            "pool_spill_of_tensor",
+        ),
+        (f"raw O_DIRECT read, {read_mib} MiB requests (the limit)", "raw_read_gbps", None, None),
+        ("hibernate restore, tensor pool", "tensor_restore_gbps", "tensor_restore_ratio", None),
+        (
+            "hibernate restore, torch_memory_saver pool: the store's read",
+            "pool_restore_gbps",
+            "pool_restore_ratio",
+            "pool_restore_of_tensor",
+        ),
+        ("  ... with the stand-in's resume before it", "pool_wake_gbps", "pool_wake_ratio", None),
+    ]
+    width = max(len(row[0]) for row in rows)
+    print(f"{'path':<{width}}  {'GB/s median (range)':>19}  {'x raw':>17}  {'x tensor pool':>17}")
+    for name, speed, raw, plain in rows:
+        print(f"{name:<{width}}  {cell(speed):>19}  {cell(raw):>17}  {cell(plain):>17}")
+    resume = spreads["pool_resume_seconds"]
+    print(
+        f"the stand-in's resume (maps every allocation back and fills its pages on the host): "
+        f"{resume['median']:.2f} s ({resume['min']:.2f}-{resume['max']:.2f})"
+    )
+    print()
+    for target in doc["targets"]:
+        verdict = ("PASS" if target["pass"] else "FAIL") if target["judged"] else "info"
+        print(f"{verdict}  {target['target']}: {target['value']:.2f} (limit {target['limit']:.2f})")
+    print(f"\nwhole run {doc['seconds']:.1f} s")
 
 
 PROCS_METHOD = (
