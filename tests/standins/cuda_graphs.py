@@ -811,7 +811,7 @@ class graph:
         if torch.compiler.config.force_cudagraph_gc:
             gc.collect()
         self.cuda_graph.capture_begin(
-            *self.pool,
+            self.pool[0] if self.pool else None,
             capture_error_mode=self.capture_error_mode,
             check_input_liveness=self.check_input_liveness,
         )

@@ -12,14 +12,12 @@ allocates anything (tests only):
   ``TmsProvider`` over it with the stand-in's seams (its allocator snapshot,
   copies through the host reservations, its free memory, its device), so
   ``hibernate.pool()`` and ``hibernate.cuda_graph()`` run their real code;
-* ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` capture a block as a CUDA
-  graph does, by raw address (the recorder of ``tests.standins.cuda_graphs``),
-  its allocations in the MemPool named by ``pool=`` if any:
-  a replay reads and writes the memory the block captured, not the Python
-  tensors, checks that this memory is still in place (a read of a storage
-  freed or reallocated since, or of a paused allocation, raises where a GPU
-  would read other memory or fault) and writes its results into the tensors
-  the block made, where a real graph's outputs stay;
+* ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` are the stand-ins of
+  ``tests.standins.cuda_graphs``: a capture records its block by raw address,
+  its allocations in the MemPool named by ``pool=`` if any, and a replay
+  reads and writes the memory captured, not the Python tensors (a read of
+  memory freed, moved or paused since raises where a GPU would read other
+  memory or fault);
 * the tracked tensors' pool (``hibernate.track``) sees a CUDA process: its
   storages are device storages of cuda:0, copied through the stand-in CUDA
   runtime (``HIBERNATE_STANDIN_CUDART``, built from
@@ -32,125 +30,23 @@ allocates anything (tests only):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
 import traceback
-import weakref
-from collections.abc import Iterator
-from typing import Any
 
 CUDART_ENV = "HIBERNATE_STANDIN_CUDART"  # the stand-in CUDA runtime's shared library
-
-
-class StandInCUDAGraph:
-    """``torch.cuda.CUDAGraph`` for a CPU torch: ``capture_begin``/``capture_end`` by ``torch.cuda.graph``."""
-
-    def __init__(self, keep_graph: bool = False) -> None:
-        self._recorder: Any = None
-        self._pool: tuple[int, int] | None = None
-
-    def pool(self) -> tuple[int, int]:
-        if self._pool is None:
-            raise RuntimeError("the graph is not captured")
-        return self._pool
-
-    def record(self, recorder: Any, pool: tuple[int, int]) -> None:
-        self._recorder = recorder
-        self._pool = pool
-        _live.add(self)
-
-    def replay(self) -> None:
-        """The recorded ops on the raw addresses captured; the results written into the block's tensors."""
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        from tests.standins import cuda_graphs
-
-        recorder = self._recorder
-        if recorder is None:
-            raise RuntimeError("the graph is not captured")
-        for read, guard in zip(recorder.reads, recorder.guards, strict=True):
-            guard.check(read)
-        storages: dict[int, Any] = {}
-
-        def rebuild(leaf: Any) -> Any:
-            if isinstance(leaf, cuda_graphs._Read):
-                return cuda_graphs._tensor_at(recorder.reads[leaf.index])
-            if isinstance(leaf, cuda_graphs._Made):
-                return cuda_graphs._over(storages[leaf.key], leaf)
-            if isinstance(leaf, cuda_graphs._Empty):
-                return _torch().empty(leaf.shape, dtype=leaf.dtype)
-            return leaf
-
-        with _torch().no_grad():
-            for step in recorder.steps:
-                args, kwargs = tree_unflatten([rebuild(leaf) for leaf in step.leaves], step.spec)
-                produced = tree_flatten(step.func(*args, **kwargs))[0]
-                for index, key in step.made:
-                    storages[key] = produced[index].untyped_storage()
-            for key, made in enumerate(recorder._alive):  # the block's tensors, where its outputs are
-                made.untyped_storage().copy_(storages[key])
-
-    def reset(self) -> None:
-        _live.discard(self)
-        self._recorder = None
-
-    def segments(self) -> list[dict[str, Any]]:
-        """The graph's memory in a private pool of its own, as torch's allocator snapshot lists it."""
-        if self._recorder is None or self._pool is None or self._pool[1] != 0:
-            return []  # captured into a user pool (hibernate.cuda_graph): that pool lists it
-        return [
-            {
-                "device": 0,
-                "address": made.untyped_storage().data_ptr(),
-                "total_size": made.untyped_storage().nbytes(),
-                "segment_pool_id": self._pool,
-                "blocks": [],
-            }
-            for made in self._recorder._alive
-        ]
-
-
-_live: weakref.WeakSet[StandInCUDAGraph] = weakref.WeakSet()
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-@contextlib.contextmanager
-def stand_in_graph(
-    cuda_graph: StandInCUDAGraph, pool: tuple[int, int] | None = None, stream: Any = None,
-    capture_error_mode: str = "global",
-) -> Iterator[None]:  # fmt: skip
-    """``torch.cuda.graph``: the block's ops recorded; with ``pool=`` a MemPool's id (a torch_memory_saver
-    tag's), the memory the block allocates comes from that pool, as a capture into it allocates."""
-    from tests.standins import cuda_graphs, tms
-
-    mempools = [p for p in tms.current().pools() if pool is not None and p.id == tuple(pool)]
-    recorder = cuda_graphs._Recorder()
-    with tms.current().use_mem_pool(mempools[0]) if mempools else contextlib.nullcontext(), recorder:
-        yield
-    cuda_graph.record(recorder, tuple(pool) if pool is not None else cuda_graphs.graph_pool_handle())
-
-
-def allocator_segments() -> list[dict[str, Any]]:
-    """What torch's allocator snapshot shows of the stand-ins: every live graph's private pool."""
-    return [segment for graph in list(_live) for segment in graph.segments()]
+_held: list[object] = []  # what must live as long as the process
 
 
 def install() -> None:
-    torch = _torch()
 
     from hibernate.agent.local import local_agent
     from hibernate.pools import provided
     from hibernate.pools.device import CudaCopies, CudaRuntime
     from hibernate.pools.tensors import TensorPool
     from hibernate.pools.tms import TmsProvider
-    from tests.standins import tms
+    from tests.standins import cuda_graphs, tms
     from tests.standins.vllm_memory import HostDeviceMemory
 
     module = tms.install()  # the real package's fatal paths: exit(1), as on a GPU
@@ -164,14 +60,15 @@ def install() -> None:
             device=lambda: world.current_device,
         )
     )
-    torch.cuda.CUDAGraph = StandInCUDAGraph
-    torch.cuda.graph = stand_in_graph
+    # For the life of the process: held here, as a generator's context collected would undo it.
+    _held.append(cuda_graphs.patched_torch_cuda())
+    _held[-1].__enter__()
     # hibernate.track() adds its tensors to this pool: the agent is made here, not yet served.
     runtime = CudaRuntime(ctypes.CDLL(os.environ[CUDART_ENV]))
     tracked = TensorPool(
         copies=lambda: CudaCopies(runtime),
         device_of=lambda storage: 0 if storage.device.type == "cpu" else None,
-        segments=allocator_segments,
+        segments=cuda_graphs.memory_snapshot,
     )
     local_agent(serve=False).add_pool(tracked)
 
