@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,6 +372,7 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
         env: dict[str, str] | None = None,
         dtype: str = "float32",
         fork: bool = True,
+        args: Sequence[str] = (),
     ) -> Demo:
         index = len(started)
         control = scratch / f"demo{index}.sock"
@@ -379,7 +380,7 @@ def start_demo(runtime_dir: Path) -> Iterator[Any]:
         log = scratch / f"demo{index}.log"
         demo_args = [
             "serve", "--size-mb", str(size_mb), "--dtype", dtype,
-            "--control", str(control), "--ready-file", str(ready),
+            "--control", str(control), "--ready-file", str(ready), *args,
         ]  # fmt: skip
         proc: Any
         # A fork keeps the server's /proc/<pid>/environ (read by target discovery and --job), so
