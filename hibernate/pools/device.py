@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from hibernate.errors import HibernateError, UnsupportedError
+from hibernate.pools.base import RegionAttributes
 from hibernate.pools.hostpages import HostMapping, own_mappings
 from hibernate.store.pipeline import PinFn
 
@@ -170,6 +171,48 @@ def attempt_copy(
     finally:
         del view
     return None
+
+
+class DeviceRegion(RegionAttributes):
+    """A region of device memory at a fixed address (``meta``'s device and address), copied through a
+    seam: what a pool that maps memory back at the same addresses (vLLM's, a provider's) offers."""
+
+    def __init__(self, key: str, tag: str, keep: bool, nbytes: int, device: int, address: int) -> None:
+        super().__init__(key, tag, keep, nbytes, {"device": device, "address": address})
+        self._device = device
+        self._address = address
+
+    @property
+    def address(self) -> int:
+        return self._address
+
+    def _copies(self) -> DeviceCopies:
+        """The seam its bytes move through."""
+        raise NotImplementedError
+
+    def _writable(self) -> bool:
+        """Whether copy_in may write it now (vLLM's allocator may free a region while it sleeps)."""
+        return True
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        failure = attempt_copy(self._copies().copy_to_host, self._device, self._address + offset, dst)
+        if failure is not None:
+            del dst
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        if not self._writable():
+            return
+        failure = attempt_copy(self._copies().copy_from_host, self._device, self._address + offset, src)
+        if failure is not None:
+            del src
+            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return None  # device memory: the store stages it
+
+    def host_address(self) -> int | None:
+        return None
 
 
 def buffer_address(view: memoryview) -> int:

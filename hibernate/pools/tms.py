@@ -40,13 +40,12 @@ from typing import Any
 
 from hibernate import faults
 from hibernate.errors import HibernateError, UnsupportedError, UsageError, WrongStateError
-from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.base import SpillableRegion
 from hibernate.pools.device import (
     CudaCopies,
     DeviceCopies,
-    DeviceMemoryError,
+    DeviceRegion,
     PinFn,
-    attempt_copy,
     free_device_bytes,
 )
 from hibernate.pools.graphs import PoolId
@@ -102,35 +101,17 @@ def pools_of_tag(mem_pools: Mapping[Any, Any], tag: str) -> list[PoolId]:
     return ids
 
 
-class TmsRegion(RegionAttributes):
+class TmsRegion(DeviceRegion):
     """One raw allocation of torch_memory_saver: released and mapped back with its whole tag."""
 
     def __init__(self, pool: TmsPool, span: Span, keep: bool, listed: Sequence[Span]) -> None:
-        meta = {"device": span.device, "address": span.address}
-        super().__init__(f"{span.tag}/{span.address:#x}", span.tag, keep, span.nbytes, meta)
+        key = f"{span.tag}/{span.address:#x}"
+        super().__init__(key, span.tag, keep, span.nbytes, span.device, span.address)
         self._pool = pool
-        self._span = span
         self._listed = listed  # every allocation of its tag listed with it
 
-    def copy_out(self, offset: int, dst: memoryview) -> None:
-        copies = self._pool.copies()
-        failure = attempt_copy(copies.copy_to_host, self._span.device, self._span.address + offset, dst)
-        if failure is not None:
-            del dst
-            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
-
-    def copy_in(self, offset: int, src: memoryview) -> None:
-        copies = self._pool.copies()
-        failure = attempt_copy(copies.copy_from_host, self._span.device, self._span.address + offset, src)
-        if failure is not None:
-            del src
-            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
-
-    def host_view(self, offset: int, length: int) -> memoryview | None:
-        return None  # device memory: the store stages it
-
-    def host_address(self) -> int | None:
-        return None
+    def _copies(self) -> DeviceCopies:
+        return self._pool.copies()
 
     def release(self) -> None:
         """The whole tag is paused with its first region; the others find it paused."""
@@ -144,7 +125,7 @@ class TmsRegion(RegionAttributes):
         return self._pool.asleep(self._tag)
 
     def zero(self) -> None:
-        self._pool.copies().zero(self._span.device, self._span.address, self._nbytes)
+        self._pool.copies().zero(self._device, self._address, self._nbytes)
 
 
 class TmsPool:

@@ -42,8 +42,8 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 from hibernate.errors import UnsupportedError, UsageError, WrongStateError
-from hibernate.pools.base import RegionAttributes, SpillableRegion
-from hibernate.pools.device import DeviceMemory, DeviceMemoryError, Handle, PinFn, attempt_copy
+from hibernate.pools.base import SpillableRegion
+from hibernate.pools.device import DeviceCopies, DeviceMemory, DeviceRegion, Handle, PinFn
 from hibernate.pools.provided import VLLM_CUMEM, Span, declare_once
 from hibernate.store.regions import memory_at
 
@@ -142,46 +142,26 @@ def _backup_view(tensor: Any, nbytes: int) -> memoryview:
 # -- regions -----------------------------------------------------------------------
 
 
-class CuMemRegion(RegionAttributes):
+class CuMemRegion(DeviceRegion):
     """One CuMemAllocator allocation: its whole aligned size, at its fixed address."""
 
     def __init__(self, pool: CuMemPool, allocator: AllocatorLike, data: AllocationLike, keep: bool) -> None:
         device, nbytes, address, _ = data.handle
+        key = f"{data.tag}/{int(address):#x}"
+        super().__init__(key, data.tag, keep, int(nbytes), int(device), int(address))
         self._pool = pool
         self._allocator = allocator
         self._data = data
-        self._device = int(device)
-        self._address = int(address)
-        meta = {"device": self._device, "address": self._address}
-        super().__init__(f"{data.tag}/{self._address:#x}", data.tag, keep, int(nbytes), meta)
-
-    @property
-    def address(self) -> int:
-        return self._address
 
     def live(self) -> bool:
         """Still the allocator's record for this address (vLLM may free it while asleep)."""
         return self._allocator.pointer_to_data.get(self._address) is self._data
 
-    def copy_out(self, offset: int, dst: memoryview) -> None:
-        failure = attempt_copy(self._pool.device.copy_to_host, self._device, self._address + offset, dst)
-        if failure is not None:
-            del dst
-            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the host failed: {failure}")
+    def _copies(self) -> DeviceCopies:
+        return self._pool.device
 
-    def copy_in(self, offset: int, src: memoryview) -> None:
-        if not self.live():
-            return
-        failure = attempt_copy(self._pool.device.copy_from_host, self._device, self._address + offset, src)
-        if failure is not None:
-            del src
-            raise DeviceMemoryError(f"copying {self._key} (+{offset}) to the device failed: {failure}")
-
-    def host_view(self, offset: int, length: int) -> memoryview | None:
-        return None  # device memory: the store stages it
-
-    def host_address(self) -> int | None:
-        return None
+    def _writable(self) -> bool:
+        return self.live()
 
     def release(self) -> None:
         """vLLM's ``unmap_and_release``; bookkeeping as vLLM's own sleep leaves it."""
