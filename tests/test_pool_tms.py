@@ -40,6 +40,7 @@ from hibernate.pools import provided
 from hibernate.pools.provided import PROVIDER_ENV, ROOM_HEADROOM_BYTES, TORCH_MEMORY_SAVER
 from hibernate.pools.tensors import TensorPool
 from hibernate.pools.tms import TAG_PREFIX, TmsPool, TmsProvider
+from tests.pooled import assert_same, bits, fingerprint
 from tests.standins import cuda_graphs, tms
 from tests.standins.cuda_graphs import readable
 from tests.standins.vllm_memory import PAGE, HostDeviceMemory, StandInFault
@@ -95,22 +96,6 @@ def standin(fresh_agent: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setu
 
 def untagged(tms_tag: str) -> str:
     return tms_tag.removeprefix(TAG_PREFIX)
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of the tensor's bytes, outside every pool (compared bit for bit: NaN-safe)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).clone()
-
-
-def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
-    return {name: (t.data_ptr(), bits(t)) for name, t in tensors.items()}
-
-
-def assert_same(tensors: dict[str, torch.Tensor], before: dict[str, tuple[int, torch.Tensor]]) -> None:
-    for name, tensor in tensors.items():
-        address, contents = before[name]
-        assert tensor.data_ptr() == address, f"{name} moved"
-        assert torch.equal(bits(tensor), contents), f"{name} is not bit-exact"
 
 
 def sleep(work_dir: Path, **args: Any) -> dict[str, Any]:
@@ -235,7 +220,7 @@ def test_the_agent_refuses_a_wake_without_room_before_mapping_anything(
     standin.world.set_free_bytes(0, held + ROOM_HEADROOM_BYTES - 1)
     with pytest.raises(UnsupportedError) as caught:
         wake()
-    assert "nothing was mapped back" in caught.value.message and "cuda:0 needs" in caught.value.message
+    assert "this process's memory" in caught.value.message and "cuda:0 needs" in caught.value.message
     assert hibernate.state() == "asleep" and standin.world.resumes == 0
     assert standin.mapped("weights", "state") == [False, False, False]
 

@@ -22,6 +22,7 @@ from hibernate.agent.local import local_agent
 from hibernate.errors import WrongStateError
 from hibernate.pools import provided
 from hibernate.pools.vllm import CuMemProvider
+from tests.pooled import assert_same, bits, fingerprint
 from tests.standins import cuda_graphs
 from tests.standins.mempool import SMALL_BUFFER
 from tests.standins.vllm_memory import HostDeviceMemory, HostReservations, StandInCuMemAllocator, StandInFault
@@ -68,21 +69,6 @@ def cumem(fresh_agent: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cumem]
     for pools in allocator.allocator_and_pools.values():
         for pool in pools:
             pool.release_free_segments()
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8).clone()
-
-
-def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
-    return {name: (t.data_ptr(), bits(t)) for name, t in tensors.items()}
-
-
-def assert_same(tensors: dict[str, torch.Tensor], before: dict[str, tuple[int, torch.Tensor]]) -> None:
-    for name, tensor in tensors.items():
-        address, contents = before[name]
-        assert tensor.data_ptr() == address, f"{name} moved"
-        assert torch.equal(bits(tensor), contents), f"{name} is not bit-exact"
 
 
 def sleep(work_dir: Path) -> dict[str, Any]:

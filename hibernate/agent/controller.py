@@ -64,7 +64,7 @@ from hibernate.errors import (
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
 from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
-from hibernate.pools.provided import shortfalls
+from hibernate.pools.provided import no_room, shortfalls
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords
@@ -628,14 +628,7 @@ class Agent:
             need[index] = need.get(index, 0) + nbytes
         short = shortfalls(need, self.free_device_memory)
         if short:
-            described = ", ".join(
-                f"cuda:{device} needs {needed} bytes and has {free} free" for device, needed, free in short
-            )
-            raise UnsupportedError(
-                f"not enough free GPU memory to bring this process's memory back ({described}); nothing "
-                "was mapped back and the process stays asleep",
-                hint="free memory on that GPU (put another process to sleep), then wake again",
-            )
+            raise no_room(short, "this process's memory")
 
     def resume(self, session: Session) -> dict[str, Any]:
         result = self._transition(session, "resume", self._do_resume)

@@ -160,6 +160,18 @@ def shortfalls(
     return short
 
 
+def no_room(short: Sequence[tuple[int, int, int]], what: str) -> UnsupportedError:
+    """The refusal of a wake whose GPUs lack room (``shortfalls``) to map ``what`` back."""
+    described = ", ".join(
+        f"cuda:{device} needs {needed} bytes and has {free} free" for device, needed, free in short
+    )
+    return UnsupportedError(
+        f"not enough free GPU memory to map back {what} ({described}); nothing of it was mapped and the "
+        "process stays asleep",
+        hint="free memory on that GPU (put another process to sleep), then wake again",
+    )
+
+
 def bytes_per_device(spans: Iterable[Span]) -> dict[int, int]:
     total: dict[int, int] = {}
     for span in spans:

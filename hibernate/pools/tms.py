@@ -49,7 +49,14 @@ from hibernate.pools.device import (
     free_device_bytes,
 )
 from hibernate.pools.graphs import PoolId
-from hibernate.pools.provided import TORCH_MEMORY_SAVER, Span, bytes_per_device, declare_once, shortfalls
+from hibernate.pools.provided import (
+    TORCH_MEMORY_SAVER,
+    Span,
+    bytes_per_device,
+    declare_once,
+    no_room,
+    shortfalls,
+)
 
 KNOWN_VERSION = "0.0.10"
 HOOK_MODE = "torch"
@@ -234,14 +241,7 @@ class TmsPool:
             )
         short = shortfalls(bytes_per_device(now), self._provider.free_bytes)
         if short:
-            described = ", ".join(
-                f"cuda:{device} needs {needed} bytes and has {free} free" for device, needed, free in short
-            )
-            raise UnsupportedError(
-                f"not enough free GPU memory to map back hibernate.pool({tag!r}) ({described}); nothing of "
-                "it was mapped and the process stays asleep",
-                hint="free memory on that GPU (put another process to sleep), then wake again",
-            )
+            raise no_room(short, f"hibernate.pool({tag!r})")
         faults.point("pool.resume")
         self._provider.resume(tag)
         with self._lock:

@@ -1,0 +1,23 @@
+"""What a test of address-preserving pools checks of a tensor: where it lives, and its bytes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the tensor's bytes, outside every pool (compared bit for bit: NaN-safe)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
+    """Each tensor's address and bytes, to compare after a wake."""
+    return {name: (t.data_ptr(), bits(t)) for name, t in tensors.items()}
+
+
+def assert_same(tensors: dict[str, torch.Tensor], before: dict[str, tuple[int, torch.Tensor]]) -> None:
+    """Every tensor at the address and with the bytes ``fingerprint`` saw."""
+    for name, tensor in tensors.items():
+        address, contents = before[name]
+        assert tensor.data_ptr() == address, f"{name} moved"
+        assert torch.equal(bits(tensor), contents), f"{name} is not bit-exact"
