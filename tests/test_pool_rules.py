@@ -236,3 +236,15 @@ def test_a_wake_without_room_on_a_gpu_refuses_before_mapping_anything_and_stays_
     free[1] += 1
     agent.wake_here({})
     assert agent.state is AgentState.RUNNING and torch.equal(weights, before)
+
+
+def test_serve_sleeps_its_backends_with_allow_moves_from_its_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from hibernate.serve.control import BackendControl
+
+    control = BackendControl(tmp_path, sleep_timeout=5.0)
+    monkeypatch.delenv("HIBERNATE_ALLOW_MOVES", raising=False)
+    assert control.options().io.to_args()["allow_moves"] is False
+    monkeypatch.setenv("HIBERNATE_ALLOW_MOVES", "1")
+    assert control.options().io.to_args()["allow_moves"] is True

@@ -13,6 +13,7 @@ from typing import Any
 from hibernate import orchestrator, procinfo
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.group import HEADROOM_BYTES
+from hibernate.environ import ALLOW_MOVES_ENV, env_flag
 from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
 from hibernate.flows.members import holds_leases
 from hibernate.operation import targets
@@ -86,8 +87,11 @@ class BackendControl:
         self.sleep_timeout = sleep_timeout
 
     def options(self) -> orchestrator.Options:
+        """A sleep's or wake's options; ``HIBERNATE_ALLOW_MOVES`` in serve's environment as ``--allow-moves``
+        (for backends that capture their CUDA graphs again after each wake)."""
         options = orchestrator.Options(quiesce_timeout=self.sleep_timeout)
         options.agent_timeout = max(self.sleep_timeout, 5.0)
+        options.io.allow_moves = env_flag(os.environ, ALLOW_MOVES_ENV)
         return options
 
     def find(self, spec: BackendSpec) -> int:
