@@ -29,8 +29,8 @@ all along (``inspect`` counts its rounds).
 With ``--pool`` the weights, the KV cache and the probes are allocated inside
 ``hibernate.pool()`` instead of tracked (the weights kept, the cache and
 scratch dropped), so they keep their addresses across every sleep (``infer``
-answers the weights' addresses, ``pointers``, to show it). With ``--graphs``
-it also captures a CUDA graph of the prompt's forward pass at start-up and
+answers the weights' addresses, ``pointers``, to show it, as it does with
+``--graphs``). With ``--graphs`` it also captures a CUDA graph of the prompt's forward pass at start-up and
 ``infer`` replays that same graph (``graph_digest``) beside the eager run: with
 ``--pool`` through ``hibernate.cuda_graph``, so the graph's own memory is
 hibernated too and its replay after a wake is bit-exact; without, through
@@ -361,7 +361,8 @@ def build(
             "digest": tensor_digest(final),
             "tokens": generated,
             "graph_digest": graph_digest,
-            "pointers": weight_pointers(model, kv_cache),
+            # Where pools or graphs are the point: one address per parameter is noise elsewhere.
+            "pointers": weight_pointers(model, kv_cache) if pooled or graphs else None,
             "seconds": round(time.perf_counter() - started, 4),
         }
 
