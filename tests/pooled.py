@@ -1,8 +1,24 @@
-"""What a test of address-preserving pools checks of a tensor: where it lives, and its bytes."""
+"""What tests of pools share: an agent over one pool, and what they check of a tensor (where it
+lives, and its bytes)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from hibernate import procinfo
+from hibernate.agent.controller import Agent
+from hibernate.pools.base import Pool
+
+
+def agent_with(pool: Pool, name: str = "pool-test") -> Agent:
+    """An agent of this process, not served, that hibernates ``pool``."""
+    identity = procinfo.identity(os.getpid())
+    assert identity is not None
+    agent = Agent(identity, name=name)
+    agent.add_pool(pool)
+    return agent
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,13 @@ snapshot would list them on a GPU.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from hibernate import procinfo
-from hibernate.agent.controller import Agent, AgentState
+from hibernate.agent.controller import AgentState
 from hibernate.errors import AddressesWouldMoveError, ExitCode, UnsupportedError, UsageError
 from hibernate.pools.graphs import graph_pools, is_graph_pool, moves_refusal
 from hibernate.pools.provided import (
@@ -28,6 +26,7 @@ from hibernate.pools.provided import (
     shortfalls,
 )
 from hibernate.pools.tensors import TensorPool
+from tests.pooled import agent_with
 
 MIB = 1 << 20
 
@@ -123,14 +122,6 @@ def test_a_device_whose_free_memory_cannot_be_read_is_not_a_shortfall() -> None:
 # -- the tensor pool: what moves, and what its pool keeps in place ------------------------------
 
 
-def agent_with(pool: TensorPool) -> Agent:
-    identity = procinfo.identity(os.getpid())
-    assert identity is not None
-    agent = Agent(identity, name="pool-rules")
-    agent.add_pool(pool)
-    return agent
-
-
 def on_device(
     cudart_path: Path, tensors: list[torch.Tensor], segments: list[dict[str, Any]], covered: list[Span] = ()
 ) -> TensorPool:
@@ -157,7 +148,7 @@ def test_a_sleep_beside_a_graph_pool_is_refused_before_anything_changes(
     address = weights.data_ptr()
     pool = on_device(cudart_path, [weights], [segment((0, 0)), segment((1, 0))])
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-rules")
     with pytest.raises(AddressesWouldMoveError) as caught:
         agent.sleep_here(work_dir, 5.0, {})
     assert caught.value.exit_code == ExitCode.ADDRESSES_WOULD_MOVE == 15
@@ -173,7 +164,7 @@ def test_allow_moves_sleeps_and_says_so(cudart_path: Path, work_dir: Path) -> No
     before = weights.clone()
     pool = on_device(cudart_path, [weights], [segment((1, 0))])
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-rules")
     report = agent.sleep_here(work_dir, 5.0, {"allow_moves": True})
     assert any("allowed: --allow-moves" in w for w in report["spill"]["warnings"])
     agent.wake_here({})
@@ -184,7 +175,7 @@ def test_without_graphs_nothing_is_refused(cudart_path: Path, work_dir: Path) ->
     weights = torch.arange(4096, dtype=torch.float32)
     pool = on_device(cudart_path, [weights], [segment((0, 0)), segment((0, 4))])
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-rules")
     agent.sleep_here(work_dir, 5.0, {})
     agent.wake_here({})
 
@@ -194,7 +185,7 @@ def test_host_memory_moving_beside_graphs_is_not_refused(work_dir: Path) -> None
     state = torch.arange(4096, dtype=torch.float32)
     pool = TensorPool(segments=lambda: [segment((1, 0))])
     pool.track(state, "optimizer", True, "adam")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-rules")
     agent.sleep_here(work_dir, 5.0, {})
     agent.wake_here({})
     assert torch.equal(state, torch.arange(4096, dtype=torch.float32))
@@ -224,7 +215,7 @@ def test_a_wake_without_room_on_a_gpu_refuses_before_mapping_anything_and_stays_
     before = weights.clone()
     pool = on_device(cudart_path, [weights], [])
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-rules")
     free = {1: MIB + ROOM_HEADROOM_BYTES - 1}
     agent.free_device_memory = free.get
     agent.sleep_here(work_dir, 5.0, {})

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 import hibernate
-from hibernate import faults, procinfo
+from hibernate import faults
 from hibernate.agent.controller import Agent, AgentState
 from hibernate.agent.local import local_agent
 from hibernate.errors import (
@@ -40,10 +39,10 @@ from hibernate.pools import provided
 from hibernate.pools.provided import PROVIDER_ENV, ROOM_HEADROOM_BYTES, TORCH_MEMORY_SAVER
 from hibernate.pools.tensors import TensorPool
 from hibernate.pools.tms import TAG_PREFIX, TmsPool, TmsProvider
-from tests.pooled import assert_same, bits, fingerprint
+from tests.pooled import agent_with, assert_same, bits, fingerprint
 from tests.standins import cuda_graphs, tms
 from tests.standins.cuda_graphs import readable
-from tests.standins.vllm_memory import PAGE, HostDeviceMemory, StandInFault
+from tests.standins.vllm_memory import PAGE, HostDeviceMemory, StandInFault, libc
 
 MIB = 1 << 20
 SMALL_CHUNKS = {"buffer_mb": 2, "chunk_mb": 1}  # a 12 MiB allocation spans many chunks
@@ -474,16 +473,6 @@ def block(address: int, nbytes: int, fill: int) -> tuple[int, int] | None:
     """Map host memory at ``[address, address + nbytes)`` (pages around it) if nothing is mapped there."""
     start = address - address % PAGE
     length = -(-(address + nbytes - start) // PAGE) * PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
     fixed_noreplace = 0x100000  # MAP_FIXED_NOREPLACE: fails where anything is mapped
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed_noreplace
     got = libc.mmap(start, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
@@ -491,14 +480,6 @@ def block(address: int, nbytes: int, fill: int) -> tuple[int, int] | None:
         return None
     ctypes.memset(start, fill, length)
     return start, length
-
-
-def agent_with(pool: TensorPool) -> Agent:
-    identity = procinfo.identity(os.getpid())
-    assert identity is not None
-    agent = Agent(identity, name="pool-tms")
-    agent.add_pool(pool)
-    return agent
 
 
 def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_wrong(
@@ -523,7 +504,7 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
         covered=lambda: [],
     )
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "pool-tms")
 
     with pytest.raises(AddressesWouldMoveError) as caught:
         agent.sleep_here(work_dir, 5.0, {})
@@ -547,8 +528,6 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
     graph.replay()
     assert not torch.equal(bits(out), expected), "the graph reads the old address: wrong"
     if held is not None:
-        libc = ctypes.CDLL(None)
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(*held)
 
 

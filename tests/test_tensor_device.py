@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hibernate import procinfo
-from hibernate.agent.controller import Agent
 from hibernate.errors import UnsupportedError
 from hibernate.operation.reports import ProcessSleep
 from hibernate.pools.device import CudaCopies, CudaRuntime, DeviceMemoryError, choose_cudart, loaded_cudart
 from hibernate.pools.hostpages import HostMapping
 from hibernate.pools.tensors import TensorPool, pool_of
 from tests.conftest import REPO
+from tests.pooled import agent_with
 from tests.standins.vllm_cumem import FakeCudaRT
 
 NON_BLOCKING = 1
@@ -58,14 +57,6 @@ def on_device(tensors: dict[str, torch.Tensor], device: int):  # type: ignore[no
     return lambda storage: device if storage._cdata in ids else None
 
 
-def agent_with(pool: TensorPool) -> Agent:
-    ident = procinfo.identity(os.getpid())
-    assert ident is not None
-    agent = Agent(ident, name="device-test")
-    agent.add_pool(pool)
-    return agent
-
-
 def test_a_side_stream_write_still_in_flight_when_the_guard_exits_is_in_the_snapshot(
     cudart: FakeCudaRT, work_dir: Path
 ) -> None:
@@ -76,7 +67,7 @@ def test_a_side_stream_write_still_in_flight_when_the_guard_exits_is_in_the_snap
     )
     pool.track(weights, "weights", True, "w")
     pool.track(cache, "kv_cache", False, "c")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "device-test")
     stream = side_stream(cudart, 1)
     with agent.guard.hold():
         address = ctypes.c_void_p(weights.data_ptr())
@@ -304,7 +295,7 @@ def test_a_storage_in_a_private_pool_is_named_in_the_sleeps_warnings(
         segments=lambda: segments,
     )
     pool.track({"m": in_mempool, "d": in_default}, "weights", True, "net")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "device-test")
     report = agent.sleep_here(work_dir, 5.0, {})
     assert report["spill"]["warnings"] == [
         f"weights/net.m ({in_mempool.nbytes} bytes on cuda:1) lives in the private memory pool (0, 1) "
@@ -338,7 +329,7 @@ def test_with_a_pluggable_allocator_the_sleep_goes_on_and_says_the_pools_are_unk
         copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device({"w": weights}, 0)
     )
     pool.track(weights, "weights", True, "w")
-    agent = agent_with(pool)
+    agent = agent_with(pool, "device-test")
     report = agent.sleep_here(work_dir, 5.0, {})
     assert weights.untyped_storage().nbytes() == 0, "asleep: the sleep did not fail"
     assert report["spill"]["warnings"] == [

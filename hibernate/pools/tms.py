@@ -98,6 +98,12 @@ def spans_of(tag: str, segments: Sequence[Mapping[str, Any]]) -> list[Span]:
     return sorted(found, key=lambda span: (span.device, span.address))
 
 
+def unlisted(spans: Sequence[Span], listed: Sequence[Span]) -> list[Span]:
+    """The allocations of ``spans`` that ``listed`` does not hold (made since it was taken)."""
+    known = {(span.device, span.address) for span in listed}
+    return [span for span in spans if (span.device, span.address) not in known]
+
+
 def pools_of_tag(mem_pools: Mapping[Any, Any], tag: str) -> list[PoolId]:
     """The ids of torch_memory_saver's MemPools for ``tag`` (any device, any backup setting)."""
     ids = []
@@ -145,6 +151,9 @@ class TmsPool:
         self._lock = threading.Lock()
         self._keep: dict[str, bool] = {}
         self._paused: dict[str, list[Span]] = {}  # tag -> what it held when paused
+        # The devices the newest regions() found: what synchronize and pinner act on, without asking
+        # torch's allocator again (its snapshot is costly, and a sleep asks right after regions()).
+        self._devices: frozenset[int] = frozenset()
 
     def declare(self, tag: str, keep: bool) -> None:
         with self._lock:
@@ -169,8 +178,10 @@ class TmsPool:
         with self._lock:
             keep = dict(self._keep)
         listed: dict[str, list[Span]] = {tag: [] for tag in keep}
-        for span in self.spans():
+        spans = self.spans()
+        for span in spans:
             listed[span.tag].append(span)
+        self._devices = frozenset(span.device for span in spans)
         return [
             TmsRegion(self, span, keep[tag], listed[tag]) for tag, spans in listed.items() for span in spans
         ]
@@ -179,10 +190,12 @@ class TmsPool:
         """Nothing: a pause hands the physical memory back to the driver itself."""
 
     def pinner(self) -> PinFn | None:
-        return self.copies().pinner() if self.spans() else None
+        """The seam's page-locking, where the newest regions() found allocations."""
+        return self.copies().pinner() if self._devices else None
 
     def synchronize(self) -> None:
-        for device in sorted({span.device for span in self.spans()}):
+        """Wait for every device the newest regions() found an allocation on (all its streams)."""
+        for device in sorted(self._devices):
             self.copies().synchronize(device)
 
     def warnings(self) -> list[str]:
@@ -206,8 +219,7 @@ class TmsPool:
             if tag in self._paused:
                 return
         spans = self._provider.spans(tag)
-        known = {(span.device, span.address) for span in listed}
-        late = [span for span in spans if (span.device, span.address) not in known]
+        late = unlisted(spans, listed)
         if late:
             raise WrongStateError(
                 f"memory was allocated in hibernate.pool({tag!r}) after its bytes were written "
@@ -228,8 +240,7 @@ class TmsPool:
         if paused is None:
             return
         now = self._provider.spans(tag)
-        known = {(span.device, span.address) for span in paused}
-        added = [span for span in now if (span.device, span.address) not in known]
+        added = unlisted(now, paused)
         if added:
             raise WrongStateError(
                 f"memory was allocated in hibernate.pool({tag!r}) while it slept "

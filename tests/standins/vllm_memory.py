@@ -66,9 +66,9 @@ PROT_NONE = 0
 PAGE = mmap.PAGESIZE
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -76,9 +76,9 @@ _libc.mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -128,7 +128,7 @@ class HostReservations:
                 self.stale_error = f"CUDA Error: invalid argument at cumem_allocator.cpp ({address:#x})"
             elif self.stale_error is not None:  # unmapped, then it returns before cuMemRelease
                 self.leaked_bytes += reservation.size
-        _check(_libc.munmap(address, reservation.size), "munmap")
+        _check(libc.munmap(address, reservation.size), "munmap")
 
     def reserve(self, size: int) -> int:
         """Reserve and map ``size`` bytes (a page multiple); contents are poison."""
@@ -136,7 +136,7 @@ class HostReservations:
             raise StandInFault(f"reservation of {size} bytes is not a positive multiple of the page size")
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        address = _libc.mmap(None, size, prot, flags, -1, 0)
+        address = libc.mmap(None, size, prot, flags, -1, 0)
         if address in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), "mmap failed")
         ctypes.memset(address, POISON, size)
@@ -147,7 +147,7 @@ class HostReservations:
     def free(self, address: int) -> None:
         with self._lock:
             reservation = self._by_address.pop(address)
-        _check(_libc.munmap(address, reservation.size), "munmap")
+        _check(libc.munmap(address, reservation.size), "munmap")
 
     def _get(self, address: int) -> _Reservation:
         reservation = self._by_address.get(address)
@@ -162,7 +162,7 @@ class HostReservations:
                 raise StandInFault(f"map of {size} bytes at {address:#x}, reserved {reservation.size}")
             if reservation.mapped:
                 raise StandInFault(f"create_and_map of {address:#x}, which is already mapped")
-            _check(_libc.mprotect(address, size, mmap.PROT_READ | mmap.PROT_WRITE), "mprotect")
+            _check(libc.mprotect(address, size, mmap.PROT_READ | mmap.PROT_WRITE), "mprotect")
             ctypes.memset(address, POISON, size)
             reservation.mapped = True
             self.maps += 1
@@ -174,8 +174,8 @@ class HostReservations:
                 raise StandInFault(f"unmap of {size} bytes at {address:#x}, reserved {reservation.size}")
             if not reservation.mapped:
                 raise StandInFault(f"unmap_and_release of {address:#x}, which is not mapped")
-            _check(_libc.madvise(address, size, mmap.MADV_DONTNEED), "madvise")
-            _check(_libc.mprotect(address, size, PROT_NONE), "mprotect")
+            _check(libc.madvise(address, size, mmap.MADV_DONTNEED), "madvise")
+            _check(libc.mprotect(address, size, PROT_NONE), "mprotect")
             reservation.mapped = False
             self.unmaps += 1
 
