@@ -38,6 +38,7 @@ from hibernate.cli.options import (
     handles_errors,
     options_from_flags,
     parse_directory,
+    parse_pid,
     select_targets,
     skip_reuse_check_by_default,
     spans_users,
@@ -95,7 +96,10 @@ def sleep(
     to: Annotated[
         Path,
         typer.Option(
-            "--to", parser=parse_directory, help="Directory for the snapshots (created 0700 if missing)."
+            "--to",
+            parser=parse_directory,
+            metavar="DIR",
+            help="Directory for the snapshots (created 0700 if missing).",
         ),
     ],
     pids: OptionalPidsArgument = None,
@@ -124,6 +128,7 @@ def sleep(
         int | None,
         typer.Option(
             "--level",
+            metavar="[1|2]",
             help="vLLM server only: 1 keeps the weights (written to DIR), 2 drops them. [default: 1]",
         ),
     ] = None,
@@ -131,6 +136,7 @@ def sleep(
         str | None,
         typer.Option(
             "--drain",
+            metavar="[wait|abort]",
             help="vLLM server only: wait (running requests finish first, within --timeout) or abort "
             "them. [default: wait]",
         ),
@@ -271,7 +277,15 @@ def recover(
 
 @handles_errors
 def status(
-    pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    pids: Annotated[
+        list[int] | None,
+        typer.Argument(
+            parser=parse_pid,
+            metavar="PID",
+            help="Targets to show (default: all of yours).",
+            show_default=False,
+        ),
+    ] = None,
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
@@ -291,7 +305,9 @@ def list_agents(as_json: JsonOption = False) -> None:
 
 @handles_errors
 def gc(
-    directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
+    directory: Annotated[
+        Path, typer.Argument(metavar="DIR", help="A --to directory (or one process's directory in it).")
+    ],
     awake: Annotated[
         bool, typer.Option("--awake", help="Also delete the snapshot kept by processes that are awake.")
     ] = False,

@@ -39,13 +39,20 @@ from hibernate.cli.options import (
 
 @handles_errors
 def run(
-    command: Annotated[list[str], typer.Argument(help="The job to run, after --.", show_default=False)],
-    to: Annotated[Path, typer.Option("--to", parser=parse_directory, help="Directory for the snapshots.")],
+    command: Annotated[
+        list[str], typer.Argument(metavar="COMMAND", help="The job to run, after --.", show_default=False)
+    ],
+    to: Annotated[
+        Path, typer.Option("--to", parser=parse_directory, metavar="DIR", help="Directory for the snapshots.")
+    ],
     on_signal: Annotated[
-        str, typer.Option("--on-signal", help="Signal that puts the job to sleep.")
+        str, typer.Option("--on-signal", metavar="SIGNAL", help="Signal that puts the job to sleep.")
     ] = "USR1",
     wake_signal: Annotated[
-        str, typer.Option("--wake-signal", help="Signal that wakes it ('' for none: use hibernate wake).")
+        str,
+        typer.Option(
+            "--wake-signal", metavar="SIGNAL", help="Signal that wakes it ('' for none: use hibernate wake)."
+        ),
     ] = "USR2",
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
@@ -69,10 +76,14 @@ def run(
 
 @handles_errors
 def node_step(
-    operation: Annotated[str, typer.Argument(help="sleep or wake.", show_default=False)],
+    operation: Annotated[
+        str, typer.Argument(metavar="sleep|wake", help="sleep or wake.", show_default=False)
+    ],
     barrier: Annotated[
         Path,
-        typer.Option("--barrier", help="A fresh directory every node shares, the same for all of them."),
+        typer.Option(
+            "--barrier", metavar="DIR", help="A fresh directory every node shares, the same for all of them."
+        ),
     ],
     pids: OptionalPidsArgument = None,
     every: AllOption = False,
@@ -83,6 +94,7 @@ def node_step(
         typer.Option(
             "--to",
             parser=parse_directory,
+            metavar="DIR",
             help="Snapshot directory (sleep); this node's go to DIR/<node name>.",
             show_default=False,
         ),
@@ -91,18 +103,25 @@ def node_step(
         int | None,
         typer.Option(
             "--nodes",
+            metavar="N",
             help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
             show_default=False,
         ),
     ] = None,
     node_index: Annotated[
         int | None,
-        typer.Option("--node-index", help="This node's index (default: $SLURM_NODEID).", show_default=False),
+        typer.Option(
+            "--node-index",
+            metavar="N",
+            help="This node's index (default: $SLURM_NODEID).",
+            show_default=False,
+        ),
     ] = None,
     node: Annotated[
         str | None,
         typer.Option(
             "--node-name",
+            metavar="NAME",
             help="This node's name (default: $SLURMD_NODENAME, the host name).",
             show_default=False,
         ),
@@ -110,7 +129,9 @@ def node_step(
     barrier_timeout: Annotated[
         float,
         typer.Option(
-            "--barrier-timeout", help="Seconds from the start until silent nodes count as failed (to 86400)."
+            "--barrier-timeout",
+            metavar="SECONDS",
+            help="Seconds from the start until silent nodes count as failed (to 86400).",
         ),
     ] = 600.0,
     allow_empty: Annotated[
