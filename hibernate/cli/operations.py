@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -24,6 +24,7 @@ from hibernate.cli.options import (
     CheckpointerOption,
     CudaCheckpointOption,
     ForceOption,
+    IfNeededOption,
     IoModeOption,
     JobOption,
     JsonOption,
@@ -46,6 +47,7 @@ from hibernate.cli.options import (
 )
 
 if TYPE_CHECKING:  # for annotations only: the commands import these when they run
+    from hibernate import orchestrator
     from hibernate.operation.progress import ProgressSink
     from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
     from hibernate.sched.selectors import Selection
@@ -59,22 +61,90 @@ def _operate_and_report(
     selection: Selection,
     as_json: bool,
     quiet: bool,
+    already: Callable[[], Report | None] | None = None,
 ) -> None:
     """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
     print its report as JSON (with how the targets were selected) or as ``show``'s lines.
 
+    ``already`` (``--if-needed``) turns a refusal for the wrong state into success where every
+    target now is in the state asked for: its report, with nothing done and every one skipped.
+    The states are read after the refusal, so a target another command moved meanwhile is judged
+    as it is, not as it was.
+
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
     from hibernate.cli import render
+    from hibernate.errors import WrongStateError
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = operate(progress)
+        try:
+            report = operate(progress)
+        except WrongStateError:
+            satisfied = already() if already is not None else None
+            if satisfied is None:
+                raise
+            report = satisfied
     render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
         as_json=as_json,
         quiet=quiet,
     )
+
+
+def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
+    """An agent of ``status`` as a report lists one it left as it was."""
+    return {
+        "pid": entry["pid"],
+        "name": entry.get("name"),
+        "state": entry.get("state"),
+        "snapshot": (entry.get("snapshot") or {}).get("path"),
+    }
+
+
+def _agents_in(selection: Selection, state: str, all_users: bool) -> list[dict[str, Any]] | None:
+    """The targets' agents, as skipped, where every one is in ``state`` (and not busy); else None."""
+    from hibernate import orchestrator
+
+    entries = orchestrator.status(selection.pids, all_users=all_users)
+    if not entries or any(e.get("state") != state or e.get("busy") for e in entries):
+        return None
+    return [_skipped(e) for e in entries]
+
+
+def _already_asleep(selection: Selection, directory: Path, all_users: bool) -> SleepReport | None:
+    """``sleep --if-needed`` of targets that all sleep already: a sleep that did nothing."""
+    from hibernate.operation.reports import SleepReport
+
+    skipped = _agents_in(selection, "asleep", all_users)
+    if skipped is None:
+        return None
+    return SleepReport(
+        str(directory.absolute()), 0.0, [], {"status": "none (skipped)", "processes": []}, skipped=skipped
+    )
+
+
+def _already_awake(selection: Selection, all_users: bool) -> WakeReport | None:
+    """``wake --if-needed`` of targets that all run already: a wake that did nothing."""
+    from hibernate.operation.reports import WakeReport
+
+    skipped = _agents_in(selection, "running", all_users)
+    if skipped is None:
+        return None
+    return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
+
+
+def _wake_if_needed(
+    selection: Selection, options: orchestrator.Options, progress: ProgressSink
+) -> WakeReport:
+    """A wake that lists as skipped the targets it found running (a wake leaves those as they are)."""
+    from hibernate import orchestrator
+
+    entries = orchestrator.status(selection.pids, all_users=options.all_users)
+    report = orchestrator.wake(selection.pids, options, progress)
+    woken = {p.pid for p in report.processes}
+    report.skipped = [_skipped(e) for e in entries if e.get("state") == "running" and e["pid"] not in woken]
+    return report
 
 
 def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool) -> None:
@@ -142,6 +212,7 @@ def sleep(
         ),
     ] = None,
     vllm_url: VllmUrlOption = None,
+    if_needed: IfNeededOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -172,13 +243,14 @@ def sleep(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup, sleeping=True)
-    options.skip_asleep = by_selector(selection)  # as a wake skips those awake
+    options.skip_asleep = if_needed or by_selector(selection)  # as a wake skips those awake
     _operate_and_report(
         partial(orchestrator.sleep, selection.pids, to, options),
         render.sleep_report,
         selection,
         as_json,
         quiet,
+        already=partial(_already_asleep, selection, to, options.all_users) if if_needed else None,
     )
 
 
@@ -207,6 +279,7 @@ def wake(
         ),
     ] = None,
     vllm_url: VllmUrlOption = None,
+    if_needed: IfNeededOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -230,7 +303,14 @@ def wake(
     )
     selection = select_targets(pids, every, job, cgroup)
     _operate_and_report(
-        partial(orchestrator.wake, selection.pids, options), render.wake_report, selection, as_json, quiet
+        partial(_wake_if_needed, selection, options)
+        if if_needed
+        else partial(orchestrator.wake, selection.pids, options),
+        render.wake_report,
+        selection,
+        as_json,
+        quiet,
+        already=partial(_already_awake, selection, options.all_users) if if_needed else None,
     )
 
 

@@ -167,6 +167,16 @@ AllUsersOption = Annotated[
     ),
 ]
 
+IfNeededOption = Annotated[
+    bool,
+    typer.Option(
+        "--if-needed",
+        help="Succeed (exit 0) where a target already is in the state asked for: it is left as it is and "
+        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state).",
+        show_default=False,
+    ),
+]
+
 VllmUrlOption = Annotated[
     str | None,
     typer.Option(

@@ -222,6 +222,8 @@ def wake_report(report: WakeReport) -> None:
         _line("memory", _rss_change(p.rss_before, p.rss_after))
         for warning in p.warnings:
             _line("warning", warning)
+    for s in report.skipped:
+        out.print(f"skipped: pid {s['pid']} ({s['name']}) is already awake", markup=False)
     for server in report.extras.get("vllm_all", []):
         out.print(vllm_summary(server), markup=False)
     out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)

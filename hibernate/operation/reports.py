@@ -222,6 +222,8 @@ class WakeReport:
     processes: list[ProcessWake]
     cuda: dict[str, Any]
     units: list[UnitReport] = field(default_factory=list)
+    # Processes found awake and left as they were (`hibernate wake --if-needed`), as a sleep's.
+    skipped: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def extras(self) -> dict[str, Any]:
@@ -234,6 +236,7 @@ class WakeReport:
             processes=[ProcessWake(**p) for p in wire.get("processes", [])],
             cuda=wire.get("cuda", {}),
             units=_units_from_wire(wire),
+            skipped=wire.get("skipped", []),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -244,6 +247,8 @@ class WakeReport:
             "cuda": self.cuda,
         }
         wire.update(self.extras)
+        if self.skipped:
+            wire["skipped"] = self.skipped
         return wire
 
 
