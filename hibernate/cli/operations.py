@@ -147,8 +147,15 @@ def _wake_if_needed(
     return report
 
 
-def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool) -> None:
-    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one."""
+def _show_agents(
+    selection: Selection | None,
+    show: Callable[[list[dict[str, Any]]], None],
+    *,
+    all_users: bool,
+    as_json: bool,
+) -> None:
+    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one;
+    the same JSON document for both, ``show``'s lines otherwise."""
     from hibernate import orchestrator
     from hibernate.cli import render
 
@@ -156,9 +163,17 @@ def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool)
     document = {"ok": True, "agents": entries}
     render.result(
         with_selection(document, selection) if selection else document,
-        lambda: render.agents_table(entries),
+        lambda: show(entries),
         as_json=as_json,
     )
+
+
+NoHeadersOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-headers", help="Only the rows: no header line, nothing below them.", show_default=False
+    ),
+]
 
 
 @handles_errors
@@ -370,17 +385,43 @@ def status(
     job: JobOption = None,
     cgroup: CgroupOption = None,
     all_users: AllUsersOption = False,
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide",
+            "-w",
+            help="More columns: user, name, who is busy with it, tracked bytes, bytes per GPU, command line.",
+            show_default=False,
+        ),
+    ] = False,
+    no_headers: NoHeadersOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """State, pools and snapshot of each agent of the given targets (or all of yours)."""
+    """State, memory and snapshot of each agent of the given targets (or all of yours), one line each.
+
+    Lines are never cut, piped or not; below them, what holds an agent awake and any interrupted
+    operation with the command that resolves it.
+    """
+    from hibernate.cli import render
+
     selection = select_targets(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
-    _show_agents(selection, all_users=spans_users(all_users, job, cgroup), as_json=as_json)
+    _show_agents(
+        selection,
+        partial(render.agents_table, wide=wide, headers=not no_headers),
+        all_users=spans_users(all_users, job, cgroup),
+        as_json=as_json,
+    )
 
 
 @handles_errors
-def list_agents(as_json: JsonOption = False) -> None:
-    """Every hibernate agent of yours on this machine."""
-    _show_agents(None, all_users=False, as_json=as_json)
+def list_agents(no_headers: NoHeadersOption = False, as_json: JsonOption = False) -> None:
+    """Every hibernate agent of yours on this machine: pid, state, kind and command line, to find a target.
+
+    `hibernate status` shows their memory and snapshots; --json prints the same document as status.
+    """
+    from hibernate.cli import render
+
+    _show_agents(None, partial(render.agent_list, headers=not no_headers), all_users=False, as_json=as_json)
 
 
 @handles_errors

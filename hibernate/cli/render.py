@@ -23,7 +23,6 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.operation.progress import ProgressSink
@@ -267,34 +266,100 @@ def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
     out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
 
 
-def agents_table(entries: list[dict[str, Any]]) -> None:
+def plain_columns(
+    header: list[str], rows: list[list[str]], *, right: frozenset[str] = frozenset()
+) -> list[str]:
+    """Rows as aligned columns of plain text, one line each, never cut to a width.
+
+    Piped into grep, awk or a log, a row must stay one line holding every cell
+    whole (a rich table shrinks to 80 columns and wraps or cuts the long ones);
+    on a terminal a line longer than the screen wraps, which beats losing a
+    path. Cells hold no spaces that a caller did not put there, so ``awk`` can
+    split them. ``header`` may be empty (``--no-headers``); the columns named in
+    ``right`` (numbers) are right-aligned; the last column is never padded.
+    """
+    names = header or [""] * (len(rows[0]) if rows else 0)
+    table = [header, *rows] if header else rows
+    widths = [max((len(row[i]) for row in table), default=0) for i in range(len(names))]
+    lines = []
+    for row in table:
+        cells = [
+            cell
+            if i == len(row) - 1
+            else (cell.rjust(widths[i]) if names[i] in right else cell.ljust(widths[i]))
+            for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _size(n: int | None) -> str:
+    """A size in a table cell: no space inside (``1.5GiB``), so that the columns split on blanks."""
+    return human_bytes(n).replace(" ", "")
+
+
+AGENT_COLUMNS = ["PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"]
+WIDE_COLUMNS = [
+    *("PID", "USER", "NAME", "KIND", "STATE", "BUSY", "KEPT", "DROPPED", "TRACKED", "RSS", "DEVICES"),
+    *("SNAPSHOT", "COMMAND"),
+]
+LIST_COLUMNS = ["PID", "USER", "STATE", "KIND", "NAME", "COMMAND"]
+_NUMBERS = frozenset({"PID", "USER", "KEPT", "DROPPED", "TRACKED", "RSS"})
+
+
+def _agent_cells(e: dict[str, Any]) -> dict[str, str]:
+    """Every column an agent can be shown with, as text (``-`` for what is unknown or empty)."""
+    pools = e.get("pools", [])
+    kept = sum(p["bytes"] for p in pools if p["keep"])
+    dropped = sum(p["bytes"] for p in pools if not p["keep"])
+    devices = e.get("device_bytes") or {}
+    return {
+        "PID": str(e["pid"]),
+        "USER": str(e.get("uid", "-")),
+        "NAME": str(e.get("name") or "-"),
+        "KIND": str(e.get("kind") or "-"),
+        "STATE": str(e.get("state")) + ("(busy)" if e.get("busy") else ""),
+        "BUSY": str(e.get("busy") or "-").replace(" ", "_"),
+        "KEPT": _size(kept),
+        "DROPPED": _size(dropped),
+        "TRACKED": _size(kept + dropped),
+        "RSS": _size(e.get("rss")),
+        "DEVICES": ",".join(f"{name}={_size(n)}" for name, n in sorted(devices.items())) or "-",
+        "SNAPSHOT": (e.get("snapshot") or {}).get("path") or "-",
+        "COMMAND": str(e.get("command") or "-"),
+    }
+
+
+def agent_lines(entries: list[dict[str, Any]], columns: list[str], *, headers: bool = True) -> list[str]:
+    """The agents as lines of ``columns`` (AGENT_COLUMNS, WIDE_COLUMNS or LIST_COLUMNS)."""
+    rows = [[cells[c] for c in columns] for cells in map(_agent_cells, entries)]
+    return plain_columns(columns if headers else [], rows, right=_NUMBERS)
+
+
+def agent_list(entries: list[dict[str, Any]], *, headers: bool = True) -> None:
+    """What ``ls`` prints: which agents there are, one line each, to find a target by its command."""
     if not entries:
-        out.print("no hibernate agents running for this user", markup=False)
+        if headers:
+            out.print("no hibernate agents running for this user", markup=False)
         return
-    table = Table(box=None, pad_edge=False)
-    for column in ("PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
-        table.add_column(
-            column,
-            justify="right" if column in ("PID", "KEPT", "DROPPED", "RSS") else "left",
-            no_wrap=column != "SNAPSHOT",
-        )
-    for e in entries:
-        pools = e.get("pools", [])
-        kept = sum(p["bytes"] for p in pools if p["keep"])
-        dropped = sum(p["bytes"] for p in pools if not p["keep"])
-        state = str(e.get("state"))
-        if e.get("busy"):
-            state += " (busy)"
-        table.add_row(
-            str(e["pid"]),
-            str(e.get("kind") or "-"),
-            state,
-            human_bytes(kept),
-            human_bytes(dropped),
-            human_bytes(e.get("rss")),
-            (e.get("snapshot") or {}).get("path") or "-",
-        )
-    out.print(table)
+    for line in agent_lines(entries, LIST_COLUMNS, headers=headers):
+        out.print(line, markup=False)
+
+
+def agents_table(entries: list[dict[str, Any]], *, wide: bool = False, headers: bool = True) -> None:
+    """What ``status`` prints: each agent's state, memory and snapshot, then what holds or interrupted it."""
+    if not entries:
+        if headers:
+            out.print("no hibernate agents running for this user", markup=False)
+        return
+    for line in agent_lines(entries, WIDE_COLUMNS if wide else AGENT_COLUMNS, headers=headers):
+        out.print(line, markup=False)
+    if headers:  # --no-headers: the rows alone, for a script
+        agent_notes(entries)
+
+
+def agent_notes(entries: list[dict[str, Any]]) -> None:
+    """Below the table, what holds an agent awake and what was interrupted on it, with what to run."""
     for e in entries:
         holders = (e.get("leases") or {}).get("holders") or []
         if holders:
