@@ -48,6 +48,7 @@ from hibernate.cli.options import (
 
 if TYPE_CHECKING:  # for annotations only: the commands import these when they run
     from hibernate import orchestrator
+    from hibernate.errors import InterruptedByUserError
     from hibernate.operation.progress import ProgressSink
     from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
     from hibernate.sched.selectors import Selection
@@ -61,6 +62,9 @@ def _operate_and_report(
     selection: Selection,
     as_json: bool,
     quiet: bool,
+    *,
+    operation: str,
+    all_users: bool,
     already: Callable[[], Report | None] | None = None,
 ) -> None:
     """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
@@ -70,6 +74,9 @@ def _operate_and_report(
     target now is in the state asked for: its report, with nothing done and every one skipped.
     The states are read after the refusal, so a target another command moved meanwhile is judged
     as it is, not as it was.
+
+    A Ctrl-C (``operation`` names what it stopped) is reported with the state each target was
+    left in (the undo of a sleep's steps has run by then), as the one error of the command.
 
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
@@ -84,12 +91,48 @@ def _operate_and_report(
             if satisfied is None:
                 raise
             report = satisfied
+        except KeyboardInterrupt:
+            raise _interrupted(operation, selection, all_users) from None
     render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
         as_json=as_json,
         quiet=quiet,
     )
+
+
+SETTLE_SECONDS = 10.0  # after a Ctrl-C, how long the targets' agents get to finish undoing
+
+
+def _interrupted(operation: str, selection: Selection, all_users: bool) -> InterruptedByUserError:
+    """The error a Ctrl-C ends a sleep, wake or recover with: the targets' states, once settled.
+
+    Read from the agents, not assumed: an agent finishes its own undo when its client goes, so it
+    is given a few seconds to stop being busy. A second Ctrl-C, or agents that cannot be read,
+    leave the states unknown, and the message says how to find them.
+    """
+    import time
+
+    from hibernate import orchestrator
+    from hibernate.cli import render
+    from hibernate.errors import HibernateError, InterruptedByUserError
+
+    pids = " ".join(map(str, selection.pids))
+    unknown = InterruptedByUserError(
+        f"interrupted: the {operation} stopped; the state of process(es) {pids} is not known",
+        hint=f"run `hibernate status {pids}`, and `hibernate recover {pids}` if one was left half-way",
+    )
+    deadline = time.monotonic() + SETTLE_SECONDS
+    try:
+        while True:
+            entries = orchestrator.status(selection.pids, all_users=all_users)
+            if time.monotonic() > deadline or not any(e.get("busy") for e in entries):
+                break
+            time.sleep(0.1)
+    except (HibernateError, OSError, KeyboardInterrupt):
+        return unknown
+    message, hint = render.interruption(operation, entries)
+    return InterruptedByUserError(message, hint=hint)
 
 
 def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +308,8 @@ def sleep(
         selection,
         as_json,
         quiet,
+        operation="sleep",
+        all_users=options.all_users,
         already=partial(_already_asleep, selection, to, options.all_users) if if_needed else None,
     )
 
@@ -325,6 +370,8 @@ def wake(
         selection,
         as_json,
         quiet,
+        operation="wake",
+        all_users=options.all_users,
         already=partial(_already_awake, selection, options.all_users) if if_needed else None,
     )
 
@@ -367,6 +414,8 @@ def recover(
         selection,
         as_json,
         quiet,
+        operation="recover",
+        all_users=options.all_users,
     )
 
 

@@ -266,6 +266,40 @@ def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
     out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
 
 
+def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """What a Ctrl-C left, from the targets' states read after it: one line, and what to run.
+
+    The sleep's steps are undone before the command exits, so a sleep cut short leaves its targets
+    running with their memory in place: the user must hear that nothing was lost, or that one was
+    left half-way and which `hibernate recover` finishes or undoes it.
+    """
+    parts: list[str] = []
+    commands: list[str] = []
+    whole = bool(entries)
+    for e in entries:
+        pid, state = e["pid"], e.get("state")
+        interrupted = e.get("interrupted") or {}
+        if "resolve" in interrupted:
+            parts.append(f"process {pid} was left half-way ({state})")
+            commands.append(interrupted["resolve"])
+        elif e.get("busy") or interrupted:
+            parts.append(
+                f"process {pid} is {state}, still busy ({e.get('busy') or interrupted.get('in_progress')})"
+            )
+            commands.append(f"hibernate status {pid}")
+        else:
+            parts.append(f"process {pid} is {state}")
+            if state not in ("running", "asleep"):
+                commands.append(f"hibernate recover {pid}")
+        whole = whole and state in ("running", "asleep") and not commands
+    if not entries:
+        return f"interrupted: the {operation} found no agent to report on", None
+    message = f"interrupted: the {operation} stopped; " + "; ".join(parts)
+    if whole:
+        return message + ", nothing was lost", None
+    return message, "run " + ", then ".join(f"`{c}`" for c in dict.fromkeys(commands))
+
+
 def plain_columns(
     header: list[str], rows: list[list[str]], *, right: frozenset[str] = frozenset()
 ) -> list[str]:
