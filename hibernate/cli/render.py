@@ -21,11 +21,10 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from hibernate.errors import ExitCode, HibernateError
-from hibernate.operation.progress import ProgressSink
+from hibernate.operation.progress import ProgressSink, transfer_rate
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.units import human_bytes
 
@@ -68,14 +67,21 @@ def error(exc: HibernateError, as_json: bool) -> int:
 
 
 class TerminalProgress(ProgressSink):
-    """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise."""
+    """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise.
 
-    def __init__(self, enabled: bool) -> None:
+    The rate either shows is the report's (:func:`transfer_rate`): the bytes so far over the time
+    since the step began, not rich's estimate over the last few updates, which left out the
+    step's start and counted a burst of reused chunks as the speed of the disk.
+    """
+
+    def __init__(self, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.interactive = enabled and err.is_terminal
+        self._clock = clock
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._last_line = 0.0
+        self._step_started = clock()
 
     def __enter__(self) -> TerminalProgress:
         if self.interactive:
@@ -83,7 +89,7 @@ class TerminalProgress(ProgressSink):
                 TextColumn("{task.description}"),
                 BarColumn(),
                 DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
+                TextColumn("{task.fields[rate]}"),
                 TimeRemainingColumn(),
                 console=err,
                 transient=True,
@@ -96,6 +102,7 @@ class TerminalProgress(ProgressSink):
             self._progress.stop()
 
     def step(self, label: str) -> None:
+        self._step_started = self._clock()
         if not self.enabled:
             return
         if self._progress is not None:
@@ -115,15 +122,16 @@ class TerminalProgress(ProgressSink):
     def transfer(self, label: str, done: int, total: int) -> None:
         if not self.enabled:
             return
+        now = self._clock()
+        rate = f"{transfer_rate(done, now - self._step_started):.2f} GB/s"
         if self._progress is not None:
             if self._task is None:
-                self._task = self._progress.add_task(label, total=total)
-            self._progress.update(self._task, completed=done, total=total)
+                self._task = self._progress.add_task(label, total=total, rate=rate)
+            self._progress.update(self._task, completed=done, total=total, rate=rate)
             return
-        now = time.monotonic()
         if done >= total or now - self._last_line >= 2.0:
             self._last_line = now
-            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)}", markup=False)
+            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}", markup=False)
 
 
 def _line(label: str, text: str) -> None:
@@ -150,12 +158,12 @@ def sleep_report(report: SleepReport) -> None:
     for p in report.processes:
         out.print(f"asleep: pid {p.pid} ({p.name}) in {p.phases.get('spill', 0):.2f}s of spill", markup=False)
         _line("snapshot", str(p.snapshot))
-        wrote = (
-            f"wrote {human_bytes(p.written_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O)"
-            if p.written_bytes
-            else "nothing new to write"
+        wrote = f"wrote {human_bytes(p.written_bytes)}" if p.written_bytes else "nothing new to write"
+        _line(
+            "kept",
+            f"{human_bytes(p.total_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O): {wrote}, "
+            f"reused {human_bytes(p.reused_bytes)}",
         )
-        _line("kept", f"{human_bytes(p.total_bytes)}: {wrote}, reused {human_bytes(p.reused_bytes)}")
         if p.reuse_read_bytes or p.rewritten_bytes:
             _line("checked", _reuse_check(p.reuse_read_bytes, p.rewritten_bytes))
         if p.reused_unread_bytes:

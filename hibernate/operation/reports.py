@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hibernate.operation.progress import transfer_rate
+
 
 def _io_seconds(answer: dict[str, Any]) -> float | None:
     """The store's own transfer time within a spill or restore; None where the agent did not say."""
@@ -55,14 +57,15 @@ class ProcessSleep:
 
     @classmethod
     def from_answers(cls, pid: int, name: Any, answers: dict[str, dict[str, Any]]) -> ProcessSleep:
-        """GB/s is the bytes written over the whole spill step (``seconds``), not over the store's
-        transfer alone (``io_seconds``): with many small tensors the work around the writes is most of
-        the step, and a rate that left it out would promise what no sleep delivers.
+        """GB/s is the snapshot's bytes (written and reused) over the whole spill step (``seconds``),
+        not over the store's transfer alone (``io_seconds``): with many small tensors the work around
+        the writes is most of the step, and a rate that left it out would promise what no sleep
+        delivers. It is :func:`hibernate.operation.progress.transfer_rate`, the progress bar's rate.
         """
         spill = answers.get("spill", {})
         release = answers.get("release", {})
         written = int(spill.get("written_bytes", 0))
-        spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
+        spill_seconds = float(spill.get("seconds", 0.0))
         return cls(
             pid=pid,
             name=name,
@@ -78,7 +81,7 @@ class ProcessSleep:
             rewritten_bytes=spill.get("rewritten_bytes", 0),
             reused_unread_bytes=spill.get("reused_unread_bytes", 0),
             io_mode=spill.get("io_mode"),
-            gb_per_s=round(written / spill_seconds / 1e9, 3),
+            gb_per_s=transfer_rate(written + int(spill.get("reused_bytes", 0)), spill_seconds),
             io_seconds=_io_seconds(spill),
             staging_bytes=_staging_bytes(spill),
             verify_seconds=spill.get("verify_seconds"),
@@ -117,7 +120,7 @@ class ProcessWake:
         """GB/s is over the whole restore step, as in :meth:`ProcessSleep.from_answers`."""
         restore = answers.get("restore", {})
         total = int(restore.get("total_bytes", 0))
-        restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
+        restore_seconds = float(restore.get("seconds", 0.0))
         return cls(
             pid=pid,
             name=name,
@@ -125,7 +128,7 @@ class ProcessWake:
             restored_bytes=total,
             zeroed_bytes=restore.get("zeroed_bytes", 0),
             io_mode=restore.get("io_mode"),
-            gb_per_s=round(total / restore_seconds / 1e9, 3),
+            gb_per_s=transfer_rate(total, restore_seconds),
             io_seconds=_io_seconds(restore),
             staging_bytes=_staging_bytes(restore),
             rss_before=restore.get("rss_before"),
