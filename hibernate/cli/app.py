@@ -41,6 +41,7 @@ app.command("run", context_settings=PASS_THROUGH)(sched.run)
 app.command("serve", context_settings=PASS_THROUGH)(serve.run_proxy)
 app.command("node-step", hidden=True)(sched.node_step)
 app.command("doctor")(doctor.examine)
+app.command("slurm-scripts")(sched.slurm_scripts)
 
 
 def _version_callback(value: bool) -> None:
