@@ -28,7 +28,7 @@ def commands_with_json() -> dict[str, Any]:
     return {
         name: command
         for name, command in group.commands.items()  # type: ignore[attr-defined]
-        if any("--json" in param.opts for param in command.params)
+        if any("--json" in param.opts and not getattr(param, "hidden", False) for param in command.params)
     }
 
 

@@ -35,6 +35,7 @@ from hibernate.cli.options import (
     parse_directory,
     skip_reuse_check_by_default,
 )
+from hibernate.errors import UsageError
 
 
 @handles_errors
@@ -59,9 +60,16 @@ def run(
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
+    as_json: Annotated[bool, typer.Option("--json", hidden=True)] = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
     from hibernate.sched import runner
+
+    if as_json:  # refused in words (and as the error document a script asking for JSON can read)
+        raise UsageError(
+            "hibernate run has no --json: the job owns stdout, and run exits with the job's own status",
+            hint="for the state of the job's processes, `hibernate status --json` (from another shell)",
+        )
 
     options = options_from_flags(
         timeout=timeout,
