@@ -31,6 +31,7 @@ class ExitCode(IntEnum):
     NEEDS_RECOVERY = 13  # an operation stopped half-way and could not be undone
     SERVER_FAILED = 14  # the target's own server (vLLM) refused or failed a request
     ADDRESSES_WOULD_MOVE = 15  # a sleep would move memory that captured CUDA graphs may read
+    INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + the signal's number, as a shell reports it
 
 
 class HibernateError(Exception):
@@ -170,6 +171,13 @@ class AbortedError(HibernateError):
     wire_name = "aborted"
 
 
+class InterruptedByUserError(HibernateError):
+    """The command got SIGINT (Ctrl-C); the message says what state each target was left in."""
+
+    exit_code = ExitCode.INTERRUPTED
+    wire_name = "interrupted"
+
+
 class ProtocolError(HibernateError):
     """The peer spoke a protocol we do not understand (version, framing, size)."""
 
@@ -197,6 +205,7 @@ _BY_WIRE_NAME: dict[str, type[HibernateError]] = {
         ServerFailedError,
         AddressesWouldMoveError,
         AbortedError,
+        InterruptedByUserError,
         ProtocolError,
     )
 }

@@ -146,6 +146,7 @@ def test_exit_codes_are_stable(exit_code: ExitCode) -> None:
         "NEEDS_RECOVERY": 13,
         "SERVER_FAILED": 14,
         "ADDRESSES_WOULD_MOVE": 15,
+        "INTERRUPTED": 130,
     }
     assert documented[exit_code.name] == exit_code.value
 

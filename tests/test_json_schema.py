@@ -22,7 +22,7 @@ from tests.conftest import REPO, spill_root_of
 from tests.standins.world import GIB, World
 
 SCHEMAS = REPO / "docs" / "json-schema"
-EXPECTED = {"sleep", "wake", "status", "ls", "doctor", "error", "gc", "node-step", "serve-status"}
+EXPECTED = {"sleep", "wake", "recover", "status", "ls", "doctor", "error", "gc", "node-step", "serve-status"}
 
 
 def schema(name: str) -> dict[str, Any]:
@@ -137,6 +137,34 @@ def test_failures_print_the_error_document(cli, runtime_dir: Path, args: list[st
     assert document["error"]["exit_code"] == result.returncode
 
 
+def test_recover_with_nothing_to_recover(start_demo, cli) -> None:
+    demo = start_demo(size_mb=16)
+    document = valid("recover", cli("recover", str(demo.pid), "--json"))
+    assert document["action"] == "none" and "nothing to recover" in document["message"]
+
+
+@pytest.mark.slow
+def test_recover_of_a_sleep_whose_command_was_killed(start_demo, cli, work_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    killed = cli(
+        "sleep", str(demo.pid), "--to", str(work_dir), env={"HIBERNATE_FAULT": "sleep.after-release:kill"}
+    )
+    assert killed.returncode == -9, killed.stderr
+    document = valid("recover", cli("recover", str(demo.pid), "--json"))
+    # Every memory step had run: recover finishes the sleep (its CUDA stage, none here).
+    assert document["action"] == "finished the interrupted sleep", document["action"]
+    assert document["report"]["operation"] == "sleep" and document["report"]["directory"] is None
+    assert valid("wake", cli("wake", str(demo.pid), "--json"))["processes"][0]["pid"] == demo.pid
+
+
+def test_run_refuses_json_in_words_and_as_the_error_document(cli, work_dir: Path) -> None:
+    result = cli("run", "--to", str(work_dir), "--json", "--", sys.executable, "-c", "print('job output')")
+    assert result.returncode == ExitCode.USAGE
+    document = json.loads(result.stdout)
+    assert problems("error", document) == []
+    assert "run has no --json: the job owns stdout" in document["error"]["message"]
+
+
 def test_node_step_reports_validate_on_commit_and_on_abort(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     barrier = work_dir / "barrier"
@@ -234,6 +262,24 @@ def test_an_error_with_an_unknown_exit_name_or_no_hint_key_is_not_valid() -> Non
     assert problems("error", {"ok": False, "error": {k: v for k, v in error.items() if k != "hint"}}) != []
 
 
+def test_a_recover_has_a_message_or_a_report_not_both() -> None:
+    from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+
+    cuda = {"status": "running (nothing to restore)", "processes": []}
+    finished = SleepReport(None, 0.5, [], {"status": "none (skipped)", "processes": []})
+    for report in (
+        RecoverReport("none", message="nothing to recover (42: running)"),
+        RecoverReport("the interrupted sleep had completed"),
+        RecoverReport("finished the interrupted sleep", finished),
+        RecoverReport("undid the interrupted sleep", WakeReport(0.5, [], cuda)),
+    ):
+        assert problems("recover", {"ok": True, **report.to_wire()}) == [], report
+    wire = {"ok": True, **RecoverReport("none", message="m").to_wire()}
+    assert problems("recover", {**wire, "report": None}) != []
+    assert problems("recover", {k: v for k, v in wire.items() if k != "action"}) != []
+    assert problems("recover", {**wire, "operation": "wake"}) != []
+
+
 def test_an_agent_in_an_unknown_state_is_not_valid() -> None:
     agent = {
         "pid": 1, "start_time": 2, "uid": 0, "name": "proc-1", "kind": "torch", "state": "asleep",
@@ -265,7 +311,7 @@ def test_completion_completes_commands_and_the_new_options() -> None:
         env["COMP_CWORD"] = str(len(words.split()) - 1)
         return as_installed(env=env).stdout.split()
 
-    assert complete("hibernate sl") == ["sleep"]
+    assert complete("hibernate sle") == ["sleep"]
     assert {"--job", "--json"} <= set(complete("hibernate sleep --j"))
     assert complete("hibernate node") == []  # node-step is for scripts: hidden
     # The shell is named, not detected: typer detects it among this process's ancestors, and a test

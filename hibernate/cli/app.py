@@ -10,7 +10,9 @@ of this package would shadow that module).
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
 
@@ -26,6 +28,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help and errors: they read the same piped, in a log, on a terminal
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 app.command("sleep")(operations.sleep)
 app.command("wake")(operations.wake)
@@ -37,6 +41,7 @@ app.command("run", context_settings=PASS_THROUGH)(sched.run)
 app.command("serve", context_settings=PASS_THROUGH)(serve.run_proxy)
 app.command("node-step", hidden=True)(sched.node_step)
 app.command("doctor")(doctor.examine)
+app.command("slurm-scripts")(sched.slurm_scripts)
 
 
 def _version_callback(value: bool) -> None:
@@ -55,6 +60,65 @@ def _root(
     """Put a live GPU process to sleep (weights to files, GPU freed) and wake it in place."""
 
 
+# What click raises for a bad command line (a missing option, an unknown one, a value of the wrong
+# type): found by name, as typer vendors click in some versions and depends on it in others.
+_ClickException: type[Exception] = next(
+    cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException"
+)
+
+
+def wants_json(args: Sequence[str]) -> bool:
+    """Whether a command line asks for ``--json``: among the command's own arguments, not a job's
+    after ``--`` (``hibernate run -- job --json``)."""
+    own = args[: args.index("--")] if "--" in args else args
+    return "--json" in own
+
+
+def readable_help(command: Any) -> None:  # click's Command: vendored by typer in some versions
+    """Show an argument by its placeholder alone (``PID``), not followed by its Python type, and a
+    required one in the usage line as ``DIR`` (optional ones are ``[PID]...``), not ``{DIR}``.
+
+    Every parameter declares its placeholder (``metavar``: PID, DIR, SECONDS, a choice as
+    ``[auto|direct|buffered]``); typer 0.2x prints an argument's type after it all the same
+    (``PID <list[int]>``), which tells a user nothing the placeholder does not. Versions without
+    that method show the placeholder alone already.
+    """
+    for sub in getattr(command, "commands", {}).values():
+        readable_help(sub)
+    for param in command.params:
+        if param.param_type_name != "argument" or not param.metavar:
+            continue
+        if hasattr(param, "display_type_rich"):
+            param.display_type_rich = lambda ctx: None
+        if hasattr(param, "_usage_display_name") and param.required:  # `{DIR}`: as the usual `DIR`
+            usage = param.metavar + ("..." if param.nargs != 1 else "")
+            param._usage_display_name = lambda usage=usage: usage
+
+
 def main() -> None:
-    """The ``hibernate`` console script and ``python -m hibernate``."""
-    app()
+    """The ``hibernate`` console script and ``python -m hibernate``.
+
+    With ``--json`` a bad command line is reported as the one JSON document every failure is (exit
+    code 2, ``usage``), not as click's box on stderr: a script that parses stdout must get a
+    document whatever went wrong, and the first thing to go wrong is often a flag.
+    """
+    args = sys.argv[1:]
+    command = typer.main.get_command(app)
+    readable_help(command)
+    if not wants_json(args):
+        command.main(args)
+        return
+    try:
+        code = command.main(args, standalone_mode=False)
+    except _ClickException as exc:
+        from hibernate.cli import render
+        from hibernate.errors import UsageError
+
+        context = getattr(exc, "ctx", None)
+        where = context.command_path if context is not None else "hibernate"
+        message = exc.format_message()  # type: ignore[attr-defined]
+        error = UsageError(message, hint=f"see `{where} --help`")
+        sys.exit(render.error(error, as_json=True))
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -19,6 +19,7 @@ from hibernate.cli.options import (
     cuda_options,
     handles_errors,
     parse_directory,
+    parse_pid,
 )
 from hibernate.errors import ExitCode
 
@@ -27,13 +28,19 @@ from hibernate.errors import ExitCode
 def examine(
     pid: Annotated[
         int | None,
-        typer.Argument(help="A target to examine too (any process of its tree).", show_default=False),
+        typer.Argument(
+            parser=parse_pid,
+            metavar="PID",
+            help="A target to examine too (any process of its tree).",
+            show_default=False,
+        ),
     ] = None,
     to: Annotated[
         Path | None,
         typer.Option(
             "--to",
             parser=parse_directory,
+            metavar="DIR",
             help="Where snapshots would go (default: the agent's default directory, if any).",
         ),
     ] = None,

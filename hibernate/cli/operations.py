@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -24,6 +24,7 @@ from hibernate.cli.options import (
     CheckpointerOption,
     CudaCheckpointOption,
     ForceOption,
+    IfNeededOption,
     IoModeOption,
     JobOption,
     JsonOption,
@@ -38,6 +39,7 @@ from hibernate.cli.options import (
     handles_errors,
     options_from_flags,
     parse_directory,
+    parse_pid,
     select_targets,
     skip_reuse_check_by_default,
     spans_users,
@@ -45,6 +47,8 @@ from hibernate.cli.options import (
 )
 
 if TYPE_CHECKING:  # for annotations only: the commands import these when they run
+    from hibernate import orchestrator
+    from hibernate.errors import InterruptedByUserError
     from hibernate.operation.progress import ProgressSink
     from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
     from hibernate.sched.selectors import Selection
@@ -58,16 +62,37 @@ def _operate_and_report(
     selection: Selection,
     as_json: bool,
     quiet: bool,
+    *,
+    operation: str,
+    all_users: bool,
+    already: Callable[[], Report | None] | None = None,
 ) -> None:
     """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
     print its report as JSON (with how the targets were selected) or as ``show``'s lines.
 
+    ``already`` (``--if-needed``) turns a refusal for the wrong state into success where every
+    target now is in the state asked for: its report, with nothing done and every one skipped.
+    The states are read after the refusal, so a target another command moved meanwhile is judged
+    as it is, not as it was.
+
+    A Ctrl-C (``operation`` names what it stopped) is reported with the state each target was
+    left in (the undo of a sleep's steps has run by then), as the one error of the command.
+
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
     from hibernate.cli import render
+    from hibernate.errors import WrongStateError
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
-        report = operate(progress)
+        try:
+            report = operate(progress)
+        except WrongStateError:
+            satisfied = already() if already is not None else None
+            if satisfied is None:
+                raise
+            report = satisfied
+        except KeyboardInterrupt:
+            raise _interrupted(operation, selection, all_users) from None
     render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
@@ -76,8 +101,104 @@ def _operate_and_report(
     )
 
 
-def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool) -> None:
-    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one."""
+SETTLE_SECONDS = 10.0  # after a Ctrl-C, how long the targets' agents get to finish undoing
+
+
+def _interrupted(operation: str, selection: Selection, all_users: bool) -> InterruptedByUserError:
+    """The error a Ctrl-C ends a sleep, wake or recover with: the targets' states, once settled.
+
+    Read from the agents, not assumed: an agent finishes its own undo when its client goes, so it
+    is given a few seconds to stop being busy. A second Ctrl-C, or agents that cannot be read,
+    leave the states unknown, and the message says how to find them.
+    """
+    import time
+
+    from hibernate import orchestrator
+    from hibernate.cli import render
+    from hibernate.errors import HibernateError, InterruptedByUserError
+
+    pids = " ".join(map(str, selection.pids))
+    unknown = InterruptedByUserError(
+        f"interrupted: the {operation} stopped; the state of process(es) {pids} is not known",
+        hint=f"run `hibernate status {pids}`, and `hibernate recover {pids}` if one was left half-way",
+    )
+    deadline = time.monotonic() + SETTLE_SECONDS
+    try:
+        while True:
+            entries = orchestrator.status(selection.pids, all_users=all_users)
+            if time.monotonic() > deadline or not any(e.get("busy") for e in entries):
+                break
+            time.sleep(0.1)
+    except (HibernateError, OSError, KeyboardInterrupt):
+        return unknown
+    message, hint = render.interruption(operation, entries)
+    return InterruptedByUserError(message, hint=hint)
+
+
+def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
+    """An agent of ``status`` as a report lists one it left as it was."""
+    return {
+        "pid": entry["pid"],
+        "name": entry.get("name"),
+        "state": entry.get("state"),
+        "snapshot": (entry.get("snapshot") or {}).get("path"),
+    }
+
+
+def _agents_in(selection: Selection, state: str, all_users: bool) -> list[dict[str, Any]] | None:
+    """The targets' agents, as skipped, where every one is in ``state`` (and not busy); else None."""
+    from hibernate import orchestrator
+
+    entries = orchestrator.status(selection.pids, all_users=all_users)
+    if not entries or any(e.get("state") != state or e.get("busy") for e in entries):
+        return None
+    return [_skipped(e) for e in entries]
+
+
+def _already_asleep(selection: Selection, directory: Path, all_users: bool) -> SleepReport | None:
+    """``sleep --if-needed`` of targets that all sleep already: a sleep that did nothing."""
+    from hibernate.operation.reports import SleepReport
+
+    skipped = _agents_in(selection, "asleep", all_users)
+    if skipped is None:
+        return None
+    return SleepReport(
+        str(directory.absolute()), 0.0, [], {"status": "none (skipped)", "processes": []}, skipped=skipped
+    )
+
+
+def _already_awake(selection: Selection, all_users: bool) -> WakeReport | None:
+    """``wake --if-needed`` of targets that all run already: a wake that did nothing."""
+    from hibernate.operation.reports import WakeReport
+
+    skipped = _agents_in(selection, "running", all_users)
+    if skipped is None:
+        return None
+    return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
+
+
+def _wake_if_needed(
+    selection: Selection, options: orchestrator.Options, progress: ProgressSink
+) -> WakeReport:
+    """A wake that lists as skipped the targets it found running (a wake leaves those as they are)."""
+    from hibernate import orchestrator
+
+    entries = orchestrator.status(selection.pids, all_users=options.all_users)
+    report = orchestrator.wake(selection.pids, options, progress)
+    woken = {p.pid for p in report.processes}
+    report.skipped = [_skipped(e) for e in entries if e.get("state") == "running" and e["pid"] not in woken]
+    return report
+
+
+def _show_agents(
+    selection: Selection | None,
+    show: Callable[[list[dict[str, Any]]], None],
+    *,
+    all_users: bool,
+    as_json: bool,
+) -> None:
+    """What status and ls print: the agents of ``selection``'s targets, or all of yours without one;
+    the same JSON document for both, ``show``'s lines otherwise."""
     from hibernate import orchestrator
     from hibernate.cli import render
 
@@ -85,9 +206,17 @@ def _show_agents(selection: Selection | None, *, all_users: bool, as_json: bool)
     document = {"ok": True, "agents": entries}
     render.result(
         with_selection(document, selection) if selection else document,
-        lambda: render.agents_table(entries),
+        lambda: show(entries),
         as_json=as_json,
     )
+
+
+NoHeadersOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-headers", help="Only the rows: no header line, nothing below them.", show_default=False
+    ),
+]
 
 
 @handles_errors
@@ -95,7 +224,10 @@ def sleep(
     to: Annotated[
         Path,
         typer.Option(
-            "--to", parser=parse_directory, help="Directory for the snapshots (created 0700 if missing)."
+            "--to",
+            parser=parse_directory,
+            metavar="DIR",
+            help="Directory for the snapshots (created 0700 if missing).",
         ),
     ],
     pids: OptionalPidsArgument = None,
@@ -124,6 +256,7 @@ def sleep(
         int | None,
         typer.Option(
             "--level",
+            metavar="[1|2]",
             help="vLLM server only: 1 keeps the weights (written to DIR), 2 drops them. [default: 1]",
         ),
     ] = None,
@@ -131,11 +264,13 @@ def sleep(
         str | None,
         typer.Option(
             "--drain",
+            metavar="[wait|abort]",
             help="vLLM server only: wait (running requests finish first, within --timeout) or abort "
             "them. [default: wait]",
         ),
     ] = None,
     vllm_url: VllmUrlOption = None,
+    if_needed: IfNeededOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -166,13 +301,16 @@ def sleep(
         cgroup=cgroup,
     )
     selection = select_targets(pids, every, job, cgroup, sleeping=True)
-    options.skip_asleep = by_selector(selection)  # as a wake skips those awake
+    options.skip_asleep = if_needed or by_selector(selection)  # as a wake skips those awake
     _operate_and_report(
         partial(orchestrator.sleep, selection.pids, to, options),
         render.sleep_report,
         selection,
         as_json,
         quiet,
+        operation="sleep",
+        all_users=options.all_users,
+        already=partial(_already_asleep, selection, to, options.all_users) if if_needed else None,
     )
 
 
@@ -201,6 +339,7 @@ def wake(
         ),
     ] = None,
     vllm_url: VllmUrlOption = None,
+    if_needed: IfNeededOption = False,
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -224,7 +363,16 @@ def wake(
     )
     selection = select_targets(pids, every, job, cgroup)
     _operate_and_report(
-        partial(orchestrator.wake, selection.pids, options), render.wake_report, selection, as_json, quiet
+        partial(_wake_if_needed, selection, options)
+        if if_needed
+        else partial(orchestrator.wake, selection.pids, options),
+        render.wake_report,
+        selection,
+        as_json,
+        quiet,
+        operation="wake",
+        all_users=options.all_users,
+        already=partial(_already_awake, selection, options.all_users) if if_needed else None,
     )
 
 
@@ -266,32 +414,70 @@ def recover(
         selection,
         as_json,
         quiet,
+        operation="recover",
+        all_users=options.all_users,
     )
 
 
 @handles_errors
 def status(
-    pids: Annotated[list[int] | None, typer.Argument(help="Targets to show (default: all of yours).")] = None,
+    pids: Annotated[
+        list[int] | None,
+        typer.Argument(
+            parser=parse_pid,
+            metavar="PID",
+            help="Targets to show (default: all of yours).",
+            show_default=False,
+        ),
+    ] = None,
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
     all_users: AllUsersOption = False,
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide",
+            "-w",
+            help="More columns: user, name, who is busy with it, tracked bytes, bytes per GPU, command line.",
+            show_default=False,
+        ),
+    ] = False,
+    no_headers: NoHeadersOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """State, pools and snapshot of each agent of the given targets (or all of yours)."""
+    """State, memory and snapshot of each agent of the given targets (or all of yours), one line each.
+
+    Lines are never cut, piped or not; below them, what holds an agent awake and any interrupted
+    operation with the command that resolves it.
+    """
+    from hibernate.cli import render
+
     selection = select_targets(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
-    _show_agents(selection, all_users=spans_users(all_users, job, cgroup), as_json=as_json)
+    _show_agents(
+        selection,
+        partial(render.agents_table, wide=wide, headers=not no_headers),
+        all_users=spans_users(all_users, job, cgroup),
+        as_json=as_json,
+    )
 
 
 @handles_errors
-def list_agents(as_json: JsonOption = False) -> None:
-    """Every hibernate agent of yours on this machine."""
-    _show_agents(None, all_users=False, as_json=as_json)
+def list_agents(no_headers: NoHeadersOption = False, as_json: JsonOption = False) -> None:
+    """Every hibernate agent of yours on this machine: pid, state, kind and command line, to find a target.
+
+    `hibernate status` shows their memory and snapshots; --json prints the same document as status.
+    """
+    from hibernate.cli import render
+
+    _show_agents(None, partial(render.agent_list, headers=not no_headers), all_users=False, as_json=as_json)
 
 
 @handles_errors
 def gc(
-    directory: Annotated[Path, typer.Argument(help="A --to directory (or one process's directory in it).")],
+    directory: Annotated[
+        Path, typer.Argument(metavar="DIR", help="A --to directory (or one process's directory in it).")
+    ],
     awake: Annotated[
         bool, typer.Option("--awake", help="Also delete the snapshot kept by processes that are awake.")
     ] = False,

@@ -33,6 +33,7 @@ BufferOption = Annotated[
     int,
     typer.Option(
         "--buffer-mb",
+        metavar="MIB",
         help=(
             "Staging memory for the transfer, in MiB, shared by every process moving at once: "
             "16 to half of this machine's RAM."
@@ -41,12 +42,17 @@ BufferOption = Annotated[
 ]
 IoModeOption = Annotated[
     str,
-    typer.Option("--io-mode", help="auto (direct I/O where the filesystem allows), direct, or buffered."),
+    typer.Option(
+        "--io-mode",
+        metavar="[auto|direct|buffered]",
+        help="auto (direct I/O where the filesystem allows), direct, or buffered.",
+    ),
 ]
 TimeoutOption = Annotated[
     float,
     typer.Option(
         "--timeout",
+        metavar="SECONDS",
         help="Seconds to wait for the program to leave hibernate.guard() (a vLLM server: for its running "
         "requests to drain) and for its CUDA work to drain: 0 to 86400.",
     ),
@@ -55,6 +61,7 @@ CheckpointerOption = Annotated[
     str,
     typer.Option(
         "--checkpointer",
+        metavar="[auto|driver|binary|none]",
         help="How to drive cuda-checkpoint: auto (the driver API where libcuda has it, else the "
         "cuda-checkpoint binary), driver, binary, or none (free the pools only: every CUDA context "
         "stays on the GPU, no checkpoint call is made).",
@@ -64,6 +71,7 @@ CudaCheckpointOption = Annotated[
     Path | None,
     typer.Option(
         "--cuda-checkpoint",
+        metavar="PATH",
         help="The cuda-checkpoint executable (default: $HIBERNATE_CUDA_CHECKPOINT, then PATH); "
         "implies the binary unless --checkpointer driver.",
         show_default=False,
@@ -103,9 +111,25 @@ NoCudaOption = Annotated[
     typer.Option("--no-cuda", help="Same as --checkpointer none.", show_default=False),
 ]
 
+
+def parse_pid(value: str) -> int:
+    """A process id, refused in words that name the bad value (click's own do not)."""
+    if isinstance(value, int):  # a default, or a value already converted
+        return value
+    try:
+        pid = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a process id (a positive integer)") from None
+    if pid <= 0:
+        raise typer.BadParameter(f"{value!r} is not a process id (a positive integer)")
+    return pid
+
+
 OptionalPidsArgument = Annotated[
     list[int] | None,
     typer.Argument(
+        parser=parse_pid,
+        metavar="PID",
         help="Any process of each target's tree (or select them with --all, --job, --cgroup).",
         show_default=False,
     ),
@@ -143,10 +167,21 @@ AllUsersOption = Annotated[
     ),
 ]
 
+IfNeededOption = Annotated[
+    bool,
+    typer.Option(
+        "--if-needed",
+        help="Succeed (exit 0) where a target already is in the state asked for: it is left as it is and "
+        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state).",
+        show_default=False,
+    ),
+]
+
 VllmUrlOption = Annotated[
     str | None,
     typer.Option(
         "--vllm-url",
+        metavar="URL",
         help="vLLM server only: its address (http://HOST:PORT or unix:/PATH); default: read from the "
         "server's command line (--host/--port/--uds), else vLLM's default port 8000.",
         show_default=False,

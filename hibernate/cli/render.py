@@ -21,12 +21,10 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
-from rich.table import Table
 
 from hibernate.errors import ExitCode, HibernateError
-from hibernate.operation.progress import ProgressSink
+from hibernate.operation.progress import ProgressSink, transfer_rate
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.units import human_bytes
 
@@ -69,14 +67,21 @@ def error(exc: HibernateError, as_json: bool) -> int:
 
 
 class TerminalProgress(ProgressSink):
-    """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise."""
+    """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise.
 
-    def __init__(self, enabled: bool) -> None:
+    The rate either shows is the report's (:func:`transfer_rate`): the bytes so far over the time
+    since the step began, not rich's estimate over the last few updates, which left out the
+    step's start and counted a burst of reused chunks as the speed of the disk.
+    """
+
+    def __init__(self, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.interactive = enabled and err.is_terminal
+        self._clock = clock
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._last_line = 0.0
+        self._step_started = clock()
 
     def __enter__(self) -> TerminalProgress:
         if self.interactive:
@@ -84,7 +89,7 @@ class TerminalProgress(ProgressSink):
                 TextColumn("{task.description}"),
                 BarColumn(),
                 DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
+                TextColumn("{task.fields[rate]}"),
                 TimeRemainingColumn(),
                 console=err,
                 transient=True,
@@ -97,6 +102,7 @@ class TerminalProgress(ProgressSink):
             self._progress.stop()
 
     def step(self, label: str) -> None:
+        self._step_started = self._clock()
         if not self.enabled:
             return
         if self._progress is not None:
@@ -116,15 +122,16 @@ class TerminalProgress(ProgressSink):
     def transfer(self, label: str, done: int, total: int) -> None:
         if not self.enabled:
             return
+        now = self._clock()
+        rate = f"{transfer_rate(done, now - self._step_started):.2f} GB/s"
         if self._progress is not None:
             if self._task is None:
-                self._task = self._progress.add_task(label, total=total)
-            self._progress.update(self._task, completed=done, total=total)
+                self._task = self._progress.add_task(label, total=total, rate=rate)
+            self._progress.update(self._task, completed=done, total=total, rate=rate)
             return
-        now = time.monotonic()
         if done >= total or now - self._last_line >= 2.0:
             self._last_line = now
-            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)}", markup=False)
+            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}", markup=False)
 
 
 def _line(label: str, text: str) -> None:
@@ -151,12 +158,12 @@ def sleep_report(report: SleepReport) -> None:
     for p in report.processes:
         out.print(f"asleep: pid {p.pid} ({p.name}) in {p.phases.get('spill', 0):.2f}s of spill", markup=False)
         _line("snapshot", str(p.snapshot))
-        wrote = (
-            f"wrote {human_bytes(p.written_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O)"
-            if p.written_bytes
-            else "nothing new to write"
+        wrote = f"wrote {human_bytes(p.written_bytes)}" if p.written_bytes else "nothing new to write"
+        _line(
+            "kept",
+            f"{human_bytes(p.total_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O): {wrote}, "
+            f"reused {human_bytes(p.reused_bytes)}",
         )
-        _line("kept", f"{human_bytes(p.total_bytes)}: {wrote}, reused {human_bytes(p.reused_bytes)}")
         if p.reuse_read_bytes or p.rewritten_bytes:
             _line("checked", _reuse_check(p.reuse_read_bytes, p.rewritten_bytes))
         if p.reused_unread_bytes:
@@ -222,6 +229,8 @@ def wake_report(report: WakeReport) -> None:
         _line("memory", _rss_change(p.rss_before, p.rss_after))
         for warning in p.warnings:
             _line("warning", warning)
+    for s in report.skipped:
+        out.print(f"skipped: pid {s['pid']} ({s['name']}) is already awake", markup=False)
     for server in report.extras.get("vllm_all", []):
         out.print(vllm_summary(server), markup=False)
     out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
@@ -265,34 +274,134 @@ def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
     out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
 
 
-def agents_table(entries: list[dict[str, Any]]) -> None:
-    if not entries:
-        out.print("no hibernate agents running for this user", markup=False)
-        return
-    table = Table(box=None, pad_edge=False)
-    for column in ("PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"):
-        table.add_column(
-            column,
-            justify="right" if column in ("PID", "KEPT", "DROPPED", "RSS") else "left",
-            no_wrap=column != "SNAPSHOT",
-        )
+def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """What a Ctrl-C left, from the targets' states read after it: one line, and what to run.
+
+    The sleep's steps are undone before the command exits, so a sleep cut short leaves its targets
+    running with their memory in place: the user must hear that nothing was lost, or that one was
+    left half-way and which `hibernate recover` finishes or undoes it.
+    """
+    parts: list[str] = []
+    commands: list[str] = []
+    whole = bool(entries)
     for e in entries:
-        pools = e.get("pools", [])
-        kept = sum(p["bytes"] for p in pools if p["keep"])
-        dropped = sum(p["bytes"] for p in pools if not p["keep"])
-        state = str(e.get("state"))
-        if e.get("busy"):
-            state += " (busy)"
-        table.add_row(
-            str(e["pid"]),
-            str(e.get("kind") or "-"),
-            state,
-            human_bytes(kept),
-            human_bytes(dropped),
-            human_bytes(e.get("rss")),
-            (e.get("snapshot") or {}).get("path") or "-",
-        )
-    out.print(table)
+        pid, state = e["pid"], e.get("state")
+        interrupted = e.get("interrupted") or {}
+        if "resolve" in interrupted:
+            parts.append(f"process {pid} was left half-way ({state})")
+            commands.append(interrupted["resolve"])
+        elif e.get("busy") or interrupted:
+            parts.append(
+                f"process {pid} is {state}, still busy ({e.get('busy') or interrupted.get('in_progress')})"
+            )
+            commands.append(f"hibernate status {pid}")
+        else:
+            parts.append(f"process {pid} is {state}")
+            if state not in ("running", "asleep"):
+                commands.append(f"hibernate recover {pid}")
+        whole = whole and state in ("running", "asleep") and not commands
+    if not entries:
+        return f"interrupted: the {operation} found no agent to report on", None
+    message = f"interrupted: the {operation} stopped; " + "; ".join(parts)
+    if whole:
+        return message + ", nothing was lost", None
+    return message, "run " + ", then ".join(f"`{c}`" for c in dict.fromkeys(commands))
+
+
+def plain_columns(
+    header: list[str], rows: list[list[str]], *, right: frozenset[str] = frozenset()
+) -> list[str]:
+    """Rows as aligned columns of plain text, one line each, never cut to a width.
+
+    Piped into grep, awk or a log, a row must stay one line holding every cell
+    whole (a rich table shrinks to 80 columns and wraps or cuts the long ones);
+    on a terminal a line longer than the screen wraps, which beats losing a
+    path. Cells hold no spaces that a caller did not put there, so ``awk`` can
+    split them. ``header`` may be empty (``--no-headers``); the columns named in
+    ``right`` (numbers) are right-aligned; the last column is never padded.
+    """
+    names = header or [""] * (len(rows[0]) if rows else 0)
+    table = [header, *rows] if header else rows
+    widths = [max((len(row[i]) for row in table), default=0) for i in range(len(names))]
+    lines = []
+    for row in table:
+        cells = [
+            cell
+            if i == len(row) - 1
+            else (cell.rjust(widths[i]) if names[i] in right else cell.ljust(widths[i]))
+            for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _size(n: int | None) -> str:
+    """A size in a table cell: no space inside (``1.5GiB``), so that the columns split on blanks."""
+    return human_bytes(n).replace(" ", "")
+
+
+AGENT_COLUMNS = ["PID", "KIND", "STATE", "KEPT", "DROPPED", "RSS", "SNAPSHOT"]
+WIDE_COLUMNS = [
+    *("PID", "USER", "NAME", "KIND", "STATE", "BUSY", "KEPT", "DROPPED", "TRACKED", "RSS", "DEVICES"),
+    *("SNAPSHOT", "COMMAND"),
+]
+LIST_COLUMNS = ["PID", "USER", "STATE", "KIND", "NAME", "COMMAND"]
+_NUMBERS = frozenset({"PID", "USER", "KEPT", "DROPPED", "TRACKED", "RSS"})
+
+
+def _agent_cells(e: dict[str, Any]) -> dict[str, str]:
+    """Every column an agent can be shown with, as text (``-`` for what is unknown or empty)."""
+    pools = e.get("pools", [])
+    kept = sum(p["bytes"] for p in pools if p["keep"])
+    dropped = sum(p["bytes"] for p in pools if not p["keep"])
+    devices = e.get("device_bytes") or {}
+    return {
+        "PID": str(e["pid"]),
+        "USER": str(e.get("uid", "-")),
+        "NAME": str(e.get("name") or "-"),
+        "KIND": str(e.get("kind") or "-"),
+        "STATE": str(e.get("state")) + ("(busy)" if e.get("busy") else ""),
+        "BUSY": str(e.get("busy") or "-").replace(" ", "_"),
+        "KEPT": _size(kept),
+        "DROPPED": _size(dropped),
+        "TRACKED": _size(kept + dropped),
+        "RSS": _size(e.get("rss")),
+        "DEVICES": ",".join(f"{name}={_size(n)}" for name, n in sorted(devices.items())) or "-",
+        "SNAPSHOT": (e.get("snapshot") or {}).get("path") or "-",
+        "COMMAND": str(e.get("command") or "-"),
+    }
+
+
+def agent_lines(entries: list[dict[str, Any]], columns: list[str], *, headers: bool = True) -> list[str]:
+    """The agents as lines of ``columns`` (AGENT_COLUMNS, WIDE_COLUMNS or LIST_COLUMNS)."""
+    rows = [[cells[c] for c in columns] for cells in map(_agent_cells, entries)]
+    return plain_columns(columns if headers else [], rows, right=_NUMBERS)
+
+
+def agent_list(entries: list[dict[str, Any]], *, headers: bool = True) -> None:
+    """What ``ls`` prints: which agents there are, one line each, to find a target by its command."""
+    if not entries:
+        if headers:
+            out.print("no hibernate agents running for this user", markup=False)
+        return
+    for line in agent_lines(entries, LIST_COLUMNS, headers=headers):
+        out.print(line, markup=False)
+
+
+def agents_table(entries: list[dict[str, Any]], *, wide: bool = False, headers: bool = True) -> None:
+    """What ``status`` prints: each agent's state, memory and snapshot, then what holds or interrupted it."""
+    if not entries:
+        if headers:
+            out.print("no hibernate agents running for this user", markup=False)
+        return
+    for line in agent_lines(entries, WIDE_COLUMNS if wide else AGENT_COLUMNS, headers=headers):
+        out.print(line, markup=False)
+    if headers:  # --no-headers: the rows alone, for a script
+        agent_notes(entries)
+
+
+def agent_notes(entries: list[dict[str, Any]]) -> None:
+    """Below the table, what holds an agent awake and what was interrupted on it, with what to run."""
     for e in entries:
         holders = (e.get("leases") or {}).get("holders") or []
         if holders:

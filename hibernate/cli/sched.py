@@ -35,26 +35,41 @@ from hibernate.cli.options import (
     parse_directory,
     skip_reuse_check_by_default,
 )
+from hibernate.errors import UsageError
 
 
 @handles_errors
 def run(
-    command: Annotated[list[str], typer.Argument(help="The job to run, after --.", show_default=False)],
-    to: Annotated[Path, typer.Option("--to", parser=parse_directory, help="Directory for the snapshots.")],
+    command: Annotated[
+        list[str], typer.Argument(metavar="COMMAND", help="The job to run, after --.", show_default=False)
+    ],
+    to: Annotated[
+        Path, typer.Option("--to", parser=parse_directory, metavar="DIR", help="Directory for the snapshots.")
+    ],
     on_signal: Annotated[
-        str, typer.Option("--on-signal", help="Signal that puts the job to sleep.")
+        str, typer.Option("--on-signal", metavar="SIGNAL", help="Signal that puts the job to sleep.")
     ] = "USR1",
     wake_signal: Annotated[
-        str, typer.Option("--wake-signal", help="Signal that wakes it ('' for none: use hibernate wake).")
+        str,
+        typer.Option(
+            "--wake-signal", metavar="SIGNAL", help="Signal that wakes it ('' for none: use hibernate wake)."
+        ),
     ] = "USR2",
     timeout: TimeoutOption = 30.0,
     buffer_mb: BufferOption = 256,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     no_cuda: NoCudaOption = False,
+    as_json: Annotated[bool, typer.Option("--json", hidden=True)] = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
     from hibernate.sched import runner
+
+    if as_json:  # refused in words (and as the error document a script asking for JSON can read)
+        raise UsageError(
+            "hibernate run has no --json: the job owns stdout, and run exits with the job's own status",
+            hint="for the state of the job's processes, `hibernate status --json` (from another shell)",
+        )
 
     options = options_from_flags(
         timeout=timeout,
@@ -69,10 +84,14 @@ def run(
 
 @handles_errors
 def node_step(
-    operation: Annotated[str, typer.Argument(help="sleep or wake.", show_default=False)],
+    operation: Annotated[
+        str, typer.Argument(metavar="sleep|wake", help="sleep or wake.", show_default=False)
+    ],
     barrier: Annotated[
         Path,
-        typer.Option("--barrier", help="A fresh directory every node shares, the same for all of them."),
+        typer.Option(
+            "--barrier", metavar="DIR", help="A fresh directory every node shares, the same for all of them."
+        ),
     ],
     pids: OptionalPidsArgument = None,
     every: AllOption = False,
@@ -83,6 +102,7 @@ def node_step(
         typer.Option(
             "--to",
             parser=parse_directory,
+            metavar="DIR",
             help="Snapshot directory (sleep); this node's go to DIR/<node name>.",
             show_default=False,
         ),
@@ -91,18 +111,25 @@ def node_step(
         int | None,
         typer.Option(
             "--nodes",
+            metavar="N",
             help="Nodes taking part (default: $SLURM_STEP_NUM_NODES, $SLURM_NNODES).",
             show_default=False,
         ),
     ] = None,
     node_index: Annotated[
         int | None,
-        typer.Option("--node-index", help="This node's index (default: $SLURM_NODEID).", show_default=False),
+        typer.Option(
+            "--node-index",
+            metavar="N",
+            help="This node's index (default: $SLURM_NODEID).",
+            show_default=False,
+        ),
     ] = None,
     node: Annotated[
         str | None,
         typer.Option(
             "--node-name",
+            metavar="NAME",
             help="This node's name (default: $SLURMD_NODENAME, the host name).",
             show_default=False,
         ),
@@ -110,7 +137,9 @@ def node_step(
     barrier_timeout: Annotated[
         float,
         typer.Option(
-            "--barrier-timeout", help="Seconds from the start until silent nodes count as failed (to 86400)."
+            "--barrier-timeout",
+            metavar="SECONDS",
+            help="Seconds from the start until silent nodes count as failed (to 86400).",
         ),
     ] = 600.0,
     allow_empty: Annotated[
@@ -169,3 +198,43 @@ def node_step(
         if not as_json:
             render.error(error, False)
         raise typer.Exit(int(error.exit_code))
+
+
+SLURM_SCRIPTS = "share/hibernate/slurm"  # under the install prefix (pyproject.toml, data-files)
+
+
+def slurm_scripts_directory() -> Path | None:
+    """Where the Slurm scripts lie: those installed with the package (found through its file list,
+    whatever the install scheme: a venv, --user, a prefix), else a source checkout's scripts/slurm."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("hibernate").files or []
+        installed = next((f for f in files if str(f).endswith(f"{SLURM_SCRIPTS}/hibernate-job")), None)
+        if installed is not None:
+            directory = Path(str(installed.locate())).resolve().parent
+            if directory.is_dir():
+                return directory
+    except metadata.PackageNotFoundError:
+        pass
+    checkout = Path(__file__).resolve().parents[2] / "scripts" / "slurm"
+    return checkout if (checkout / "hibernate-job").is_file() else None
+
+
+@handles_errors
+def slurm_scripts() -> None:
+    """Print the directory of the Slurm scripts installed with hibernate.
+
+    hibernate-job, hibernate-suspend and hibernate-resume (also on PATH) and the example batch
+    scripts (*.sbatch), e.g. `cp "$(hibernate slurm-scripts)"/train-phases.sbatch .`
+    """
+    from hibernate.errors import UnsupportedError
+
+    directory = slurm_scripts_directory()
+    if directory is None:
+        raise UnsupportedError(
+            "the Slurm scripts were not installed with this hibernate",
+            hint="install hibernate with pip (they come with the package), or take them from scripts/slurm/ "
+            "of its source",
+        )
+    typer.echo(str(directory))

@@ -25,13 +25,17 @@ def run_proxy(
     command: Annotated[
         list[str] | None,
         typer.Argument(
-            help="After --: a backend to start and stop with the proxy (see --start).", show_default=False
+            metavar="COMMAND",
+            help="After --: a backend to start and stop with the proxy (see --start).",
+            show_default=False,
         ),
     ] = None,
     to: Annotated[
         str | None,
         typer.Option(
-            "--to", help="Directory for the snapshots of sleeping backends (created 0700 if missing)."
+            "--to",
+            metavar="DIR",
+            help="Directory for the snapshots of sleeping backends (created 0700 if missing).",
         ),
     ] = None,
     backend: Annotated[
@@ -44,12 +48,16 @@ def run_proxy(
         ),
     ] = None,
     listen: Annotated[
-        str | None, typer.Option("--listen", help="HOST:PORT to serve on. [default: 127.0.0.1:8000]")
+        str | None,
+        typer.Option(
+            "--listen", metavar="HOST:PORT", help="HOST:PORT to serve on. [default: 127.0.0.1:8000]"
+        ),
     ] = None,
     idle: Annotated[
         float | None,
         typer.Option(
             "--idle",
+            metavar="SECONDS",
             help="Put a backend to sleep after this many seconds without a request.",
             show_default=False,
         ),
@@ -57,13 +65,16 @@ def run_proxy(
     wake_timeout: Annotated[
         float | None,
         typer.Option(
-            "--wake-timeout", help="Longest a request waits for its backend to wake. [default: 300]"
+            "--wake-timeout",
+            metavar="SECONDS",
+            help="Longest a request waits for its backend to wake. [default: 300]",
         ),
     ] = None,
     gpu_budget: Annotated[
         str | None,
         typer.Option(
             "--gpu-budget",
+            metavar="SIZE|auto",
             help="Tracked memory that may be awake at once (e.g. 70GiB), or auto (the GPUs' free memory, "
             "NVML): a wake that does not fit first puts the least recently used idle backends to sleep.",
             show_default=False,
@@ -81,7 +92,10 @@ def run_proxy(
     config: Annotated[
         Path | None,
         typer.Option(
-            "--config", help="serve.toml: the same settings, plus per-backend ones.", show_default=False
+            "--config",
+            metavar="FILE",
+            help="serve.toml: the same settings, plus per-backend ones.",
+            show_default=False,
         ),
     ] = None,
 ) -> None:

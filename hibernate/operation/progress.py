@@ -7,6 +7,18 @@ from collections.abc import Callable
 from typing import Any
 
 
+def transfer_rate(nbytes: int, seconds: float) -> float:
+    """The one rate of a spill or restore, in GB/s (10^9 bytes): the bytes the step got through
+    over the seconds of the whole step so far.
+
+    The progress bar and the report both show it, so they cannot disagree: a sleep's bytes are
+    those its snapshot keeps, written and reused alike (the bar counts both as they pass), and
+    the clock runs from the step's start, not from the first bytes moved (the staging, the
+    planning and the last sync are part of what the user waits for).
+    """
+    return round(nbytes / max(seconds, 1e-9) / 1e9, 3)
+
+
 class ProgressSink:
     """Receives step labels, byte counts and notes; the CLI renders them, the default ignores them."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hibernate.operation.progress import transfer_rate
+
 
 def _io_seconds(answer: dict[str, Any]) -> float | None:
     """The store's own transfer time within a spill or restore; None where the agent did not say."""
@@ -55,14 +57,15 @@ class ProcessSleep:
 
     @classmethod
     def from_answers(cls, pid: int, name: Any, answers: dict[str, dict[str, Any]]) -> ProcessSleep:
-        """GB/s is the bytes written over the whole spill step (``seconds``), not over the store's
-        transfer alone (``io_seconds``): with many small tensors the work around the writes is most of
-        the step, and a rate that left it out would promise what no sleep delivers.
+        """GB/s is the snapshot's bytes (written and reused) over the whole spill step (``seconds``),
+        not over the store's transfer alone (``io_seconds``): with many small tensors the work around
+        the writes is most of the step, and a rate that left it out would promise what no sleep
+        delivers. It is :func:`hibernate.operation.progress.transfer_rate`, the progress bar's rate.
         """
         spill = answers.get("spill", {})
         release = answers.get("release", {})
         written = int(spill.get("written_bytes", 0))
-        spill_seconds = float(spill.get("seconds", 0.0)) or 1e-9
+        spill_seconds = float(spill.get("seconds", 0.0))
         return cls(
             pid=pid,
             name=name,
@@ -78,7 +81,7 @@ class ProcessSleep:
             rewritten_bytes=spill.get("rewritten_bytes", 0),
             reused_unread_bytes=spill.get("reused_unread_bytes", 0),
             io_mode=spill.get("io_mode"),
-            gb_per_s=round(written / spill_seconds / 1e9, 3),
+            gb_per_s=transfer_rate(written + int(spill.get("reused_bytes", 0)), spill_seconds),
             io_seconds=_io_seconds(spill),
             staging_bytes=_staging_bytes(spill),
             verify_seconds=spill.get("verify_seconds"),
@@ -117,7 +120,7 @@ class ProcessWake:
         """GB/s is over the whole restore step, as in :meth:`ProcessSleep.from_answers`."""
         restore = answers.get("restore", {})
         total = int(restore.get("total_bytes", 0))
-        restore_seconds = float(restore.get("seconds", 0.0)) or 1e-9
+        restore_seconds = float(restore.get("seconds", 0.0))
         return cls(
             pid=pid,
             name=name,
@@ -125,7 +128,7 @@ class ProcessWake:
             restored_bytes=total,
             zeroed_bytes=restore.get("zeroed_bytes", 0),
             io_mode=restore.get("io_mode"),
-            gb_per_s=round(total / restore_seconds / 1e9, 3),
+            gb_per_s=transfer_rate(total, restore_seconds),
             io_seconds=_io_seconds(restore),
             staging_bytes=_staging_bytes(restore),
             rss_before=restore.get("rss_before"),
@@ -222,6 +225,8 @@ class WakeReport:
     processes: list[ProcessWake]
     cuda: dict[str, Any]
     units: list[UnitReport] = field(default_factory=list)
+    # Processes found awake and left as they were (`hibernate wake --if-needed`), as a sleep's.
+    skipped: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def extras(self) -> dict[str, Any]:
@@ -234,6 +239,7 @@ class WakeReport:
             processes=[ProcessWake(**p) for p in wire.get("processes", [])],
             cuda=wire.get("cuda", {}),
             units=_units_from_wire(wire),
+            skipped=wire.get("skipped", []),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -244,6 +250,8 @@ class WakeReport:
             "cuda": self.cuda,
         }
         wire.update(self.extras)
+        if self.skipped:
+            wire["skipped"] = self.skipped
         return wire
 
 
