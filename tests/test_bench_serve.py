@@ -79,14 +79,33 @@ def test_percentile_interpolates_between_ranks() -> None:
         bench.percentile(values, 101)
 
 
-def test_the_first_of_each_pair_alternates() -> None:
-    firsts = [bench.proxy_goes_first(pair) for pair in range(10)]
-    assert firsts.count(True) == firsts.count(False) == 5
-    assert all(firsts[i] != firsts[i + 1] for i in range(9))
+def test_the_two_ways_strictly_alternate() -> None:
+    # Never the same way twice in a row: the demo answers a repeated way slower the second time.
+    ways = [bench.through_proxy(request) for request in range(10)]
+    assert ways[0] is True
+    assert all(ways[i] != ways[i + 1] for i in range(9))
+
+
+def test_each_request_is_paired_with_its_neighbour_the_other_way() -> None:
+    # proxy 10, direct 1, proxy 12, direct 3, proxy 14: the pairs are (10, 1), (12, 1), (12, 3), (14, 3),
+    # the first of them going first through the proxy, the second direct, and so on.
+    direct, proxied = bench.adjacent_pairs([10.0, 1.0, 12.0, 3.0, 14.0])
+    assert direct == [1.0, 1.0, 3.0, 3.0]
+    assert proxied == [10.0, 12.0, 12.0, 14.0]
+    assert bench.adjacent_pairs([5.0]) == ([], [])
+
+
+def test_a_drift_falls_on_both_sides_of_the_pairs() -> None:
+    # Every request 1 ms slower than the one before, the proxy adding nothing: pairs where the proxy
+    # went first see -1 ms, the others +1 ms, and the median of the differences is 0.
+    drifting = [0.100 + 0.001 * request for request in range(101)]
+    stats = bench.paired_latency(*bench.adjacent_pairs(drifting))
+    assert stats.pairs == 100
+    assert stats.added_median == pytest.approx(0.0)
 
 
 def test_progress_is_about_ten_lines_ending_on_the_last_pair() -> None:
-    assert bench.progress_marks(300) == {30, 60, 90, 120, 150, 180, 210, 240, 270, 300}
+    assert bench.progress_marks(600) == {60, 120, 180, 240, 300, 360, 420, 480, 540, 600}
     assert max(bench.progress_marks(7)) == 7
     assert len(bench.progress_marks(7)) <= 7
     assert bench.progress_marks(1) == {1}

@@ -3,9 +3,10 @@
 One demo serves its OpenAI-style HTTP API; ``hibernate serve`` runs in front of it.
 
 * added latency, paired: the same completion, one at a time, ``--requests`` times through the
-  proxy and as many times directly, in pairs (one through the proxy, one direct, which goes first
-  alternating so that drift cancels); the proxy's added latency is each pair's difference, shown
-  as the median, p90 and p99 of those differences, and the pairs' ratio (proxy / direct) likewise.
+  proxy and as many times directly, the two ways alternating; each request is paired with the
+  next (the other way), so which goes first alternates and a drift cancels. The proxy's added
+  latency is each pair's difference, shown as the median, p90 and p99 of those differences, and
+  the pairs' ratio (proxy / direct) likewise.
   Two percentiles of two separate runs are never subtracted: on a shared machine their difference
   is the machine's drift, and can come out negative;
 * the part of it the leases take: a lease on the demo's agent taken and given back, as the
@@ -16,7 +17,7 @@ One demo serves its OpenAI-style HTTP API; ``hibernate serve`` runs in front of 
 * requests per second with ``--concurrency`` clients, directly and through the proxy.
 
 Every answer is checked against the first one (same bytes); a failed request fails the run.
-Each phase prints a line to stderr as it starts and as it goes (every tenth of the pairs), so a
+Each phase prints a line to stderr as it starts and as it goes (every tenth of the paired requests), so a
 run is never silent; the report ends with each phase's wall time and its share of the run.
 """
 
@@ -60,13 +61,31 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
-def proxy_goes_first(pair: int) -> bool:
-    """Which request of pair number ``pair`` goes first: through the proxy on even pairs, direct on odd.
+def through_proxy(request: int) -> bool:
+    """Whether request number ``request`` of the paired phase goes through the proxy (even) or direct (odd).
 
-    Alternating cancels a drift of the machine (or the backend's warming up) that would otherwise
-    fall on one side of every pair.
+    The two ways strictly alternate: the demo answers a way asked twice in a row tens of
+    milliseconds slower the second time (measured on both ways alike), so a pattern that repeats
+    a way (proxy, direct, direct, proxy, ...) splits the differences into two clusters by order.
     """
-    return pair % 2 == 0
+    return request % 2 == 0
+
+
+def adjacent_pairs(seconds: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The direct and proxied times of every two neighbouring requests of an alternating run.
+
+    ``seconds[k]`` went through the proxy when ``through_proxy(k)``. Request k is paired with
+    request k + 1, the other way, so which goes first alternates from pair to pair (a drift of the
+    machine falls on both sides alike) and n requests give n - 1 pairs, each request in two.
+    """
+    direct: list[float] = []
+    proxied: list[float] = []
+    for first in range(len(seconds) - 1):
+        pair = (seconds[first], seconds[first + 1])
+        through, straight = pair if through_proxy(first) else pair[::-1]
+        proxied.append(through)
+        direct.append(straight)
+    return direct, proxied
 
 
 @dataclass(frozen=True)
@@ -229,30 +248,28 @@ async def paired_requests(
     session: aiohttp.ClientSession,
     direct_url: str,
     proxy_url: str,
-    pairs: int,
+    each_way: int,
     expected: bytes,
     phases: Phases,
 ) -> tuple[list[float], list[float]]:
-    """``pairs`` requests each way, one pair at a time, the first of each pair alternating."""
+    """``each_way`` requests through the proxy and as many direct, alternating; see ``adjacent_pairs``."""
     for _ in range(WARMUP_REQUESTS):
-        await one_request(session, direct_url, expected)
         await one_request(session, proxy_url, expected)
-    direct: list[float] = []
-    proxied: list[float] = []
-    marks = progress_marks(pairs)
-    for pair in range(pairs):
-        if proxy_goes_first(pair):
-            proxied.append(await one_request(session, proxy_url, expected))
-            direct.append(await one_request(session, direct_url, expected))
-        else:
-            direct.append(await one_request(session, direct_url, expected))
-            proxied.append(await one_request(session, proxy_url, expected))
-        if pair + 1 in marks:
-            so_far = paired_latency(direct, proxied)
+        await one_request(session, direct_url, expected)
+    total = 2 * each_way
+    seconds: list[float] = []
+    marks = progress_marks(total)
+    for request in range(total):
+        seconds.append(
+            await one_request(session, proxy_url if through_proxy(request) else direct_url, expected)
+        )
+        if request + 1 in marks and request >= 1:
+            so_far = paired_latency(*adjacent_pairs(seconds))
             phases.say(
-                f"      {pair + 1}/{pairs} pairs, added so far: median {so_far.added_median * 1000:+.2f} ms"
+                f"      {request + 1}/{total} requests, "
+                f"added so far: median {so_far.added_median * 1000:+.2f} ms"
             )
-    return direct, proxied
+    return adjacent_pairs(seconds)
 
 
 async def throughput(url: str, count: int, concurrency: int, expected: bytes) -> float:
@@ -320,8 +337,8 @@ async def bench(args: argparse.Namespace, scratch: Path, phases: Phases) -> dict
             await until_answered(session, via, time.perf_counter() + 120)
             phases.begin(
                 "paired latency",
-                f"added latency: {args.requests} pairs of requests (through the proxy and direct, "
-                f"alternating which goes first) after {WARMUP_REQUESTS} each way to warm up",
+                f"added latency: {args.requests} requests each way, alternating between the proxy and "
+                f"direct, each paired with the next (after {WARMUP_REQUESTS} each way to warm up)",
             )
             direct, proxied = await paired_requests(session, demo.url, via, args.requests, expected, phases)
             phases.begin("lease round trips", f"{args.requests} lease round trips on the demo's agent")
@@ -393,7 +410,7 @@ def report(r: dict[str, Any]) -> str:
         f"  a request through the proxy, awake backend: median {lat['proxy_median'] * ms:.2f} ms "
         f"(direct {lat['direct_median'] * ms:.2f} ms), "
         f"of which the proxy's {lat['added_median'] * ms:.2f} ms ({share:.1%})",
-        f"  added latency, {lat['pairs']} pairs    median {lat['added_median'] * ms:7.2f} ms  "
+        f"  added latency, {lat['pairs']} pairs   median {lat['added_median'] * ms:7.2f} ms  "
         f"p90 {lat['added_p90'] * ms:7.2f} ms  p99 {lat['added_p99'] * ms:7.2f} ms",
         f"  proxy / direct, per pair   median {lat['ratio_median']:7.3f}x    p90 {lat['ratio_p90']:7.3f}x    "
         f"p99 {lat['ratio_p99']:7.3f}x",
@@ -423,7 +440,9 @@ def main() -> int:
     )
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument(
-        "--requests", type=int, help="pairs of requests, lease round trips, throughput requests (300)"
+        "--requests",
+        type=int,
+        help="requests each way in the paired phase, lease round trips, throughput requests (300)",
     )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--wakes", type=int, help="requests that wake the backend (3)")
