@@ -251,8 +251,8 @@ async def paired_requests(
     each_way: int,
     expected: bytes,
     phases: Phases,
-) -> tuple[list[float], list[float]]:
-    """``each_way`` requests through the proxy and as many direct, alternating; see ``adjacent_pairs``."""
+) -> list[float]:
+    """Seconds of ``each_way`` requests through the proxy and as many direct, in turn (``through_proxy``)."""
     for _ in range(WARMUP_REQUESTS):
         await one_request(session, proxy_url, expected)
         await one_request(session, direct_url, expected)
@@ -269,7 +269,7 @@ async def paired_requests(
                 f"      {request + 1}/{total} requests, "
                 f"added so far: median {so_far.added_median * 1000:+.2f} ms"
             )
-    return adjacent_pairs(seconds)
+    return seconds
 
 
 async def throughput(url: str, count: int, concurrency: int, expected: bytes) -> float:
@@ -340,7 +340,7 @@ async def bench(args: argparse.Namespace, scratch: Path, phases: Phases) -> dict
                 f"added latency: {args.requests} requests each way, alternating between the proxy and "
                 f"direct, each paired with the next (after {WARMUP_REQUESTS} each way to warm up)",
             )
-            direct, proxied = await paired_requests(session, demo.url, via, args.requests, expected, phases)
+            alternating = await paired_requests(session, demo.url, via, args.requests, expected, phases)
             phases.begin("lease round trips", f"{args.requests} lease round trips on the demo's agent")
             leased = await lease_round_trips(demo.proc.pid, args.requests)
             phases.begin("wakes", f"{plural(args.wakes, 'request')} waking the backend, each after a sleep")
@@ -386,7 +386,9 @@ async def bench(args: argparse.Namespace, scratch: Path, phases: Phases) -> dict
         "requests": args.requests,
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
-        "latency_paired": asdict(paired_latency(direct, proxied)),
+        "latency_paired": asdict(paired_latency(*adjacent_pairs(alternating))),
+        # Each request's seconds in the order made, through the proxy first: for analysis beyond the summary.
+        "latency_alternating_seconds": alternating,
         "lease_round_trip": {"p50": percentile(leased, 50), "p99": percentile(leased, 99)},
         "first_byte_waking": {"median": statistics.median(wakes), "each": wakes},
         "first_byte_cold_restart": restarted,
