@@ -29,7 +29,7 @@ def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> Non
     demo = start_demo(size_mb=64)
     reference = demo.infer()["digest"]
     samples: dict[str, list[int]] = {"rss": [], "fds": [], "threads": [], "disk": []}
-    root = spill_root_of(work_dir, demo.pid)
+    root: Path | None = None  # the agent names its snapshot root at its first sleep
     mismatches = 0
     for cycle in range(CYCLES):
         asleep = cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet")
@@ -41,6 +41,9 @@ def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> Non
         samples["rss"].append(demo.rss())
         samples["fds"].append(demo.open_fds())
         samples["threads"].append(thread_count(demo.pid))
+        if root is None:
+            root = spill_root_of(work_dir, demo.pid)
+            assert root.is_dir(), f"no snapshot root under {work_dir} after a sleep"
         samples["disk"].append(sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
         mismatches += demo.infer()["digest"] != reference
     summary = {
@@ -62,4 +65,5 @@ def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> Non
     assert trend("threads") <= 0, "threads grew"
     for name in ("fds", "threads"):
         assert max(samples[name]) <= statistics.median(samples[name]) + 2, f"{name} spiked"
+    assert min(samples["disk"]) >= 64 << 20, "the snapshot is missing from the disk samples"
     assert max(samples["disk"][WARMUP:]) - min(samples["disk"][WARMUP:]) <= 1 << 16, "disk use grew"
