@@ -293,3 +293,33 @@ def test_off_loopback_the_control_endpoints_are_off_without_a_token_and_need_it_
     code, headers, body = exchange("POST", guarded.url + "/hibernate/models/q/wake", good)
     assert code == 503 and headers["Retry-After"].isdigit() and "could not be woken" in body.decode()
     assert exchange("POST", guarded.url + "/hibernate/models/zz/wake", good)[0] == 404
+
+
+@pytest.mark.slow
+def test_logs_are_json_lines_with_every_request_when_verbose_and_warnings_only_when_quiet(
+    start_proxy: Callable[..., Proxy],
+) -> None:
+    backend = ("--backend", f"q=http://127.0.0.1:{free_port()}")  # nothing there: adopted as failed
+    verbose = start_proxy(*backend, "--log-format", "json", "--verbose")
+    assert fetch("GET", verbose.url + "/v1/models")[0] == 200
+    assert verbose.stop() == 0
+    entries = [json.loads(line) for line in verbose.log.read_text().splitlines()]
+    assert all(set(e) == {"time", "level", "logger", "message"} for e in entries), entries
+    assert any(e["level"] == "debug" and e["message"].startswith("GET /v1/models -> 200 (") for e in entries)
+    assert any(e["level"] == "warning" and e["message"].startswith("q: not adopted: ") for e in entries)
+
+    quiet = start_proxy(*backend, "--quiet", wait=False)
+    wait_until(
+        lambda: quiet.proc.poll() is not None or fetch_or_none(quiet.url + "/health") == 200, 60, "/health"
+    )
+    assert fetch("GET", quiet.url + "/v1/models")[0] == 200
+    assert quiet.stop() == 0
+    lines = quiet.log.read_text().splitlines()
+    assert lines and all(" WARNING hibernate serve: " in line for line in lines), lines
+
+
+def fetch_or_none(url: str) -> int | None:
+    try:
+        return fetch("GET", url)[0]
+    except aiohttp.ClientError:
+        return None

@@ -446,6 +446,8 @@ class Fleet:
                 self._set(backend, State.ASLEEP)
             return True
         if verdict.reason == "gone":
+            if backend.process is not None:
+                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
             if backend.pid is not None and _alive(backend.pid):
                 return False  # the links broke, not the process: opened again on the next try
             if settled:

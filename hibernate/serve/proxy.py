@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ KEEP_ALIVE_HEADER = "X-Hibernate-Keep-Alive"
 # What the proxy itself reads from a request, never forwarded.
 OWN_HEADERS = frozenset((KEEP_ALIVE_HEADER.lower(),))
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("hibernate.serve")
 
 
 def forwarded_headers(headers: Any, *, request: bool) -> list[tuple[str, str]]:
@@ -156,6 +159,18 @@ class Proxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
+        response = await self._answer(request, started)
+        if log.isEnabledFor(logging.DEBUG):  # --verbose: every request, once it is answered
+            log.debug(
+                "%s %s -> %d (%.3f s)",
+                request.method,
+                request.path,
+                response.status,
+                time.monotonic() - started,
+            )
+        return response
+
+    async def _answer(self, request: web.Request, started: float) -> web.StreamResponse:
         backend = ""
         try:
             own = await self._own(request)
@@ -255,10 +270,8 @@ class Proxy:
         else:
             outcome = await self.fleet.sleep_now(spec.name)
             if not outcome.ok:
-                status = 409 if outcome.busy else 500
-                raise ApiError(
-                    status, f"backend {spec.name} was not put to sleep: {outcome.reason}", "ConflictError"
-                )
+                status, kind = (409, "ConflictError") if outcome.busy else (500, "InternalServerError")
+                raise ApiError(status, f"backend {spec.name} was not put to sleep: {outcome.reason}", kind)
         return web.json_response(self._model_view(spec.name, time.monotonic()))
 
     def _model_view(self, name: str, now: float) -> dict[str, Any]:
