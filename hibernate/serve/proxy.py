@@ -138,6 +138,8 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Every request: the proxy's own answers, else routed, woken for and forwarded; bounded in number."""
+        if request.path in HEALTH_PATHS:  # answered even at max_requests: busy is not unhealthy
+            return self.health()
         limit = self.config.limits.max_requests
         if self.active >= limit:
             error = ApiError(
@@ -148,8 +150,6 @@ class Proxy:
             )
             self.recorder.request("", error.status)
             return error_response(error)
-        if request.path in HEALTH_PATHS:
-            return self.health()
         self.active += 1
         try:
             await self.ready.wait()
