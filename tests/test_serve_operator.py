@@ -280,3 +280,19 @@ def test_log_lines_have_a_utc_time_and_a_level_as_text_or_json() -> None:
         "time": "2026-01-01T00:00:00.250Z", "level": "warning", "logger": "hibernate.serve",
         "message": "q: gone",
     }  # fmt: skip
+
+
+def test_a_request_for_a_model_started_on_demand_waits_for_its_start_timeout_if_longer() -> None:
+    from hibernate.serve.backends import Fleet
+
+    specs = config(
+        document={
+            "backend": [
+                {"name": "slow", "url": "http://127.0.0.1:8001", "command": "x", "start_timeout": 900},
+                {"name": "quick", "url": "http://127.0.0.1:8002", "command": "x", "start_timeout": 5},
+                {"name": "plain", "url": "http://127.0.0.1:8003"},
+            ]
+        }
+    ).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=None)  # type: ignore[arg-type]
+    assert [fleet.patience(b) for b in fleet.backends.values()] == [900.0, 300.0, 300.0]

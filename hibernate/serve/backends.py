@@ -360,7 +360,7 @@ class Fleet:
         """Wake ``name`` (or start it) if it is not awake, within --wake-timeout; as a request would,
         without one to forward. Its idle time starts now."""
         backend = self.backends[name]
-        deadline = asyncio.get_running_loop().time() + self.wake_timeout
+        deadline = asyncio.get_running_loop().time() + self.patience(backend)
         backend.keep_alive = None
         await self._wait_awake(backend, deadline)
         backend.last_used = time.monotonic()
@@ -376,6 +376,13 @@ class Fleet:
         if backend.state is not State.AWAKE:
             return Outcome(True)
         return await self._begin(backend, State.SLEEPING, self._sleep(backend, "asked"))
+
+    def patience(self, backend: Backend) -> float:
+        """How long a request waits for its backend to be awake: --wake-timeout, or its start_timeout if
+        it has a command and that is longer (a start may have to come first)."""
+        if backend.spec.command:
+            return max(self.wake_timeout, backend.spec.start_timeout)
+        return self.wake_timeout
 
     def startable(self, backend: Backend) -> bool:
         """Whether the next request starts the backend's command: it has one, and no process of it is
@@ -398,7 +405,7 @@ class Fleet:
                 return leases
             self._learn(backend, verdict)  # what it is, if not awake; else the loop below waits
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wake_timeout
+        deadline = loop.time() + self.patience(backend)
         started = time.monotonic()
         backend.waiting += 1
         self.recorder.waiting(backend.name, backend.waiting)
@@ -494,10 +501,15 @@ class Fleet:
                     raise TimeoutError
                 outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
             except TimeoutError:
+                within = (
+                    f"its start_timeout {self.patience(backend):g}s"
+                    if backend.spec.command and self.patience(backend) > self.wake_timeout
+                    else f"--wake-timeout {self.wake_timeout:g}s"
+                )
                 raise ApiError(
                     503,
-                    f"backend {backend.name} did not wake within --wake-timeout {self.wake_timeout:g}s "
-                    f"(it is {backend.state.value}); retry later",
+                    f"backend {backend.name} did not wake within {within} (it is {backend.state.value}); "
+                    "retry later",
                     "ServiceUnavailableError",
                     retry_after=RETRY_BUSY_SECONDS,
                 ) from None
