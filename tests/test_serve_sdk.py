@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -323,3 +324,24 @@ def fetch_or_none(url: str) -> int | None:
         return fetch("GET", url)[0]
     except aiohttp.ClientError:
         return None
+
+
+@pytest.mark.slow
+def test_a_backend_without_hibernate_is_refused_with_its_reason_said_once_and_when_to_retry(
+    start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    port = free_port()
+    plain = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: fetch_or_none(f"http://127.0.0.1:{port}/") == 200, 30, "the plain server")
+        proxy = start_proxy("--backend", f"plain=http://127.0.0.1:{port}")
+        code, headers, body = exchange("POST", proxy.url + "/v1/completions", None, completion("plain"))
+        reason = f"no hibernate agent in process {plain.pid}"
+        assert code == 503 and headers["Retry-After"] == "10", (code, headers)
+        assert json.loads(body)["error"]["message"] == f"backend plain could not be woken: {reason}"
+    finally:
+        plain.kill()
+        plain.wait()
