@@ -239,7 +239,7 @@ def test_every_503_says_when_to_retry() -> None:
 
 def test_every_series_of_a_backend_exists_at_zero_from_the_start_with_the_version() -> None:
     recorder = Recorder(STATES)
-    recorder.register("q", State.FAILED.value)
+    recorder.register("q", State.FAILED.value, ("Org/Q-8B", "q"))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(recorder.exposition()[0].decode())
@@ -260,12 +260,17 @@ def test_every_series_of_a_backend_exists_at_zero_from_the_start_with_the_versio
     assert value("hibernate_serve_requests_in_flight") == 0
     assert value("hibernate_serve_backend_state", state="failed") == 1
     assert value("hibernate_serve_backend_state", state="awake") == 0
+    for model in ("Org/Q-8B", "q"):
+        assert value("hibernate_serve_model_state", model=model, state="failed") == 1
+        assert value("hibernate_serve_model_state", model=model, state="awake") == 0
+    recorder.state("q", "asleep")
     assert samples[("hibernate_serve_build_info", (("version", __version__),))] == 1
 
     recorder.transition("q", "sleep", 1.0, written=10, reused=90)
     recorder.request("q", 200, "client_cancelled")
     recorder.request("q", 502)
     text = recorder.exposition()[0].decode()
+    assert 'hibernate_serve_model_state{backend="q",model="Org/Q-8B",state="asleep"} 1.0' in text
     assert 'hibernate_serve_spilled_bytes_total{backend="q"} 10.0' in text
     assert 'hibernate_serve_reused_bytes_total{backend="q"} 90.0' in text
     assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="client_cancelled"} 1.0' in text

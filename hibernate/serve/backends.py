@@ -276,7 +276,7 @@ class Fleet:
         self._starting = asyncio.Lock()  # one start of a backend's command at a time
         self._log_dir: Path | None = None  # where started commands write (created by the first start)
         for backend in self.backends.values():
-            recorder.register(backend.name, backend.state.value)
+            recorder.register(backend.name, backend.state.value, backend.spec.model_names)
 
     # -- adoption ---------------------------------------------------------------
 

@@ -47,6 +47,13 @@ class Recorder:
             ["backend", "state"],
             registry=r,
         )
+        self.model_state = Gauge(
+            PREFIX + "model_state",
+            "1 for the state the model's backend is in, 0 for the others, by the model name clients send",
+            ["model", "backend", "state"],
+            registry=r,
+        )
+        self._models: dict[str, tuple[str, ...]] = {}  # backend -> the model names routed to it
         self.transitions = Counter(
             PREFIX + "transitions", "Completed sleeps and wakes", ["backend", "operation"], registry=r
         )
@@ -117,9 +124,10 @@ class Recorder:
             registry=r,
         )
 
-    def register(self, backend: str, state: str) -> None:
-        """Every series of ``backend`` at zero from the start (in ``state`` until adopted), so a rate()
-        or an alert on a counter works before its first event."""
+    def register(self, backend: str, state: str, models: tuple[str, ...] = ()) -> None:
+        """Every series of ``backend`` (and of the ``models`` routed to it) at zero from the start (in
+        ``state`` until adopted), so a rate() or an alert on a counter works before its first event."""
+        self._models[backend] = models
         self.state(backend, state)
         for operation in OPERATIONS:
             self.transitions.labels(backend, operation)
@@ -138,6 +146,8 @@ class Recorder:
     def state(self, backend: str, state: str) -> None:
         for name in self._states:
             self.backend_state.labels(backend, name).set(1 if name == state else 0)
+            for model in self._models.get(backend, ()):
+                self.model_state.labels(model, backend, name).set(1 if name == state else 0)
 
     def transition(
         self,
