@@ -35,7 +35,7 @@ from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
 from hibernate.serve.proxy import authorize, backend_for, error_response, keep_alive_of
 from hibernate.serve.routing import ApiError, without_keep_alive
 from hibernate.serve.server import JsonFormat, TextFormat
-from hibernate.serve.starter import tail
+from hibernate.serve.starter import child_environment, tail
 from hibernate.version import __version__
 
 TOKEN = "s3cret-token-0123456789"
@@ -301,3 +301,11 @@ def test_a_request_for_a_model_started_on_demand_waits_for_its_start_timeout_if_
     ).backends
     fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=None)  # type: ignore[arg-type]
     assert [fleet.patience(b) for b in fleet.backends.values()] == [900.0, 300.0, 300.0]
+
+
+def test_a_started_backend_gets_serves_environment_and_its_own_but_never_the_token() -> None:
+    environ = {"PATH": "/bin", TOKEN_ENV: TOKEN, "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert child_environment((("CUDA_VISIBLE_DEVICES", "1"),), environ) == {
+        "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1",
+    }  # fmt: skip
+    assert environ[TOKEN_ENV] == TOKEN  # serve's own is left as it is

@@ -132,7 +132,7 @@ def test_a_model_with_a_command_is_started_by_its_first_request_then_sleeps_and_
         f'[[backend]]\nname = "broken"\nurl = "http://127.0.0.1:{broken_port}"\n'
         f"command = {json.dumps(broken)}\n"
     )
-    proxy = start_proxy("--config", str(config))
+    proxy = start_proxy("--config", str(config), env={"HIBERNATE_SERVE_TOKEN": TOKEN})
     status = proxy.status()
     assert (status["own"]["state"], status["own"]["pid"]) == ("stopped", None)
     assert proxy.lines("own: not running; its first request starts it")
@@ -153,9 +153,12 @@ def test_a_model_with_a_command_is_started_by_its_first_request_then_sleeps_and_
     assert len(started) == 1, started
     log = Path(started[0].split(", log ")[1].rstrip(")"))
     assert log.parent.parent == runtime_dir and (log.parent.stat().st_mode & 0o777) == 0o700
+    assert TOKEN.encode() not in Path(f"/proc/{pid}/environ").read_bytes()  # serve's token stays its own
 
     # From now on it sleeps and wakes; it is not started again.
-    assert exchange("POST", proxy.url + "/hibernate/models/own/sleep")[0] == 200
+    assert exchange("POST", proxy.url + "/hibernate/models/own/sleep")[0] == 401  # a token is set
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert exchange("POST", proxy.url + "/hibernate/models/own/sleep", good)[0] == 200
     assert orchestrator.status([pid])[0]["state"] == "asleep"
     assert ask(client, "own", "completion", stream=True) == answer
     assert proxy.status()["own"]["pid"] == pid and len(proxy.lines("started pid")) == 1

@@ -44,7 +44,7 @@ def start_command(config: ServeConfig) -> subprocess.Popen[bytes] | None:
         return None
     log.info("starting backend %s: %s", config.start, " ".join(config.command))
     try:
-        return subprocess.Popen(list(config.command), start_new_session=True)
+        return subprocess.Popen(list(config.command), start_new_session=True, env=starter.child_environment())
     except OSError as exc:  # not found, not executable: the command given is wrong
         raise UsageError(f"-- {config.command[0]}: {exc.strerror or exc}") from None
 

@@ -23,7 +23,7 @@ from hibernate.agent.paths import runtime_dir
 from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
 from hibernate.fsutil import ensure_private_dir
 from hibernate.serve import discovery
-from hibernate.serve.config import BackendSpec
+from hibernate.serve.config import TOKEN_ENV, BackendSpec
 
 TAIL_BYTES = 2000  # of a failed start's log, in its error
 POLL_SECONDS = 0.2
@@ -45,14 +45,24 @@ def log_path(directory: Path, name: str) -> Path:
     return directory / (name.replace("/", "_").replace(":", "_") + ".log")
 
 
+def child_environment(
+    extra: tuple[tuple[str, str], ...] = (), environ: dict[str, str] | None = None
+) -> dict[str, str]:
+    """What a started backend's process gets: serve's environment and ``extra``, but never the
+    control endpoints' token (HIBERNATE_SERVE_TOKEN): a model server has no use for it."""
+    env = {**(os.environ if environ is None else environ), **dict(extra)}
+    env.pop(TOKEN_ENV, None)
+    return env
+
+
 def spawn(spec: BackendSpec, log: Path) -> subprocess.Popen[bytes]:
     """Run the backend's command, its output appended to ``log`` (0600)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     try:
         return subprocess.Popen(
             list(spec.command),
             cwd=spec.cwd,
-            env={**os.environ, **dict(spec.env)},
+            env=child_environment(spec.env),
             stdin=subprocess.DEVNULL,
             stdout=fd,
             stderr=fd,
