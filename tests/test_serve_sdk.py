@@ -188,7 +188,10 @@ def test_probes_and_scrapes_every_half_second_never_wake_a_model_nor_keep_it_awa
     demo = start_http_demo()
     orchestrator.sleep([demo.pid], work_dir, orchestrator.Options())
     config = tmp_path / "serve.toml"
-    config.write_text(f'idle = 3\n[[backend]]\nname = "demo"\nurl = "{demo.url}"\nprefix = "/demo"\n')
+    config.write_text(
+        f'idle = 3\n[[backend]]\nname = "demo"\nurl = "{demo.url}"\nprefix = "/demo"\n'
+        'probes = { "/ready" = "forward_or_503", "/demo/stats" = "answer" }\n'
+    )
     proxy = start_proxy("--config", str(config))
     assert proxy.state("demo") == "asleep"
     paths = (
@@ -219,10 +222,15 @@ def test_probes_and_scrapes_every_half_second_never_wake_a_model_nor_keep_it_awa
     assert answers["/demo/metrics"] == b""
     assert json.loads(answers["/demo/v1/models"])["data"][0]["state"] == "asleep"
     assert json.loads(answers["/healthz"]) == {"status": "ok", "backends": {"demo": "asleep"}}
+    code, headers, body = exchange("GET", proxy.url + "/demo/ready")
+    assert code == 503 and headers["Retry-After"] == "5" and b"is asleep" in body, (code, headers, body)
 
     # Awake: probes go on every 0.5 s, are forwarded to the demo, and its idle sleep still comes.
     seen.clear()
     assert proxy.post(completion("demo"))[0] == 200
+    # An "answer" probe is the proxy's even while the backend is awake: never forwarded.
+    stats = json.loads(fetch("GET", proxy.url + "/demo/demo/stats")[1])
+    assert stats == {"status": "ok", "backend": "demo", "state": "awake"}
     stop = threading.Event()
 
     def keep_probing() -> None:
