@@ -94,6 +94,7 @@ def test_probes_are_gets_of_health_metrics_and_models_by_default_and_serve_toml_
         ({"command": "x", "health_path": "health"}, "health_path: must be a path such as /health"),
         ({"command": "x", "start_timeout": 0}, "start_timeout: must be a number of seconds"),
         ({"prefix": "/health"}, "prefix: the prefix '/health' is the proxy's own"),
+        ({"command": "x", "pid": 42}, "pid: a backend started on demand (command) gets a new pid"),
     ],
 )
 def test_bad_backend_keys_are_refused_naming_the_key(table: dict[str, Any], words: str) -> None:
@@ -309,3 +310,8 @@ def test_a_started_backend_gets_serves_environment_and_its_own_but_never_the_tok
         "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1",
     }  # fmt: skip
     assert environ[TOKEN_ENV] == TOKEN  # serve's own is left as it is
+
+
+def test_a_backend_with_its_own_command_is_not_also_the_one_dash_dash_command_starts() -> None:
+    with pytest.raises(UsageError, match=r"--start q: that backend has its own command in serve\.toml"):
+        config(document=backend(command="vllm serve x"), command=["vllm", "serve", "y"], start="q")

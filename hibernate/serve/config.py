@@ -312,6 +312,11 @@ def backend_from_table(
     if health_path is not None and (not isinstance(health_path, str) or not health_path.startswith("/")):
         raise UsageError(f"{key('health_path')} must be a path such as /health, not {health_path!r}")
     command = command_from_value(table["command"], key("command")) if "command" in table else ()
+    if command and pid is not None:
+        raise UsageError(
+            f"{key('pid')} a backend started on demand (command) gets a new pid at each start: it is found "
+            "from its address; give one or the other"
+        )
     for started_only in ("cwd", "env", "start_timeout", "health_path"):
         if started_only in table and not command:
             raise UsageError(f"{key(started_only)} is for a backend started on demand: give its command")
@@ -503,4 +508,9 @@ def with_command(config: ServeConfig, command: Sequence[str], start: str | None)
         start = names[0]
     if start not in names:
         raise UsageError(f"--start {start}: no such backend (known: {', '.join(names)})")
+    if any(s.command for s in config.backends if s.name == start):
+        raise UsageError(
+            f"--start {start}: that backend has its own command in serve.toml (started on demand); "
+            "give one or the other"
+        )
     return replace(config, command=tuple(command), start=start)
