@@ -94,6 +94,7 @@ def test_probes_are_gets_of_health_metrics_and_models_by_default_and_serve_toml_
         ({"command": "x", "health_path": "health"}, "health_path: must be a path such as /health"),
         ({"command": "x", "start_timeout": 0}, "start_timeout: must be a number of seconds"),
         ({"prefix": "/health"}, "prefix: the prefix '/health' is the proxy's own"),
+        ({"prefix": "/hibernate/models"}, "prefix: the prefix '/hibernate/models' is the proxy's own"),
         ({"command": "x", "pid": 42}, "pid: a backend started on demand (command) gets a new pid"),
     ],
 )

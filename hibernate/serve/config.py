@@ -205,7 +205,7 @@ def check_prefix(prefix: str, label: str) -> str:
         raise UsageError(
             f"{label} a path prefix starts with / and names a path, such as /qwen, not {prefix!r}"
         )
-    if prefix.rstrip("/") in OWN_PATHS:
+    if prefix.rstrip("/") in OWN_PATHS or prefix.startswith("/hibernate/"):
         raise UsageError(f"{label} the prefix {prefix!r} is the proxy's own; choose another")
     return prefix.rstrip("/")
 
