@@ -595,5 +595,7 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             assert result.returncode == code, result.stderr
             assert lines[0].startswith(f"hibernate: error: {words}"), lines
             assert len(lines) <= 2 and all(line.startswith("  hint: ") for line in lines[1:]), lines
+            if "--listen" in args:
+                assert lines[1:] == ["  hint: another server listens there: stop it or choose another port"]
     finally:
         taken.close()

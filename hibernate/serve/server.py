@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -127,9 +128,10 @@ async def listen(runner: web.AppRunner, config: ServeConfig) -> None:
     try:
         await web.TCPSite(runner, config.host, config.port).start()  # requests wait for adoption
     except OSError as exc:
+        in_use = exc.errno == errno.EADDRINUSE
         raise UsageError(
             f"--listen {config.host}:{config.port}: {exc.strerror or exc}",
-            hint="another server listens there: stop it or choose another port" if exc.errno == 98 else None,
+            hint="another server listens there: stop it or choose another port" if in_use else None,
         ) from None
 
 
