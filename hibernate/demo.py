@@ -39,8 +39,10 @@ unless told ``--allow-moves``.
 
 With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
 (``--http-host`` for another address) for ``hibernate serve``: ``GET
-/v1/models``, ``POST /v1/completions`` (the same inference; ``"stream":
-true`` sends one server-sent event per token). While the
+/v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the
+same inference, the tokens as the text or the assistant's message; ``"stream":
+true`` sends one server-sent event per token, in the shape of OpenAI's
+``text_completion`` or ``chat.completion.chunk``, then ``data: [DONE]``). While the
 process sleeps a completion is refused (503), not held: a proxy that forwarded
 one to a sleeping demo would be caught. Demo-only extensions, for tests: a
 request with ``"paced": true`` streams each token after the first only once
@@ -471,6 +473,42 @@ class HttpApi:
             "digest": result["digest"],
         }
 
+    def chat(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """A completion as OpenAI's chat API answers it: the text as the assistant's message."""
+        text = answer["choices"][0]["text"]
+        return {
+            "id": "chatcmpl-demo",
+            "object": "chat.completion",
+            "created": 0,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                    "logprobs": None,
+                }
+            ],
+            "usage": {"prompt_tokens": 0, "completion_tokens": len(text.split(" ")), "total_tokens": 0},
+            "digest": answer["digest"],
+        }
+
+    def chat_chunks(self, answer: dict[str, Any]) -> Iterator[bytes]:
+        """A streamed chat completion: the role, one delta per token, the finish reason, then [DONE]."""
+
+        def event(delta: dict[str, Any], finish: str | None) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            chunk = {"id": "chatcmpl-demo", "object": "chat.completion.chunk", "created": 0,
+                     "model": self.model, "choices": [choice]}  # fmt: skip
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        tokens = answer["choices"][0]["text"].split(" ")
+        yield event({"role": "assistant", "content": ""}, None)
+        for index, token in enumerate(tokens):
+            yield event({"content": token + (" " if index < len(tokens) - 1 else "")}, None)
+        yield event({}, "length")
+        yield b"data: [DONE]\n\n"
+
     def chunks(self, answer: dict[str, Any]) -> Iterator[bytes]:
         """The server-sent events of a streamed completion: one per token, then the digest, then [DONE]."""
         for token in answer["choices"][0]["text"].split(" "):
@@ -525,7 +563,7 @@ def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
                 api.steps.release()
                 self._send(200, {"stepped": True})
                 return
-            if self.path != "/v1/completions":
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 self._send(404, {"error": {"message": "Not Found", "type": "NotFoundError", "code": 404}})
                 return
             try:
@@ -538,21 +576,23 @@ def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
                 return
             answer = api.completion()
+            chat = self.path == "/v1/chat/completions"
             if "error" in answer:
                 self._send(503, answer)
             elif request.get("stream"):
-                self._stream(answer, bool(request.get("paced")))
+                chunks = api.chat_chunks(answer) if chat else api.chunks(answer)
+                self._stream(chunks, bool(request.get("paced")))
             else:
                 api.count("completions")
-                self._send(200, answer)
+                self._send(200, api.chat(answer) if chat else answer)
 
-        def _stream(self, answer: dict[str, Any], paced: bool) -> None:
+        def _stream(self, chunks: Iterator[bytes], paced: bool) -> None:
             api.count("streams_started")
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for index, chunk in enumerate(api.chunks(answer)):
+            for index, chunk in enumerate(chunks):
                 if paced and index > 0 and not self._step():
                     api.count("cancelled")
                     self.close_connection = True

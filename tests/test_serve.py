@@ -42,6 +42,8 @@ STATUS_SCHEMA = jsonschema.Draft202012Validator(
     json.loads((REPO / "docs" / "json-schema" / "serve-status.schema.json").read_text())
 )
 MIB = 1 << 20
+# A log line: UTC time to the millisecond, level, then the words.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) hibernate serve: ")
 
 
 def free_port() -> int:
@@ -186,11 +188,13 @@ class Proxy:
 def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
     started: list[Proxy] = []
 
-    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> Proxy:
+    def start(
+        *args: str, env: dict[str, str] | None = None, wait: bool = True, host: str = "127.0.0.1"
+    ) -> Proxy:
         port = free_port()
         log = tmp_path / f"proxy{len(started)}.log"
         command = [
-            sys.executable, "-m", "hibernate", "serve", "--listen", f"127.0.0.1:{port}",
+            sys.executable, "-m", "hibernate", "serve", "--listen", f"{host}:{port}",
             "--to", str(work_dir), *args,
         ]  # fmt: skip
         with open(log, "wb") as out:
@@ -285,6 +289,13 @@ def test_a_stream_arrives_chunk_by_chunk_and_a_client_that_leaves_cancels_it_ups
     asyncio.run(leave_after_first_chunk())
     wait_until(lambda: demo.stats()["cancelled"] == 1, 30, "the backend to see its client leave")
     wait_until(lambda: proxy.status()["demo"]["in_flight"] == 0, 30, "the proxy to count the stream ended")
+    cancelled = {"backend": "demo", "outcome": "client_cancelled"}
+    wait_until(
+        lambda: proxy.metric("hibernate_serve_request_outcomes_total", **cancelled) == 1,
+        30,
+        "the stream its client left to be counted",
+    )
+    assert proxy.metric("hibernate_serve_request_outcomes_total", backend="demo", outcome="completed") == 1
     assert demo.stats()["streams_finished"] == 2  # the direct one and the paced one, not the one left
 
 
@@ -371,9 +382,9 @@ def test_a_flood_of_malformed_requests_logs_a_few_lines_and_never_a_traceback(
     assert not any("Traceback" in line or line.startswith("  File ") for line in lines), lines
     assert not any("RecursionError" in line for line in lines)
     served = lines[next(i for i, line in enumerate(lines) if "listening on" in line) + 1 :]
-    reported = [line for line in served if "stopping" not in line and line != "hibernate serve: stopped"]
+    reported = [line for line in served if "stopping" not in line and not line.endswith("serve: stopped")]
     assert 0 < len(reported) <= 2 * httplog.LINES, served
-    assert all(line.startswith("hibernate serve: ") for line in reported), reported
+    assert all(LOG_LINE.match(line) for line in reported), reported
 
 
 @pytest.mark.slow
@@ -691,8 +702,8 @@ def test_three_backends_take_turns_in_a_budget_for_two_least_recently_used_first
         order.append(name)
         assert proxy.post(completion(name)) == direct[name]
         assert awake_now() == awake
-        made_room = proxy.lines("put to sleep to make room")
-        assert made_room[evicted:] == ([f"hibernate serve: {victim}: put to sleep to make room for {name} "
+        made_room = [line.split("serve: ", 1)[1] for line in proxy.lines("put to sleep to make room")]
+        assert made_room[evicted:] == ([f"{victim}: put to sleep to make room for {name} "
                                         "(least recently used)"] if victim else [])  # fmt: skip
 
     # The least recently used one is streaming: never put to sleep; the next one is.

@@ -547,6 +547,13 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
     config = tmp_path / "serve.toml"
     config.write_text(f'[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\npid = {gone.pid}\n')
     backend = ["--backend", "a=http://127.0.0.1:9"]
+    on_demand = tmp_path / "on-demand.toml"
+    on_demand.write_text(
+        '[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\ncommand = "/nonexistent/vllm serve"\n'
+    )
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-token-0123456789\n")
+    token.chmod(0o644)
     cases = [
         ([*backend, "--to", "/etc/passwd"], ExitCode.USAGE, "--to /etc/passwd is a file, not a directory"),
         (
@@ -569,6 +576,17 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             ExitCode.USAGE,
             "-- /nonexistent/server: ",
         ),
+        (
+            ["--to", str(tmp_path), "--config", str(on_demand)],
+            ExitCode.USAGE,
+            "backend a: command /nonexistent/vllm: no such command",
+        ),
+        (
+            [*backend, "--to", str(tmp_path), "--token-file", str(token)],
+            ExitCode.USAGE,
+            f"--token-file {token} can be read by others (mode 644)",
+        ),
+        ([*backend, "--to", str(tmp_path), "--log-format", "xml"], ExitCode.USAGE, "--log-format must be"),
     ]
     try:
         for args, code, words in cases:
@@ -577,5 +595,7 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             assert result.returncode == code, result.stderr
             assert lines[0].startswith(f"hibernate: error: {words}"), lines
             assert len(lines) <= 2 and all(line.startswith("  hint: ") for line in lines[1:]), lines
+            if "--listen" in args:
+                assert lines[1:] == ["  hint: another server listens there: stop it or choose another port"]
     finally:
         taken.close()

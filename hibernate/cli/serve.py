@@ -98,10 +98,33 @@ def run_proxy(
             show_default=False,
         ),
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="A file (mode 600) holding the bearer token of /hibernate/models (sleep, wake); "
+            "else HIBERNATE_SERVE_TOKEN. Without one they are on only when listening on loopback.",
+            show_default=False,
+        ),
+    ] = None,
+    log_format: Annotated[
+        str, typer.Option("--log-format", metavar="text|json", help="How log lines are written.")
+    ] = "text",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings and errors only.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every request (debug).")] = False,
 ) -> None:
     """Serve HTTP in front of model servers: sleep them when idle, wake them on the first request."""
-    from hibernate.errors import UnsupportedError
+    import logging
+    import os
+
+    from hibernate.errors import UnsupportedError, UsageError
     from hibernate.serve import config as serve_config
+
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format must be text or json, not {log_format!r}")
+    if quiet and verbose:
+        raise UsageError("--quiet and --verbose: choose one")
+    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
 
     document = serve_config.load_toml(config) if config is not None else None
     settings = serve_config.build_config(
@@ -115,6 +138,8 @@ def run_proxy(
         start=start,
         document=document,
         source=str(config) if config is not None else "serve.toml",
+        token_file=token_file,
+        environ=os.environ,
     )
     try:
         from hibernate.serve import server
@@ -124,4 +149,4 @@ def run_proxy(
         raise UnsupportedError(
             f"hibernate serve needs {exc.name}, which is not installed", hint=SERVE_EXTRA_HINT
         ) from None
-    raise typer.Exit(server.run(settings))
+    raise typer.Exit(server.run(settings, log_format, level))

@@ -1,6 +1,7 @@
 """Each backend's state, and the one transition at a time that changes it.
 
     asleep --(a request)--> waking --> awake --(idle, or room for another)--> sleeping --> asleep
+    stopped --(a request)--> starting --> awake      (a backend with a command, not running yet)
 
 A request for a backend that is not awake starts its wake, or joins the one
 under way: one wake per transition, however many requests wait. The state
@@ -24,14 +25,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import subprocess
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.errors import BusyError, HibernateError
+from hibernate.errors import BusyError, HibernateError, NoSuchProcessError
+from hibernate.serve import starter
 from hibernate.serve.config import BackendSpec
 from hibernate.serve.control import BackendControl, Inspection
 from hibernate.serve.leases import BackendLeases, Verdict
@@ -43,6 +48,10 @@ log = logging.getLogger("hibernate.serve")
 REFRESH_SECONDS = 5.0
 # How often a request retries its lease while someone else's sleep or wake runs.
 RETRY_SECONDS = 0.05
+# Retry-After of a 503 (seconds): the proxy is full; a transition is under way or failed.
+RETRY_FULL_SECONDS = 1
+RETRY_BUSY_SECONDS = 5
+RETRY_FAILED_SECONDS = 10
 
 
 class State(str, Enum):
@@ -51,6 +60,8 @@ class State(str, Enum):
     WAKING = "waking"
     SLEEPING = "sleeping"
     FAILED = "failed"  # not found, or in a state the engine could not settle: retried on the next request
+    STOPPED = "stopped"  # a backend with a command, not running: the next request starts it
+    STARTING = "starting"
 
 
 STATES = tuple(s.value for s in State)
@@ -75,9 +86,47 @@ def idle_due(backends: Sequence[Candidate], now: float, idle: float | None) -> l
     due = []
     for b in backends:
         limit = b.idle if b.idle is not None else idle
-        if limit is not None and b.state is State.AWAKE and b.in_flight == 0 and now - b.last_used >= limit:
+        if (
+            limit is not None
+            and limit != math.inf
+            and b.state is State.AWAKE
+            and b.in_flight == 0
+            and now - b.last_used >= limit
+        ):
             due.append(b.name)
     return due
+
+
+def joined_reasons(first: str, then: str) -> str:
+    """Why a transition failed, then why reading the backend back failed too: once if they say the same."""
+    if then == first or then in first:
+        return first
+    if first in then:
+        return then
+    return f"{first}; then: {then}"
+
+
+def parse_keep_alive(value: object) -> float | None:
+    """A request's keep-alive (Ollama's ``keep_alive``): how long its backend stays awake after it, in
+    seconds; 0 puts it to sleep as soon as this request ends, a negative value keeps it awake (no idle
+    sleep) until a request says otherwise. A number, or a string of digits with an optional unit
+    (``30s``, ``5m``, ``1h``). None when ``value`` is none of these."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:])
+        try:
+            number = float(text[:-1] if unit else text) * (unit or 1)
+        except ValueError:
+            return None
+    else:
+        return None
+    if math.isnan(number):
+        return None
+    return math.inf if number < 0 else number
 
 
 @dataclass(frozen=True)
@@ -100,6 +149,20 @@ def plan_room(need: int, budget: int, others: Sequence[Candidate]) -> Room:
         return Room("never")
     held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
     if sum(o.tracked_bytes for o in held) + need <= budget:
+        return Room("fits")
+    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if idle:
+        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    return Room("wait")
+
+
+def plan_start(others: Sequence[Candidate]) -> Room:
+    """Room for a server about to start, under a GPU budget: all of it. What it will take is not known
+    before it runs (a server that starts takes what memory it finds), so every other backend holding
+    memory is put to sleep first, the least recently used first; one with requests in flight is waited
+    for."""
+    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING, State.STARTING)]
+    if not held:
         return Room("fits")
     idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
     if idle:
@@ -148,6 +211,13 @@ class Backend:
     gpu: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
     leases: BackendLeases | None = None  # links to its agents, opened by the first request
     linking: asyncio.Lock = field(default_factory=asyncio.Lock)  # one opening of the links at a time
+    keep_alive: float | None = None  # the last request's keep-alive, in place of its idle time
+    process: subprocess.Popen[bytes] | None = None  # started by the proxy (its command)
+    log: Path | None = None  # where that process writes
+
+    @property
+    def idle(self) -> float | None:
+        return self.keep_alive if self.keep_alive is not None else self.spec.idle
 
     @property
     def name(self) -> str:
@@ -161,7 +231,7 @@ class Backend:
             self.last_used,
             self.in_flight,
             self.gpu,
-            self.spec.idle,
+            self.idle,
         )
 
     def view(self, now: float) -> dict[str, Any]:
@@ -203,6 +273,10 @@ class Fleet:
         self.measure_gpu = measure_gpu
         self._room = asyncio.Lock()  # one budget decision (and the wake it makes room for) at a time
         self._released = asyncio.Condition()  # a request ended: a wake waiting for room looks again
+        self._starting = asyncio.Lock()  # one start of a backend's command at a time
+        self._log_dir: Path | None = None  # where started commands write (created by the first start)
+        for backend in self.backends.values():
+            recorder.register(backend.name, backend.state.value, backend.spec.model_names)
 
     # -- adoption ---------------------------------------------------------------
 
@@ -215,6 +289,14 @@ class Fleet:
         started = time.monotonic()
         try:
             found = await asyncio.to_thread(self.control.adopt, backend.spec)
+        except NoSuchProcessError as exc:
+            if backend.spec.command:
+                self._set(backend, State.STOPPED)
+                log.info("%s: not running; its first request starts it", backend.name)
+                return
+            self._set(backend, State.FAILED, reason=exc.message)
+            log.warning("%s: not adopted: %s", backend.name, exc.message)
+            return
         except HibernateError as exc:
             self._set(backend, State.FAILED, reason=exc.message)
             log.warning("%s: not adopted: %s", backend.name, exc.message)
@@ -233,11 +315,16 @@ class Fleet:
     # -- requests -----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[Backend]:
+    async def use(self, name: str, keep_alive: float | None = None) -> AsyncIterator[Backend]:
         """Hold ``name`` awake for one request: leases taken on its agents (woken first if it sleeps);
-        counted in flight until the block ends (a streamed answer: until its last byte)."""
+        counted in flight until the block ends (a streamed answer: until its last byte).
+
+        ``keep_alive`` (seconds; 0: sleep once this request ends; inf: no idle sleep) takes the place
+        of the backend's idle time until the next request, which sets its own (or none: the idle time
+        configured)."""
         backend = self.backends[name]
         backend.last_used = time.monotonic()  # no idle sleep of ours begins while it takes its leases
+        backend.keep_alive = keep_alive
         leases = await self._hold(backend)
         backend.in_flight += 1
         self.recorder.in_flight(name, backend.in_flight)
@@ -248,8 +335,66 @@ class Fleet:
             backend.in_flight -= 1
             backend.last_used = time.monotonic()
             self.recorder.in_flight(name, backend.in_flight)
+            if backend.keep_alive == 0 and backend.in_flight == 0:
+                self.sleep_idle(backend.last_used)  # "sleep right after this one"
             async with self._released:
                 self._released.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def probe(self, name: str) -> AsyncIterator[Backend | None]:
+        """A probe of ``name`` (health, metrics): the backend held awake for it if it is awake now, else
+        None. It never wakes the backend, nor counts as use: its idle time runs on."""
+        backend = self.backends[name]
+        leases = None
+        if backend.state is State.AWAKE:
+            verdict, leases = await self._take(backend)
+            if leases is None and verdict.reason == "asleep":
+                self._learn(backend, verdict)
+        try:
+            yield backend if leases is not None else None
+        finally:
+            if leases is not None:
+                leases.give_back()
+
+    async def wake_now(self, name: str) -> Backend:
+        """Wake ``name`` (or start it) if it is not awake, within --wake-timeout; as a request would,
+        without one to forward. Its idle time starts now."""
+        backend = self.backends[name]
+        deadline = asyncio.get_running_loop().time() + self.patience(backend)
+        backend.keep_alive = None
+        await self._wait_awake(backend, deadline)
+        backend.last_used = time.monotonic()
+        return backend
+
+    async def sleep_now(self, name: str) -> Outcome:
+        """Put ``name`` to sleep now, whatever its idle time, once any transition under way has ended.
+        Requests in flight through the proxy hold it awake: the sleep waits for them briefly, then gives
+        up (busy). A backend not awake is left as it is."""
+        backend = self.backends[name]
+        while backend.transition is not None and not backend.transition.done():
+            await asyncio.shield(backend.transition)
+        if backend.state is not State.AWAKE:
+            return Outcome(True)
+        return await self._begin(backend, State.SLEEPING, self._sleep(backend, "asked"))
+
+    def patience(self, backend: Backend) -> float:
+        """How long a request waits for its backend to be awake: --wake-timeout, or its start_timeout if
+        it has a command and that is longer (a start may have to come first)."""
+        if backend.spec.command:
+            return max(self.wake_timeout, backend.spec.start_timeout)
+        return self.wake_timeout
+
+    def startable(self, backend: Backend) -> bool:
+        """Whether the next request starts the backend's command: it has one, and no process of it is
+        known (none ever found, or the one the proxy started has exited)."""
+        if not backend.spec.command or backend.pid is not None:
+            return False
+        return backend.process is None or backend.process.poll() is not None
+
+    async def stop_started(self, timeout: float) -> None:
+        """Stop every process the proxy started (SIGTERM to its group, SIGKILL after ``timeout``)."""
+        started = [b.process for b in self.backends.values() if b.process is not None]
+        await asyncio.gather(*(asyncio.to_thread(starter.stop, proc, timeout) for proc in started))
 
     async def _hold(self, backend: Backend) -> BackendLeases:
         """The backend's leases, taken: at once if it runs, else after waking it or waiting for someone
@@ -260,7 +405,7 @@ class Fleet:
                 return leases
             self._learn(backend, verdict)  # what it is, if not awake; else the loop below waits
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wake_timeout
+        deadline = loop.time() + self.patience(backend)
         started = time.monotonic()
         backend.waiting += 1
         self.recorder.waiting(backend.name, backend.waiting)
@@ -308,6 +453,8 @@ class Fleet:
                 self._set(backend, State.ASLEEP)
             return True
         if verdict.reason == "gone":
+            if backend.process is not None:
+                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
             if backend.pid is not None and _alive(backend.pid):
                 return False  # the links broke, not the process: opened again on the next try
             if settled:
@@ -320,6 +467,7 @@ class Fleet:
                 503,
                 f"backend {backend.name}'s agent refused a lease: {verdict.detail}",
                 "ServiceUnavailableError",
+                retry_after=RETRY_FAILED_SECONDS,
             )
         return False
 
@@ -332,6 +480,7 @@ class Fleet:
                 f"backend {backend.name} stayed busy past --wake-timeout {self.wake_timeout:g}s ({why}); "
                 "retry later",
                 "ServiceUnavailableError",
+                retry_after=RETRY_BUSY_SECONDS,
             )
         await asyncio.sleep(RETRY_SECONDS)
 
@@ -340,7 +489,9 @@ class Fleet:
         joined; a wake that found someone else's sleep or wake under way is tried again."""
         loop = asyncio.get_running_loop()
         while backend.state is not State.AWAKE:
-            if backend.state in (State.ASLEEP, State.FAILED):
+            if backend.state in (State.STOPPED, State.FAILED) and self.startable(backend):
+                self._begin(backend, State.STARTING, self._start(backend))
+            elif backend.state in (State.ASLEEP, State.FAILED):
                 self._begin(backend, State.WAKING, self._wake(backend))
             kind, task = backend.state, backend.transition
             assert task is not None
@@ -350,20 +501,28 @@ class Fleet:
                     raise TimeoutError
                 outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
             except TimeoutError:
+                within = (
+                    f"its start_timeout {self.patience(backend):g}s"
+                    if backend.spec.command and self.patience(backend) > self.wake_timeout
+                    else f"--wake-timeout {self.wake_timeout:g}s"
+                )
                 raise ApiError(
                     503,
-                    f"backend {backend.name} did not wake within --wake-timeout {self.wake_timeout:g}s "
-                    f"(it is {backend.state.value}); retry later",
+                    f"backend {backend.name} did not wake within {within} (it is {backend.state.value}); "
+                    "retry later",
                     "ServiceUnavailableError",
+                    retry_after=RETRY_BUSY_SECONDS,
                 ) from None
-            if kind is State.WAKING and not outcome.ok:
+            if kind in (State.WAKING, State.STARTING) and not outcome.ok:
                 if outcome.busy:
                     await self._pause(backend, deadline, outcome.reason or "busy")
                     continue
+                what = "woken" if kind is State.WAKING else "started"
                 raise ApiError(
                     503,
-                    f"backend {backend.name} could not be woken: {outcome.reason}",
+                    f"backend {backend.name} could not be {what}: {outcome.reason}",
                     "ServiceUnavailableError",
+                    retry_after=RETRY_FAILED_SECONDS,
                 )
 
     # -- transitions --------------------------------------------------------------------
@@ -372,6 +531,7 @@ class Fleet:
         backend.state = state
         backend.reason = reason
         self.recorder.state(backend.name, state.value)
+        self.recorder.tracked(backend.name, backend.tracked_bytes)
 
     def _begin(self, backend: Backend, state: State, work: Any) -> asyncio.Task[Outcome]:
         self._set(backend, state, backend.reason)
@@ -400,7 +560,7 @@ class Fleet:
             return Outcome(False, error.message, busy=True)
         except HibernateError as exc:
             backend.pid = None  # gone, or not ours any more: the next request looks for it again
-            self._set(backend, State.FAILED, reason=f"{error.message}; then: {exc.message}")
+            self._set(backend, State.FAILED, reason=joined_reasons(error.message, exc.message))
             log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, backend.reason)
             return Outcome(False, backend.reason)
         backend.pid = found.pid
@@ -437,17 +597,73 @@ class Fleet:
         backend.last_used = time.monotonic()
         self._set(backend, State.AWAKE)
         await self._measure(backend)
-        self.recorder.transition(backend.name, "wake", seconds, restored)
+        self.recorder.transition(backend.name, "wake", seconds, restored=restored)
         log.info("%s: asleep -> awake (wake %.2f s, %d bytes restored)", backend.name, seconds, restored)
         return Outcome(True)
+
+    async def _start(self, backend: Backend) -> Outcome:
+        """Run the backend's command and wait for it to be ready, one start at a time; under a GPU
+        budget every other backend holding memory is put to sleep first. A server found listening on
+        its address meanwhile (started by hand) is adopted instead."""
+        spec, started = backend.spec, time.monotonic()
+        budgeted = self.budget is not None or self.measure_gpu
+        try:
+            async with self._starting, self._room if budgeted else contextlib.nullcontext():
+                try:
+                    found = await asyncio.to_thread(self.control.adopt, spec)
+                except NoSuchProcessError:
+                    if budgeted:
+                        await self._make_room(backend, started + spec.start_timeout, starting=True)
+                    found = await self._run_command(backend)
+        except HibernateError as exc:
+            self.recorder.failed(backend.name, "start")
+            tail = starter.tail(backend.log) if backend.log is not None else ""
+            where = f" (log {backend.log})" if backend.log is not None else ""
+            reason = f"{exc.message}{where}" + (f"; its log ends:\n{tail}" if tail else "")
+            self._set(backend, State.STOPPED, reason=reason)
+            log.warning(
+                "%s: start failed after %.2f s: %s%s",
+                backend.name,
+                time.monotonic() - started,
+                exc.message,
+                where,
+            )
+            return Outcome(False, reason)
+        seconds = time.monotonic() - started
+        backend.pid, backend.tracked_bytes = found.pid, found.tracked_bytes
+        backend.last_used = time.monotonic()
+        self._set(backend, State.AWAKE if found.awake else State.ASLEEP)
+        await self._measure(backend)
+        self.recorder.transition(backend.name, "start", seconds)
+        log.info(
+            "%s: stopped -> %s (started pid %d in %.2f s, log %s)",
+            backend.name, backend.state.value, found.pid, seconds, backend.log,
+        )  # fmt: skip
+        return Outcome(True)
+
+    async def _run_command(self, backend: Backend) -> Inspection:
+        spec = backend.spec
+        if self._log_dir is None:
+            self._log_dir = await asyncio.to_thread(starter.log_directory)
+        backend.log = starter.log_path(self._log_dir, spec.name)
+        log.info("%s: starting: %s (log %s)", spec.name, " ".join(spec.command), backend.log)
+        proc = backend.process = await asyncio.to_thread(starter.spawn, spec, backend.log)
+        try:
+            await asyncio.to_thread(starter.wait_ready, spec, proc, spec.start_timeout)
+            return await asyncio.to_thread(self.control.adopt, spec)
+        except BaseException:
+            await asyncio.to_thread(starter.stop, proc, 10.0)
+            raise
 
     async def _measure(self, backend: Backend) -> None:
         """With ``--gpu-budget auto``, what an awake backend holds on each GPU (what its wake will need)."""
         if self.measure_gpu and backend.state is State.AWAKE and backend.pid is not None:
             backend.gpu = await asyncio.to_thread(self.control.gpu_usage, backend.pid)
 
-    async def _room_now(self, backend: Backend) -> Room:
+    async def _room_now(self, backend: Backend, starting: bool = False) -> Room:
         others = [b.candidate() for b in self.backends.values() if b is not backend]
+        if starting:
+            return plan_start(others)
         if self.measure_gpu:
             free = await asyncio.to_thread(self.control.gpu_free)
             need = await asyncio.to_thread(self.control.gpu_need, backend.pid) if backend.pid else {}
@@ -455,11 +671,11 @@ class Fleet:
         assert self.budget is not None
         return plan_room(backend.tracked_bytes, self.budget, others)
 
-    async def _make_room(self, backend: Backend, deadline: float) -> None:
+    async def _make_room(self, backend: Backend, deadline: float, starting: bool = False) -> None:
         if self.budget is None and not self.measure_gpu:
             return
         while True:
-            room = await self._room_now(backend)
+            room = await self._room_now(backend, starting)
             if room.action == "fits":
                 return
             if room.action == "never":
@@ -510,15 +726,16 @@ class Fleet:
         try:
             if backend.pid is None:
                 raise NoRoomError("its process is not known")
-            spilled = await asyncio.to_thread(self.control.sleep, backend.pid)
+            written, reused = await asyncio.to_thread(self.control.sleep, backend.pid)
         except HibernateError as exc:
             return await self._settle(backend, exc, "sleep", started)
         seconds = time.monotonic() - started
         self._set(backend, State.ASLEEP)
-        self.recorder.transition(backend.name, "sleep", seconds, spilled)
+        self.recorder.transition(backend.name, "sleep", seconds, written, reused)
         log.info(
-            "%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled)", backend.name, why, seconds, spilled
-        )
+            "%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled: %d written, %d reused)",
+            backend.name, why, seconds, written + reused, written, reused,
+        )  # fmt: skip
         return Outcome(True)
 
     # -- idle -------------------------------------------------------------------------
@@ -536,7 +753,7 @@ class Fleet:
         ``refresh`` seconds read back the real state of those at rest (a ``hibernate sleep`` or
         ``wake`` run by hand behind the proxy's back)."""
         idles = [t for t in (self.idle, *(b.spec.idle for b in self.backends.values())) if t is not None]
-        tick = min(1.0, min(idles) / 4) if idles else refresh
+        tick = min(1.0, min(idles) / 4) if idles else 1.0  # a request's keep-alive can be short too
         last_refresh = time.monotonic()
         while True:
             await asyncio.sleep(tick)

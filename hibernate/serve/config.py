@@ -8,8 +8,10 @@ would be accepted.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -26,6 +28,25 @@ MAX_SECONDS = 86400.0
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+# The proxy's own paths: no backend prefix may take them.
+OWN_PATHS = ("/v1", "/metrics", "/hibernate", "/health", "/healthz")
+TOKEN_ENV = "HIBERNATE_SERVE_TOKEN"
+DEFAULT_START_TIMEOUT = 600.0
+
+# What a probe (a GET or HEAD of one of a backend's probe paths, under its prefix) gets. None of them
+# wakes the backend or counts as use (its idle time runs on).
+PROBE_ANSWER = "answer"  # the proxy answers from what it knows, never forwarded
+PROBE_FORWARD_OR_ANSWER = "forward_or_answer"  # forwarded while awake, else the proxy answers
+PROBE_FORWARD_OR_503 = "forward_or_503"  # forwarded while awake, else 503 with Retry-After
+PROBE_WAKE = "wake"  # not a probe: an ordinary request (wakes the backend, counts as use)
+PROBE_ACTIONS = (PROBE_ANSWER, PROBE_FORWARD_OR_ANSWER, PROBE_FORWARD_OR_503, PROBE_WAKE)
+DEFAULT_PROBES: tuple[tuple[str, str], ...] = (
+    ("/health", PROBE_FORWARD_OR_ANSWER),
+    ("/healthz", PROBE_FORWARD_OR_ANSWER),
+    ("/ping", PROBE_FORWARD_OR_ANSWER),
+    ("/metrics", PROBE_FORWARD_OR_ANSWER),
+    ("/v1/models", PROBE_FORWARD_OR_ANSWER),
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,21 @@ class BackendSpec:
     prefix: str | None = None
     pid: int | None = None
     idle: float | None = None  # its own --idle (serve.toml), else the proxy's
+    probes: tuple[tuple[str, str], ...] = DEFAULT_PROBES  # path (under its prefix) -> PROBE_* action
+    # Started on demand: by the first request for it when nothing listens on its address.
+    command: tuple[str, ...] = ()
+    cwd: Path | None = None
+    env: tuple[tuple[str, str], ...] = ()  # added to serve's own environment
+    start_timeout: float = DEFAULT_START_TIMEOUT  # to listen (and answer health_path) once started
+    health_path: str | None = None  # answers 200 once it is ready (after it listens)
+
+    def probe_action(self, method: str, path: str) -> str | None:
+        """What a request for ``path`` (the backend's own path, prefix stripped) is, if a probe: the
+        action for it; None for an ordinary request. Only GET and HEAD are probes."""
+        if method not in ("GET", "HEAD"):
+            return None
+        action = dict(self.probes).get(path.split("?", 1)[0])
+        return None if action in (None, PROBE_WAKE) else action
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -84,10 +120,27 @@ class ServeConfig:
     command: tuple[str, ...] = ()  # `-- cmd...`: started by the proxy as backend `start`
     start: str | None = None
     limits: Limits = field(default_factory=Limits)
+    token: str | None = None  # the bearer token of /hibernate/models (None: none configured)
+    token_source: str | None = None  # where it came from (--token-file PATH, or the variable)
 
     @property
     def is_local(self) -> bool:
-        return self.host in ("127.0.0.1", "localhost", "::1")
+        return is_loopback(self.host)
+
+    @property
+    def control_enabled(self) -> bool:
+        """/hibernate/models (sleep, wake, state): on when a token is configured (then required), else
+        only while listening on loopback; off otherwise."""
+        return self.token is not None or self.is_local
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_listen(value: Any, label: str = "--listen") -> tuple[str, int]:
@@ -152,7 +205,7 @@ def check_prefix(prefix: str, label: str) -> str:
         raise UsageError(
             f"{label} a path prefix starts with / and names a path, such as /qwen, not {prefix!r}"
         )
-    if prefix.rstrip("/") in ("/v1", "/metrics", "/hibernate"):
+    if prefix.rstrip("/") in OWN_PATHS or prefix.startswith("/hibernate/"):
         raise UsageError(f"{label} the prefix {prefix!r} is the proxy's own; choose another")
     return prefix.rstrip("/")
 
@@ -166,8 +219,14 @@ def parse_backend_flag(value: str) -> BackendSpec:
     return BackendSpec(check_name(name, label), check_url(url, label))
 
 
-TOP_KEYS = {"listen", "to", "idle", "wake_timeout", "sleep_timeout", "gpu_budget", "backend", "limits"}
-BACKEND_KEYS = {"name", "url", "models", "prefix", "pid", "idle"}
+TOP_KEYS = {
+    "listen", "to", "idle", "wake_timeout", "sleep_timeout", "gpu_budget", "backend", "limits", "probes",
+    "token_file",
+}  # fmt: skip
+BACKEND_KEYS = {
+    "name", "url", "models", "prefix", "pid", "idle", "probes", "command", "cwd", "env", "start_timeout",
+    "health_path",
+}  # fmt: skip
 LIMIT_KEYS = {f.name for f in fields(Limits)}
 
 
@@ -177,7 +236,52 @@ def _unknown(keys: Sequence[str], allowed: set[str], where: str) -> None:
         raise UsageError(f"{where}: unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(allowed))}")
 
 
-def backend_from_table(table: Any, source: str, index: int) -> BackendSpec:
+def probes_from_table(
+    table: Any, label: str, base: tuple[tuple[str, str], ...] = DEFAULT_PROBES
+) -> tuple[tuple[str, str], ...]:
+    """A ``probes`` table (path = action) laid over ``base``: a path given ``"wake"`` is no probe."""
+    if not isinstance(table, Mapping):
+        raise UsageError(f'{label} must be a table of path = action, such as {{ "/metrics" = "answer" }}')
+    merged = dict(base)
+    for path, action in table.items():
+        if not isinstance(path, str) or not path.startswith("/") or "?" in path:
+            raise UsageError(f"{label} a probe path starts with / (no query), not {path!r}")
+        if action not in PROBE_ACTIONS:
+            raise UsageError(
+                f"{label} {path}: the action is one of {', '.join(PROBE_ACTIONS)}, not {action!r}"
+            )
+        merged[path] = action
+    return tuple(merged.items())
+
+
+def command_from_value(value: Any, label: str) -> tuple[str, ...]:
+    """``command``: a list of strings (run as given), or one string split as a POSIX shell would
+    (shlex; no shell runs it: no pipes, no variables)."""
+    if isinstance(value, str):
+        try:
+            words = shlex.split(value)
+        except ValueError as exc:
+            raise UsageError(f"{label} cannot be split into words: {exc}") from None
+    elif isinstance(value, list) and all(isinstance(w, str) for w in value):
+        words = list(value)
+    else:
+        raise UsageError(f"{label} must be a list of strings, or one string split as a shell would")
+    if not words or not words[0]:
+        raise UsageError(f"{label} is empty")
+    return tuple(words)
+
+
+def env_from_table(value: Any, label: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in value.items()
+    ):
+        raise UsageError(f'{label} must be a table of NAME = "value" strings')
+    return tuple(value.items())
+
+
+def backend_from_table(
+    table: Any, source: str, index: int, probes: tuple[tuple[str, str], ...] = DEFAULT_PROBES
+) -> BackendSpec:
     """One ``[[backend]]`` table of serve.toml (the ``index``-th, from 1)."""
     where = f"[[backend]] #{index}"
     if not isinstance(table, Mapping):
@@ -201,6 +305,21 @@ def backend_from_table(table: Any, source: str, index: int) -> BackendSpec:
     if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
         raise UsageError(f"{key('pid')} must be a process id, not {pid!r}")
     idle = table.get("idle")
+    cwd = table.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+        raise UsageError(f"{key('cwd')} must name a directory")
+    health_path = table.get("health_path")
+    if health_path is not None and (not isinstance(health_path, str) or not health_path.startswith("/")):
+        raise UsageError(f"{key('health_path')} must be a path such as /health, not {health_path!r}")
+    command = command_from_value(table["command"], key("command")) if "command" in table else ()
+    if command and pid is not None:
+        raise UsageError(
+            f"{key('pid')} a backend started on demand (command) gets a new pid at each start: it is found "
+            "from its address; give one or the other"
+        )
+    for started_only in ("cwd", "env", "start_timeout", "health_path"):
+        if started_only in table and not command:
+            raise UsageError(f"{key(started_only)} is for a backend started on demand: give its command")
     return BackendSpec(
         name,
         check_url(table["url"], key("url")),
@@ -208,6 +327,12 @@ def backend_from_table(table: Any, source: str, index: int) -> BackendSpec:
         check_prefix(prefix, key("prefix")) if prefix is not None else None,
         pid,
         check_seconds(idle, key("idle")) if idle is not None else None,
+        probes_from_table(table["probes"], key("probes"), probes) if "probes" in table else probes,
+        command,
+        Path(cwd).expanduser() if cwd is not None else None,
+        env_from_table(table["env"], key("env")) if "env" in table else (),
+        check_seconds(table.get("start_timeout", DEFAULT_START_TIMEOUT), key("start_timeout")),
+        health_path,
     )
 
 
@@ -283,10 +408,13 @@ def build_config(
     start: str | None = None,
     document: Mapping[str, Any] | None = None,
     source: str = "serve.toml",
+    token_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ServeConfig:
     """The whole configuration: the TOML document (if any), with the flags given on top of it.
 
-    ``source`` names the document in errors (the path given to --config).
+    ``source`` names the document in errors (the path given to --config); ``environ`` is where
+    HIBERNATE_SERVE_TOKEN is looked for (default: none).
     """
     document = dict(document or {})
     _unknown(list(document), TOP_KEYS, source)
@@ -300,8 +428,11 @@ def build_config(
     tables = document.get("backend", [])
     if not isinstance(tables, list):
         raise UsageError(f"{toml_key(source, None, 'backend')} backends are [[backend]] tables")
-    backends = [backend_from_table(t, source, i + 1) for i, t in enumerate(tables)]
-    backends += [parse_backend_flag(v) for v in backend_flags]
+    probes = DEFAULT_PROBES
+    if "probes" in document:
+        probes = probes_from_table(document["probes"], toml_key(source, None, "probes"))
+    backends = [backend_from_table(t, source, i + 1, probes) for i, t in enumerate(tables)]
+    backends += [replace(parse_backend_flag(v), probes=probes) for v in backend_flags]
     directory, to_label = given(to, "--to", "to")
     if directory is None:
         raise UsageError("--to DIR is required: the directory where sleeping backends' memory goes")
@@ -310,6 +441,14 @@ def build_config(
     host, port = parse_listen(*given(listen, "--listen", "listen", DEFAULT_LISTEN))
     idle_value, idle_label = given(idle, "--idle", "idle")
     budget, budget_label = given(gpu_budget, "--gpu-budget", "gpu_budget")
+    token_path, token_label = given(token_file, "--token-file", "token_file")
+    token, token_source = None, None
+    if token_path is not None:
+        if not isinstance(token_path, (str, Path)) or not str(token_path):
+            raise UsageError(f"{token_label} must name a file, not {token_path!r}")
+        token, token_source = read_token(Path(token_path), token_label), f"{token_label} {token_path}"
+    elif (environ or {}).get(TOKEN_ENV):
+        token, token_source = check_token((environ or {})[TOKEN_ENV], TOKEN_ENV), TOKEN_ENV
     config = ServeConfig(
         host=host,
         port=port,
@@ -321,8 +460,35 @@ def build_config(
         gpu_budget=parse_size(budget, budget_label) if budget not in (None, AUTO) else None,
         measure_gpu=budget == AUTO,
         limits=limits_from_table(document.get("limits", {}), source),
+        token=token,
+        token_source=token_source,
     )
     return with_command(config, command, start)
+
+
+def check_token(token: str, label: str) -> str:
+    token = token.strip()
+    if len(token) < 16 or any(c.isspace() for c in token):
+        raise UsageError(f"{label}: a token is at least 16 characters, without spaces")
+    return token
+
+
+def read_token(path: Path, label: str) -> str:
+    """The bearer token in ``path``: a file only its owner can read (as an ssh key), one line."""
+    path = path.expanduser()
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"{label} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{label} {path}: not text") from None
+    if mode & 0o077:
+        raise UsageError(
+            f"{label} {path} can be read by others (mode {mode & 0o777:o})",
+            hint=f"chmod 600 {path}",
+        )
+    return check_token(text, f"{label} {path}")
 
 
 def with_command(config: ServeConfig, command: Sequence[str], start: str | None) -> ServeConfig:
@@ -342,4 +508,9 @@ def with_command(config: ServeConfig, command: Sequence[str], start: str | None)
         start = names[0]
     if start not in names:
         raise UsageError(f"--start {start}: no such backend (known: {', '.join(names)})")
+    if any(s.command for s in config.backends if s.name == start):
+        raise UsageError(
+            f"--start {start}: that backend has its own command in serve.toml (started on demand); "
+            "give one or the other"
+        )
     return replace(config, command=tuple(command), start=start)

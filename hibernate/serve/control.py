@@ -127,8 +127,9 @@ class BackendControl:
             entries = orchestrator.status([pid])
         return Inspection(pid, is_awake(entries), tracked_bytes(entries), recovered)
 
-    def sleep(self, pid: int) -> int:
-        """Put the backend to sleep; the bytes spilled.
+    def sleep(self, pid: int) -> tuple[int, int]:
+        """Put the backend to sleep; the bytes spilled: written, and reused from its previous snapshot
+        (unchanged since, linked rather than written again).
 
         The proxy's sleeps (idle, or making room) are its own choice: requests in flight through
         another proxy mean the backend is in use, so they are waited for briefly, not --timeout.
@@ -136,7 +137,9 @@ class BackendControl:
         options = self.options()
         options.lease_timeout = min(self.sleep_timeout, LEASE_WAIT_SECONDS)
         report = orchestrator.sleep([pid], self.directory, options)
-        return sum(int(p.total_bytes) for p in report.processes)
+        written = sum(int(p.written_bytes) for p in report.processes)
+        reused = sum(int(p.reused_bytes) for p in report.processes)
+        return written, reused
 
     def wake(self, pid: int) -> int:
         """Wake the backend; the bytes restored."""

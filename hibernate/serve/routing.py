@@ -21,12 +21,15 @@ MODELS_PATH = "/v1/models"
 class ApiError(Exception):
     """A request refused with ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, kind: str, param: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.param = param
+        self.retry_after = retry_after  # seconds, for a 503's Retry-After (default 1)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -38,6 +41,7 @@ class ApiError(Exception):
 class Route:
     backend: str
     path: str  # the path (and query) to ask the backend for
+    prefixed: bool = False  # routed by its path's prefix (else by its body's model)
 
 
 def by_prefix(path: str, backends: Sequence[BackendSpec]) -> Route | None:
@@ -51,7 +55,7 @@ def by_prefix(path: str, backends: Sequence[BackendSpec]) -> Route | None:
     if best is None or best.prefix is None:
         return None
     rest = path[len(best.prefix) :]
-    return Route(best.name, rest if rest.startswith("/") else "/" + rest)
+    return Route(best.name, rest if rest.startswith("/") else "/" + rest, prefixed=True)
 
 
 def model_of(body: bytes) -> str:
@@ -79,6 +83,24 @@ def model_of(body: bytes) -> str:
             "model",
         )
     return model
+
+
+KEEP_ALIVE_FIELD = b'"keep_alive"'
+
+
+def without_keep_alive(body: bytes) -> tuple[bytes, object]:
+    """A JSON body's ``keep_alive`` field (Ollama's), taken out: the body to forward, and the field's
+    value (None when it has none: the body is then returned as it came, not parsed again)."""
+    if KEEP_ALIVE_FIELD not in body:
+        return body, None
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return body, None
+    if not isinstance(document, dict) or "keep_alive" not in document:
+        return body, None
+    value = document.pop("keep_alive")
+    return json.dumps(document).encode(), value
 
 
 def by_model(model: str, backends: Sequence[BackendSpec]) -> str:

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from aiohttp import web
 
 from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
 from hibernate.operation import targets
-from hibernate.serve import discovery
+from hibernate.serve import discovery, starter
 from hibernate.serve.backends import STATES, Fleet
 from hibernate.serve.config import BackendSpec, ServeConfig
 from hibernate.serve.control import BackendControl, refuse_tree_holding_proxy
@@ -41,7 +45,7 @@ def start_command(config: ServeConfig) -> subprocess.Popen[bytes] | None:
         return None
     log.info("starting backend %s: %s", config.start, " ".join(config.command))
     try:
-        return subprocess.Popen(list(config.command), start_new_session=True)
+        return subprocess.Popen(list(config.command), start_new_session=True, env=starter.child_environment())
     except OSError as exc:  # not found, not executable: the command given is wrong
         raise UsageError(f"-- {config.command[0]}: {exc.strerror or exc}") from None
 
@@ -70,6 +74,8 @@ def check_at_start(config: ServeConfig) -> None:
     if config.command and shutil.which(config.command[0]) is None:
         raise UsageError(f"-- {config.command[0]}: no such command (not found, or not executable)")
     for spec in config.backends:
+        if spec.command:
+            starter.check_command(spec)
         if spec.pid is not None:
             try:
                 targets.check_access(spec.pid)
@@ -105,6 +111,30 @@ def stop_command(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
         proc.wait()
 
 
+def control_scope(config: ServeConfig) -> str:
+    """What the startup log says of /hibernate/models: who may sleep and wake the backends over HTTP."""
+    if config.token is not None:
+        return f"on, with the token of {config.token_source}"
+    if config.is_local:
+        return "on (loopback: anyone on this machine)"
+    return (
+        "OFF: listening beyond loopback without a token (give --token-file, token_file in serve.toml, "
+        "or HIBERNATE_SERVE_TOKEN)"
+    )
+
+
+async def listen(runner: web.AppRunner, config: ServeConfig) -> None:
+    """Open the port, or end the command with one line (exit 2) before any backend is touched."""
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()  # requests wait for adoption
+    except OSError as exc:
+        in_use = exc.errno == errno.EADDRINUSE
+        raise UsageError(
+            f"--listen {config.host}:{config.port}: {exc.strerror or exc}",
+            hint="another server listens there: stop it or choose another port" if in_use else None,
+        ) from None
+
+
 async def serve(config: ServeConfig) -> None:
     check_at_start(config)
     recorder = Recorder(STATES)
@@ -134,10 +164,7 @@ async def serve(config: ServeConfig) -> None:
     idle: asyncio.Future[None] | None = None
     started: subprocess.Popen[bytes] | None = None
     try:
-        try:
-            await web.TCPSite(runner, config.host, config.port).start()  # requests wait for adoption
-        except OSError as exc:
-            raise UsageError(f"--listen {config.host}:{config.port}: {exc.strerror or exc}") from None
+        await listen(runner, config)
         started = start_command(config)
         if started is not None:
             spec = next(s for s in config.backends if s.name == config.start)
@@ -146,9 +173,11 @@ async def serve(config: ServeConfig) -> None:
         proxy.ready.set()
         where = ", ".join(f"http://{h}:{p}" for h, p, *_ in runner.addresses)
         scope = (
-            "this machine only" if config.is_local else "ANY machine that can reach it (no authentication)"
+            "this machine only"
+            if config.is_local
+            else "ANY machine that can reach it: its OpenAI paths have no authentication"
         )
-        log.info("listening on %s (%s)", where, scope)
+        log.info("listening on %s (%s); control endpoints %s", where, scope, control_scope(config))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -163,11 +192,48 @@ async def serve(config: ServeConfig) -> None:
         await fleet.drain(limits.shutdown_timeout)
         fleet.close()
         await asyncio.to_thread(stop_command, started, limits.shutdown_timeout)
+        await fleet.stop_started(limits.shutdown_timeout)
         if idle is not None:
             log.info("stopped")
 
 
-def run(config: ServeConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="hibernate serve: %(message)s")
+class TextFormat(logging.Formatter):
+    """``2026-01-31T12:00:00.123Z INFO hibernate serve: message``: UTC, to the millisecond."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{timestamp(record)} {record.levelname} hibernate serve: {record.getMessage()}"
+
+
+class JsonFormat(logging.Formatter):
+    """One JSON object a line: time, level, logger, message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        return json.dumps(entry)
+
+
+def timestamp(record: logging.LogRecord) -> str:
+    moment = datetime.fromtimestamp(record.created, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def setup_logging(log_format: str, level: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormat() if log_format == "json" else TextFormat())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)  # other libraries' chatter stays out
+    logging.getLogger("hibernate").setLevel(level)
+
+
+def run(config: ServeConfig, log_format: str = "text", level: int = logging.INFO) -> int:
+    setup_logging(log_format, level)
     asyncio.run(serve(config))
     return 0

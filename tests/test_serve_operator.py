@@ -1,0 +1,318 @@
+"""What an operator of `hibernate serve` configures and reads, checked on its own (pure functions, no
+backend): probes, commands started on demand, the control endpoints' token, keep-alive, Retry-After,
+the metrics that exist from the start, and the log lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hibernate.errors import UsageError
+from hibernate.serve.backends import (
+    STATES,
+    Candidate,
+    State,
+    idle_due,
+    joined_reasons,
+    parse_keep_alive,
+    plan_start,
+)
+from hibernate.serve.config import (
+    DEFAULT_PROBES,
+    PROBE_ANSWER,
+    PROBE_FORWARD_OR_503,
+    PROBE_FORWARD_OR_ANSWER,
+    TOKEN_ENV,
+    build_config,
+)
+from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
+from hibernate.serve.proxy import authorize, backend_for, error_response, keep_alive_of
+from hibernate.serve.routing import ApiError, without_keep_alive
+from hibernate.serve.server import JsonFormat, TextFormat
+from hibernate.serve.starter import child_environment, tail
+from hibernate.version import __version__
+
+TOKEN = "s3cret-token-0123456789"
+
+
+def config(**given: Any) -> Any:
+    values: dict[str, Any] = {
+        "listen": None, "to": Path("/snap"), "backend_flags": [], "idle": None, "wake_timeout": None,
+        "gpu_budget": None,
+    }  # fmt: skip
+    values.update(given)
+    return build_config(**values)
+
+
+def backend(**table: Any) -> dict[str, Any]:
+    return {"backend": [{"name": "q", "url": "http://127.0.0.1:8001", "prefix": "/q", **table}]}
+
+
+# -- probes -----------------------------------------------------------------------------------------
+
+
+def test_probes_are_gets_of_health_metrics_and_models_by_default_and_serve_toml_changes_them() -> None:
+    spec = config(document=backend()).backends[0]
+    assert spec.probes == DEFAULT_PROBES
+    for path in ("/health", "/healthz", "/metrics", "/v1/models", "/metrics?x=1"):
+        assert spec.probe_action("GET", path) == PROBE_FORWARD_OR_ANSWER, path
+    assert spec.probe_action("HEAD", "/health") == PROBE_FORWARD_OR_ANSWER
+    assert spec.probe_action("POST", "/metrics") is None  # only GET and HEAD are probes
+    assert spec.probe_action("GET", "/v1/completions") is None
+    assert spec.probe_action("GET", "/metrics/more") is None  # a path, not a prefix
+
+    probes = {"/metrics": "forward_or_503", "/v1/models": "wake", "/status": "answer"}
+    changed = config(document=backend(probes=probes)).backends[0]
+    assert changed.probe_action("GET", "/metrics") == PROBE_FORWARD_OR_503
+    assert changed.probe_action("GET", "/v1/models") is None  # "wake": an ordinary request again
+    assert changed.probe_action("GET", "/status") == PROBE_ANSWER
+    assert changed.probe_action("GET", "/health") == PROBE_FORWARD_OR_ANSWER  # the defaults stay
+
+    # A top-level table applies to every backend, flags' included; a backend's own goes on top.
+    document = {"probes": {"/ready": "answer"}, **backend(probes={"/ready": "forward_or_503"})}
+    both = config(document=document, backend_flags=["b=http://127.0.0.1:8002"]).backends
+    assert [s.probe_action("GET", "/ready") for s in both] == [PROBE_FORWARD_OR_503, PROBE_ANSWER]
+
+
+@pytest.mark.parametrize(
+    ("table", "words"),
+    [
+        ({"probes": {"/metrics": "sometimes"}}, "probes: /metrics: the action is one of answer, "),
+        ({"probes": {"metrics": "answer"}}, "probes: a probe path starts with /"),
+        ({"probes": ["/metrics"]}, "probes: must be a table of path = action"),
+        ({"command": []}, "command: is empty"),
+        ({"command": "serve 'unclosed"}, "command: cannot be split into words"),
+        ({"command": [1, 2]}, "command: must be a list of strings"),
+        ({"cwd": "/tmp"}, "cwd: is for a backend started on demand: give its command"),
+        ({"command": "x", "env": {"A": 1}}, 'env: must be a table of NAME = "value" strings'),
+        ({"command": "x", "health_path": "health"}, "health_path: must be a path such as /health"),
+        ({"command": "x", "start_timeout": 0}, "start_timeout: must be a number of seconds"),
+        ({"prefix": "/health"}, "prefix: the prefix '/health' is the proxy's own"),
+        ({"prefix": "/hibernate/models"}, "prefix: the prefix '/hibernate/models' is the proxy's own"),
+        ({"command": "x", "pid": 42}, "pid: a backend started on demand (command) gets a new pid"),
+    ],
+)
+def test_bad_backend_keys_are_refused_naming_the_key(table: dict[str, Any], words: str) -> None:
+    with pytest.raises(UsageError) as refused:
+        config(document=backend(**table))
+    assert refused.value.message.startswith(f"serve.toml: [[backend]] #1 {words}"), refused.value.message
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+def test_a_command_is_a_list_as_given_or_a_string_split_as_a_shell_would() -> None:
+    listed = config(document=backend(command=["vllm", "serve", "a b"])).backends[0]
+    split = config(document=backend(command="vllm serve 'a b' --port 8001")).backends[0]
+    assert listed.command == ("vllm", "serve", "a b")
+    assert split.command == ("vllm", "serve", "a b", "--port", "8001")
+    full = config(
+        document=backend(
+            command="x",
+            cwd="/srv",
+            env={"CUDA_VISIBLE_DEVICES": "0"},
+            start_timeout=90,
+            health_path="/health",
+        )
+    ).backends[0]
+    assert (full.cwd, full.env, full.start_timeout, full.health_path) == (
+        Path("/srv"), (("CUDA_VISIBLE_DEVICES", "0"),), 90.0, "/health",
+    )  # fmt: skip
+
+
+def test_a_failed_starts_log_tail_is_whole_lines_from_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "b.log"
+    log.write_text("".join(f"line {i}\n" for i in range(1000)))
+    end = tail(log, 100)
+    assert end.endswith("line 999") and end.startswith("line ") and len(end) <= 100
+    assert tail(tmp_path / "missing.log") == ""
+
+
+def test_a_start_under_a_budget_puts_every_backend_holding_memory_to_sleep_first() -> None:
+    def c(name: str, state: State, used: float, in_flight: int = 0) -> Candidate:
+        return Candidate(name, state, 1 << 30, used, in_flight)
+
+    assert plan_start([c("a", State.ASLEEP, 1), c("b", State.STOPPED, 2)]).action == "fits"
+    room = plan_start([c("a", State.AWAKE, 5), c("b", State.AWAKE, 3), c("z", State.ASLEEP, 1)])
+    assert (room.action, room.victim) == ("evict", "b")  # the least recently used awake one
+    assert plan_start([c("a", State.AWAKE, 5, in_flight=1)]).action == "wait"
+    assert plan_start([c("a", State.STARTING, 5)]).action == "wait"
+
+
+def test_a_failed_wake_says_its_reason_once() -> None:
+    reason = "no hibernate agent in process 42"
+    assert joined_reasons(reason, reason) == reason
+    assert joined_reasons("checksum mismatch", "process 42 is gone") == (
+        "checksum mismatch; then: process 42 is gone"
+    )
+    assert joined_reasons(reason, f"backend q: {reason}") == f"backend q: {reason}"
+
+
+# -- keep-alive -----------------------------------------------------------------------------------------
+
+
+def test_keep_alive_is_seconds_or_a_duration_zero_sleeps_at_once_negative_never() -> None:
+    assert [parse_keep_alive(v) for v in (0, "0", 30, "30s", "5m", "1h", 2.5)] == [
+        0.0, 0.0, 30.0, 30.0, 300.0, 3600.0, 2.5,
+    ]  # fmt: skip
+    assert parse_keep_alive(-1) == math.inf and parse_keep_alive("-1") == math.inf
+    assert [parse_keep_alive(v) for v in ("soon", True, None, [], "nan")] == [None] * 5
+    assert keep_alive_of("0", 300) == 0.0  # the header first
+    assert keep_alive_of(None, "5m") == 300.0 and keep_alive_of(None, None) is None
+    with pytest.raises(ApiError, match="keep_alive must be a number of seconds"):
+        keep_alive_of(None, "soon")
+
+
+def test_a_bodys_keep_alive_is_taken_out_before_forwarding_and_other_bodies_pass_as_they_came() -> None:
+    body = b'{"model": "q", "prompt": "hi", "keep_alive": 0}'
+    forwarded, value = without_keep_alive(body)
+    assert value == 0 and json.loads(forwarded) == {"model": "q", "prompt": "hi"}
+    untouched = b'{"model": "q",   "prompt": "keep_alive"}'
+    assert without_keep_alive(untouched) == (untouched, None)
+    assert without_keep_alive(b"not json keep_alive") == (b"not json keep_alive", None)
+
+
+def test_a_backend_kept_alive_forever_is_not_idle_and_zero_is_idle_at_once() -> None:
+    forever = Candidate("a", State.AWAKE, 0, 0.0, 0, idle=math.inf)
+    at_once = Candidate("b", State.AWAKE, 0, 100.0, 0, idle=0.0)
+    assert idle_due([forever, at_once], 100.0, 1.0) == ["b"]
+
+
+# -- the control endpoints ------------------------------------------------------------------------------
+
+
+def test_the_control_endpoints_are_open_on_loopback_off_elsewhere_and_need_the_token_when_one_is_set(
+    tmp_path: Path,
+) -> None:
+    flags = {"backend_flags": ["q=http://127.0.0.1:8001"]}
+    local = config(**flags)
+    assert authorize(local, None) is None
+    for host in ("0.0.0.0", "192.168.1.5", "[::]"):
+        off = config(listen=f"{host}:8000", **flags)
+        refused = authorize(off, f"Bearer {TOKEN}")
+        assert refused is not None and refused.status == 403 and "no token is configured" in refused.message
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    guarded = config(listen="0.0.0.0:8000", token_file=token_file, **flags)
+    assert guarded.control_enabled and guarded.token == TOKEN
+    assert authorize(guarded, f"Bearer {TOKEN}") is None
+    for wrong in (None, TOKEN, f"Bearer {TOKEN}x", "Bearer ", f"Basic {TOKEN}"):
+        refused = authorize(guarded, wrong)
+        assert refused is not None and refused.status == 401, wrong
+    from_env = config(listen="0.0.0.0:8000", environ={TOKEN_ENV: TOKEN}, **flags)
+    assert from_env.token == TOKEN and from_env.token_source == TOKEN_ENV
+    assert config(token_file=token_file, **flags).token == TOKEN  # on loopback too, once given
+
+    token_file.chmod(0o644)
+    with pytest.raises(UsageError, match="can be read by others"):
+        config(token_file=token_file, **flags)
+    token_file.chmod(0o600)
+    token_file.write_text("short")
+    with pytest.raises(UsageError, match="at least 16 characters"):
+        config(token_file=token_file, **flags)
+
+
+def test_a_control_request_names_a_backend_or_one_of_its_models() -> None:
+    backends = config(
+        document={"backend": [{"name": "q", "url": "http://127.0.0.1:8001", "models": ["Org/Q-8B"]}]}
+    ).backends
+    assert backend_for("q", backends).name == backend_for("Org/Q-8B", backends).name == "q"
+    with pytest.raises(ApiError, match="no backend or model named 'z'"):
+        backend_for("z", backends)
+
+
+def test_every_503_says_when_to_retry() -> None:
+    waking = error_response(ApiError(503, "waking", "ServiceUnavailableError", retry_after=5))
+    full = error_response(ApiError(503, "full", "ServiceUnavailableError"))
+    assert waking.headers["Retry-After"] == "5" and full.headers["Retry-After"] == "1"
+    assert "Retry-After" not in error_response(ApiError(404, "no", "NotFoundError")).headers
+
+
+# -- metrics and logs -----------------------------------------------------------------------------------
+
+
+def test_every_series_of_a_backend_exists_at_zero_from_the_start_with_the_version() -> None:
+    recorder = Recorder(STATES)
+    recorder.register("q", State.FAILED.value, ("Org/Q-8B", "q"))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(recorder.exposition()[0].decode())
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float | None:
+        return samples.get((name, tuple(sorted({"backend": "q", **labels}.items()))))
+
+    for operation in OPERATIONS:
+        assert value("hibernate_serve_transitions_total", operation=operation) == 0
+        assert value("hibernate_serve_transition_failures_total", operation=operation) == 0
+    for counter in ("spilled", "reused", "restored"):
+        assert value(f"hibernate_serve_{counter}_bytes_total") == 0
+    for outcome in OUTCOMES:
+        assert value("hibernate_serve_request_outcomes_total", outcome=outcome) == 0
+    assert value("hibernate_serve_tracked_bytes") == 0
+    assert value("hibernate_serve_requests_in_flight") == 0
+    assert value("hibernate_serve_backend_state", state="failed") == 1
+    assert value("hibernate_serve_backend_state", state="awake") == 0
+    for model in ("Org/Q-8B", "q"):
+        assert value("hibernate_serve_model_state", model=model, state="failed") == 1
+        assert value("hibernate_serve_model_state", model=model, state="awake") == 0
+    recorder.state("q", "asleep")
+    assert samples[("hibernate_serve_build_info", (("version", __version__),))] == 1
+
+    recorder.transition("q", "sleep", 1.0, written=10, reused=90)
+    recorder.request("q", 200, "client_cancelled")
+    recorder.request("q", 502)
+    text = recorder.exposition()[0].decode()
+    assert 'hibernate_serve_model_state{backend="q",model="Org/Q-8B",state="asleep"} 1.0' in text
+    assert 'hibernate_serve_spilled_bytes_total{backend="q"} 10.0' in text
+    assert 'hibernate_serve_reused_bytes_total{backend="q"} 90.0' in text
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="client_cancelled"} 1.0' in text
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="backend_failed"} 1.0' in text
+
+
+def test_log_lines_have_a_utc_time_and_a_level_as_text_or_json() -> None:
+    record = logging.LogRecord("hibernate.serve", logging.WARNING, __file__, 1, "q: %s", ("gone",), None)
+    record.created = 1767225600.25  # 2026-01-01T00:00:00.250Z
+    assert TextFormat().format(record) == "2026-01-01T00:00:00.250Z WARNING hibernate serve: q: gone"
+    assert json.loads(JsonFormat().format(record)) == {
+        "time": "2026-01-01T00:00:00.250Z", "level": "warning", "logger": "hibernate.serve",
+        "message": "q: gone",
+    }  # fmt: skip
+
+
+def test_a_request_for_a_model_started_on_demand_waits_for_its_start_timeout_if_longer() -> None:
+    from hibernate.serve.backends import Fleet
+
+    specs = config(
+        document={
+            "backend": [
+                {"name": "slow", "url": "http://127.0.0.1:8001", "command": "x", "start_timeout": 900},
+                {"name": "quick", "url": "http://127.0.0.1:8002", "command": "x", "start_timeout": 5},
+                {"name": "plain", "url": "http://127.0.0.1:8003"},
+            ]
+        }
+    ).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=None)  # type: ignore[arg-type]
+    assert [fleet.patience(b) for b in fleet.backends.values()] == [900.0, 300.0, 300.0]
+
+
+def test_a_started_backend_gets_serves_environment_and_its_own_but_never_the_token() -> None:
+    environ = {"PATH": "/bin", TOKEN_ENV: TOKEN, "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert child_environment((("CUDA_VISIBLE_DEVICES", "1"),), environ) == {
+        "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1",
+    }  # fmt: skip
+    assert environ[TOKEN_ENV] == TOKEN  # serve's own is left as it is
+
+
+def test_a_backend_with_its_own_command_is_not_also_the_one_dash_dash_command_starts() -> None:
+    with pytest.raises(UsageError, match=r"--start q: that backend has its own command in serve\.toml"):
+        config(document=backend(command="vllm serve x"), command=["vllm", "serve", "y"], start="q")
