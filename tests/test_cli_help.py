@@ -38,7 +38,7 @@ def test_placeholders_are_words_not_python_types(
     command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = help_of(capsys, monkeypatch, command, "--help")
-    assert not re.search(r"<(bool|int|float|str|Path|list\[\w+\])>", text), text
+    assert not re.search(r"<(bool|int|float|str|path|Path|list\[\w+\])>", text), text
     assert not re.search(r"\{[A-Za-z_]+\}", text), text  # a required argument is DIR, not {DIR}
     for param in typer.main.get_command(app).commands[command].params:  # type: ignore[attr-defined]
         if not getattr(param, "is_flag", False) and param.name != "help":

@@ -53,15 +53,19 @@ def free_port() -> int:
         return port
 
 
-async def _fetch(method: str, url: str, body: Any = None, data: bytes | None = None) -> tuple[int, bytes]:
+async def _fetch(
+    method: str, url: str, body: Any = None, data: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as session:
         payload = json.dumps(body).encode() if body is not None else data
-        async with session.request(method, url, data=payload) as answer:
+        async with session.request(method, url, data=payload, headers=headers) as answer:
             return answer.status, await answer.read()
 
 
-def fetch(method: str, url: str, body: Any = None, data: bytes | None = None) -> tuple[int, bytes]:
-    return asyncio.run(_fetch(method, url, body, data))
+def fetch(
+    method: str, url: str, body: Any = None, data: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    return asyncio.run(_fetch(method, url, body, data, headers))
 
 
 def completion(model: str, **extra: Any) -> dict[str, Any]:
@@ -142,6 +146,7 @@ class Proxy:
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
+    token: str | None = None  # HIBERNATE_SERVE_TOKEN it was started with: /hibernate/status needs it then
 
     @property
     def url(self) -> str:
@@ -154,7 +159,8 @@ class Proxy:
 
     def status(self) -> dict[str, dict[str, Any]]:
         """GET /hibernate/status, checked against its published schema, by backend name."""
-        status, body = fetch("GET", self.url + "/hibernate/status")
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        status, body = fetch("GET", self.url + "/hibernate/status", headers=headers)
         assert status == 200, body
         document = json.loads(body)
         problems = [e.message for e in STATUS_SCHEMA.iter_errors(document)]
@@ -202,7 +208,7 @@ def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]
                 command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                 env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
             )  # fmt: skip
-        proxy = Proxy(proc, port, log)
+        proxy = Proxy(proc, port, log, (env or {}).get("HIBERNATE_SERVE_TOKEN"))
         started.append(proxy)
         if wait:
             wait_until(
@@ -240,9 +246,9 @@ def test_requests_go_to_the_backend_their_model_names_unchanged(
     assert proxy.metric("hibernate_serve_requests_total", backend="one", code="200") == 2
     assert proxy.metric("hibernate_serve_added_latency_seconds_count", backend="two") == 1
 
-    # Every metric /metrics exposes is in the README's table, and nothing else is.
+    # Every metric /metrics exposes is in docs/serve.md's table, and nothing else is.
     documented = set(
-        re.findall(r"^\| `(hibernate_serve_\w+)`", (REPO / "README.md").read_text(), re.MULTILINE)
+        re.findall(r"^\| `(hibernate_serve_\w+)`", (REPO / "docs" / "serve.md").read_text(), re.MULTILINE)
     )
     exposed = re.findall(
         r"^# TYPE (hibernate_serve_\w+) ", fetch("GET", proxy.url + "/metrics")[1].decode(), re.M

@@ -287,6 +287,7 @@ def test_off_loopback_the_control_endpoints_are_off_without_a_token_and_need_it_
     )
     assert code == 403 and "no token is configured" in json.loads(body)["error"]["message"]
     assert exchange("POST", open_to_all.url + "/hibernate/models/q/wake")[0] == 403
+    assert exchange("GET", open_to_all.url + "/hibernate/status")[0] == 403  # pids and command lines
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -297,7 +298,10 @@ def test_off_loopback_the_control_endpoints_are_off_without_a_token_and_need_it_
         code, answer_headers, body = exchange("GET", guarded.url + "/hibernate/models", headers)
         assert code == 401 and answer_headers["WWW-Authenticate"] == "Bearer", body
         assert exchange("POST", guarded.url + "/hibernate/models/q/sleep", headers)[0] == 401
+        assert exchange("GET", guarded.url + "/hibernate/status", headers)[0] == 401
     good = {"Authorization": f"Bearer {TOKEN}"}
+    code, _, body = exchange("GET", guarded.url + "/hibernate/status", good)
+    assert code == 200 and [b["name"] for b in json.loads(body)["backends"]] == ["q"]
     code, _, body = exchange("GET", guarded.url + "/hibernate/models", good)
     assert code == 200 and [m["name"] for m in json.loads(body)["data"]] == ["q"]
     code, _, body = exchange("POST", guarded.url + "/hibernate/models/q/sleep", good)

@@ -58,7 +58,7 @@ def run_proxy(
         typer.Option(
             "--idle",
             metavar="SECONDS",
-            help="Put a backend to sleep after this many seconds without a request.",
+            help="Put a backend to sleep after this many seconds without a request. [default: never]",
             show_default=False,
         ),
     ] = None,
@@ -102,13 +102,14 @@ def run_proxy(
         Path | None,
         typer.Option(
             "--token-file",
+            metavar="FILE",
             help="A file (mode 600) holding the bearer token of /hibernate/models (sleep, wake); "
             "else HIBERNATE_SERVE_TOKEN. Without one they are on only when listening on loopback.",
             show_default=False,
         ),
     ] = None,
     log_format: Annotated[
-        str, typer.Option("--log-format", metavar="text|json", help="How log lines are written.")
+        str, typer.Option("--log-format", metavar="[text|json]", help="How log lines are written.")
     ] = "text",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings and errors only.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every request (debug).")] = False,

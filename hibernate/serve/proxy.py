@@ -226,7 +226,8 @@ class Proxy:
 
     async def _own(self, request: web.Request) -> web.StreamResponse | None:
         """The proxy's own answers: /metrics, /hibernate/status, /v1/models, /hibernate/models (none of
-        them wakes anyone but a POST .../wake)."""
+        them wakes anyone but a POST .../wake; /hibernate/status and /hibernate/models only for those
+        :func:`authorize` lets in)."""
         if request.path == CONTROL_PATH or request.path.startswith(CONTROL_PATH + "/"):
             return await self._control(request)
         if request.method != "GET":
@@ -234,7 +235,11 @@ class Proxy:
         if request.path == METRICS_PATH:
             data, content_type = self.recorder.exposition()
             return web.Response(body=data, headers={"Content-Type": content_type})
-        if request.path == STATUS_PATH:
+        if request.path == STATUS_PATH:  # pids and command lines: for whoever may use the control endpoints
+            refused = authorize(self.config, request.headers.get("Authorization"))
+            if refused is not None:
+                headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
+                return error_response(refused, headers)
             return web.json_response(await self.status())
         if request.path == MODELS_PATH:
             states = {name: b.state.value for name, b in self.fleet.backends.items()}
