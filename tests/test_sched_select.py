@@ -27,9 +27,11 @@ from hibernate.sched.selectors import (
     find_named_cgroups,
     job_cgroups,
     job_dir_in_cgroup_path,
+    on_this_node,
     parse_pid_list,
     pids_with_job_environment,
     resolve_cgroup_path,
+    slurmd_of,
     tree_roots,
     unified_cgroup_path,
 )
@@ -100,6 +102,20 @@ def test_both_slurm_cgroup_layouts_are_found(tmp_path: Path) -> None:
     make_cgroup(tmp_path, *V2_SCOPE, "job_420", procs=[2])  # another job, a longer id
     found = sorted(find_named_cgroups(tmp_path, "job_42"))
     assert found == sorted([v1.parent, v1_memory, v2.parent.parent.parent])
+
+
+def test_several_slurmd_on_one_host_each_keep_their_own_job_directory(tmp_path: Path) -> None:
+    """A job over two nodes whose slurmd share a host has a job_<id> under each: a node takes its own."""
+    node0 = make_cgroup(tmp_path, "freezer", "slurm_node0", "uid_0", "job_42", "step_0", procs=[1]).parent
+    node1 = make_cgroup(tmp_path, "freezer", "slurm_node1", "uid_0", "job_42", "step_0", procs=[2]).parent
+    v2 = make_cgroup(tmp_path, "system.slice", "node1_slurmstepd.scope", "job_42", procs=[3])
+    assert [slurmd_of(p, tmp_path) for p in (node0, node1, v2)] == ["node0", "node1", "node1"]
+    single = make_cgroup(tmp_path, "freezer", "slurm", "uid_0", "job_42", procs=[4])
+    assert slurmd_of(single, tmp_path) is None  # one slurmd on the host names no node
+    found = [node0, node1, v2, single]
+    assert on_this_node(found, tmp_path, "node1") == [node1, v2, single]
+    assert on_this_node(found, tmp_path, None) == found  # outside a job's task: every node of the host
+    assert sorted(job_cgroups("42", tmp_path, {"SLURMD_NODENAME": "node0"}, "")) == sorted([node0, single])
 
 
 def test_job_cgroups_found_too_deep_are_not_looked_for(tmp_path: Path) -> None:
