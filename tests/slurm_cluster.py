@@ -393,6 +393,7 @@ def start_cluster() -> SlurmCluster:
     cluster.scratch.mkdir()
     cluster.scratch.chmod(0o1777)
     for node in cluster.nodes:
+        (root / "spool" / node).mkdir()
         run = cluster.runtime_dir(node)
         run.mkdir(parents=True)
         run.parent.chmod(0o755)
@@ -420,16 +421,23 @@ def start_cluster() -> SlurmCluster:
                     f"--seed-file={root}/munge/seed",
                 ],
                 log / "munged.out",
+                cluster.conf,
             )
         )
         wait_for((root / "munge" / "munge.socket").exists, 30, "munged's socket", cluster)
-        cluster.daemons.append(popen([daemon("slurmctld"), "-D", "-f", str(cluster.conf)], log / "ctld.out"))
+        cluster.daemons.append(
+            popen([daemon("slurmctld"), "-D", "-f", str(cluster.conf)], log / "ctld.out", cluster.conf)
+        )
         wait_for(
             lambda: cluster.run(["scontrol", "ping"], timeout=30).returncode == 0, 30, "slurmctld", cluster
         )
         for node in cluster.nodes:
             cluster.daemons.append(
-                popen([daemon("slurmd"), "-D", "-N", node, "-f", str(cluster.conf)], log / f"{node}.out")
+                popen(
+                    [daemon("slurmd"), "-D", "-N", node, "-f", str(cluster.conf)],
+                    log / f"{node}.out",
+                    cluster.conf,
+                )
             )
         wait_for(lambda: nodes_idle(cluster), START_TIMEOUT, "both nodes idle in sinfo", cluster)
     except BaseException:
@@ -438,7 +446,9 @@ def start_cluster() -> SlurmCluster:
     return cluster
 
 
-def popen(command: list[str], output: Path) -> subprocess.Popen[bytes]:
+def popen(command: list[str], output: Path, conf: Path) -> subprocess.Popen[bytes]:
+    """A daemon of the cluster, its output to ``output``; it reads cgroup.conf beside ``conf``."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     with open(output, "wb") as out:
         return subprocess.Popen(
             command,
@@ -446,7 +456,7 @@ def popen(command: list[str], output: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C at the terminal reaches pytest, which stops them in order
-            env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+            env={**environment, "SLURM_CONF": str(conf)},
         )
 
 
@@ -554,3 +564,22 @@ def agent_state(cluster: SlurmCluster, demo: JobDemo) -> str:
     result = cluster.run(["hibernate", "status", str(demo.pid), "--json"], env)
     assert result.returncode == 0, result.stderr + result.stdout
     return str(json.loads(result.stdout)["agents"][0]["state"])
+
+
+def stopped_by_slurm(pid: int) -> bool:
+    """Whether Slurm has stopped process ``pid`` for a suspension: frozen in its freezer cgroup
+    (proctrack/cgroup), or stopped by SIGSTOP (state ``T``, proctrack/linuxproc)."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    if raw[raw.rindex(")") + 2] == "T":
+        return True
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            with contextlib.suppress(OSError):
+                return (FREEZER / path.lstrip("/") / "freezer.state").read_text().strip() == "FROZEN"
+    return False
