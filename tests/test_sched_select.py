@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ from hibernate.sched.selectors import (
     tree_roots,
     unified_cgroup_path,
 )
-from tests.conftest import Demo, run_cli
-from tests.standins.slurm_fixtures import Cluster, pretend_cluster
+from tests.conftest import REPO, Demo, run_cli, wait_until
+from tests.slurm_cluster import SlurmCluster, agent_state, demo_job
 
 V2_SCOPE = ("system.slice", "slurmstepd.scope")
 
@@ -213,12 +214,52 @@ def test_the_walk_of_proc_finds_a_real_child() -> None:
 # -- the selectors, with real processes ---------------------------------------------------
 
 
+@dataclass
+class Node:
+    """This machine as one node: demos outside any job, listening in a runtime directory of their own."""
+
+    root: Path
+    demos: list[Demo] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"HIBERNATE_RUNTIME_DIR": str(self.root / "run")}
+
+    def start_demos(self, count: int, env: dict[str, str] | None = None) -> list[Demo]:
+        """``count`` demos started at once (importing torch is most of their start-up time)."""
+        started = []
+        for _ in range(count):
+            index = len(self.demos)
+            control, ready, log = (self.root / f"demo{index}.{ext}" for ext in ("sock", "ready", "log"))
+            command = [
+                sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", "16",
+                "--control", str(control), "--ready-file", str(ready),
+            ]  # fmt: skip
+            environment = {**os.environ, "PYTHONPATH": str(REPO), **self.env, **(env or {})}
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment
+                )
+            demo = Demo(proc, str(control), {}, log, {"ready": ready})
+            self.demos.append(demo)
+            started.append(demo)
+        for demo in started:
+            wait_until(demo.extra["ready"].exists, 180, "a demo to be ready", 0.05, process=demo.proc)
+            demo.info = json.loads(demo.extra["ready"].read_text())
+        return started
+
+
 @pytest.fixture(scope="module")
-def node() -> Iterator[tuple[Cluster, list[Demo]]]:
-    """One pretend node with three demos: two in Slurm job 4200 (steps 0 and 1), one outside any job."""
-    with pretend_cluster(1) as cluster:
-        demos = cluster.start_demos([("node0", None)] * 3)
-        yield cluster, demos
+def node() -> Iterator[Node]:
+    """This node with three demos, in no job: each test puts them in the cgroups it arranges."""
+    here = Node(Path(tempfile.mkdtemp(prefix="hb-node-", dir="/tmp")))
+    try:
+        here.start_demos(3)
+        yield here
+    finally:
+        for demo in here.demos:
+            demo.stop()
+        shutil.rmtree(here.root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -229,9 +270,8 @@ def cgroups(node) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def hibernate(node, cgroups: Path, *args: str, env: dict[str, str] | None = None) -> Any:
-    cluster, _ = node
-    environment = {**cluster.world.node_env("node0"), "HIBERNATE_CGROUP_ROOT": str(cgroups), **(env or {})}
+def hibernate(node: Node, cgroups: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    environment = {**node.env, "HIBERNATE_CGROUP_ROOT": str(cgroups), **(env or {})}
     return run_cli(*args, env=environment)
 
 
@@ -241,7 +281,7 @@ def selected(result: Any) -> list[int]:
 
 
 def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid])
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_1", "user", "task_0", procs=[b.pid])
     make_cgroup(cgroups, *V2_SCOPE, "job_4201", "step_0", "user", "task_0", procs=[c.pid])
@@ -256,7 +296,7 @@ def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> N
 
 
 def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> None:
-    _, (a, _, _) = node
+    a = node.demos[0]
     threads = sorted(int(t) for t in os.listdir(f"/proc/{a.pid}/task"))
     assert len(threads) > 1  # torch and the agent run threads
     make_cgroup(cgroups, "freezer", "slurm", "uid_0", "job_4200", "step_0", tasks=threads[1:])
@@ -265,8 +305,7 @@ def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> N
 
 @pytest.mark.slow
 def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path) -> None:
-    cluster, _ = node
-    (tagged,) = cluster.start_demos([("node0", None)], env={"SLURM_JOB_ID": "777"})
+    (tagged,) = node.start_demos(1, env={"SLURM_JOB_ID": "777"})
     result = hibernate(node, cgroups, "status", "--job", "777", "--json")
     assert selected(result) == [tagged.pid]
     assert result.json()["selection"]["sources"][0]["via"] == "environment"
@@ -274,7 +313,7 @@ def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path)
 
 
 def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, "work", "left", procs=[a.pid])
     make_cgroup(cgroups, "work", "right", "deep", procs=[b.pid])
     make_cgroup(cgroups, "elsewhere", procs=[c.pid])
@@ -287,11 +326,11 @@ def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path)
 
 @pytest.mark.slow
 def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgroups: Path) -> None:
-    cluster, demos = node
+    demos = node.demos[:3]
     result = hibernate(node, cgroups, "status", "--all", "--json")
     assert selected(result) == sorted(d.pid for d in demos)
     # a process listening elsewhere (another runtime directory) is not "this node's" ...
-    (elsewhere,) = cluster.start_demos([("node0", None)], env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "run")})
+    (elsewhere,) = node.start_demos(1, env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "run")})
     assert elsewhere.pid not in selected(hibernate(node, cgroups, "status", "--all", "--json"))
     # ... but a pid names it, and pids and selectors add up
     both = hibernate(node, cgroups, "status", "--all", str(elsewhere.pid), "--json")
@@ -341,7 +380,7 @@ def test_no_targets_at_all_is_a_usage_error(cgroups: Path) -> None:
 
 @pytest.mark.slow
 def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     reference = {d.pid: d.infer()["digest"] for d in (a, b)}
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid])
     asleep = hibernate(node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--json")
@@ -357,7 +396,7 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
 
 @pytest.mark.slow
 def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
     b.hold(5)  # b is in a long step: it cannot quiesce within --timeout
     result = hibernate(
@@ -372,3 +411,29 @@ def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: P
         c.pid: "running",
     }
     assert a.infer()["digest"]  # serving again
+
+
+# -- on a node of a real Slurm cluster ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_one_node_job_sleeps_and_wakes_with_job(slurm_cluster: SlurmCluster, work_dir: Path) -> None:
+    """`hibernate sleep --job` run in the job on its node: the job's own cgroup on that node, and the
+    demo (not the slurmstepd above it, root's like the job) is what is put to sleep."""
+    slurm, node = slurm_cluster, slurm_cluster.nodes[1]
+    job_id, (demo,) = demo_job(slurm, "single", [node])
+    try:
+        in_job = ["srun", f"--jobid={job_id}", "--overlap", "--ntasks=1", "hibernate"]
+        asleep = slurm.run([*in_job, "sleep", "--job", str(job_id), "--to", str(work_dir), "--json"])
+        assert asleep.returncode == 0, asleep.stderr + asleep.stdout
+        report = json.loads(asleep.stdout)
+        assert [p["pid"] for p in report["processes"]] == [demo.pid]
+        if slurm.proctrack == "proctrack/cgroup":
+            assert report["selection"]["sources"][0]["cgroups"] == [str(slurm.job_cgroup(node, job_id))]
+        assert agent_state(slurm, demo) == "asleep"
+        woken = slurm.run([*in_job, "wake", "--job", str(job_id), "-q"])
+        assert woken.returncode == 0, woken.stderr
+        assert agent_state(slurm, demo) == "running"
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)
