@@ -217,9 +217,9 @@ class SlurmCluster:
     def job_cgroup(self, node: str, job_id: int, uid: int = 0) -> Path:
         return FREEZER / f"slurm_{node}" / f"uid_{uid}" / f"job_{job_id}"
 
-    def runtime_dir(self, node: str) -> Path:
-        """Where hibernate agents of ``node`` listen (what a node's own /run would be)."""
-        return self.root / "nodes" / node / "run"
+    def runtime_dir(self, node: str, uid: int = 0) -> Path:
+        """Where the hibernate agents of user ``uid`` on ``node`` listen (on a real node, its /run/user)."""
+        return self.root / "nodes" / node / f"run-{uid}"
 
     def logs_tail(self, lines: int = 15) -> str:
         parts = []
@@ -329,15 +329,27 @@ CGROUP_CONF = "".join(
 
 HIBERNATE_WRAPPER = """#!/bin/sh
 # hibernate as installed on this cluster's nodes: each node's agents listen in the node's own
-# runtime directory (on real nodes, /run on each host), chosen by the node the task runs on.
+# runtime directory of their user (on real nodes, /run/user on each host).
 if [ -n "${{SLURMD_NODENAME:-}}" ]; then
-    HIBERNATE_RUNTIME_DIR="{root}/nodes/$SLURMD_NODENAME/run"
+    HIBERNATE_RUNTIME_DIR="{root}/nodes/$SLURMD_NODENAME/run-$(id -u)"
     export HIBERNATE_RUNTIME_DIR
 fi
 PYTHONPATH="{source}${{PYTHONPATH:+:$PYTHONPATH}}"
 export PYTHONPATH
+if [ ! -x "{python}" ] && [ -x "{copy}/bin/{version}" ]; then
+    # A user who cannot reach this interpreter: the copy made for them (python_for).
+    PYTHONHOME="{copy}" LD_LIBRARY_PATH="{copy}/lib" PYTHONPATH="{site}:$PYTHONPATH"
+    export PYTHONHOME LD_LIBRARY_PATH PYTHONPATH
+    exec "{copy}/bin/{version}" {module} "$@"
+fi
 exec "{python}" {module} "$@"
 """
+VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def site_packages() -> str:
+    """This virtual environment's site-packages (torch and the rest of what hibernate needs)."""
+    return next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
 
 
 def write_wrappers(cluster: SlurmCluster) -> None:
@@ -346,7 +358,15 @@ def write_wrappers(cluster: SlurmCluster) -> None:
     for name, module in (("hibernate", "-m hibernate"), ("hibernate-demo", "-W ignore -m hibernate.demo")):
         path = cluster.bin / name
         path.write_text(
-            HIBERNATE_WRAPPER.format(root=cluster.root, source=REPO, python=sys.executable, module=module)
+            HIBERNATE_WRAPPER.format(
+                root=cluster.root,
+                source=REPO,
+                python=sys.executable,
+                module=module,
+                copy=cluster.root / "python",
+                version=VERSION,
+                site=site_packages(),
+            )
         )
         path.chmod(0o755)
 
@@ -392,10 +412,9 @@ def start_cluster() -> SlurmCluster:
     cluster.scratch.chmod(0o1777)
     for node in cluster.nodes:
         (root / "spool" / node).mkdir()
-        run = cluster.runtime_dir(node)
-        run.mkdir(parents=True)
-        run.parent.chmod(0o755)
-        run.chmod(0o1777)  # every user's agents make their own 0700 directory below it
+        # Every user's agents make their own 0700 runtime directory in it.
+        cluster.runtime_dir(node).parent.mkdir(parents=True)
+        cluster.runtime_dir(node).parent.chmod(0o1777)
     write_wrappers(cluster)
     key = root / "munge" / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
@@ -579,3 +598,54 @@ def stopped_by_slurm(pid: int) -> bool:
             with contextlib.suppress(OSError):
                 return (FREEZER / path.lstrip("/") / "freezer.state").read_text().strip() == "FROZEN"
     return False
+
+
+# -- a job of another user ------------------------------------------------------------------------
+
+
+def as_user(user: pwd.struct_passwd) -> list[str]:
+    """Command prefix that runs a program as ``user`` (this process is root)."""
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+
+
+def python_for(cluster: SlurmCluster, user: pwd.struct_passwd) -> tuple[str, dict[str, str]]:
+    """An interpreter ``user`` can run with hibernate and torch importable, and the environment it needs.
+
+    This interpreter first; where its installation is out of the user's reach
+    (a Python under root's 0700 home), a copy of the installation without its
+    site-packages, made once per cluster, with this virtual environment's
+    site-packages on PYTHONPATH. Skips the test when neither imports torch as
+    ``user``: the machine cannot run it.
+    """
+    candidates: list[tuple[str, dict[str, str]]] = [(sys.executable, {"PYTHONPATH": str(REPO)})]
+    base, copy = Path(sys.base_prefix), cluster.root / "python"
+    if not copy.exists():
+        (copy / "bin").mkdir(parents=True)
+        shutil.copy2(Path(sys.executable).resolve(), copy / "bin" / VERSION)
+        (copy / "lib").mkdir()
+        for library in base.glob("lib/libpython*.so*"):
+            shutil.copy2(library, copy / "lib" / library.name)
+        shutil.copytree(
+            base / "lib" / VERSION,
+            copy / "lib" / VERSION,
+            ignore=shutil.ignore_patterns("site-packages", "test", "__pycache__"),
+        )
+    copied = {
+        "PYTHONPATH": f"{site_packages()}:{REPO}",
+        "LD_LIBRARY_PATH": str(copy / "lib"),
+        "PYTHONHOME": str(copy),
+    }
+    candidates.append((str(copy / "bin" / VERSION), copied))
+    failures = []
+    for python, env in candidates:
+        probe = subprocess.run(  # runuser sets the user's groups too, as slurmstepd does
+            ["runuser", "-u", user.pw_name, "--", python, "-c", "import hibernate, torch"],
+            env={"PATH": os.environ.get("PATH", ""), **env},
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
+        if probe.returncode == 0:
+            return python, env
+        failures.append(f"{python}: {probe.stderr.strip()[-200:]}")
+    pytest.skip(f"no interpreter with torch that {user.pw_name} can run here: {'; '.join(failures)}")

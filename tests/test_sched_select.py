@@ -37,7 +37,17 @@ from hibernate.sched.selectors import (
     unified_cgroup_path,
 )
 from tests.conftest import REPO, Demo, run_cli, wait_until
-from tests.slurm_cluster import SlurmCluster, agent_state, demo_job
+from tests.slurm_cluster import (
+    SCRIPTS,
+    SlurmCluster,
+    agent_state,
+    as_user,
+    demo_job,
+    job_user,
+    python_for,
+    ready_demos,
+    stopped_by_slurm,
+)
 
 V2_SCOPE = ("system.slice", "slurmstepd.scope")
 
@@ -433,6 +443,56 @@ def test_a_one_node_job_sleeps_and_wakes_with_job(slurm_cluster: SlurmCluster, w
         assert agent_state(slurm, demo) == "asleep"
         woken = slurm.run([*in_job, "wake", "--job", str(job_id), "-q"])
         assert woken.returncode == 0, woken.stderr
+        assert agent_state(slurm, demo) == "running"
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)
+
+
+@pytest.mark.slow
+def test_root_hibernates_the_job_of_an_unprivileged_user(slurm_cluster: SlurmCluster) -> None:
+    """An operator (root) suspends a user's job with hibernate-suspend and brings it back with
+    hibernate-resume, bit-exact after the wake. Slurm refuses root a step in another user's job, so
+    the node steps run as the job's owner, in directories the script hands them."""
+    slurm, node = slurm_cluster, slurm_cluster.nodes[0]
+    user = job_user()
+    python, python_env = python_for(slurm, user)
+    files = slurm.scratch / f"theirs-{node}"
+    script = slurm.scratch / "theirs.sbatch"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec srun sh -c 'exec {python} -W ignore -m hibernate.demo serve --size-mb 16 "
+        f"--control {files}.sock --ready-file {files}.ready'\n"
+    )
+    script.chmod(0o755)
+    submitted = subprocess.run(
+        [*as_user(user), "sbatch", "--parsable", f"--nodelist={node}", str(script)],
+        env={
+            **slurm.outside_env(),
+            **python_env,
+            "HIBERNATE_RUNTIME_DIR": str(slurm.runtime_dir(node, user.pw_uid)),
+        },
+        cwd=slurm.scratch,
+        capture_output=True,
+        text=True,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = int(submitted.stdout.strip())
+    try:
+        (demo,) = ready_demos(slurm, job_id, "theirs", [node])
+        assert procinfo.owner_uid(demo.pid) == user.pw_uid
+        operator = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
+        snapshots = slurm.scratch / "theirs-snapshots"  # made by the script, handed to the job's owner
+        suspended = slurm.run(
+            [str(SCRIPTS / "hibernate-suspend"), str(job_id), "--to", str(snapshots)], operator
+        )
+        assert suspended.returncode == 0, suspended.stderr + suspended.stdout
+        assert slurm.state(job_id) == "SUSPENDED"
+        wait_until(lambda: stopped_by_slurm(demo.pid), 60, "the demo stopped by the suspension", 0.05)
+        manifests = list(snapshots.glob("*/*/snap-*/manifest.json"))
+        assert manifests and all(p.stat().st_uid == user.pw_uid for p in manifests)  # the owner's files
+        resumed = slurm.run([str(SCRIPTS / "hibernate-resume"), str(job_id)], operator)
+        assert resumed.returncode == 0, resumed.stderr + resumed.stdout
         assert agent_state(slurm, demo) == "running"
         assert demo.infer() == demo.reference
     finally:
