@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import wait_until
+from tests.conftest import process_state, wait_until
 from tests.slurm_cluster import (
     SCRIPTS,
     SlurmCluster,
@@ -152,6 +152,8 @@ def test_a_preempted_server_sleeps_before_slurm_stops_it_and_serves_after(
             "the server and its wrapper stopped by the suspension",
             0.05,
         )
+        if slurm.proctrack == "proctrack/cgroup":  # frozen by the freezer cgroup, not stopped by SIGSTOP
+            assert process_state(demo.pid) != "T" and process_state(wrapper) != "T"
         # Read while both are stopped: the wrapper logged the sleep before Slurm stopped it.
         assert f"asleep: pid {demo.pid}" in output.read_text(), output.read_text()
         assert list(work_dir.glob("*/snap-*/manifest.json"))
