@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,8 @@ INSTALL = "apt-get install -y slurm-wlm munge"
 JOB_USER = "hbslurm"
 DAEMONS = ("slurmctld", "slurmd", "munged")
 START_TIMEOUT = 60.0
+# Set: the cluster tracks job processes as where cgroup v1 is not mounted (to check that case here).
+LINUXPROC_ENV = "HIBERNATE_TEST_SLURM_LINUXPROC"
 
 
 def missing_reason() -> str | None:
@@ -393,7 +396,7 @@ def start_cluster() -> SlurmCluster:
     root = Path(tempfile.mkdtemp(prefix="hb-slurm-", dir="/tmp"))
     root.chmod(0o755)  # the job's owner reads slurm.conf and reaches the munge socket
     tag = "".join(secrets.choice(string.ascii_lowercase) for _ in range(5))
-    cgroup = cgroup_v1_freezer()
+    cgroup = cgroup_v1_freezer() and not os.environ.get(LINUXPROC_ENV)
     cluster = SlurmCluster(
         root,
         f"hb{tag}",
@@ -401,9 +404,15 @@ def start_cluster() -> SlurmCluster:
         "proctrack/cgroup" if cgroup else "proctrack/linuxproc",
     )
     if not cgroup:
-        sys.stderr.write(
-            f"private Slurm cluster: no cgroup v1 freezer at {FREEZER}; tracking job processes with "
-            "proctrack/linuxproc (suspend sends SIGSTOP instead of freezing)\n"
+        why = (
+            f"${LINUXPROC_ENV} is set"
+            if os.environ.get(LINUXPROC_ENV)
+            else f"no cgroup v1 freezer at {FREEZER}"
+        )
+        warnings.warn(
+            f"private Slurm cluster: {why}; job processes are tracked with proctrack/linuxproc "
+            "(a suspension stops them with SIGSTOP instead of freezing them)",
+            stacklevel=1,
         )
     for sub in ("state", "spool", "log", "run", "munge"):
         (root / sub).mkdir()

@@ -311,7 +311,7 @@ def test_the_site_pair_does_not_suspend_a_job_that_cannot_sleep(
     slurm = slurm_cluster
     job_id, demos = demo_job(slurm, "serving-busy", slurm.nodes)
     try:
-        demos[1].hold(6)  # node1's program is in a long step: its sleep times out
+        demos[1].hold(30)  # node1's program is in a long step: its sleep times out
         operator = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
         command = [
             str(SCRIPTS / "hibernate-suspend"),

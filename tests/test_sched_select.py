@@ -162,6 +162,13 @@ def test_the_job_environment_marks_its_processes() -> None:
         (4, {}),
     ]
     assert pids_with_job_environment("42", environments) == [1, 2]
+    # several slurmd on one host (no cgroups to tell them apart): each node's tasks say their node
+    tasks = [
+        (5, {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node0"}),
+        (6, {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node1"}),
+    ]
+    assert pids_with_job_environment("42", [*environments, *tasks], "node1") == [1, 2, 6]
+    assert pids_with_job_environment("42", tasks) == [5, 6]
 
 
 def test_a_cgroup_path_may_be_given_as_proc_pid_cgroup_prints_it(tmp_path: Path) -> None:
@@ -408,7 +415,7 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
 def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
     a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
-    b.hold(5)  # b is in a long step: it cannot quiesce within --timeout
+    b.hold(30)  # b is in a long step (longer than a loaded machine takes to start the CLI): --timeout 1
     result = hibernate(
         node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--timeout", "1", "--json"
     )

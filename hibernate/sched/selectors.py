@@ -206,10 +206,20 @@ def job_cgroups(
 
 
 def pids_with_job_environment(
-    job_id: str, environments: Iterable[tuple[int, Mapping[str, str]]]
+    job_id: str, environments: Iterable[tuple[int, Mapping[str, str]]], node: str | None = None
 ) -> list[int]:
-    """The processes whose environment says they belong to Slurm job ``job_id``."""
-    return [pid for pid, env in environments if any(env.get(name) == job_id for name in JOB_ENV_NAMES)]
+    """The processes whose environment says they belong to Slurm job ``job_id`` (on node ``node``).
+
+    Where several slurmd share a host, the job's tasks of every node run on it;
+    a task's environment names its node (``SLURMD_NODENAME``), so a node known
+    keeps its own.
+    """
+    return [
+        pid
+        for pid, env in environments
+        if any(env.get(name) == job_id for name in JOB_ENV_NAMES)
+        and (not node or env.get(NODE_ENV) in (None, node))
+    ]
 
 
 def _all_environments() -> Iterable[tuple[int, Mapping[str, str]]]:
@@ -316,7 +326,8 @@ def select_job(job_id: str, timeout: float = 5.0, environ: Mapping[str, str] | N
         source: dict[str, Any] = {"selector": "job", "job": job_id, "via": "cgroup"}
         source["cgroups"] = [str(c) for c in cgroups]
     else:
-        members = pids_with_job_environment(job_id, _all_environments())
+        env = os.environ if environ is None else environ
+        members = pids_with_job_environment(job_id, _all_environments(), env.get(NODE_ENV))
         source = {"selector": "job", "job": job_id, "via": "environment"}
     members = [p for p in members if p != os.getpid()]
     if not members:
