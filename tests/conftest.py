@@ -22,8 +22,8 @@ import pytest
 
 from hibernate.checkpoint.nccl import NCCL_SAFE
 
-# Every fixture plugin, registered once for the whole suite (stand-ins of hardware and of Slurm).
-pytest_plugins = ["tests.standins.fixtures", "tests.standins.slurm_fixtures"]
+# Every fixture plugin, registered once for the whole suite (stand-ins of hardware, a private Slurm).
+pytest_plugins = ["tests.standins.fixtures", "tests.slurm_cluster"]
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534

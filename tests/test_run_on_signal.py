@@ -14,6 +14,7 @@ import pytest
 from hibernate.agent.triggers import parse_signal
 from hibernate.errors import ExitCode, UsageError
 from tests.conftest import REPO, wait_until
+from tests.slurm_cluster import JobDemo, SlurmCluster, agent_state, ready_demos
 
 
 def wait_for_state(cli, pid: int, state: str, timeout: float = 60) -> None:
@@ -157,3 +158,63 @@ def test_an_agent_refuses_a_sleep_signal_it_could_never_receive(fresh_agent: Non
 
     with pytest.raises(UsageError, match="sleep signal STOP: SIGSTOP cannot be caught"):
         hibernate.track([], on_signal="STOP", to=work_dir)
+
+
+# -- under a real Slurm (tests/slurm_cluster.py) ------------------------------------------------
+
+
+def wrapped_server_job(slurm: SlurmCluster, work_dir: Path, name: str, *sbatch: str) -> tuple[int, JobDemo]:
+    """A batch job whose shell is `hibernate run` (USR1 sleeps, USR2 wakes) around a demo server."""
+    node = slurm.nodes[0]
+    files = slurm.scratch / f"{name}-{node}"
+    script = slurm.scratch / f"{name}.sbatch"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec hibernate run --on-signal USR1 --wake-signal USR2 --to {work_dir} -- "
+        f"hibernate-demo serve --size-mb 4 --control {files}.sock --ready-file {files}.ready\n"
+    )
+    job_id = slurm.submit(f"--nodelist={node}", f"--output={slurm.scratch}/{name}.out", *sbatch, str(script))
+    (demo,) = ready_demos(slurm, job_id, name, [node])
+    return job_id, demo
+
+
+def log_says(slurm: SlurmCluster, name: str, words: str) -> bool:
+    return words in (slurm.scratch / f"{name}.out").read_text()
+
+
+@pytest.mark.slow
+def test_scancel_signals_to_the_batch_shell_put_the_job_to_sleep_and_wake_it(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    """`scancel --signal=USR1 --batch JOB` lends the job's GPUs, `--signal=USR2` takes them back."""
+    slurm = slurm_cluster
+    job_id, demo = wrapped_server_job(slurm, work_dir, "lender")
+    try:
+        assert slurm.run(["scancel", "--signal=USR1", "--batch", str(job_id)]).returncode == 0
+        wait_until(lambda: log_says(slurm, "lender", f"asleep: pid {demo.pid}"), 60, "the sleep on USR1", 0.1)
+        assert agent_state(slurm, demo) == "asleep"
+        assert slurm.run(["scancel", "--signal=USR2", "--batch", str(job_id)]).returncode == 0
+        wait_until(lambda: log_says(slurm, "lender", f"awake: pid {demo.pid}"), 60, "the wake on USR2", 0.1)
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)
+
+
+@pytest.mark.slow
+def test_the_time_limit_warning_of_signal_b_usr1_puts_the_job_to_sleep(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    """`--signal=B:USR1@115` with a 2-minute limit: the warning is due 5 s after the start (the
+    controller sends it at its next periodic check, within about 30 s more)."""
+    slurm = slurm_cluster
+    job_id, demo = wrapped_server_job(slurm, work_dir, "warned", "--time=2", "--signal=B:USR1@115")
+    try:
+        wait_until(
+            lambda: log_says(slurm, "warned", f"asleep: pid {demo.pid}"), 90, "the warning's sleep", 0.1
+        )
+        assert list(work_dir.glob("*/snap-*/manifest.json"))
+        assert slurm.run(["scancel", "--signal=USR2", "--batch", str(job_id)]).returncode == 0
+        wait_until(lambda: log_says(slurm, "warned", f"awake: pid {demo.pid}"), 60, "the wake on USR2", 0.1)
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)

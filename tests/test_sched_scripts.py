@@ -1,36 +1,38 @@
-"""The example scripts of scripts/slurm/, run on the pretend cluster as Slurm would run them.
+"""The example scripts of scripts/slurm/, submitted to a real Slurm cluster (tests/slurm_cluster.py).
 
 Every script is shell-checked; each example runs end to end with the demo as
-its GPU program: a preemptible server suspended and resumed by Slurm's own
-signals, a training job that sleeps between phases on two nodes, and the
-site's suspend/resume pair.
+its GPU program: a preemptible server put to sleep by Slurm's own preemption
+(a job of a higher partition suspends it) and woken when it resumes, a
+training job that sleeps between phases on two nodes, and the site's
+suspend/resume pair. The shipped batch scripts ask for GPUs; this cluster has
+none, so they are submitted with ``--gpus-per-node=0``, which the command line
+may override.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from hibernate.errors import ExitCode
 from tests.conftest import process_state, wait_until
-from tests.standins.slurm_fixtures import SCRIPTS, Cluster
+from tests.slurm_cluster import (
+    SCRIPTS,
+    SlurmCluster,
+    agent_state,
+    demo_command,
+    demo_job,
+    ready_demos,
+    stopped_by_slurm,
+)
 
 SHELL_SCRIPTS = sorted(p for p in SCRIPTS.iterdir() if p.is_file())
-
-
-def demo_command(scratch: Path, name: str, size_mb: int = 16) -> str:
-    """The demo as a script's server or trainer; ``$SLURMD_NODENAME`` in paths is expanded per node."""
-    return (
-        f"{sys.executable} -W ignore -m hibernate.demo serve --size-mb {size_mb} "
-        f"--control {scratch}/{name}.sock --ready-file {scratch}/{name}.ready"
-    )
 
 
 def test_there_are_scripts_to_check() -> None:
@@ -66,132 +68,178 @@ def test_hibernate_job_refuses_bad_input_with_usage(args: list[str], words: str)
     assert result.returncode == ExitCode.USAGE and words in result.stderr
 
 
-def submit(slurm: Cluster, script: str, env: dict[str, str]) -> tuple[int, Path]:
-    result = slurm.run(["sbatch", "--parsable", str(SCRIPTS / script)], {**slurm.env, **env})
-    assert result.returncode == 0, result.stderr
-    job_id = int(result.stdout.strip())
-    return job_id, slurm.scratch / f"slurm-{job_id}.out"
+@pytest.mark.parametrize(
+    "status, words",
+    [
+        (10, "every node is awake"),
+        (13, "a node could not wake its processes again: fix the cause, then run hibernate-resume 42"),
+        (137, "what it put to sleep may still be asleep; run hibernate-resume 42"),
+    ],
+)
+def test_hibernate_suspend_says_what_holds_after_each_failure(
+    tmp_path: Path, status: int, words: str
+) -> None:
+    """Only an abort that every node settled leaves every node awake; exit 13 and a killed node do not."""
+    failing = tmp_path / "hibernate-job"
+    failing.write_text(f"#!/bin/sh\nexit {status}\n")
+    failing.chmod(0o755)
+    result = subprocess.run(
+        [str(SCRIPTS / "hibernate-suspend"), "42", "--to", str(tmp_path)],
+        env={**os.environ, "HIBERNATE_JOB": str(failing)},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == status and "job 42 was not suspended" in result.stderr, result.stderr
+    assert words in result.stderr
+    if status != 10:
+        assert "every node is awake" not in result.stderr
 
 
-@dataclass
-class ScriptDemo:
-    """A demo a script started (not our child): found through its ready file, killed with the job."""
-
-    pid: int
-    control: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def request(self, command: str) -> dict[str, Any]:
-        from hibernate.demo import request
-
-        return request(self.control, command, 120)
-
-    def infer(self) -> dict[str, Any]:
-        return self.request("infer")
+def submit_script(slurm: SlurmCluster, script: str, *sbatch: str, env: dict[str, str]) -> int:
+    """sbatch of a shipped script (this cluster has no GPUs: the command line asks for none)."""
+    return slurm.submit(
+        "--gpus-per-node=0", *sbatch, str(SCRIPTS / script), env={**slurm.outside_env(), **env}
+    )
 
 
-def ready_demo(slurm: Cluster, name: str, node: str) -> ScriptDemo:
-    ready = slurm.scratch / f"{name}.ready"
-    info = json.loads(wait_until(lambda: ready.exists() and ready.read_text(), 90, f"{name} to start", 0.1))
-    return ScriptDemo(info["pid"], str(slurm.scratch / f"{name}.sock"), {"node": node})
+def output_of(slurm: SlurmCluster, job_id: int) -> Path:
+    return slurm.scratch / f"slurm-{job_id}.out"
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    return int(raw[raw.rindex(")") + 2 :].split()[1])
 
 
 @pytest.mark.slow
-def test_the_preemptible_server_sleeps_through_a_slurm_suspend(slurm: Cluster, work_dir: Path) -> None:
-    slurm.world.configure(suspend_grace_time=8)  # the site gives a sleep this long before SIGSTOP
-    job_id, output = submit(
-        slurm,
-        "vllm-preemptible.sbatch",
-        {"VLLM_COMMAND": demo_command(slurm.scratch, "server"), "SNAPSHOTS": str(work_dir)},
-    )
-    server = ready_demo(slurm, "server", "node0")
-    reference = server.infer()["digest"]
-    wrapper = slurm.world.task_pid(job_id)
-    assert "hibernate run" in Path(f"/proc/{wrapper}/cmdline").read_text().replace("\0", " ")  # exec'd
+def test_a_preempted_server_sleeps_before_slurm_stops_it_and_serves_after(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    """PreemptMode=SUSPEND,GANG: a job of the higher partition needs the node's CPUs, so Slurm suspends
+    the server's job (SIGTSTP, then the freeze), and resumes it (thaw, SIGCONT) when the other ends."""
+    slurm, node = slurm_cluster, slurm_cluster.nodes[0]
+    files = slurm.scratch / f"server-{node}"
+    done = slurm.scratch / "preemptor.done"
+    server = f"hibernate-demo serve --size-mb 4 --control {files}.sock --ready-file {files}.ready"
+    server_id = submit_script(
+        slurm, "vllm-preemptible.sbatch", "--partition=low", f"--nodelist={node}", "--cpus-per-task=2",
+        env={"VLLM_COMMAND": server, "SNAPSHOTS": str(work_dir)},
+    )  # fmt: skip
+    preemptor = None
+    try:
+        (demo,) = ready_demos(slurm, server_id, "server", [node])
+        output = output_of(slurm, server_id)
+        wrapper = parent_of(demo.pid)
+        assert command_line(wrapper).startswith(
+            f"{sys.executable} -m hibernate run"
+        )  # the batch shell, exec'd
+        resident = demo.rss()
 
-    assert slurm.run(["scontrol", "suspend", str(job_id)]).returncode == 0
-    # Stopped as the kernel sees it (T), not as the stand-in's record says: its flag is set once
-    # the SIGSTOP is sent, which is before either process has been scheduled to stop. Nothing else
-    # stops them: the wrapper and its server ignore the SIGTSTP that comes first.
-    wait_until(
-        lambda: process_state(server.pid) == "T" and process_state(wrapper) == "T",
-        120,
-        "both processes stopped by the SIGSTOP after the grace time",
-        0.1,
-        detail=lambda: {pid: process_state(pid) for pid in (server.pid, wrapper)},
-    )
-    log = output.read_text()
-    assert f"asleep: pid {server.pid}" in log, log  # asleep before the grace time ran out
-    assert list(work_dir.glob("*/snap-*/manifest.json"))
+        preemptor = slurm.submit(
+            "--partition=high", f"--nodelist={node}", "--cpus-per-task=2",
+            "--wrap", f"while [ ! -e {done} ]; do sleep 0.1; done",
+        )  # fmt: skip
+        slurm.wait_state(preemptor, "RUNNING")
+        assert slurm.state(server_id) == "SUSPENDED"
+        wait_until(
+            lambda: stopped_by_slurm(demo.pid) and stopped_by_slurm(wrapper),
+            60,
+            "the server and its wrapper stopped by the suspension",
+            0.05,
+        )
+        if slurm.proctrack == "proctrack/cgroup":  # frozen by the freezer cgroup, not stopped by SIGSTOP
+            assert process_state(demo.pid) != "T" and process_state(wrapper) != "T"
+        # Read while both are stopped: the wrapper logged the sleep before Slurm stopped it.
+        assert f"asleep: pid {demo.pid}" in output.read_text(), output.read_text()
+        assert list(work_dir.glob("*/snap-*/manifest.json"))
+        assert demo.rss() < resident - 3 * 2**20  # its 4 MiB of weights are on disk, not in memory
 
-    assert slurm.run(["scontrol", "resume", str(job_id)]).returncode == 0
-    wait_until(lambda: f"awake: pid {server.pid}" in output.read_text(), 90, "the wake on SIGCONT", 0.1)
-    assert slurm.state(server) == "running"
-    assert server.infer()["digest"] == reference
+        done.touch()
+        slurm.wait_state(preemptor, "COMPLETED")
+        slurm.wait_state(server_id, "RUNNING")  # the gang scheduler resumed it
+        wait_until(lambda: f"awake: pid {demo.pid}" in output.read_text(), 90, "the wake on SIGCONT", 0.1)
+        assert agent_state(slurm, demo) == "running"
+        assert demo.infer() == demo.reference
+    finally:
+        done.touch()
+        for job_id in (preemptor, server_id):
+            if job_id is not None:
+                slurm.cancel(job_id)
+
+
+def train_env(slurm: SlurmCluster, hibernate_job: Path | str, evaluate: str = "true") -> dict[str, str]:
+    return {
+        "TRAIN_COMMAND": demo_command(slurm, "trainer"),
+        "EVAL_COMMAND": evaluate,
+        "PHASES": "2",
+        "PHASE_SECONDS": "0",
+        "SNAPSHOTS": str(slurm.scratch / "snapshots"),
+        "HIBERNATE_JOB": str(hibernate_job),
+        "READY_TIMEOUT": "120",
+    }
 
 
 @pytest.mark.slow
-def test_a_training_job_sleeps_between_phases_on_every_node(slurm: Cluster) -> None:
+def test_a_training_job_sleeps_between_phases_on_every_node(slurm_cluster: SlurmCluster) -> None:
+    slurm = slurm_cluster
     evals = slurm.scratch / "evals"
     evals.mkdir()
-    job_id, output = submit(
-        slurm,
-        "train-phases.sbatch",
-        {
-            "TRAIN_COMMAND": demo_command(slurm.scratch, "trainer-$SLURMD_NODENAME"),
-            # the evaluation records what hibernate says about the trainer on its node
-            "EVAL_COMMAND": f"hibernate status --job $SLURM_JOB_ID --json >{evals}/$SLURMD_NODENAME-$PHASE",
-            "PHASES": "2",
-            "PHASE_SECONDS": "0",
-            "SNAPSHOTS": str(slurm.scratch / "snapshots"),
-            "HIBERNATE_JOB": str(SCRIPTS / "hibernate-job"),
-            "READY_TIMEOUT": "120",
-        },
+    # the evaluation records what hibernate says about the trainer on its node
+    evaluate = f"hibernate status --job $SLURM_JOB_ID --json >{evals}/$SLURMD_NODENAME-$PHASE"
+    job_id = submit_script(
+        slurm, "train-phases.sbatch", env=train_env(slurm, SCRIPTS / "hibernate-job", evaluate)
     )
-    trainers = [ready_demo(slurm, f"trainer-node{i}", f"node{i}") for i in range(2)]
-    wait_until(lambda: "phase 2: trainer awake" in output.read_text(), 180, "both phases", 0.1)
-    for trainer in trainers:
-        trainer.request("quit")
-    wait_until(
-        lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 90, "the job to end", 0.1
-    )
-    assert slurm.world.job(job_id)["exit_code"] == 0, output.read_text()
-    for node in ("node0", "node1"):
+    try:
+        output = output_of(slurm, job_id)
+        trainers = ready_demos(slurm, job_id, "trainer", slurm.nodes)
+        wait_until(
+            lambda: "phase 2: trainer awake" in output.read_text(),
+            180,
+            "both phases",
+            0.1,
+            detail=output.read_text,
+        )
+        for trainer in trainers:
+            assert trainer.infer() == trainer.reference, trainer.node
+            trainer.request("quit")
+        info = slurm.wait_state(job_id, "COMPLETED", "FAILED")
+        assert info["JobState"] == "COMPLETED", output.read_text()
+    finally:
+        slurm.cancel(job_id)
+    for node in slurm.nodes:
         for phase in (1, 2):
             agents = json.loads((evals / f"{node}-{phase}").read_text())["agents"]
             assert [a["state"] for a in agents] == ["asleep"], (node, phase)
-    assert sorted(p.name for p in (slurm.scratch / "snapshots").iterdir()) == ["node0", "node1"]
+    assert sorted(p.name for p in (slurm.scratch / "snapshots").iterdir()) == slurm.nodes
 
 
-def train_two_phases_ending_early(slurm: Cluster, wrapper: Path) -> Path:
+def train_two_phases_ending_early(slurm: SlurmCluster, wrapper: Path) -> Path:
     """train-phases.sbatch over two phases with ``wrapper`` as its hibernate-job; it must end in failure.
 
     Returns the job's output file.
     """
     wrapper.chmod(0o755)
-    job_id, output = submit(
-        slurm,
-        "train-phases.sbatch",
-        {
-            "TRAIN_COMMAND": demo_command(slurm.scratch, "trainer-$SLURMD_NODENAME"),
-            "EVAL_COMMAND": "true",
-            "PHASES": "2",
-            "PHASE_SECONDS": "0",
-            "SNAPSHOTS": str(slurm.scratch / "snapshots"),
-            "HIBERNATE_JOB": str(wrapper),
-            "READY_TIMEOUT": "120",
-        },
-    )
-    wait_until(
-        lambda: (slurm.world.job(job_id) or {}).get("exit_code") is not None, 180, "the job to end", 0.1
-    )
-    assert slurm.world.job(job_id)["exit_code"] != 0
+    job_id = submit_script(slurm, "train-phases.sbatch", env=train_env(slurm, wrapper))
+    try:
+        info = slurm.wait_state(job_id, "COMPLETED", "FAILED", timeout=180)
+    finally:
+        slurm.cancel(job_id)
+    output = output_of(slurm, job_id)
+    assert info["JobState"] == "FAILED", output.read_text()
     return output
 
 
 @pytest.mark.slow
-def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killing_it(slurm: Cluster) -> None:
+def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killing_it(
+    slurm_cluster: SlurmCluster,
+) -> None:
     """A restored CUDA process killed can hang its node: the job's ending sleeps it first."""
+    slurm = slurm_cluster
     calls, wrapper = slurm.scratch / "job-calls", slurm.scratch / "hibernate-job-third-fails"
     # The third call (phase 2's sleep) fails, with the trainer woken once: the job ends early.
     wrapper.write_text(
@@ -203,71 +251,17 @@ def test_a_training_job_ended_early_puts_its_woken_trainer_to_sleep_before_killi
     output = train_two_phases_ending_early(slurm, wrapper)
     assert "phase 1: trainer awake" in output.read_text()
     assert calls.read_text().split() == ["sleep", "wake", "sleep", "sleep"]  # the last: the ending's
-    for node in ("node0", "node1"):  # each trainer's second snapshot: the sleep before it was killed
+    for node in slurm.nodes:  # each trainer's second snapshot: the sleep before it was killed
         assert list((slurm.scratch / "snapshots" / node).glob("*/snap-000002/manifest.json")), node
 
 
 @pytest.mark.slow
-def test_the_site_pair_frees_the_gpus_before_suspending_and_wakes_after_resuming(
-    slurm: Cluster, work_dir: Path
-) -> None:
-    slurm.world.configure(suspend_grace_time=0.5)
-    job = slurm.allocate(2, "serving")
-    demos = slurm.start_demos([("node0", job["job_id"]), ("node1", job["job_id"])])
-    reference = [d.infer()["digest"] for d in demos]
-    resident = [d.rss() for d in demos]
-    operator = {**slurm.env, "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
-    job_id = str(job["job_id"])
-
-    suspended = slurm.run([str(SCRIPTS / "hibernate-suspend"), job_id, "--to", str(work_dir)], operator)
-    assert suspended.returncode == 0, suspended.stderr
-    assert slurm.world.job(job["job_id"])["state"] == "SUSPENDED"
-    wait_until(
-        lambda: all(process_state(d.pid) == "T" for d in demos), 90, "both demos stopped by the suspend", 0.1
-    )
-    for demo, before in zip(demos, resident, strict=True):
-        assert demo.rss() < before - 12 * 2**20  # its 16 MiB of weights are on disk, not in memory
-    assert sorted(p.name for p in work_dir.iterdir()) == ["node0", "node1"]
-
-    resumed = slurm.run([str(SCRIPTS / "hibernate-resume"), job_id], operator)
-    assert resumed.returncode == 0, resumed.stderr
-    assert [slurm.state(d) for d in demos] == ["running", "running"]
-    assert [d.infer()["digest"] for d in demos] == reference
-
-
-@pytest.mark.slow
-def test_the_site_pair_does_not_suspend_a_job_that_cannot_sleep(slurm: Cluster, work_dir: Path) -> None:
-    job = slurm.allocate(2, "serving")
-    demos = slurm.start_demos([("node0", job["job_id"]), ("node1", job["job_id"])])
-    demos[1].hold(6)  # node1's program is in a long step: its sleep times out
-    operator = {**slurm.env, "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
-    command = [
-        str(SCRIPTS / "hibernate-suspend"),
-        str(job["job_id"]),
-        "--to",
-        str(work_dir),
-        "--",
-        "--timeout",
-        "1",
-    ]
-    result = slurm.run(command, operator)
-    assert result.returncode == ExitCode.TIMEOUT, result.stderr
-    assert "was not suspended" in result.stderr
-    assert slurm.world.job(job["job_id"])["state"] == "RUNNING"
-    assert [slurm.state(d) for d in demos] == ["running", "running"]
-
-
-def test_resume_refuses_a_job_that_is_not_there(slurm: Cluster) -> None:
-    result = slurm.run([str(SCRIPTS / "hibernate-resume"), "99999"])
-    assert result.returncode != 0 and "Invalid job id" in result.stderr
-
-
-@pytest.mark.slow
 def test_a_training_job_whose_wake_failed_part_way_sleeps_its_trainer_before_killing_it(
-    slurm: Cluster,
+    slurm_cluster: SlurmCluster,
 ) -> None:
     """A wake that failed may have restored the trainer on some nodes: the ending sleeps it all the same."""
-    calls, wrapper = slurm.scratch / "job-calls", slurm.scratch / "hibernate-job-wake-fails"
+    slurm = slurm_cluster
+    calls, wrapper = slurm.scratch / "job-calls-wake", slurm.scratch / "hibernate-job-wake-fails"
     # The second call (phase 1's wake) wakes every node, then reports a failure: the job ends early.
     wrapper.write_text(
         "#!/usr/bin/env bash\n"
@@ -278,5 +272,66 @@ def test_a_training_job_whose_wake_failed_part_way_sleeps_its_trainer_before_kil
     output = train_two_phases_ending_early(slurm, wrapper)
     assert "phase 1: trainer awake" not in output.read_text()
     assert calls.read_text().split() == ["sleep", "wake", "sleep"]  # the last: the ending's
-    for node in ("node0", "node1"):  # each trainer's second snapshot: the sleep before it was killed
+    for node in slurm.nodes:  # each trainer's second snapshot: the sleep before it was killed
         assert list((slurm.scratch / "snapshots" / node).glob("*/snap-000002/manifest.json")), node
+
+
+@pytest.mark.slow
+def test_the_site_pair_frees_the_memory_before_suspending_and_wakes_after_resuming(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    slurm = slurm_cluster
+    job_id, demos = demo_job(slurm, "serving", slurm.nodes)
+    try:
+        resident = [d.rss() for d in demos]
+        operator = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
+        suspended = slurm.run(
+            [str(SCRIPTS / "hibernate-suspend"), str(job_id), "--to", str(work_dir)], operator
+        )
+        assert suspended.returncode == 0, suspended.stderr
+        assert slurm.state(job_id) == "SUSPENDED"
+        wait_until(lambda: all(stopped_by_slurm(d.pid) for d in demos), 60, "both demos stopped", 0.05)
+        for demo, before in zip(demos, resident, strict=True):
+            assert demo.rss() < before - 12 * 2**20  # its 16 MiB of weights are on disk, not in memory
+        assert sorted(p.name for p in work_dir.iterdir()) == slurm.nodes
+
+        resumed = slurm.run([str(SCRIPTS / "hibernate-resume"), str(job_id)], operator)
+        assert resumed.returncode == 0, resumed.stderr
+        assert slurm.state(job_id) == "RUNNING"
+        assert [agent_state(slurm, d) for d in demos] == ["running", "running"]
+        assert [d.infer() for d in demos] == [d.reference for d in demos]
+    finally:
+        slurm.cancel(job_id)
+
+
+@pytest.mark.slow
+def test_the_site_pair_does_not_suspend_a_job_that_cannot_sleep(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    slurm = slurm_cluster
+    job_id, demos = demo_job(slurm, "serving-busy", slurm.nodes)
+    try:
+        demos[1].hold(30)  # node1's program is in a long step: its sleep times out
+        operator = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
+        command = [
+            str(SCRIPTS / "hibernate-suspend"),
+            str(job_id),
+            "--to",
+            str(work_dir),
+            "--",
+            "--timeout",
+            "1",
+        ]
+        result = slurm.run(command, operator)
+        assert result.returncode == ExitCode.TIMEOUT, result.stderr
+        assert "was not suspended" in result.stderr and "every node is awake" in result.stderr
+        assert slurm.state(job_id) == "RUNNING"
+        assert [agent_state(slurm, d) for d in demos] == ["running", "running"]
+        assert [d.infer() for d in demos] == [d.reference for d in demos]
+    finally:
+        slurm.cancel(job_id)
+
+
+def test_resume_refuses_a_job_that_is_not_there(slurm_cluster: SlurmCluster) -> None:
+    result = slurm_cluster.run([str(SCRIPTS / "hibernate-resume"), "99999"])
+    assert result.returncode != 0 and "Invalid job id" in result.stderr, result.stderr

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,26 @@ from hibernate.sched.selectors import (
     find_named_cgroups,
     job_cgroups,
     job_dir_in_cgroup_path,
+    on_this_node,
     parse_pid_list,
     pids_with_job_environment,
     resolve_cgroup_path,
+    slurmd_of,
     tree_roots,
     unified_cgroup_path,
 )
-from tests.conftest import Demo, run_cli
-from tests.standins.slurm_fixtures import Cluster, pretend_cluster
+from tests.conftest import REPO, Demo, run_cli, wait_until
+from tests.slurm_cluster import (
+    SCRIPTS,
+    SlurmCluster,
+    agent_state,
+    as_user,
+    demo_job,
+    job_user,
+    python_for,
+    ready_demos,
+    stopped_by_slurm,
+)
 
 V2_SCOPE = ("system.slice", "slurmstepd.scope")
 
@@ -102,6 +115,20 @@ def test_both_slurm_cgroup_layouts_are_found(tmp_path: Path) -> None:
     assert found == sorted([v1.parent, v1_memory, v2.parent.parent.parent])
 
 
+def test_several_slurmd_on_one_host_each_keep_their_own_job_directory(tmp_path: Path) -> None:
+    """A job over two nodes whose slurmd share a host has a job_<id> under each: a node takes its own."""
+    node0 = make_cgroup(tmp_path, "freezer", "slurm_node0", "uid_0", "job_42", "step_0", procs=[1]).parent
+    node1 = make_cgroup(tmp_path, "freezer", "slurm_node1", "uid_0", "job_42", "step_0", procs=[2]).parent
+    v2 = make_cgroup(tmp_path, "system.slice", "node1_slurmstepd.scope", "job_42", procs=[3])
+    assert [slurmd_of(p, tmp_path) for p in (node0, node1, v2)] == ["node0", "node1", "node1"]
+    single = make_cgroup(tmp_path, "freezer", "slurm", "uid_0", "job_42", procs=[4])
+    assert slurmd_of(single, tmp_path) is None  # one slurmd on the host names no node
+    found = [node0, node1, v2, single]
+    assert on_this_node(found, tmp_path, "node1") == [node1, v2, single]
+    assert on_this_node(found, tmp_path, None) == found  # outside a job's task: every node of the host
+    assert sorted(job_cgroups("42", tmp_path, {"SLURMD_NODENAME": "node0"}, "")) == sorted([node0, single])
+
+
 def test_job_cgroups_found_too_deep_are_not_looked_for(tmp_path: Path) -> None:
     make_cgroup(tmp_path, "a", "b", "c", "d", "job_42", procs=[1])
     assert find_named_cgroups(tmp_path, "job_42") == []
@@ -135,6 +162,13 @@ def test_the_job_environment_marks_its_processes() -> None:
         (4, {}),
     ]
     assert pids_with_job_environment("42", environments) == [1, 2]
+    # several slurmd on one host (no cgroups to tell them apart): each node's tasks say their node
+    tasks = [
+        (5, {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node0"}),
+        (6, {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node1"}),
+    ]
+    assert pids_with_job_environment("42", [*environments, *tasks], "node1") == [1, 2, 6]
+    assert pids_with_job_environment("42", tasks) == [5, 6]
 
 
 def test_a_cgroup_path_may_be_given_as_proc_pid_cgroup_prints_it(tmp_path: Path) -> None:
@@ -197,12 +231,52 @@ def test_the_walk_of_proc_finds_a_real_child() -> None:
 # -- the selectors, with real processes ---------------------------------------------------
 
 
+@dataclass
+class Node:
+    """This machine as one node: demos outside any job, listening in a runtime directory of their own."""
+
+    root: Path
+    demos: list[Demo] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"HIBERNATE_RUNTIME_DIR": str(self.root / "run")}
+
+    def start_demos(self, count: int, env: dict[str, str] | None = None) -> list[Demo]:
+        """``count`` demos started at once (importing torch is most of their start-up time)."""
+        started = []
+        for _ in range(count):
+            index = len(self.demos)
+            control, ready, log = (self.root / f"demo{index}.{ext}" for ext in ("sock", "ready", "log"))
+            command = [
+                sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", "16",
+                "--control", str(control), "--ready-file", str(ready),
+            ]  # fmt: skip
+            environment = {**os.environ, "PYTHONPATH": str(REPO), **self.env, **(env or {})}
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=environment
+                )
+            demo = Demo(proc, str(control), {}, log, {"ready": ready})
+            self.demos.append(demo)
+            started.append(demo)
+        for demo in started:
+            wait_until(demo.extra["ready"].exists, 180, "a demo to be ready", 0.05, process=demo.proc)
+            demo.info = json.loads(demo.extra["ready"].read_text())
+        return started
+
+
 @pytest.fixture(scope="module")
-def node() -> Iterator[tuple[Cluster, list[Demo]]]:
-    """One pretend node with three demos: two in Slurm job 4200 (steps 0 and 1), one outside any job."""
-    with pretend_cluster(1) as cluster:
-        demos = cluster.start_demos([("node0", None)] * 3)
-        yield cluster, demos
+def node() -> Iterator[Node]:
+    """This node with three demos, in no job: each test puts them in the cgroups it arranges."""
+    here = Node(Path(tempfile.mkdtemp(prefix="hb-node-", dir="/tmp")))
+    try:
+        here.start_demos(3)
+        yield here
+    finally:
+        for demo in here.demos:
+            demo.stop()
+        shutil.rmtree(here.root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -213,9 +287,8 @@ def cgroups(node) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def hibernate(node, cgroups: Path, *args: str, env: dict[str, str] | None = None) -> Any:
-    cluster, _ = node
-    environment = {**cluster.world.node_env("node0"), "HIBERNATE_CGROUP_ROOT": str(cgroups), **(env or {})}
+def hibernate(node: Node, cgroups: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    environment = {**node.env, "HIBERNATE_CGROUP_ROOT": str(cgroups), **(env or {})}
     return run_cli(*args, env=environment)
 
 
@@ -225,7 +298,7 @@ def selected(result: Any) -> list[int]:
 
 
 def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid])
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_1", "user", "task_0", procs=[b.pid])
     make_cgroup(cgroups, *V2_SCOPE, "job_4201", "step_0", "user", "task_0", procs=[c.pid])
@@ -240,7 +313,7 @@ def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> N
 
 
 def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> None:
-    _, (a, _, _) = node
+    a = node.demos[0]
     threads = sorted(int(t) for t in os.listdir(f"/proc/{a.pid}/task"))
     assert len(threads) > 1  # torch and the agent run threads
     make_cgroup(cgroups, "freezer", "slurm", "uid_0", "job_4200", "step_0", tasks=threads[1:])
@@ -249,8 +322,7 @@ def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> N
 
 @pytest.mark.slow
 def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path) -> None:
-    cluster, _ = node
-    (tagged,) = cluster.start_demos([("node0", None)], env={"SLURM_JOB_ID": "777"})
+    (tagged,) = node.start_demos(1, env={"SLURM_JOB_ID": "777"})
     result = hibernate(node, cgroups, "status", "--job", "777", "--json")
     assert selected(result) == [tagged.pid]
     assert result.json()["selection"]["sources"][0]["via"] == "environment"
@@ -258,7 +330,7 @@ def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path)
 
 
 def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, "work", "left", procs=[a.pid])
     make_cgroup(cgroups, "work", "right", "deep", procs=[b.pid])
     make_cgroup(cgroups, "elsewhere", procs=[c.pid])
@@ -271,11 +343,11 @@ def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path)
 
 @pytest.mark.slow
 def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgroups: Path) -> None:
-    cluster, demos = node
+    demos = node.demos[:3]
     result = hibernate(node, cgroups, "status", "--all", "--json")
     assert selected(result) == sorted(d.pid for d in demos)
     # a process listening elsewhere (another runtime directory) is not "this node's" ...
-    (elsewhere,) = cluster.start_demos([("node0", None)], env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "run")})
+    (elsewhere,) = node.start_demos(1, env={"HIBERNATE_RUNTIME_DIR": str(cgroups / "run")})
     assert elsewhere.pid not in selected(hibernate(node, cgroups, "status", "--all", "--json"))
     # ... but a pid names it, and pids and selectors add up
     both = hibernate(node, cgroups, "status", "--all", str(elsewhere.pid), "--json")
@@ -325,7 +397,7 @@ def test_no_targets_at_all_is_a_usage_error(cgroups: Path) -> None:
 
 @pytest.mark.slow
 def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     reference = {d.pid: d.infer()["digest"] for d in (a, b)}
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid])
     asleep = hibernate(node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--json")
@@ -341,9 +413,9 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
 
 @pytest.mark.slow
 def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
-    _, (a, b, c) = node
+    a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
-    b.hold(5)  # b is in a long step: it cannot quiesce within --timeout
+    b.hold(30)  # b is in a long step (longer than a loaded machine takes to start the CLI): --timeout 1
     result = hibernate(
         node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--timeout", "1", "--json"
     )
@@ -356,3 +428,79 @@ def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: P
         c.pid: "running",
     }
     assert a.infer()["digest"]  # serving again
+
+
+# -- on a node of a real Slurm cluster ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_one_node_job_sleeps_and_wakes_with_job(slurm_cluster: SlurmCluster, work_dir: Path) -> None:
+    """`hibernate sleep --job` run in the job on its node: the job's own cgroup on that node, and the
+    demo (not the slurmstepd above it, root's like the job) is what is put to sleep."""
+    slurm, node = slurm_cluster, slurm_cluster.nodes[1]
+    job_id, (demo,) = demo_job(slurm, "single", [node])
+    try:
+        in_job = ["srun", f"--jobid={job_id}", "--overlap", "--ntasks=1", "hibernate"]
+        asleep = slurm.run([*in_job, "sleep", "--job", str(job_id), "--to", str(work_dir), "--json"])
+        assert asleep.returncode == 0, asleep.stderr + asleep.stdout
+        report = json.loads(asleep.stdout)
+        assert [p["pid"] for p in report["processes"]] == [demo.pid]
+        if slurm.proctrack == "proctrack/cgroup":
+            assert report["selection"]["sources"][0]["cgroups"] == [str(slurm.job_cgroup(node, job_id))]
+        assert agent_state(slurm, demo) == "asleep"
+        woken = slurm.run([*in_job, "wake", "--job", str(job_id), "-q"])
+        assert woken.returncode == 0, woken.stderr
+        assert agent_state(slurm, demo) == "running"
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)
+
+
+@pytest.mark.slow
+def test_root_hibernates_the_job_of_an_unprivileged_user(slurm_cluster: SlurmCluster) -> None:
+    """An operator (root) suspends a user's job with hibernate-suspend and brings it back with
+    hibernate-resume, bit-exact after the wake. Slurm refuses root a step in another user's job, so
+    the node steps run as the job's owner, in directories the script hands them."""
+    slurm, node = slurm_cluster, slurm_cluster.nodes[0]
+    user = job_user()
+    python, python_env = python_for(slurm, user)
+    files = slurm.scratch / f"theirs-{node}"
+    script = slurm.scratch / "theirs.sbatch"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec srun sh -c 'exec {python} -W ignore -m hibernate.demo serve --size-mb 16 "
+        f"--control {files}.sock --ready-file {files}.ready'\n"
+    )
+    script.chmod(0o755)
+    submitted = subprocess.run(
+        [*as_user(user), "sbatch", "--parsable", f"--nodelist={node}", str(script)],
+        env={
+            **slurm.outside_env(),
+            **python_env,
+            "HIBERNATE_RUNTIME_DIR": str(slurm.runtime_dir(node, user.pw_uid)),
+        },
+        cwd=slurm.scratch,
+        capture_output=True,
+        text=True,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = int(submitted.stdout.strip())
+    try:
+        (demo,) = ready_demos(slurm, job_id, "theirs", [node])
+        assert procinfo.owner_uid(demo.pid) == user.pw_uid
+        operator = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
+        snapshots = slurm.scratch / "theirs-snapshots"  # made by the script, handed to the job's owner
+        suspended = slurm.run(
+            [str(SCRIPTS / "hibernate-suspend"), str(job_id), "--to", str(snapshots)], operator
+        )
+        assert suspended.returncode == 0, suspended.stderr + suspended.stdout
+        assert slurm.state(job_id) == "SUSPENDED"
+        wait_until(lambda: stopped_by_slurm(demo.pid), 60, "the demo stopped by the suspension", 0.05)
+        manifests = list(snapshots.glob("*/*/snap-*/manifest.json"))
+        assert manifests and all(p.stat().st_uid == user.pw_uid for p in manifests)  # the owner's files
+        resumed = slurm.run([str(SCRIPTS / "hibernate-resume"), str(job_id)], operator)
+        assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+        assert agent_state(slurm, demo) == "running"
+        assert demo.infer() == demo.reference
+    finally:
+        slurm.cancel(job_id)

@@ -8,6 +8,8 @@ is one node's part of a job-wide operation, run by scripts/slurm/hibernate-job.
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -193,7 +195,13 @@ def node_step(
     )
     if error is not None:  # the nodes agreed to abort: the whole picture, then the verdict's exit code
         document["error"] = render.error_wire(error)
-    render.result(document, lambda: render.node_step_report(document), as_json=as_json, quiet=quiet)
+    if as_json:
+        # On one line: srun passes its tasks' output on line by line, the nodes' lines interleaved,
+        # so each node's document must be one line to be read apart from the others.
+        sys.stdout.write(json.dumps(document, sort_keys=True) + "\n")
+        sys.stdout.flush()
+    else:
+        render.result(document, lambda: render.node_step_report(document), as_json=False, quiet=quiet)
     if error is not None:
         if not as_json:
             render.error(error, False)

@@ -37,6 +37,10 @@ DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 JOB_CGROUP_DEPTH = 4
 _JOB_ID_RE = re.compile(r"^[0-9]+$")
 JOB_ENV_NAMES = ("SLURM_JOB_ID", "SLURM_JOBID")
+NODE_ENV = "SLURMD_NODENAME"
+# Slurm's step daemon: it sits in the job's own cgroup (v1: job_<id>/cgroup.procs), runs as root,
+# and is never one of the job's processes.
+STEPD_COMM = "slurmstepd"
 
 
 def cgroup_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -144,18 +148,52 @@ def unified_cgroup_path(proc_cgroup_text: str) -> str | None:
     return None
 
 
+def slurmd_of(path: Path, root: Path) -> str | None:
+    """The node whose slurmd made a job cgroup, where several slurmd share one host; else None.
+
+    Several slurmd on one host keep their jobs apart in directories named after
+    their node: ``slurm_<node>`` (v1: ``freezer/slurm_node0/uid_0/job_42``) and
+    ``<node>_slurmstepd.scope`` (v2). A single slurmd uses ``slurm`` and
+    ``slurmstepd.scope``, which name no node.
+    """
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        parts = path.parts
+    for part in parts:
+        if part.startswith("slurm_"):
+            return part[len("slurm_") :]
+        if part.endswith("_slurmstepd.scope"):
+            return part[: -len("_slurmstepd.scope")]
+    return None
+
+
+def on_this_node(found: Sequence[Path], root: Path, node: str | None) -> list[Path]:
+    """Of a job's cgroup directories on this host, those of node ``node`` (all when it is unknown).
+
+    A job spread over two slurmd of one host has a ``job_<id>`` directory under
+    each; the processes under the other's belong to the other node, whose own
+    step hibernates them.
+    """
+    if not node:
+        return list(found)
+    return [path for path in found if slurmd_of(path, root) in (None, node)]
+
+
 def job_cgroups(
     job_id: str, root: Path, environ: Mapping[str, str] | None = None, own_cgroup: str | None = None
 ) -> list[Path]:
     """The cgroup directories of Slurm job ``job_id`` on this node (none if Slurm is not there).
 
-    Looks for ``job_<id>`` directories (Slurm's v1 and v2 layouts); and, when
-    this command itself runs inside that job (``srun --overlap``), takes the
-    job directory from its own cgroup, which also finds jobs whose directory is
-    named by a SLUID (Slurm 26.05 and later, without CgroupJobIdPaths).
+    Looks for ``job_<id>`` directories (Slurm's v1 and v2 layouts), keeping
+    only this node's where several slurmd share the host (``$SLURMD_NODENAME``,
+    set in every task of a job, names this node); and, when this command itself
+    runs inside that job (``srun --overlap``), takes the job directory from its
+    own cgroup, which also finds jobs whose directory is named by a SLUID
+    (Slurm 26.05 and later, without CgroupJobIdPaths).
     """
     env = os.environ if environ is None else environ
-    found = find_named_cgroups(root, f"job_{job_id}")
+    found = on_this_node(find_named_cgroups(root, f"job_{job_id}"), root, env.get(NODE_ENV))
     if any(env.get(name) == job_id for name in JOB_ENV_NAMES):
         text = own_cgroup if own_cgroup is not None else _read_text(Path("/proc/self/cgroup"))
         own = unified_cgroup_path(text)
@@ -168,10 +206,20 @@ def job_cgroups(
 
 
 def pids_with_job_environment(
-    job_id: str, environments: Iterable[tuple[int, Mapping[str, str]]]
+    job_id: str, environments: Iterable[tuple[int, Mapping[str, str]]], node: str | None = None
 ) -> list[int]:
-    """The processes whose environment says they belong to Slurm job ``job_id``."""
-    return [pid for pid, env in environments if any(env.get(name) == job_id for name in JOB_ENV_NAMES)]
+    """The processes whose environment says they belong to Slurm job ``job_id`` (on node ``node``).
+
+    Where several slurmd share a host, the job's tasks of every node run on it;
+    a task's environment names its node (``SLURMD_NODENAME``), so a node known
+    keeps its own.
+    """
+    return [
+        pid
+        for pid, env in environments
+        if any(env.get(name) == job_id for name in JOB_ENV_NAMES)
+        and (not node or env.get(NODE_ENV) in (None, node))
+    ]
 
 
 def _all_environments() -> Iterable[tuple[int, Mapping[str, str]]]:
@@ -237,8 +285,18 @@ def _may_act(pid: int) -> bool:
     return procinfo.owner_uid(pid) == os.getuid()
 
 
+def is_stepd(pid: int) -> bool:
+    """Whether ``pid`` is Slurm's slurmstepd (by its command name in /proc/PID/comm)."""
+    return _read_text(Path(f"/proc/{pid}/comm")).strip() == STEPD_COMM
+
+
 def _from_members(what: str, members: list[int], timeout: float, source: dict[str, Any]) -> Selection:
-    """The agents among ``members`` (the processes a --job or --cgroup found), as tree roots."""
+    """The agents among ``members`` (the processes a --job or --cgroup found), as tree roots.
+
+    slurmstepd is left out: in a job's cgroup it is Slurm's, not the job's, and
+    for a job of root's (same owner) the climb to a tree root would reach it.
+    """
+    members = [p for p in members if not is_stepd(p)]
     mine = [p for p in members if _may_act(p)]
     if members and not mine:
         owners = sorted({u for u in (procinfo.owner_uid(p) for p in members) if u is not None})
@@ -268,7 +326,8 @@ def select_job(job_id: str, timeout: float = 5.0, environ: Mapping[str, str] | N
         source: dict[str, Any] = {"selector": "job", "job": job_id, "via": "cgroup"}
         source["cgroups"] = [str(c) for c in cgroups]
     else:
-        members = pids_with_job_environment(job_id, _all_environments())
+        env = os.environ if environ is None else environ
+        members = pids_with_job_environment(job_id, _all_environments(), env.get(NODE_ENV))
         source = {"selector": "job", "job": job_id, "via": "environment"}
     members = [p for p in members if p != os.getpid()]
     if not members:
