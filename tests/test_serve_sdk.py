@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -360,3 +361,89 @@ def test_a_backend_without_hibernate_is_refused_with_its_reason_said_once_and_wh
     finally:
         plain.kill()
         plain.wait()
+
+
+def demo_command(tmp_path: Path, name: str, port: int) -> list[str]:
+    """The demo with its HTTP API, as a backend's ``command`` (started by the proxy)."""
+    return [
+        sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB),
+        "--dtype", "float32", "--control", str(tmp_path / f"{name}.sock"), "--http-port", str(port),
+        "--model-name", name,
+    ]  # fmt: skip
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, with their command names."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(rest[1]) == pid:
+            found[int(entry.name)] = name
+    return found
+
+
+@pytest.mark.slow
+def test_two_first_requests_for_two_stopped_models_under_a_budget_both_start_and_answer(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.toml"
+    tables = ""
+    for name in ("a", "b"):
+        port = free_port()
+        tables += (
+            f'[[backend]]\nname = "{name}"\nurl = "http://127.0.0.1:{port}"\n'
+            f"command = {json.dumps(demo_command(tmp_path, name, port))}\nstart_timeout = 90\n\n"
+        )
+    config.write_text('gpu_budget = "1GiB"\n' + tables)
+    proxy = start_proxy("--config", str(config))
+    assert {n: proxy.state(n) for n in ("a", "b")} == {"a": "stopped", "b": "stopped"}
+
+    async def both() -> list[tuple[int, dict[str, str], bytes]]:
+        return list(
+            await asyncio.gather(
+                *(_exchange("POST", proxy.url + "/v1/completions", None, completion(n)) for n in ("a", "b"))
+            )
+        )
+
+    answers = asyncio.run(both())
+    assert [code for code, _, _ in answers] == [200, 200], answers
+    assert len(proxy.lines("stopped -> awake (started pid")) == 2
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_start_stops_its_command_at_once_and_exits_promptly(
+    start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[backend]]\nname = "slow"\nurl = "http://127.0.0.1:{free_port()}"\n'
+        'command = ["sleep", "1000"]\nstart_timeout = 100\n'
+    )
+    proxy = start_proxy("--config", str(config))
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(
+            exchange("POST", proxy.url + "/v1/completions", None, completion("slow"))
+        )
+    )
+    asking.start()
+    command = wait_until(
+        lambda: [pid for pid, name in children(proxy.proc.pid).items() if name == "sleep"],
+        60,
+        "the proxy to start the command",
+    )[0]
+    assert proxy.state("slow") == "starting"
+    stopped_at = time.monotonic()
+    proxy.proc.send_signal(signal.SIGTERM)
+    assert proxy.proc.wait(timeout=60) == 0
+    took = time.monotonic() - stopped_at
+    asking.join(timeout=60)
+    assert took < 30, f"serve took {took:.1f} s to stop (shutdown_timeout: 30 s)"  # was 3 x 30 s
+    assert not Path(f"/proc/{command}").exists()  # stopped and reaped, not left behind
+    assert [code for code, _, _ in answers] == [503], answers

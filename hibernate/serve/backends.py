@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,8 +161,9 @@ def plan_start(others: Sequence[Candidate]) -> Room:
     """Room for a server about to start, under a GPU budget: all of it. What it will take is not known
     before it runs (a server that starts takes what memory it finds), so every other backend holding
     memory is put to sleep first, the least recently used first; one with requests in flight is waited
-    for."""
-    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING, State.STARTING)]
+    for. Another backend starting holds nothing yet: starts run one at a time, so any other is queued
+    behind this one (it makes its own room when its turn comes)."""
+    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
     if not held:
         return Room("fits")
     idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
@@ -275,6 +277,7 @@ class Fleet:
         self._released = asyncio.Condition()  # a request ended: a wake waiting for room looks again
         self._starting = asyncio.Lock()  # one start of a backend's command at a time
         self._log_dir: Path | None = None  # where started commands write (created by the first start)
+        self.stopping = threading.Event()  # serve is stopping: no command is started, none waited for
         for backend in self.backends.values():
             recorder.register(backend.name, backend.state.value, backend.spec.model_names)
 
@@ -384,12 +387,23 @@ class Fleet:
             return max(self.wake_timeout, backend.spec.start_timeout)
         return self.wake_timeout
 
+    def _within(self, backend: Backend) -> str:
+        """The limit :meth:`patience` took, as a 503 names it."""
+        if backend.spec.command and self.patience(backend) > self.wake_timeout:
+            return f"its start_timeout {self.patience(backend):g}s"
+        return f"--wake-timeout {self.wake_timeout:g}s"
+
     def startable(self, backend: Backend) -> bool:
         """Whether the next request starts the backend's command: it has one, and no process of it is
         known (none ever found, or the one the proxy started has exited)."""
         if not backend.spec.command or backend.pid is not None:
             return False
         return backend.process is None or backend.process.poll() is not None
+
+    def stop_starting(self) -> None:
+        """On stop, first: a start under way gives up at once (its command stopped, its requests answered
+        503) instead of holding the shutdown for its start_timeout; none begins."""
+        self.stopping.set()
 
     async def stop_started(self, timeout: float) -> None:
         """Stop every process the proxy started (SIGTERM to its group, SIGKILL after ``timeout``)."""
@@ -477,8 +491,7 @@ class Fleet:
         if loop.time() + RETRY_SECONDS > deadline:
             raise ApiError(
                 503,
-                f"backend {backend.name} stayed busy past --wake-timeout {self.wake_timeout:g}s ({why}); "
-                "retry later",
+                f"backend {backend.name} stayed busy past {self._within(backend)} ({why}); retry later",
                 "ServiceUnavailableError",
                 retry_after=RETRY_BUSY_SECONDS,
             )
@@ -501,14 +514,10 @@ class Fleet:
                     raise TimeoutError
                 outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
             except TimeoutError:
-                within = (
-                    f"its start_timeout {self.patience(backend):g}s"
-                    if backend.spec.command and self.patience(backend) > self.wake_timeout
-                    else f"--wake-timeout {self.wake_timeout:g}s"
-                )
                 raise ApiError(
                     503,
-                    f"backend {backend.name} did not wake within {within} (it is {backend.state.value}); "
+                    f"backend {backend.name} did not wake within {self._within(backend)} "
+                    f"(it is {backend.state.value}); "
                     "retry later",
                     "ServiceUnavailableError",
                     retry_after=RETRY_BUSY_SECONDS,
@@ -647,9 +656,13 @@ class Fleet:
             self._log_dir = await asyncio.to_thread(starter.log_directory)
         backend.log = starter.log_path(self._log_dir, spec.name)
         log.info("%s: starting: %s (log %s)", spec.name, " ".join(spec.command), backend.log)
-        proc = backend.process = await asyncio.to_thread(starter.spawn, spec, backend.log)
+        if self.stopping.is_set():
+            raise starter.StartError(f"backend {spec.name}: not started: serve is stopping")
+        await asyncio.to_thread(_spawn, backend, backend.log)
+        proc = backend.process
+        assert proc is not None
         try:
-            await asyncio.to_thread(starter.wait_ready, spec, proc, spec.start_timeout)
+            await asyncio.to_thread(starter.wait_ready, spec, proc, spec.start_timeout, self.stopping)
             return await asyncio.to_thread(self.control.adopt, spec)
         except BaseException:
             await asyncio.to_thread(starter.stop, proc, 10.0)
@@ -699,7 +712,12 @@ class Fleet:
             ]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise NoRoomError("the backends holding the budget stayed busy past --wake-timeout")
+                within = (
+                    f"its start_timeout {backend.spec.start_timeout:g}s"
+                    if starting
+                    else (f"--wake-timeout {self.wake_timeout:g}s")
+                )
+                raise NoRoomError(f"the backends holding the budget stayed busy past {within}")
             if sleeping:
                 await asyncio.wait(sleeping, timeout=remaining)
                 continue
@@ -802,6 +820,12 @@ class Fleet:
         pending = [b.transition for b in self.backends.values() if b.transition and not b.transition.done()]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+
+
+def _spawn(backend: Backend, log: Path) -> None:
+    """Run the backend's command, known to the fleet as soon as it exists: set from the worker thread, so
+    that a request cancelled meanwhile cannot leave it running unknown (stop_started stops it)."""
+    backend.process = starter.spawn(backend.spec, log)
 
 
 def _alive(pid: int) -> bool:
