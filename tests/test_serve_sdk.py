@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -447,3 +448,28 @@ def test_sigterm_during_a_start_stops_its_command_at_once_and_exits_promptly(
     assert took < 30, f"serve took {took:.1f} s to stop (shutdown_timeout: 30 s)"  # was 3 x 30 s
     assert not Path(f"/proc/{command}").exists()  # stopped and reaped, not left behind
     assert [code for code, _, _ in answers] == [503], answers
+
+
+@pytest.mark.slow
+def test_a_started_model_killed_is_seen_stopped_by_a_probe_reaped_and_started_by_the_next_request(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[backend]]\nname = "own"\nurl = "http://127.0.0.1:{port}"\nprefix = "/own"\n'
+        f"command = {json.dumps(demo_command(tmp_path, 'own', port))}\nstart_timeout = 120\n"
+    )
+    proxy = start_proxy("--config", str(config))
+    assert proxy.post(completion("own"))[0] == 200
+    pid = proxy.status()["own"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z", 30, "the kill")
+
+    code, body = fetch("GET", proxy.url + "/own/health")
+    assert (code, json.loads(body)) == (200, {"status": "ok", "backend": "own", "state": "stopped"})
+    assert not Path(f"/proc/{pid}").exists()  # reaped, not left a zombie
+    assert proxy.post(completion("own"))[0] == 200  # this very request starts it again
+    again = proxy.status()["own"]
+    assert again["state"] == "awake" and again["pid"] not in (None, pid)
+    assert len(proxy.lines("own: stopped -> awake (started pid")) == 2

@@ -353,6 +353,8 @@ class Fleet:
             verdict, leases = await self._take(backend)
             if leases is None and verdict.reason == "asleep":
                 self._learn(backend, verdict)
+            elif leases is None and verdict.reason == "gone":
+                self._found_gone(backend, verdict)  # its state said, not a 502: a probe answers it
         try:
             yield backend if leases is not None else None
         finally:
@@ -467,14 +469,10 @@ class Fleet:
                 self._set(backend, State.ASLEEP)
             return True
         if verdict.reason == "gone":
-            if backend.process is not None:
-                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
-            if backend.pid is not None and _alive(backend.pid):
+            if not self._found_gone(backend, verdict):
                 return False  # the links broke, not the process: opened again on the next try
-            if settled:
-                log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
-                backend.pid = None
-                self._set(backend, State.FAILED, reason=verdict.detail)
+            if backend.state is State.STOPPED:
+                return True  # its command is started again, for this very request
             raise ApiError(502, f"backend {backend.name} did not answer: {verdict.detail}", "BadGatewayError")
         if verdict.reason == "failed":
             raise ApiError(
@@ -484,6 +482,24 @@ class Fleet:
                 retry_after=RETRY_FAILED_SECONDS,
             )
         return False
+
+    def _found_gone(self, backend: Backend, verdict: Verdict) -> bool:
+        """Whether the backend's process is really gone (else only the links to its agents broke), taken
+        into its state if no transition of ours runs: stopped if it has a command (the next request, or
+        this one, starts it again), else failed (looked for again by the next request)."""
+        if backend.process is not None:
+            backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
+        if backend.pid is not None and _alive(backend.pid):
+            return False
+        if backend.state is State.AWAKE:
+            log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
+            self._lost(backend, verdict.detail)
+        return True
+
+    def _lost(self, backend: Backend, reason: str) -> None:
+        """A backend whose process was found gone: stopped if the proxy can start it again, else failed."""
+        backend.pid = None
+        self._set(backend, State.STOPPED if self.startable(backend) else State.FAILED, reason=reason)
 
     async def _pause(self, backend: Backend, deadline: float, why: str) -> None:
         """A short wait before the next try; a 503 once the wait would pass ``deadline``."""
@@ -783,21 +799,23 @@ class Fleet:
 
     async def refresh_states(self) -> None:
         """Read back the state of every backend at rest (no transition, nothing in flight or waiting);
-        one whose process cannot be read is marked failed, and looked for again by the next request."""
+        one whose process cannot be read is marked failed, and looked for again by the next request (stopped
+        if it has a command: the next request starts it again)."""
         for backend in self.backends.values():
             if backend.state not in (State.AWAKE, State.ASLEEP) or backend.in_flight or backend.waiting:
                 continue
             before, transition = backend.state, backend.transition
+            if backend.process is not None:
+                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
             try:
                 found = await asyncio.to_thread(self.control.adopt, backend.spec, backend.pid)
             except BusyError:
                 continue  # a `hibernate sleep` or `wake` of someone else is under way: read it next time
             except HibernateError as exc:
                 if backend.state is before and backend.transition is transition:
-                    # Gone: looked for again by the next request.
+                    # Gone: looked for (or started) again by the next request.
                     log.warning("%s: its state could not be read: %s", backend.name, exc.message)
-                    backend.pid = None
-                    self._set(backend, State.FAILED, reason=exc.message)
+                    self._lost(backend, exc.message)
                 continue
             if backend.state is not before or backend.transition is not transition:
                 continue  # something started meanwhile: its own outcome is the truth
