@@ -4,6 +4,7 @@ the metrics that exist from the start, and the log lines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -177,6 +178,54 @@ def test_a_bodys_keep_alive_is_taken_out_before_forwarding_and_other_bodies_pass
     untouched = b'{"model": "q",   "prompt": "keep_alive"}'
     assert without_keep_alive(untouched) == (untouched, None)
     assert without_keep_alive(b"not json keep_alive") == (b"not json keep_alive", None)
+
+
+def test_keep_alive_refuses_what_only_looks_like_a_duration_and_more_than_a_day() -> None:
+    nonsense = ("inf", "-inf", "Infinity", "1_000", "5 m", "1e9h", "1e3", "0x10", "1.", ".5", "5d", "\u0663")
+    assert [parse_keep_alive(v) for v in nonsense] == [None] * len(nonsense)
+    assert [parse_keep_alive(v) for v in (math.inf, -math.inf, 10**400, 86401, "24.5h")] == [None] * 5
+    assert parse_keep_alive("24h") == parse_keep_alive(86400) == 86400.0
+    for zero in ("-0", -0.0, "-0.0s"):  # zero whatever its sign: sleep after this request
+        seconds = parse_keep_alive(zero)
+        assert seconds == 0 and math.copysign(1, seconds) == 1, zero  # type: ignore[arg-type]
+    assert parse_keep_alive(" 1.5H ") == 5400.0 and parse_keep_alive("-2m") == math.inf
+    with pytest.raises(ApiError, match="at most 86400 seconds"):
+        keep_alive_of("48h", None)
+
+
+def test_a_request_that_is_not_served_leaves_the_keep_alive_as_it_was() -> None:
+    from hibernate.serve.backends import Fleet
+
+    specs = config(backend_flags=["q=http://127.0.0.1:8001"]).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=1.0, budget=None)  # type: ignore[arg-type]
+
+    async def refused(backend: Any) -> Any:
+        raise ApiError(503, "busy", "ServiceUnavailableError")
+
+    fleet._hold = refused  # type: ignore[method-assign]
+
+    async def request() -> None:
+        async with fleet.use("q", 0.0):
+            pass
+
+    with pytest.raises(ApiError):
+        asyncio.run(request())
+    assert fleet.backends["q"].keep_alive is None
+
+
+def test_a_body_with_keep_alive_is_written_back_as_valid_compact_json_or_refused() -> None:
+    forwarded, value = without_keep_alive('{"model": "q", "prompt": "héllo ☃", "keep_alive": "5m"}'.encode())
+    assert value == "5m" and forwarded == '{"model":"q","prompt":"héllo ☃"}'.encode()
+    for body in (
+        b'{"model": "q", "t": 1e400, "keep_alive": 0}',
+        b'{"model": "q", "t": NaN, "keep_alive": 0}',
+    ):
+        with pytest.raises(ApiError) as refused:
+            without_keep_alive(body)
+        assert refused.value.status == 400 and "cannot be forwarded" in refused.value.message
+    # Without the field, nothing is parsed again: a body the backend reads its own way passes as it came.
+    odd = b'{"model": "q", "t": 1e400, "t": 2, "prompt": "\\u00e9"}'
+    assert without_keep_alive(odd) == (odd, None)
 
 
 def test_a_backend_kept_alive_forever_is_not_idle_and_zero_is_idle_at_once() -> None:

@@ -255,10 +255,12 @@ def test_probes_and_scrapes_every_half_second_never_wake_a_model_nor_keep_it_awa
 
 @pytest.mark.slow
 def test_keep_alive_zero_puts_the_model_to_sleep_right_after_its_request(
-    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path
 ) -> None:
     demo = start_http_demo()
-    proxy = start_proxy("--backend", backend_flag(demo))  # no --idle: only the request says when
+    config = tmp_path / "serve.toml"  # no idle: only the request says when
+    config.write_text(f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\nprefix = "/demo"\n')
+    proxy = start_proxy("--config", str(config))
     before = proxy.post(completion("demo"))
     code, _, body = exchange(
         "POST", proxy.url + "/v1/completions", {"X-Hibernate-Keep-Alive": "0"}, completion("demo")
@@ -271,6 +273,15 @@ def test_keep_alive_zero_puts_the_model_to_sleep_right_after_its_request(
     assert (code, body) == before
     models = json.loads(exchange("GET", proxy.url + "/hibernate/models")[2])["data"]
     assert [(m["name"], m["state"], m["keep_alive"]) for m in models] == [("demo", "awake", -1)]
+    # Under a prefix too: taken out, and obeyed.
+    code, _, body = exchange(
+        "POST", proxy.url + "/demo/v1/completions", None, completion("demo", keep_alive="0")
+    )
+    assert (code, body) == before
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the sleep right after the prefixed request")
+    assert demo.state() == "asleep"
+    assert proxy.post(completion("demo"))[0] == 200
+    assert demo.stats()["keep_alive_received"] == 0  # the backend never saw the field
     code, _, body = exchange(
         "POST", proxy.url + "/v1/completions", None, completion("demo", keep_alive="soon")
     )

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import subprocess
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.errors import BusyError, HibernateError, NoSuchProcessError
 from hibernate.serve import starter
-from hibernate.serve.config import BackendSpec
+from hibernate.serve.config import MAX_SECONDS, BackendSpec
 from hibernate.serve.control import BackendControl, Inspection
 from hibernate.serve.leases import BackendLeases, Verdict
 from hibernate.serve.metrics import Recorder
@@ -107,27 +108,34 @@ def joined_reasons(first: str, then: str) -> str:
     return f"{first}; then: {then}"
 
 
+# A keep-alive given as text: seconds, or a duration with its unit (``-1``, ``30``, ``2.5``, ``5m``, ``1h``).
+KEEP_ALIVE_TEXT = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([smh]?)")
+UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
 def parse_keep_alive(value: object) -> float | None:
     """A request's keep-alive (Ollama's ``keep_alive``): how long its backend stays awake after it, in
     seconds; 0 puts it to sleep as soon as this request ends, a negative value keeps it awake (no idle
-    sleep) until a request says otherwise. A number, or a string of digits with an optional unit
-    (``30s``, ``5m``, ``1h``). None when ``value`` is none of these."""
+    sleep) until a request says otherwise. A finite number, or a string of digits with an optional unit
+    (``30s``, ``5m``, ``1h``), at most a day (as every time in serve.toml). None when ``value`` is none
+    of these."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:])
         try:
-            number = float(text[:-1] if unit else text) * (unit or 1)
-        except ValueError:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
             return None
+    elif isinstance(value, str):
+        match = KEEP_ALIVE_TEXT.fullmatch(value.strip().lower())
+        if match is None:
+            return None
+        number = float(match[1]) * UNIT_SECONDS[match[2]]
     else:
         return None
-    if math.isnan(number):
+    if not math.isfinite(number) or number > MAX_SECONDS:
         return None
-    return math.inf if number < 0 else number
+    return math.inf if number < 0 else number + 0.0  # -0 is 0: sleep after this request
 
 
 @dataclass(frozen=True)
@@ -327,8 +335,8 @@ class Fleet:
         configured)."""
         backend = self.backends[name]
         backend.last_used = time.monotonic()  # no idle sleep of ours begins while it takes its leases
-        backend.keep_alive = keep_alive
         leases = await self._hold(backend)
+        backend.keep_alive = keep_alive  # only a request that is served changes it
         backend.in_flight += 1
         self.recorder.in_flight(name, backend.in_flight)
         try:

@@ -17,7 +17,14 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet, parse_keep_alive
-from hibernate.serve.config import PROBE_ANSWER, PROBE_FORWARD_OR_503, TOKEN_ENV, BackendSpec, ServeConfig
+from hibernate.serve.config import (
+    MAX_SECONDS,
+    PROBE_ANSWER,
+    PROBE_FORWARD_OR_503,
+    TOKEN_ENV,
+    BackendSpec,
+    ServeConfig,
+)
 from hibernate.serve.control import BackendControl
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import MODELS_PATH, ApiError, models_list, route, without_keep_alive
@@ -97,7 +104,7 @@ def keep_alive_of(header: str | None, field: object) -> float | None:
             raise ApiError(
                 400,
                 f"{where} must be a number of seconds (0: sleep after this request; negative: stay "
-                f"awake) or a duration such as 5m, not {value!r}",
+                f"awake) or a duration such as 5m, at most {MAX_SECONDS:g} seconds, not {value!r}",
                 "invalid_request_error",
                 "keep_alive",
             )
@@ -183,7 +190,7 @@ class Proxy:
             probe = spec.probe_action(request.method, target.path) if target.prefixed else None
             if probe is not None:
                 return await self._probe(request, spec, target.path, probe, started)
-            body, field = without_keep_alive(body) if not target.prefixed else (body, None)
+            body, field = without_keep_alive(body) if request.method == "POST" else (body, None)
             keep_alive = keep_alive_of(request.headers.get(KEEP_ALIVE_HEADER), field)
             return await self._forward(request, backend, target.path, body, started, keep_alive)
         except ApiError as error:
