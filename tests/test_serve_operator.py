@@ -67,6 +67,9 @@ def test_probes_are_gets_of_health_metrics_and_models_by_default_and_serve_toml_
     assert spec.probe_action("POST", "/metrics") is None  # only GET and HEAD are probes
     assert spec.probe_action("GET", "/v1/completions") is None
     assert spec.probe_action("GET", "/metrics/more") is None  # a path, not a prefix
+    # Matched as the backend reads the path: escapes decoded, a trailing slash left out.
+    for path in ("/%68ealth", "/health/", "/%68ealth/?x=1", "/v1/models/", "/metric%73"):
+        assert spec.probe_action("GET", path) == PROBE_FORWARD_OR_ANSWER, path
 
     probes = {"/metrics": "forward_or_503", "/v1/models": "wake", "/status": "answer"}
     changed = config(document=backend(probes=probes)).backends[0]

@@ -24,6 +24,7 @@ from hibernate.serve.config import (
     TOKEN_ENV,
     BackendSpec,
     ServeConfig,
+    probe_path,
 )
 from hibernate.serve.control import BackendControl
 from hibernate.serve.metrics import Recorder
@@ -224,7 +225,7 @@ class Proxy:
                 retry_after=RETRY_BUSY_SECONDS,
             )
         self.recorder.request(spec.name, 200)
-        bare = path.split("?", 1)[0]
+        bare = probe_path(path)
         if bare == MODELS_PATH:
             return web.json_response(models_list([spec], {spec.name: state}))
         if bare.rsplit("/", 1)[-1] == "metrics":  # an exposition with nothing in it: nothing to scrape
