@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.streams import EmptyStreamReader
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate.errors import UsageError
 from hibernate.serve.backends import (
     STATES,
     Candidate,
+    Fleet,
+    Outcome,
     State,
     idle_due,
     joined_reasons,
@@ -33,7 +37,7 @@ from hibernate.serve.config import (
     build_config,
 )
 from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
-from hibernate.serve.proxy import authorize, backend_for, error_response, keep_alive_of
+from hibernate.serve.proxy import Proxy, authorize, backend_for, error_response, keep_alive_of
 from hibernate.serve.routing import ApiError, without_keep_alive
 from hibernate.serve.server import JsonFormat, TextFormat
 from hibernate.serve.starter import child_environment, tail
@@ -282,11 +286,56 @@ def test_a_control_request_names_a_backend_or_one_of_its_models() -> None:
         backend_for("z", backends)
 
 
+def proxy_of(document: dict[str, Any], **given: Any) -> tuple[Proxy, Fleet, Recorder]:
+    """The proxy's request handling over ``document``'s backends, with no backend behind it (none is
+    reached: every answer below is the proxy's own)."""
+    settings = config(document=document, **given)
+    recorder = Recorder(STATES)
+    fleet = Fleet(settings.backends, None, recorder, idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    return Proxy(settings, fleet, recorder, None), fleet, recorder  # type: ignore[arg-type]
+
+
+def mocked(method: str, path: str, headers: dict[str, str] | None = None) -> Any:
+    return make_mocked_request(method, path, headers=headers, payload=EmptyStreamReader())
+
+
 def test_every_503_says_when_to_retry() -> None:
-    waking = error_response(ApiError(503, "waking", "ServiceUnavailableError", retry_after=5))
-    full = error_response(ApiError(503, "full", "ServiceUnavailableError"))
-    assert waking.headers["Retry-After"] == "5" and full.headers["Retry-After"] == "1"
     assert "Retry-After" not in error_response(ApiError(404, "no", "NotFoundError")).headers
+    proxy, fleet, _ = proxy_of(backend(command="x", probes={"/ready": "forward_or_503"}))
+
+    async def start_fails(backend: Any) -> Outcome:
+        return Outcome(False, "its command exited with status 3")
+
+    fleet._start = start_fails  # type: ignore[method-assign]
+    fleet.backends["q"].state = State.STOPPED
+
+    async def answers() -> list[Any]:
+        starting = proxy.health()  # the proxy itself, before its backends are adopted
+        proxy.ready.set()
+        probe = await proxy.handle(mocked("GET", "/q/ready"))  # forward_or_503, the backend not awake
+        failed = await proxy.handle(mocked("POST", "/q/v1/completions"))  # its start failed
+        proxy.active = proxy.config.limits.max_requests
+        full = await proxy.handle(mocked("POST", "/q/v1/completions"))
+        return [starting, probe, failed, full]
+
+    got = [(r.status, r.headers.get("Retry-After")) for r in asyncio.run(answers())]
+    assert got == [(503, "1"), (503, "5"), (503, "10"), (503, "1")]
+
+
+def test_probes_the_proxy_answers_and_refused_control_requests_are_counted_apart() -> None:
+    proxy, fleet, recorder = proxy_of(backend(), environ={TOKEN_ENV: TOKEN})
+    fleet.backends["q"].state = State.ASLEEP
+    proxy.ready.set()
+
+    async def answers() -> list[int]:
+        paths = ("/q/health", "/q/%68ealth", "/hibernate/status", "/hibernate/models")
+        return [(await proxy.handle(mocked("GET", path))).status for path in paths]
+
+    assert asyncio.run(answers()) == [200, 200, 401, 401]
+    text = recorder.exposition()[0].decode()
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="probe_answered"} 2.0' in text
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="completed"} 0.0' in text
+    assert 'hibernate_serve_requests_total{backend="",code="401"} 2.0' in text
 
 
 # -- metrics and logs -----------------------------------------------------------------------------------

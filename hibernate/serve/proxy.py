@@ -224,7 +224,7 @@ class Proxy:
                 "ServiceUnavailableError",
                 retry_after=RETRY_BUSY_SECONDS,
             )
-        self.recorder.request(spec.name, 200)
+        self.recorder.request(spec.name, 200, "probe_answered")
         bare = probe_path(path)
         if bare == MODELS_PATH:
             return web.json_response(models_list([spec], {spec.name: state}))
@@ -244,22 +244,28 @@ class Proxy:
             data, content_type = self.recorder.exposition()
             return web.Response(body=data, headers={"Content-Type": content_type})
         if request.path == STATUS_PATH:  # pids and command lines: for whoever may use the control endpoints
-            refused = authorize(self.config, request.headers.get("Authorization"))
+            refused = self._authorize(request)
             if refused is not None:
-                headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
-                return error_response(refused, headers)
+                return refused
             return web.json_response(await self.status())
         if request.path == MODELS_PATH:
             states = {name: b.state.value for name, b in self.fleet.backends.items()}
             return web.json_response(models_list(self.config.backends, states))
         return None
 
+    def _authorize(self, request: web.Request) -> web.Response | None:
+        """None if :func:`authorize` lets the request in, else its 401 or 403 (counted, backend "")."""
+        refused = authorize(self.config, request.headers.get("Authorization"))
+        if refused is None:
+            return None
+        self.recorder.request("", refused.status)
+        return error_response(refused, {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None)
+
     async def _control(self, request: web.Request) -> web.StreamResponse:
         """``GET /hibernate/models``; ``POST /hibernate/models/{name}/sleep`` and ``.../wake``."""
-        refused = authorize(self.config, request.headers.get("Authorization"))
+        refused = self._authorize(request)
         if refused is not None:
-            headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
-            return error_response(refused, headers)
+            return refused
         rest = request.path[len(CONTROL_PATH) :]
         if rest in ("", "/") and request.method == "GET":
             now = time.monotonic()
