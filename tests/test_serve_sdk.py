@@ -134,7 +134,10 @@ def test_a_model_with_a_command_is_started_by_its_first_request_then_sleeps_and_
         f'[[backend]]\nname = "broken"\nurl = "http://127.0.0.1:{broken_port}"\n'
         f"command = {json.dumps(broken)}\n"
     )
-    proxy = start_proxy("--config", str(config), env={"HIBERNATE_SERVE_TOKEN": TOKEN})
+    # Its health_path is asked directly, whatever proxy the environment names (here one that is not there).
+    dead = f"http://127.0.0.1:{free_port()}"
+    no_proxy = {"http_proxy": dead, "HTTP_PROXY": dead, "no_proxy": "", "NO_PROXY": ""}
+    proxy = start_proxy("--config", str(config), env={"HIBERNATE_SERVE_TOKEN": TOKEN, **no_proxy})
     status = proxy.status()
     assert (status["own"]["state"], status["own"]["pid"]) == ("stopped", None)
     assert proxy.lines("own: not running; its first request starts it")
