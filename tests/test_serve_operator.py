@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from hibernate.serve.backends import (
     STATES,
     Candidate,
     Fleet,
+    NoRoomError,
     Outcome,
     State,
     idle_due,
@@ -152,6 +154,22 @@ def test_a_start_under_a_budget_puts_every_backend_holding_memory_to_sleep_first
     assert plan_start([c("a", State.AWAKE, 5, in_flight=1)]).action == "wait"
     # Starts run one at a time: another backend starting is queued behind this one, holding nothing.
     assert plan_start([c("a", State.STARTING, 5)]).action == "fits"
+
+
+def test_a_start_that_finds_no_room_in_time_names_its_start_timeout() -> None:
+    specs = config(
+        document={
+            "backend": [
+                {"name": "a", "url": "http://127.0.0.1:8001", "command": "x", "start_timeout": 8},
+                {"name": "b", "url": "http://127.0.0.1:8002"},
+            ]
+        }
+    ).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=1 << 30)  # type: ignore[arg-type]
+    busy = fleet.backends["b"]
+    busy.state, busy.in_flight = State.AWAKE, 1  # holds memory, and cannot be put to sleep now
+    with pytest.raises(NoRoomError, match=r"stayed busy past its start_timeout 8s$"):
+        asyncio.run(fleet._make_room(fleet.backends["a"], time.monotonic(), starting=True))
 
 
 def test_a_failed_wake_says_its_reason_once() -> None:

@@ -736,11 +736,9 @@ class Fleet:
             ]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                within = (
-                    f"its start_timeout {backend.spec.start_timeout:g}s"
-                    if starting
-                    else (f"--wake-timeout {self.wake_timeout:g}s")
-                )
+                within = f"--wake-timeout {self.wake_timeout:g}s"
+                if starting:
+                    within = f"its start_timeout {backend.spec.start_timeout:g}s"
                 raise NoRoomError(f"the backends holding the budget stayed busy past {within}")
             if sleeping:
                 await asyncio.wait(sleeping, timeout=remaining)
