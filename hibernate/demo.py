@@ -445,7 +445,10 @@ class HttpApi:
         self.model = model
         self.steps = threading.Semaphore(0)  # POST /demo/step: one more token of the paced streams
         self.lock = threading.Lock()
-        self.stats = {"completions": 0, "streams_started": 0, "streams_finished": 0, "cancelled": 0}
+        self.stats = {
+            "completions": 0, "streams_started": 0, "streams_finished": 0, "cancelled": 0,
+            "keep_alive_received": 0,  # requests whose body had a keep_alive field (a proxy takes it out)
+        }  # fmt: skip
 
     def count(self, key: str) -> None:
         with self.lock:
@@ -575,6 +578,8 @@ def http_handler(api: HttpApi) -> type[BaseHTTPRequestHandler]:
                 message = f"The model `{request.get('model')}` does not exist."
                 self._send(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
                 return
+            if isinstance(request, dict) and "keep_alive" in request:
+                api.count("keep_alive_received")
             answer = api.completion()
             chat = self.path == "/v1/chat/completions"
             if "error" in answer:

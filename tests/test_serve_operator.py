@@ -4,19 +4,26 @@ the metrics that exist from the start, and the log lines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.streams import EmptyStreamReader
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate.errors import UsageError
 from hibernate.serve.backends import (
     STATES,
     Candidate,
+    Fleet,
+    NoRoomError,
+    Outcome,
     State,
     idle_due,
     joined_reasons,
@@ -32,7 +39,7 @@ from hibernate.serve.config import (
     build_config,
 )
 from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
-from hibernate.serve.proxy import authorize, backend_for, error_response, keep_alive_of
+from hibernate.serve.proxy import Proxy, authorize, backend_for, error_response, keep_alive_of
 from hibernate.serve.routing import ApiError, without_keep_alive
 from hibernate.serve.server import JsonFormat, TextFormat
 from hibernate.serve.starter import child_environment, tail
@@ -66,6 +73,9 @@ def test_probes_are_gets_of_health_metrics_and_models_by_default_and_serve_toml_
     assert spec.probe_action("POST", "/metrics") is None  # only GET and HEAD are probes
     assert spec.probe_action("GET", "/v1/completions") is None
     assert spec.probe_action("GET", "/metrics/more") is None  # a path, not a prefix
+    # Matched as the backend reads the path: escapes decoded, a trailing slash left out.
+    for path in ("/%68ealth", "/health/", "/%68ealth/?x=1", "/v1/models/", "/metric%73"):
+        assert spec.probe_action("GET", path) == PROBE_FORWARD_OR_ANSWER, path
 
     probes = {"/metrics": "forward_or_503", "/v1/models": "wake", "/status": "answer"}
     changed = config(document=backend(probes=probes)).backends[0]
@@ -142,7 +152,24 @@ def test_a_start_under_a_budget_puts_every_backend_holding_memory_to_sleep_first
     room = plan_start([c("a", State.AWAKE, 5), c("b", State.AWAKE, 3), c("z", State.ASLEEP, 1)])
     assert (room.action, room.victim) == ("evict", "b")  # the least recently used awake one
     assert plan_start([c("a", State.AWAKE, 5, in_flight=1)]).action == "wait"
-    assert plan_start([c("a", State.STARTING, 5)]).action == "wait"
+    # Starts run one at a time: another backend starting is queued behind this one, holding nothing.
+    assert plan_start([c("a", State.STARTING, 5)]).action == "fits"
+
+
+def test_a_start_that_finds_no_room_in_time_names_its_start_timeout() -> None:
+    specs = config(
+        document={
+            "backend": [
+                {"name": "a", "url": "http://127.0.0.1:8001", "command": "x", "start_timeout": 8},
+                {"name": "b", "url": "http://127.0.0.1:8002"},
+            ]
+        }
+    ).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=1 << 30)  # type: ignore[arg-type]
+    busy = fleet.backends["b"]
+    busy.state, busy.in_flight = State.AWAKE, 1  # holds memory, and cannot be put to sleep now
+    with pytest.raises(NoRoomError, match=r"stayed busy past its start_timeout 8s$"):
+        asyncio.run(fleet._make_room(fleet.backends["a"], time.monotonic(), starting=True))
 
 
 def test_a_failed_wake_says_its_reason_once() -> None:
@@ -176,6 +203,54 @@ def test_a_bodys_keep_alive_is_taken_out_before_forwarding_and_other_bodies_pass
     untouched = b'{"model": "q",   "prompt": "keep_alive"}'
     assert without_keep_alive(untouched) == (untouched, None)
     assert without_keep_alive(b"not json keep_alive") == (b"not json keep_alive", None)
+
+
+def test_keep_alive_refuses_what_only_looks_like_a_duration_and_more_than_a_day() -> None:
+    nonsense = ("inf", "-inf", "Infinity", "1_000", "5 m", "1e9h", "1e3", "0x10", "1.", ".5", "5d", "\u0663")
+    assert [parse_keep_alive(v) for v in nonsense] == [None] * len(nonsense)
+    assert [parse_keep_alive(v) for v in (math.inf, -math.inf, 10**400, 86401, "24.5h")] == [None] * 5
+    assert parse_keep_alive("24h") == parse_keep_alive(86400) == 86400.0
+    for zero in ("-0", -0.0, "-0.0s"):  # zero whatever its sign: sleep after this request
+        seconds = parse_keep_alive(zero)
+        assert seconds == 0 and math.copysign(1, seconds) == 1, zero  # type: ignore[arg-type]
+    assert parse_keep_alive(" 1.5H ") == 5400.0 and parse_keep_alive("-2m") == math.inf
+    with pytest.raises(ApiError, match="at most 86400 seconds"):
+        keep_alive_of("48h", None)
+
+
+def test_a_request_that_is_not_served_leaves_the_keep_alive_as_it_was() -> None:
+    from hibernate.serve.backends import Fleet
+
+    specs = config(backend_flags=["q=http://127.0.0.1:8001"]).backends
+    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=1.0, budget=None)  # type: ignore[arg-type]
+
+    async def refused(backend: Any) -> Any:
+        raise ApiError(503, "busy", "ServiceUnavailableError")
+
+    fleet._hold = refused  # type: ignore[method-assign]
+
+    async def request() -> None:
+        async with fleet.use("q", 0.0):
+            pass
+
+    with pytest.raises(ApiError):
+        asyncio.run(request())
+    assert fleet.backends["q"].keep_alive is None
+
+
+def test_a_body_with_keep_alive_is_written_back_as_valid_compact_json_or_refused() -> None:
+    forwarded, value = without_keep_alive('{"model": "q", "prompt": "héllo ☃", "keep_alive": "5m"}'.encode())
+    assert value == "5m" and forwarded == '{"model":"q","prompt":"héllo ☃"}'.encode()
+    for body in (
+        b'{"model": "q", "t": 1e400, "keep_alive": 0}',
+        b'{"model": "q", "t": NaN, "keep_alive": 0}',
+    ):
+        with pytest.raises(ApiError) as refused:
+            without_keep_alive(body)
+        assert refused.value.status == 400 and "cannot be forwarded" in refused.value.message
+    # Without the field, nothing is parsed again: a body the backend reads its own way passes as it came.
+    odd = b'{"model": "q", "t": 1e400, "t": 2, "prompt": "\\u00e9"}'
+    assert without_keep_alive(odd) == (odd, None)
 
 
 def test_a_backend_kept_alive_forever_is_not_idle_and_zero_is_idle_at_once() -> None:
@@ -229,11 +304,56 @@ def test_a_control_request_names_a_backend_or_one_of_its_models() -> None:
         backend_for("z", backends)
 
 
+def proxy_of(document: dict[str, Any], **given: Any) -> tuple[Proxy, Fleet, Recorder]:
+    """The proxy's request handling over ``document``'s backends, with no backend behind it (none is
+    reached: every answer below is the proxy's own)."""
+    settings = config(document=document, **given)
+    recorder = Recorder(STATES)
+    fleet = Fleet(settings.backends, None, recorder, idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    return Proxy(settings, fleet, recorder, None), fleet, recorder  # type: ignore[arg-type]
+
+
+def mocked(method: str, path: str, headers: dict[str, str] | None = None) -> Any:
+    return make_mocked_request(method, path, headers=headers, payload=EmptyStreamReader())
+
+
 def test_every_503_says_when_to_retry() -> None:
-    waking = error_response(ApiError(503, "waking", "ServiceUnavailableError", retry_after=5))
-    full = error_response(ApiError(503, "full", "ServiceUnavailableError"))
-    assert waking.headers["Retry-After"] == "5" and full.headers["Retry-After"] == "1"
     assert "Retry-After" not in error_response(ApiError(404, "no", "NotFoundError")).headers
+    proxy, fleet, _ = proxy_of(backend(command="x", probes={"/ready": "forward_or_503"}))
+
+    async def start_fails(backend: Any) -> Outcome:
+        return Outcome(False, "its command exited with status 3")
+
+    fleet._start = start_fails  # type: ignore[method-assign]
+    fleet.backends["q"].state = State.STOPPED
+
+    async def answers() -> list[Any]:
+        starting = proxy.health()  # the proxy itself, before its backends are adopted
+        proxy.ready.set()
+        probe = await proxy.handle(mocked("GET", "/q/ready"))  # forward_or_503, the backend not awake
+        failed = await proxy.handle(mocked("POST", "/q/v1/completions"))  # its start failed
+        proxy.active = proxy.config.limits.max_requests
+        full = await proxy.handle(mocked("POST", "/q/v1/completions"))
+        return [starting, probe, failed, full]
+
+    got = [(r.status, r.headers.get("Retry-After")) for r in asyncio.run(answers())]
+    assert got == [(503, "1"), (503, "5"), (503, "10"), (503, "1")]
+
+
+def test_probes_the_proxy_answers_and_refused_control_requests_are_counted_apart() -> None:
+    proxy, fleet, recorder = proxy_of(backend(), environ={TOKEN_ENV: TOKEN})
+    fleet.backends["q"].state = State.ASLEEP
+    proxy.ready.set()
+
+    async def answers() -> list[int]:
+        paths = ("/q/health", "/q/%68ealth", "/hibernate/status", "/hibernate/models")
+        return [(await proxy.handle(mocked("GET", path))).status for path in paths]
+
+    assert asyncio.run(answers()) == [200, 200, 401, 401]
+    text = recorder.exposition()[0].decode()
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="probe_answered"} 2.0' in text
+    assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="completed"} 0.0' in text
+    assert 'hibernate_serve_requests_total{backend="",code="401"} 2.0' in text
 
 
 # -- metrics and logs -----------------------------------------------------------------------------------

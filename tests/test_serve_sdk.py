@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -132,7 +134,10 @@ def test_a_model_with_a_command_is_started_by_its_first_request_then_sleeps_and_
         f'[[backend]]\nname = "broken"\nurl = "http://127.0.0.1:{broken_port}"\n'
         f"command = {json.dumps(broken)}\n"
     )
-    proxy = start_proxy("--config", str(config), env={"HIBERNATE_SERVE_TOKEN": TOKEN})
+    # Its health_path is asked directly, whatever proxy the environment names (here one that is not there).
+    dead = f"http://127.0.0.1:{free_port()}"
+    no_proxy = {"http_proxy": dead, "HTTP_PROXY": dead, "no_proxy": "", "NO_PROXY": ""}
+    proxy = start_proxy("--config", str(config), env={"HIBERNATE_SERVE_TOKEN": TOKEN, **no_proxy})
     status = proxy.status()
     assert (status["own"]["state"], status["own"]["pid"]) == ("stopped", None)
     assert proxy.lines("own: not running; its first request starts it")
@@ -253,10 +258,12 @@ def test_probes_and_scrapes_every_half_second_never_wake_a_model_nor_keep_it_awa
 
 @pytest.mark.slow
 def test_keep_alive_zero_puts_the_model_to_sleep_right_after_its_request(
-    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy]
+    start_http_demo: Callable[..., HttpDemo], start_proxy: Callable[..., Proxy], tmp_path: Path
 ) -> None:
     demo = start_http_demo()
-    proxy = start_proxy("--backend", backend_flag(demo))  # no --idle: only the request says when
+    config = tmp_path / "serve.toml"  # no idle: only the request says when
+    config.write_text(f'[[backend]]\nname = "demo"\nurl = "{demo.url}"\nprefix = "/demo"\n')
+    proxy = start_proxy("--config", str(config))
     before = proxy.post(completion("demo"))
     code, _, body = exchange(
         "POST", proxy.url + "/v1/completions", {"X-Hibernate-Keep-Alive": "0"}, completion("demo")
@@ -269,6 +276,15 @@ def test_keep_alive_zero_puts_the_model_to_sleep_right_after_its_request(
     assert (code, body) == before
     models = json.loads(exchange("GET", proxy.url + "/hibernate/models")[2])["data"]
     assert [(m["name"], m["state"], m["keep_alive"]) for m in models] == [("demo", "awake", -1)]
+    # Under a prefix too: taken out, and obeyed.
+    code, _, body = exchange(
+        "POST", proxy.url + "/demo/v1/completions", None, completion("demo", keep_alive="0")
+    )
+    assert (code, body) == before
+    wait_until(lambda: proxy.state("demo") == "asleep", 30, "the sleep right after the prefixed request")
+    assert demo.state() == "asleep"
+    assert proxy.post(completion("demo"))[0] == 200
+    assert demo.stats()["keep_alive_received"] == 0  # the backend never saw the field
     code, _, body = exchange(
         "POST", proxy.url + "/v1/completions", None, completion("demo", keep_alive="soon")
     )
@@ -360,3 +376,114 @@ def test_a_backend_without_hibernate_is_refused_with_its_reason_said_once_and_wh
     finally:
         plain.kill()
         plain.wait()
+
+
+def demo_command(tmp_path: Path, name: str, port: int) -> list[str]:
+    """The demo with its HTTP API, as a backend's ``command`` (started by the proxy)."""
+    return [
+        sys.executable, "-W", "ignore", "-m", "hibernate.demo", "serve", "--size-mb", str(DEMO_MB),
+        "--dtype", "float32", "--control", str(tmp_path / f"{name}.sock"), "--http-port", str(port),
+        "--model-name", name,
+    ]  # fmt: skip
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, with their command names."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(rest[1]) == pid:
+            found[int(entry.name)] = name
+    return found
+
+
+@pytest.mark.slow
+def test_two_first_requests_for_two_stopped_models_under_a_budget_both_start_and_answer(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.toml"
+    tables = ""
+    for name in ("a", "b"):
+        port = free_port()
+        tables += (
+            f'[[backend]]\nname = "{name}"\nurl = "http://127.0.0.1:{port}"\n'
+            f"command = {json.dumps(demo_command(tmp_path, name, port))}\nstart_timeout = 90\n\n"
+        )
+    config.write_text('gpu_budget = "1GiB"\n' + tables)
+    proxy = start_proxy("--config", str(config))
+    assert {n: proxy.state(n) for n in ("a", "b")} == {"a": "stopped", "b": "stopped"}
+
+    async def both() -> list[tuple[int, dict[str, str], bytes]]:
+        return list(
+            await asyncio.gather(
+                *(_exchange("POST", proxy.url + "/v1/completions", None, completion(n)) for n in ("a", "b"))
+            )
+        )
+
+    answers = asyncio.run(both())
+    assert [code for code, _, _ in answers] == [200, 200], answers
+    assert len(proxy.lines("stopped -> awake (started pid")) == 2
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_start_stops_its_command_at_once_and_exits_promptly(
+    start_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[backend]]\nname = "slow"\nurl = "http://127.0.0.1:{free_port()}"\n'
+        'command = ["sleep", "1000"]\nstart_timeout = 100\n'
+    )
+    proxy = start_proxy("--config", str(config))
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(
+            exchange("POST", proxy.url + "/v1/completions", None, completion("slow"))
+        )
+    )
+    asking.start()
+    command = wait_until(
+        lambda: [pid for pid, name in children(proxy.proc.pid).items() if name == "sleep"],
+        60,
+        "the proxy to start the command",
+    )[0]
+    assert proxy.state("slow") == "starting"
+    stopped_at = time.monotonic()
+    proxy.proc.send_signal(signal.SIGTERM)
+    assert proxy.proc.wait(timeout=60) == 0
+    took = time.monotonic() - stopped_at
+    asking.join(timeout=60)
+    assert took < 30, f"serve took {took:.1f} s to stop (shutdown_timeout: 30 s)"  # was 3 x 30 s
+    assert not Path(f"/proc/{command}").exists()  # stopped and reaped, not left behind
+    assert [code for code, _, _ in answers] == [503], answers
+
+
+@pytest.mark.slow
+def test_a_started_model_killed_is_seen_stopped_by_a_probe_reaped_and_started_by_the_next_request(
+    start_proxy: Callable[..., Proxy], runtime_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[backend]]\nname = "own"\nurl = "http://127.0.0.1:{port}"\nprefix = "/own"\n'
+        f"command = {json.dumps(demo_command(tmp_path, 'own', port))}\nstart_timeout = 120\n"
+    )
+    proxy = start_proxy("--config", str(config))
+    assert proxy.post(completion("own"))[0] == 200
+    pid = proxy.status()["own"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z", 30, "the kill")
+
+    code, body = fetch("GET", proxy.url + "/own/health")
+    assert (code, json.loads(body)) == (200, {"status": "ok", "backend": "own", "state": "stopped"})
+    assert not Path(f"/proc/{pid}").exists()  # reaped, not left a zombie
+    assert proxy.post(completion("own"))[0] == 200  # this very request starts it again
+    again = proxy.status()["own"]
+    assert again["state"] == "awake" and again["pid"] not in (None, pid)
+    assert len(proxy.lines("own: stopped -> awake (started pid")) == 2

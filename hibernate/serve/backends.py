@@ -26,7 +26,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.errors import BusyError, HibernateError, NoSuchProcessError
 from hibernate.serve import starter
-from hibernate.serve.config import BackendSpec
+from hibernate.serve.config import MAX_SECONDS, BackendSpec
 from hibernate.serve.control import BackendControl, Inspection
 from hibernate.serve.leases import BackendLeases, Verdict
 from hibernate.serve.metrics import Recorder
@@ -106,27 +108,34 @@ def joined_reasons(first: str, then: str) -> str:
     return f"{first}; then: {then}"
 
 
+# A keep-alive given as text: seconds, or a duration with its unit (``-1``, ``30``, ``2.5``, ``5m``, ``1h``).
+KEEP_ALIVE_TEXT = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([smh]?)")
+UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
 def parse_keep_alive(value: object) -> float | None:
     """A request's keep-alive (Ollama's ``keep_alive``): how long its backend stays awake after it, in
     seconds; 0 puts it to sleep as soon as this request ends, a negative value keeps it awake (no idle
-    sleep) until a request says otherwise. A number, or a string of digits with an optional unit
-    (``30s``, ``5m``, ``1h``). None when ``value`` is none of these."""
+    sleep) until a request says otherwise. A finite number, or a string of digits with an optional unit
+    (``30s``, ``5m``, ``1h``), at most a day (as every time in serve.toml). None when ``value`` is none
+    of these."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:])
         try:
-            number = float(text[:-1] if unit else text) * (unit or 1)
-        except ValueError:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
             return None
+    elif isinstance(value, str):
+        match = KEEP_ALIVE_TEXT.fullmatch(value.strip().lower())
+        if match is None:
+            return None
+        number = float(match[1]) * UNIT_SECONDS[match[2]]
     else:
         return None
-    if math.isnan(number):
+    if not math.isfinite(number) or number > MAX_SECONDS:
         return None
-    return math.inf if number < 0 else number
+    return math.inf if number < 0 else number + 0.0  # -0 is 0: sleep after this request
 
 
 @dataclass(frozen=True)
@@ -160,8 +169,9 @@ def plan_start(others: Sequence[Candidate]) -> Room:
     """Room for a server about to start, under a GPU budget: all of it. What it will take is not known
     before it runs (a server that starts takes what memory it finds), so every other backend holding
     memory is put to sleep first, the least recently used first; one with requests in flight is waited
-    for."""
-    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING, State.STARTING)]
+    for. Another backend starting holds nothing yet: starts run one at a time, so any other is queued
+    behind this one (it makes its own room when its turn comes)."""
+    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
     if not held:
         return Room("fits")
     idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
@@ -275,6 +285,7 @@ class Fleet:
         self._released = asyncio.Condition()  # a request ended: a wake waiting for room looks again
         self._starting = asyncio.Lock()  # one start of a backend's command at a time
         self._log_dir: Path | None = None  # where started commands write (created by the first start)
+        self.stopping = threading.Event()  # serve is stopping: no command is started, none waited for
         for backend in self.backends.values():
             recorder.register(backend.name, backend.state.value, backend.spec.model_names)
 
@@ -324,8 +335,8 @@ class Fleet:
         configured)."""
         backend = self.backends[name]
         backend.last_used = time.monotonic()  # no idle sleep of ours begins while it takes its leases
-        backend.keep_alive = keep_alive
         leases = await self._hold(backend)
+        backend.keep_alive = keep_alive  # only a request that is served changes it
         backend.in_flight += 1
         self.recorder.in_flight(name, backend.in_flight)
         try:
@@ -350,6 +361,8 @@ class Fleet:
             verdict, leases = await self._take(backend)
             if leases is None and verdict.reason == "asleep":
                 self._learn(backend, verdict)
+            elif leases is None and verdict.reason == "gone":
+                self._found_gone(backend, verdict)  # its state said, not a 502: a probe answers it
         try:
             yield backend if leases is not None else None
         finally:
@@ -384,12 +397,23 @@ class Fleet:
             return max(self.wake_timeout, backend.spec.start_timeout)
         return self.wake_timeout
 
+    def _within(self, backend: Backend) -> str:
+        """The limit :meth:`patience` took, as a 503 names it."""
+        if backend.spec.command and self.patience(backend) > self.wake_timeout:
+            return f"its start_timeout {self.patience(backend):g}s"
+        return f"--wake-timeout {self.wake_timeout:g}s"
+
     def startable(self, backend: Backend) -> bool:
         """Whether the next request starts the backend's command: it has one, and no process of it is
         known (none ever found, or the one the proxy started has exited)."""
         if not backend.spec.command or backend.pid is not None:
             return False
         return backend.process is None or backend.process.poll() is not None
+
+    def stop_starting(self) -> None:
+        """On stop, first: a start under way gives up at once (its command stopped, its requests answered
+        503) instead of holding the shutdown for its start_timeout; none begins."""
+        self.stopping.set()
 
     async def stop_started(self, timeout: float) -> None:
         """Stop every process the proxy started (SIGTERM to its group, SIGKILL after ``timeout``)."""
@@ -453,14 +477,10 @@ class Fleet:
                 self._set(backend, State.ASLEEP)
             return True
         if verdict.reason == "gone":
-            if backend.process is not None:
-                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
-            if backend.pid is not None and _alive(backend.pid):
+            if not self._found_gone(backend, verdict):
                 return False  # the links broke, not the process: opened again on the next try
-            if settled:
-                log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
-                backend.pid = None
-                self._set(backend, State.FAILED, reason=verdict.detail)
+            if backend.state is State.STOPPED:
+                return True  # its command is started again, for this very request
             raise ApiError(502, f"backend {backend.name} did not answer: {verdict.detail}", "BadGatewayError")
         if verdict.reason == "failed":
             raise ApiError(
@@ -471,14 +491,31 @@ class Fleet:
             )
         return False
 
+    def _found_gone(self, backend: Backend, verdict: Verdict) -> bool:
+        """Whether the backend's process is really gone (else only the links to its agents broke), taken
+        into its state if no transition of ours runs: stopped if it has a command (the next request, or
+        this one, starts it again), else failed (looked for again by the next request)."""
+        if backend.process is not None:
+            backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
+        if backend.pid is not None and _alive(backend.pid):
+            return False
+        if backend.state is State.AWAKE:
+            log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
+            self._lost(backend, verdict.detail)
+        return True
+
+    def _lost(self, backend: Backend, reason: str) -> None:
+        """A backend whose process was found gone: stopped if the proxy can start it again, else failed."""
+        backend.pid = None
+        self._set(backend, State.STOPPED if self.startable(backend) else State.FAILED, reason=reason)
+
     async def _pause(self, backend: Backend, deadline: float, why: str) -> None:
         """A short wait before the next try; a 503 once the wait would pass ``deadline``."""
         loop = asyncio.get_running_loop()
         if loop.time() + RETRY_SECONDS > deadline:
             raise ApiError(
                 503,
-                f"backend {backend.name} stayed busy past --wake-timeout {self.wake_timeout:g}s ({why}); "
-                "retry later",
+                f"backend {backend.name} stayed busy past {self._within(backend)} ({why}); retry later",
                 "ServiceUnavailableError",
                 retry_after=RETRY_BUSY_SECONDS,
             )
@@ -501,14 +538,10 @@ class Fleet:
                     raise TimeoutError
                 outcome = await asyncio.wait_for(asyncio.shield(task), remaining)
             except TimeoutError:
-                within = (
-                    f"its start_timeout {self.patience(backend):g}s"
-                    if backend.spec.command and self.patience(backend) > self.wake_timeout
-                    else f"--wake-timeout {self.wake_timeout:g}s"
-                )
                 raise ApiError(
                     503,
-                    f"backend {backend.name} did not wake within {within} (it is {backend.state.value}); "
+                    f"backend {backend.name} did not wake within {self._within(backend)} "
+                    f"(it is {backend.state.value}); "
                     "retry later",
                     "ServiceUnavailableError",
                     retry_after=RETRY_BUSY_SECONDS,
@@ -647,9 +680,13 @@ class Fleet:
             self._log_dir = await asyncio.to_thread(starter.log_directory)
         backend.log = starter.log_path(self._log_dir, spec.name)
         log.info("%s: starting: %s (log %s)", spec.name, " ".join(spec.command), backend.log)
-        proc = backend.process = await asyncio.to_thread(starter.spawn, spec, backend.log)
+        if self.stopping.is_set():
+            raise starter.StartError(f"backend {spec.name}: not started: serve is stopping")
+        await asyncio.to_thread(_spawn, backend, backend.log)
+        proc = backend.process
+        assert proc is not None
         try:
-            await asyncio.to_thread(starter.wait_ready, spec, proc, spec.start_timeout)
+            await asyncio.to_thread(starter.wait_ready, spec, proc, spec.start_timeout, self.stopping)
             return await asyncio.to_thread(self.control.adopt, spec)
         except BaseException:
             await asyncio.to_thread(starter.stop, proc, 10.0)
@@ -699,7 +736,10 @@ class Fleet:
             ]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise NoRoomError("the backends holding the budget stayed busy past --wake-timeout")
+                within = f"--wake-timeout {self.wake_timeout:g}s"
+                if starting:
+                    within = f"its start_timeout {backend.spec.start_timeout:g}s"
+                raise NoRoomError(f"the backends holding the budget stayed busy past {within}")
             if sleeping:
                 await asyncio.wait(sleeping, timeout=remaining)
                 continue
@@ -765,21 +805,23 @@ class Fleet:
 
     async def refresh_states(self) -> None:
         """Read back the state of every backend at rest (no transition, nothing in flight or waiting);
-        one whose process cannot be read is marked failed, and looked for again by the next request."""
+        one whose process cannot be read is marked failed, and looked for again by the next request (stopped
+        if it has a command: the next request starts it again)."""
         for backend in self.backends.values():
             if backend.state not in (State.AWAKE, State.ASLEEP) or backend.in_flight or backend.waiting:
                 continue
             before, transition = backend.state, backend.transition
+            if backend.process is not None:
+                backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
             try:
                 found = await asyncio.to_thread(self.control.adopt, backend.spec, backend.pid)
             except BusyError:
                 continue  # a `hibernate sleep` or `wake` of someone else is under way: read it next time
             except HibernateError as exc:
                 if backend.state is before and backend.transition is transition:
-                    # Gone: looked for again by the next request.
+                    # Gone: looked for (or started) again by the next request.
                     log.warning("%s: its state could not be read: %s", backend.name, exc.message)
-                    backend.pid = None
-                    self._set(backend, State.FAILED, reason=exc.message)
+                    self._lost(backend, exc.message)
                 continue
             if backend.state is not before or backend.transition is not transition:
                 continue  # something started meanwhile: its own outcome is the truth
@@ -802,6 +844,12 @@ class Fleet:
         pending = [b.transition for b in self.backends.values() if b.transition and not b.transition.done()]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+
+
+def _spawn(backend: Backend, log: Path) -> None:
+    """Run the backend's command, known to the fleet as soon as it exists: set from the worker thread, so
+    that a request cancelled meanwhile cannot leave it running unknown (stop_started stops it)."""
+    backend.process = starter.spawn(backend.spec, log)
 
 
 def _alive(pid: int) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from hibernate.errors import UsageError
 
@@ -49,6 +49,13 @@ DEFAULT_PROBES: tuple[tuple[str, str], ...] = (
 )
 
 
+def probe_path(path: str) -> str:
+    """A request's path as a probe path is matched: its query left out, percent-escapes decoded and a
+    trailing slash stripped, so that ``/%68ealth`` and ``/health/`` are the probe ``/health`` (as the
+    backend may well read them) rather than requests that wake it."""
+    return unquote(path.split("?", 1)[0]).rstrip("/") or "/"
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One backend: where it listens, and what routes to it.
@@ -79,7 +86,7 @@ class BackendSpec:
         action for it; None for an ordinary request. Only GET and HEAD are probes."""
         if method not in ("GET", "HEAD"):
             return None
-        action = dict(self.probes).get(path.split("?", 1)[0])
+        action = dict(self.probes).get(probe_path(path))
         return None if action in (None, PROBE_WAKE) else action
 
     @property

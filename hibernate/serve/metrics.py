@@ -31,7 +31,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 OPERATIONS = ("sleep", "wake", "start")
 # How a forwarded request ended: its answer sent whole; its client left before the end (a stream
 # cancelled); the backend failed mid-answer, or before it (502); refused by the proxy (4xx, 503).
-OUTCOMES = ("completed", "client_cancelled", "backend_failed", "refused")
+# probe_answered: a probe of the backend the proxy answered itself (not awake, or its action "answer").
+OUTCOMES = ("completed", "client_cancelled", "backend_failed", "refused", "probe_answered")
 
 
 class Recorder:

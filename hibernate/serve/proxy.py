@@ -17,7 +17,15 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet, parse_keep_alive
-from hibernate.serve.config import PROBE_ANSWER, PROBE_FORWARD_OR_503, TOKEN_ENV, BackendSpec, ServeConfig
+from hibernate.serve.config import (
+    MAX_SECONDS,
+    PROBE_ANSWER,
+    PROBE_FORWARD_OR_503,
+    TOKEN_ENV,
+    BackendSpec,
+    ServeConfig,
+    probe_path,
+)
 from hibernate.serve.control import BackendControl
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import MODELS_PATH, ApiError, models_list, route, without_keep_alive
@@ -97,7 +105,7 @@ def keep_alive_of(header: str | None, field: object) -> float | None:
             raise ApiError(
                 400,
                 f"{where} must be a number of seconds (0: sleep after this request; negative: stay "
-                f"awake) or a duration such as 5m, not {value!r}",
+                f"awake) or a duration such as 5m, at most {MAX_SECONDS:g} seconds, not {value!r}",
                 "invalid_request_error",
                 "keep_alive",
             )
@@ -183,7 +191,7 @@ class Proxy:
             probe = spec.probe_action(request.method, target.path) if target.prefixed else None
             if probe is not None:
                 return await self._probe(request, spec, target.path, probe, started)
-            body, field = without_keep_alive(body) if not target.prefixed else (body, None)
+            body, field = without_keep_alive(body) if request.method == "POST" else (body, None)
             keep_alive = keep_alive_of(request.headers.get(KEEP_ALIVE_HEADER), field)
             return await self._forward(request, backend, target.path, body, started, keep_alive)
         except ApiError as error:
@@ -216,8 +224,8 @@ class Proxy:
                 "ServiceUnavailableError",
                 retry_after=RETRY_BUSY_SECONDS,
             )
-        self.recorder.request(spec.name, 200)
-        bare = path.split("?", 1)[0]
+        self.recorder.request(spec.name, 200, "probe_answered")
+        bare = probe_path(path)
         if bare == MODELS_PATH:
             return web.json_response(models_list([spec], {spec.name: state}))
         if bare.rsplit("/", 1)[-1] == "metrics":  # an exposition with nothing in it: nothing to scrape
@@ -236,22 +244,28 @@ class Proxy:
             data, content_type = self.recorder.exposition()
             return web.Response(body=data, headers={"Content-Type": content_type})
         if request.path == STATUS_PATH:  # pids and command lines: for whoever may use the control endpoints
-            refused = authorize(self.config, request.headers.get("Authorization"))
+            refused = self._authorize(request)
             if refused is not None:
-                headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
-                return error_response(refused, headers)
+                return refused
             return web.json_response(await self.status())
         if request.path == MODELS_PATH:
             states = {name: b.state.value for name, b in self.fleet.backends.items()}
             return web.json_response(models_list(self.config.backends, states))
         return None
 
+    def _authorize(self, request: web.Request) -> web.Response | None:
+        """None if :func:`authorize` lets the request in, else its 401 or 403 (counted, backend "")."""
+        refused = authorize(self.config, request.headers.get("Authorization"))
+        if refused is None:
+            return None
+        self.recorder.request("", refused.status)
+        return error_response(refused, {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None)
+
     async def _control(self, request: web.Request) -> web.StreamResponse:
         """``GET /hibernate/models``; ``POST /hibernate/models/{name}/sleep`` and ``.../wake``."""
-        refused = authorize(self.config, request.headers.get("Authorization"))
+        refused = self._authorize(request)
         if refused is not None:
-            headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
-            return error_response(refused, headers)
+            return refused
         rest = request.path[len(CONTROL_PATH) :]
         if rest in ("", "/") and request.method == "GET":
             now = time.monotonic()

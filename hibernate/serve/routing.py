@@ -90,7 +90,11 @@ KEEP_ALIVE_FIELD = b'"keep_alive"'
 
 def without_keep_alive(body: bytes) -> tuple[bytes, object]:
     """A JSON body's ``keep_alive`` field (Ollama's), taken out: the body to forward, and the field's
-    value (None when it has none: the body is then returned as it came, not parsed again)."""
+    value (None when it has none: the body is then forwarded byte for byte as it came).
+
+    Only a body with the field is written again, compactly and with its text as it was (not escaped);
+    one that cannot be written back as valid JSON (a number too large for a float, ``NaN``) is a 400
+    rather than a body the backend would read differently. Of a key given twice, the last is kept."""
     if KEEP_ALIVE_FIELD not in body:
         return body, None
     try:
@@ -100,7 +104,15 @@ def without_keep_alive(body: bytes) -> tuple[bytes, object]:
     if not isinstance(document, dict) or "keep_alive" not in document:
         return body, None
     value = document.pop("keep_alive")
-    return json.dumps(document).encode(), value
+    try:
+        text = json.dumps(document, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError as exc:
+        raise ApiError(
+            400,
+            f"the request body cannot be forwarded without its keep_alive field: {exc}",
+            "invalid_request_error",
+        ) from None
+    return text, value
 
 
 def by_model(model: str, backends: Sequence[BackendSpec]) -> str:

@@ -11,7 +11,6 @@ sleep`` would, rather than at the first idle sleep.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import logging
@@ -20,17 +19,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from aiohttp import web
 
-from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
+from hibernate.errors import HibernateError, UsageError
 from hibernate.operation import targets
-from hibernate.serve import discovery, starter
+from hibernate.serve import starter
 from hibernate.serve.backends import STATES, Fleet
-from hibernate.serve.config import BackendSpec, ServeConfig
+from hibernate.serve.config import ServeConfig
 from hibernate.serve.control import BackendControl, refuse_tree_holding_proxy
 from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
@@ -82,33 +80,6 @@ def check_at_start(config: ServeConfig) -> None:
             except HibernateError as exc:
                 raise exc.add_context(f"backend {spec.name}") from None
             refuse_tree_holding_proxy(spec.name, spec.pid)
-
-
-def wait_listening(spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until the started backend listens on its address (its model loaded), or fails, or ``timeout``."""
-    host, port = spec.host_port
-    deadline = time.monotonic() + timeout
-    while discovery.server_at(host, port) is None:
-        if proc.poll() is not None:
-            raise HibernateTimeoutError(f"backend {spec.name}'s command exited with status {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise HibernateTimeoutError(
-                f"backend {spec.name} did not listen on port {port} within {timeout:g}s"
-            )
-        time.sleep(0.2)
-
-
-def stop_command(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def control_scope(config: ServeConfig) -> str:
@@ -168,7 +139,7 @@ async def serve(config: ServeConfig) -> None:
         started = start_command(config)
         if started is not None:
             spec = next(s for s in config.backends if s.name == config.start)
-            await asyncio.to_thread(wait_listening, spec, started, config.wake_timeout)
+            await asyncio.to_thread(starter.wait_ready, spec, started, config.wake_timeout)
         await fleet.adopt()
         proxy.ready.set()
         where = ", ".join(f"http://{h}:{p}" for h, p, *_ in runner.addresses)
@@ -188,10 +159,11 @@ async def serve(config: ServeConfig) -> None:
     finally:
         if idle is not None:
             idle.cancel()
+        fleet.stop_starting()  # before the requests in flight are waited for: some wait for a start
         await runner.cleanup()
         await fleet.drain(limits.shutdown_timeout)
         fleet.close()
-        await asyncio.to_thread(stop_command, started, limits.shutdown_timeout)
+        await asyncio.to_thread(starter.stop, started, limits.shutdown_timeout)
         await fleet.stop_started(limits.shutdown_timeout)
         if idle is not None:
             log.info("stopped")

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -76,21 +77,31 @@ def spawn(spec: BackendSpec, log: Path) -> subprocess.Popen[bytes]:
         os.close(fd)
 
 
+# The backend is on this machine's own address: a proxy named by http_proxy in the environment is not
+# asked for it.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def healthy(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as answer:
+        with _DIRECT.open(url, timeout=timeout) as answer:
             return bool(answer.status == 200)
     except (OSError, urllib.error.URLError, ValueError):
         return False
 
 
-def wait_ready(spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_ready(
+    spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: float, stop: threading.Event | None = None
+) -> None:
     """Until the started backend listens on its address (and answers its ``health_path``), or exits,
-    or ``timeout`` passes."""
+    or ``timeout`` passes, or ``stop`` is set (serve is stopping)."""
     host, port = spec.host_port
     deadline = time.monotonic() + timeout
     listening = False
+    stop = stop or threading.Event()
     while True:
+        if stop.is_set():
+            raise StartError(f"backend {spec.name}: start given up: serve is stopping")
         if proc.poll() is not None:
             raise StartError(f"backend {spec.name}'s command exited with status {proc.returncode}")
         if not listening:
@@ -103,7 +114,7 @@ def wait_ready(spec: BackendSpec, proc: subprocess.Popen[bytes], timeout: float)
         if time.monotonic() > deadline:
             what = f"answer 200 on {spec.health_path}" if listening else f"listen on port {port}"
             raise HibernateTimeoutError(f"backend {spec.name} did not {what} within {timeout:g}s")
-        time.sleep(POLL_SECONDS)
+        stop.wait(POLL_SECONDS)
 
 
 def tail(log: Path, limit: int = TAIL_BYTES) -> str:
