@@ -597,5 +597,10 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             assert len(lines) <= 2 and all(line.startswith("  hint: ") for line in lines[1:]), lines
             if "--listen" in args:
                 assert lines[1:] == ["  hint: another server listens there: stop it or choose another port"]
+        # A backend started with the proxy that exits before it listens: the process is gone (3), not a
+        # bug of hibernate's (1); its start was logged, then one error line.
+        result = run_cli("serve", *backend, "--to", str(tmp_path), "--", sys.executable, "-c", "exit(3)")
+        assert result.returncode == ExitCode.NO_SUCH_PROCESS, result.stderr
+        assert result.stderr.splitlines()[-1] == "hibernate: error: backend a's command exited with status 3"
     finally:
         taken.close()

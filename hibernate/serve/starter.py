@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from hibernate.agent.paths import runtime_dir
-from hibernate.errors import HibernateError, HibernateTimeoutError, UsageError
+from hibernate.errors import ExitCode, HibernateError, HibernateTimeoutError, UsageError
 from hibernate.fsutil import ensure_private_dir
 from hibernate.serve import discovery
 from hibernate.serve.config import TOKEN_ENV, BackendSpec
@@ -31,7 +31,12 @@ POLL_SECONDS = 0.2
 
 
 class StartError(HibernateError):
-    """A backend's command did not become ready: exited, timed out, or could not be run."""
+    """A backend's command did not become ready: it exited, or could not be run (a start that timed
+    out is a :class:`HibernateTimeoutError`). For ``-- COMMAND`` this ends serve with exit 3, as a
+    target that exits during an operation ends ``hibernate sleep``: not 1, which says "a bug"."""
+
+    exit_code = ExitCode.NO_SUCH_PROCESS
+    wire_name = "no-such-process"
 
 
 def log_directory() -> Path:
