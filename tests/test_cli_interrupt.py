@@ -14,7 +14,8 @@ import pytest
 
 from hibernate import faults
 from hibernate.cli.render import interruption
-from hibernate.errors import ExitCode
+from hibernate.errors import ExitCode, describe_cause
+from hibernate.flows.agents import undo_requests
 from tests.conftest import REPO, wait_until
 
 
@@ -45,6 +46,22 @@ def test_a_target_left_half_way_is_named_with_the_command_that_resolves_it() -> 
     message, hint = interruption("sleep", busy)
     assert "process 5 is quiesced, still busy (hibernate sleep (pid 1))" in message
     assert "nothing was lost" not in message and hint == "run `hibernate status 5`"
+
+
+def test_the_undo_goes_by_the_agent_s_own_state_over_the_last_answer_seen() -> None:
+    # A release cut in flight ended in the agent: the command saw `spill` last, the agent is asleep.
+    assert undo_requests("asleep", "spill") == ("restore", "resume")
+    assert undo_requests("spilled", "spill") == ("resume",)
+    assert undo_requests("running", "quiesce") == ()
+    # An agent that cannot say: the last answer seen decides.
+    assert undo_requests(None, "release") == ("restore", "resume")
+    assert undo_requests(None, "quiesce") == ("resume",)
+    assert undo_requests(None, "close_leases") == ()
+
+
+def test_a_ctrl_c_is_named_as_the_cause_of_a_failed_undo() -> None:
+    assert describe_cause(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    assert describe_cause(RuntimeError()) == "RuntimeError"
 
 
 def interrupted_cli(args: list[str], point: str, trace: Path) -> subprocess.CompletedProcess[str]:
@@ -100,4 +117,53 @@ def test_ctrl_c_during_a_sleep_says_the_process_runs_and_nothing_was_lost(
     assert list(jsonschema.Draft202012Validator(schema).iter_errors(document)) == []
     assert document["error"]["code"] == "interrupted" and document["error"]["exit_name"] == "INTERRUPTED"
     assert "nothing was lost" in document["error"]["message"]
+    assert demo.infer()["digest"] == reference
+
+
+def run_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def sigint_pending(pid: int) -> bool:
+    """Whether a SIGINT sent to ``pid`` waits to be delivered (it is not, once a thread took it)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = dict(line.split(":", 1) for line in f if line.startswith(("SigPnd", "ShdPnd")))
+    return any(int(mask, 16) >> (signal.SIGINT - 1) & 1 for mask in masks.values())
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_agent_releases_waits_for_the_release_then_undoes_the_sleep(
+    start_demo, cli, work_dir: Path
+) -> None:
+    """A Ctrl-C with a request in flight: the command waits for the agent's answer (its release
+    ends), then undoes the whole sleep, so the target runs with its weights, and says so."""
+    demo = start_demo(size_mb=16, env={faults.ENV: "agent.release:SIGSTOP"})  # stops in its release
+    reference = demo.infer()["digest"]
+    env = {key: value for key, value in os.environ.items() if key != faults.ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hibernate", "sleep", str(demo.pid), "--to", str(work_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        wait_until(lambda: run_state(demo.pid) == "T", 60, "the target to stop inside its release")
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: not sigint_pending(proc.pid), 10, "the CLI to take its SIGINT")
+        os.kill(demo.pid, signal.SIGCONT)  # the release goes on, and answers
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        os.kill(demo.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr
+    line = f"interrupted: the sleep stopped; process {demo.pid} is running, nothing was lost"
+    assert line in stderr.splitlines()[-1], stderr
+    agent = cli("status", str(demo.pid), "--json").json()["agents"][0]
+    assert agent["state"] == "running" and not agent.get("interrupted"), agent
     assert demo.infer()["digest"] == reference

@@ -76,12 +76,13 @@ def _operate_and_report(
     as it is, not as it was.
 
     A Ctrl-C (``operation`` names what it stopped) is reported with the state each target was
-    left in (the undo of a sleep's steps has run by then), as the one error of the command.
+    left in (the undo of a sleep's steps has run by then), as the one error of the command; so is
+    one whose undo failed (a target left half-way is named with the recover that resolves it).
 
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
     from hibernate.cli import render
-    from hibernate.errors import WrongStateError
+    from hibernate.errors import NeedsRecoveryError, WrongStateError
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         try:
@@ -93,6 +94,10 @@ def _operate_and_report(
             report = satisfied
         except KeyboardInterrupt:
             raise _interrupted(operation, selection, all_users) from None
+        except NeedsRecoveryError as exc:
+            if not isinstance(exc.__cause__, KeyboardInterrupt):
+                raise
+            raise _interrupted(operation, selection, all_users) from None  # its undo failed: says so
     render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
