@@ -151,13 +151,26 @@ def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _agents_in(selection: Selection, state: str, all_users: bool) -> list[dict[str, Any]] | None:
-    """The targets' agents, as skipped, where every one is in ``state`` (and not busy); else None."""
+    """The targets' agents, as skipped, where every one is in ``state``; else None. One in it that a
+    command is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
     from hibernate import orchestrator
 
     entries = orchestrator.status(selection.pids, all_users=all_users)
-    if not entries or any(e.get("state") != state or e.get("busy") for e in entries):
+    if not entries or any(e.get("state") != state for e in entries):
         return None
+    _refuse_unsettled(entries)
     return [_skipped(e) for e in entries]
+
+
+def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
+    """A target in the state asked for is not "already there" while a command is still at work on
+    it (BusyError) or one left it half-way (NeedsRecoveryError naming the recover)."""
+    from hibernate.operation.unit import unsettled
+
+    for entry in entries:
+        error = unsettled(entry["pid"], entry, entry.get("interrupted"))
+        if error is not None:
+            raise error
 
 
 def _already_asleep(selection: Selection, directory: Path, all_users: bool) -> SleepReport | None:
@@ -189,6 +202,7 @@ def _wake_if_needed(
     from hibernate import orchestrator
 
     entries = orchestrator.status(selection.pids, all_users=options.all_users)
+    _refuse_unsettled([e for e in entries if e.get("state") == "running"])
     report = orchestrator.wake(selection.pids, options, progress)
     woken = {p.pid for p in report.processes}
     report.skipped = [_skipped(e) for e in entries if e.get("state") == "running" and e["pid"] not in woken]

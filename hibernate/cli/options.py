@@ -172,7 +172,8 @@ IfNeededOption = Annotated[
     typer.Option(
         "--if-needed",
         help="Succeed (exit 0) where a target already is in the state asked for: it is left as it is and "
-        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state).",
+        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state). One that "
+        "another command is still at work on is exit 7, one a command left half-way exit 13.",
         show_default=False,
     ),
 ]

@@ -33,7 +33,7 @@ from hibernate.operation.progress import ByteCounter
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target
-from hibernate.operation.unit import Context, Unit, already_asleep, skipped_entry
+from hibernate.operation.unit import Context, Unit, already_asleep, refuse_unsettled, skipped_entry
 from hibernate.threads import raise_first_error, run_each
 
 
@@ -86,11 +86,13 @@ class AgentsUnit(Unit):
         return [cls(ctx, groups, processes)]
 
     def skip_asleep(self) -> list[dict[str, object]]:
-        """Targets asleep as a whole are left out; a target half asleep stays (and connect refuses it)."""
+        """Targets asleep as a whole are left out; a target half asleep stays (and connect refuses it),
+        and one whose last operation has not ended is refused (``unsettled``)."""
         skipped: list[dict[str, object]] = []
         kept: list[list[AgentRef]] = []
         for group in self.groups:
             if all(ref.status.get("state") == "asleep" for ref in group):
+                refuse_unsettled(group)
                 skipped.extend(skipped_entry(ref) for ref in group)
             else:
                 kept.append(group)
