@@ -167,3 +167,42 @@ def test_ctrl_c_while_the_agent_releases_waits_for_the_release_then_undoes_the_s
     agent = cli("status", str(demo.pid), "--json").json()["agents"][0]
     assert agent["state"] == "running" and not agent.get("interrupted"), agent
     assert demo.infer()["digest"] == reference
+
+
+def connections_to(socket_path: Path) -> int:
+    """How many unix sockets carry ``socket_path``: its listener and those waiting to be accepted."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f if line.split()[-1:] == [str(socket_path)])
+
+
+@pytest.mark.slow
+def test_ctrl_c_outside_an_operation_still_prints_its_error_document(start_demo, runtime_dir: Path) -> None:
+    demo = start_demo(size_mb=16)
+    (socket_path,) = runtime_dir.rglob("*.sock")
+    listening = connections_to(socket_path)
+    os.kill(demo.pid, signal.SIGSTOP)  # its agent accepts no more: status waits on it
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hibernate", "status", str(demo.pid), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            wait_until(lambda: connections_to(socket_path) > listening, 60, "status to wait on the agent")
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        os.kill(demo.pid, signal.SIGCONT)
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr
+    document = json.loads(stdout)
+    schema = json.loads((REPO / "docs" / "json-schema" / "error.schema.json").read_text())
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(document)) == []
+    assert document["error"]["code"] == "interrupted"
+    assert document["error"]["message"] == "interrupted (Ctrl-C)"
