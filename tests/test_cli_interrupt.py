@@ -48,6 +48,15 @@ def test_a_target_left_half_way_is_named_with_the_command_that_resolves_it() -> 
     assert "nothing was lost" not in message and hint == "run `hibernate status 5`"
 
 
+def test_an_agent_busy_with_this_command_s_own_undo_is_said_to_be_so() -> None:
+    mine = [{"pid": 5, "state": "quiesced", "busy": "hibernate (pid 41, uid 0)", "interrupted": None}]
+    message, hint = interruption("sleep", mine, me=41)
+    assert message.endswith("process 5 is quiesced, its undo is still running in the agent")
+    assert "pid 41" not in message and hint == "run `hibernate status 5`"
+    message, _ = interruption("sleep", mine, me=410)  # another command's
+    assert message.endswith("process 5 is quiesced, still busy (hibernate (pid 41, uid 0))")
+
+
 def test_the_undo_goes_by_the_agent_s_own_state_over_the_last_answer_seen() -> None:
     # A release cut in flight ended in the agent: the command saw `spill` last, the agent is asleep.
     assert undo_requests("asleep", "spill") == ("restore", "resume")

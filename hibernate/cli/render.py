@@ -7,6 +7,8 @@ documented in docs/json-schema/; the human layout may change between versions.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -274,13 +276,25 @@ def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
     out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
 
 
-def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, str | None]:
+def holder_pid(holder: object) -> int | None:
+    """The pid in a busy holder's description (``hibernate (pid 12, uid 0)``), if it names one."""
+    found = re.search(r"\(pid (\d+)[,)]", holder) if isinstance(holder, str) else None
+    return int(found.group(1)) if found else None
+
+
+def interruption(
+    operation: str, entries: list[dict[str, Any]], me: int | None = None
+) -> tuple[str, str | None]:
     """What a Ctrl-C left, from the targets' states read after it: one line, and what to run.
+
+    ``me`` (default: this process) is the command whose Ctrl-C it was: an agent still busy with
+    it is finishing that command's own undo, not serving another command.
 
     The sleep's steps are undone before the command exits, so a sleep cut short leaves its targets
     running with their memory in place: the user must hear that nothing was lost, or that one was
     left half-way and which `hibernate recover` finishes or undoes it.
     """
+    me = os.getpid() if me is None else me
     parts: list[str] = []
     commands: list[str] = []
     whole = bool(entries)
@@ -291,9 +305,11 @@ def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, st
             parts.append(f"process {pid} was left half-way ({state})")
             commands.append(interrupted["resolve"])
         elif e.get("busy") or interrupted:
-            parts.append(
-                f"process {pid} is {state}, still busy ({e.get('busy') or interrupted.get('in_progress')})"
-            )
+            holder = e.get("busy") or interrupted.get("in_progress")
+            if holder_pid(holder) == me:  # this command's own session: its undo, cut by a second Ctrl-C
+                parts.append(f"process {pid} is {state}, its undo is still running in the agent")
+            else:
+                parts.append(f"process {pid} is {state}, still busy ({holder})")
             commands.append(f"hibernate status {pid}")
         else:
             parts.append(f"process {pid} is {state}")
