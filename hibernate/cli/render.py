@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -27,7 +27,14 @@ from rich.progress import (
 
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.operation.progress import ProgressSink, transfer_rate
-from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+from hibernate.operation.reports import (
+    ProcessSleep,
+    ProcessWake,
+    RecoverReport,
+    SleepReport,
+    WakeReport,
+    total_rate,
+)
 from hibernate.units import human_bytes
 
 out = Console(highlight=False, soft_wrap=True)
@@ -71,9 +78,11 @@ def error(exc: HibernateError, as_json: bool) -> int:
 class TerminalProgress(ProgressSink):
     """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise.
 
-    The rate either shows is the report's (:func:`transfer_rate`): the bytes so far over the time
-    since the step began, not rich's estimate over the last few updates, which left out the
-    step's start and counted a burst of reused chunks as the speed of the disk.
+    The rate either shows is :func:`transfer_rate`: the bytes so far over the time since the step
+    began, not rich's estimate over the last few updates, which left out the step's start and
+    counted a burst of reused chunks as the speed of the disk. Its last one is the report's own
+    figure (``ended``): the same bytes over the seconds the agents' answers took, so the two agree
+    to the digit (several processes: the report's total line).
     """
 
     def __init__(self, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
@@ -84,6 +93,7 @@ class TerminalProgress(ProgressSink):
         self._task: TaskID | None = None
         self._last_line = 0.0
         self._step_started = clock()
+        self._final: str | None = None  # a transfer's last line, held for ended()
 
     def __enter__(self) -> TerminalProgress:
         if self.interactive:
@@ -100,10 +110,12 @@ class TerminalProgress(ProgressSink):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._flush()
         if self._progress is not None:
             self._progress.stop()
 
     def step(self, label: str) -> None:
+        self._flush()
         self._step_started = self._clock()
         if not self.enabled:
             return
@@ -114,6 +126,7 @@ class TerminalProgress(ProgressSink):
             err.print(f"step: {label}", markup=False)
 
     def note(self, message: str) -> None:
+        self._flush()
         if not self.enabled:
             return
         if self._progress is not None:
@@ -131,9 +144,29 @@ class TerminalProgress(ProgressSink):
                 self._task = self._progress.add_task(label, total=total, rate=rate)
             self._progress.update(self._task, completed=done, total=total, rate=rate)
             return
-        if done >= total or now - self._last_line >= 2.0:
+        line = f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}"
+        if done >= total:
+            self._final = line  # printed once the step goes on, unless ended() brings the report's rate
+        elif now - self._last_line >= 2.0:
             self._last_line = now
-            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}", markup=False)
+            err.print(line, markup=False)
+
+    def ended(self, label: str, nbytes: int, seconds: float) -> None:
+        """The last rate is the report's: the same bytes over the same seconds (progress.side_by_side)."""
+        if not self.enabled:
+            return
+        rate = f"{transfer_rate(nbytes, seconds):.2f} GB/s"
+        if self._progress is not None:
+            if self._task is not None:
+                self._progress.update(self._task, completed=nbytes, total=nbytes, rate=rate)
+            return
+        self._final = f"{label}: {human_bytes(nbytes)} / {human_bytes(nbytes)} at {rate}"
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._final is not None:
+            err.print(self._final, markup=False)
+            self._final = None
 
 
 def _line(label: str, text: str) -> None:
@@ -180,6 +213,7 @@ def sleep_report(report: SleepReport) -> None:
             _line("resident", f"{human_bytes(p.resident_bytes)} (partial pages at the edges of fixed memory)")
         for warning in p.warnings:
             _line("warning", warning)
+    _total_line(report.processes, "kept")
     for s in report.skipped:
         where = f" (snapshot {s['snapshot']})" if s.get("snapshot") else ""
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already asleep{where}", markup=False)
@@ -188,6 +222,17 @@ def sleep_report(report: SleepReport) -> None:
     out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
     for gpu in report.gpus or []:
         out.print(gpu_summary(gpu), markup=False)
+
+
+def _total_line(processes: Sequence[ProcessSleep] | Sequence[ProcessWake], what: str) -> None:
+    """Several processes moved side by side: their bytes and rate as one, the bar's last rate."""
+    total = total_rate(processes)
+    if total is not None:
+        nbytes, rate = total
+        out.print(
+            f"total: {what} {human_bytes(nbytes)} at {rate:.2f} GB/s ({len(processes)} processes at once)",
+            markup=False,
+        )
 
 
 def gpu_summary(gpu: dict[str, Any]) -> str:
@@ -231,6 +276,7 @@ def wake_report(report: WakeReport) -> None:
         _line("memory", _rss_change(p.rss_before, p.rss_after))
         for warning in p.warnings:
             _line("warning", warning)
+    _total_line(report.processes, "restored")
     for s in report.skipped:
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already awake", markup=False)
     for server in report.extras.get("vllm_all", []):

@@ -29,7 +29,7 @@ from hibernate.flows.members import (
     holds_leases,
 )
 from hibernate.operation.options import share_staging
-from hibernate.operation.progress import ByteCounter
+from hibernate.operation.progress import ByteCounter, side_by_side
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target
@@ -147,6 +147,8 @@ class AgentsUnit(Unit):
             at_once=share.at_once,
         )
         raise_first_error(spill)
+        moved = [ProcessSleep.from_answers(m.pid, None, m.answers).moved() for m in self.members]
+        self.ctx.sink.ended("spill", *side_by_side(moved))
 
     def release(self) -> None:
         raise_first_error(run_each(self.members, lambda m: m.call("release")))
@@ -217,6 +219,9 @@ class AgentsUnit(Unit):
 
         if sleeping:
             raise_first_error(run_each(sleeping, restore, at_once=share.at_once))
+        if sleeping and not failures:
+            moved = [_wake_entry(m).moved() for m in sleeping]
+            self.ctx.sink.ended("restore", *side_by_side(moved))
         if failures:
             self.resume()
             # A process that died is no longer asleep: its memory is gone, and no retry brings it back.
