@@ -73,6 +73,40 @@ def test_a_ctrl_c_is_named_as_the_cause_of_a_failed_undo() -> None:
     assert describe_cause(RuntimeError()) == "RuntimeError"
 
 
+def test_a_ctrl_c_whose_undo_failed_is_reported_as_the_interruption(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from hibernate import orchestrator
+    from hibernate.cli.operations import _operate_and_report
+    from hibernate.errors import InterruptedByUserError, NeedsRecoveryError
+
+    left = {"op": "sleep", "phases": ["lock"], "resolve": "hibernate recover 9"}
+    monkeypatch.setattr(
+        orchestrator,
+        "status",
+        lambda pids, all_users: [{"pid": 9, "state": "asleep", "busy": None, "interrupted": left}],
+    )
+
+    def operate(progress: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as cause:
+            raise NeedsRecoveryError("interrupted (Ctrl-C); undoing it failed too: ...") from cause
+
+    with pytest.raises(InterruptedByUserError) as raised:
+        _operate_and_report(
+            operate,  # type: ignore[arg-type]
+            print,
+            SimpleNamespace(pids=[9]),  # type: ignore[arg-type]
+            False,
+            True,
+            operation="sleep",
+            all_users=False,
+        )
+    assert raised.value.message == "interrupted: the sleep stopped; process 9 was left half-way (asleep)"
+    assert raised.value.hint == "run `hibernate recover 9`"
+
+
 def interrupted_cli(args: list[str], point: str, trace: Path) -> subprocess.CompletedProcess[str]:
     """Run the CLI until it reaches ``point`` (where it hangs), then send it SIGINT, as Ctrl-C does."""
     env = {
