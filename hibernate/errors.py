@@ -211,6 +211,16 @@ _BY_WIRE_NAME: dict[str, type[HibernateError]] = {
 }
 
 
+def describe_cause(error: BaseException) -> str:
+    """``error`` as the cause in front of a failed undo's message: never empty (a Ctrl-C's
+    KeyboardInterrupt has no words of its own), and without a hint meant for the cause alone."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(error, HibernateError):
+        return error.message
+    return str(error) or type(error).__name__
+
+
 def error_from_wire(payload: object) -> HibernateError:
     """Rebuild an error sent by an agent; unknown codes become a plain failure."""
     if not isinstance(payload, dict):

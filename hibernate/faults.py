@@ -6,7 +6,9 @@
 Actions: ``fail`` (raise InjectedFault, the default), ``hang`` (sleep for an
 hour: a step that never returns), ``kill`` (SIGKILL ourselves: a process that
 dies with no chance to clean up), ``SIG<NAME>`` (raise that signal: ``SIGBUS``
-is what touching a truncated file mapping raises). Unset, a point costs one environment lookup.
+is what touching a truncated file mapping raises; ``SIGSTOP`` holds the process there until
+someone sends it SIGCONT, and it then goes on: a step caught in flight). Unset, a point costs
+one environment lookup.
 
 Every step boundary of sleep and wake is a point, ``sleep.after-<step>`` (and
 ``.during-<step>`` inside a transfer), derived from the declared step lists
@@ -71,6 +73,7 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if action.startswith("SIG"):  # a fatal signal, as a crash in the middle of this point would raise
         signal.raise_signal(signal.Signals[action])
+        return  # one that let it live (SIGSTOP, once continued): it goes on from here
     if action == "hang":
         time.sleep(3600)
     raise InjectedFault(f"fault injected at {name}")

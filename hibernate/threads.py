@@ -94,6 +94,9 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
     goes on, so that no undo overlaps it (an agent mid-spill on the same connection, a driver call
     mid-checkpoint); items not yet started are not started, their outcome the interrupt. A second
     interrupt is not held back.
+
+    A single item runs in a worker thread too: in the caller's own thread an interrupt would cut
+    it mid-call (an agent request whose answer never arrives while the agent goes on with it).
     """
     outcomes: list[Outcome[T]] = [Outcome() for _ in items]
     pending = iter(range(len(items)))
@@ -109,37 +112,35 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
         finally:
             outcomes[index].seconds = time.perf_counter() - started
 
-    def worker() -> None:
-        while True:
-            with take:
-                index = next(pending, None)
-            if index is None:
-                return
-            if interrupted.is_set():
-                outcomes[index].error = KeyboardInterrupt()
-            else:
-                run(index)
+    def worker(finished: threading.Event) -> None:
+        try:
+            while True:
+                with take:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                if interrupted.is_set():
+                    outcomes[index].error = KeyboardInterrupt()
+                else:
+                    run(index)
+        finally:
+            finished.set()
 
-    if len(items) == 1:
-        run(0)
-        error = outcomes[0].error
-        if error is not None and not isinstance(error, Exception):
-            raise error  # an interrupt or exit in the caller's own thread is the caller's
-        return outcomes
-    threads = [
-        threading.Thread(target=worker, daemon=True)
-        for _ in range(min(len(items), max(1, at_once or len(items))))
-    ]
+    # Waited for by events of their own, not Thread.join: a join cut by an interrupt may mark a
+    # thread still running as stopped (CPython 3.11), and a second join then returns at once.
+    workers: list[tuple[threading.Thread, threading.Event]] = []
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        for _ in range(min(len(items), max(1, at_once or len(items)))):
+            finished = threading.Event()
+            workers.append((threading.Thread(target=worker, args=(finished,), daemon=True), finished))
+            workers[-1][0].start()
+        for _, finished in workers:
+            finished.wait()
     except KeyboardInterrupt:
-        interrupted.set()
-        for thread in threads:
-            if thread.is_alive():
-                thread.join()
+        interrupted.set()  # a worker not yet running now starts no item
+        for thread, finished in workers:
+            if thread.ident is not None:  # it runs: it may have an item in flight
+                finished.wait()
         raise
     return outcomes
 

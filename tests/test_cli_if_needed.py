@@ -9,14 +9,19 @@ needs no `|| [ $? = 6 ]`, and the report says what it left alone.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
+from hibernate import faults
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 SCHEMAS = REPO / "docs" / "json-schema"
 
@@ -84,6 +89,80 @@ def test_if_needed_acts_on_the_others_and_lists_the_one_already_there(
     assert [p["pid"] for p in woken["processes"]] == [asleep.pid]
     assert [s["pid"] for s in woken["skipped"]] == [awake.pid]
     assert state_of(cli, asleep.pid) == state_of(cli, awake.pid) == "running"
+
+
+def refused(result: Any, code: ExitCode, wire: str) -> dict[str, Any]:
+    assert result.returncode == code, result.stderr + result.stdout
+    error: dict[str, Any] = json.loads(result.stdout)["error"]
+    assert error["code"] == wire, error
+    return error
+
+
+@pytest.mark.slow
+def test_a_target_left_half_way_is_never_already_there(start_demo, cli, work_dir: Path) -> None:
+    """A sleep killed after its release leaves the agent asleep, the rest (the CUDA stage) undone:
+    --if-needed must name the recover, not call it skipped; a selector must not skip it either."""
+    half, other = start_demo(size_mb=16), start_demo(size_mb=16)
+    killed = cli("sleep", str(half.pid), "--to", str(work_dir), env={faults.ENV: "sleep.after-release:kill"})
+    assert killed.returncode == -signal.SIGKILL
+    assert state_of(cli, half.pid) == "asleep"
+    to = ("--to", str(work_dir))
+    for args in ([str(half.pid)], [str(half.pid), str(other.pid)], ["--all"]):
+        error = refused(
+            cli("sleep", *args, *to, "--if-needed", "--json"), ExitCode.NEEDS_RECOVERY, "needs-recovery"
+        )
+        assert f"process {half.pid} was left half-way" in error["message"]
+        assert error["hint"] == f"run `hibernate recover {half.pid}` to finish or undo it"
+    assert state_of(cli, other.pid) == "running"  # nothing was changed
+    assert cli("recover", str(half.pid), "-q").returncode == 0  # finishes that sleep
+    assert cli("wake", str(half.pid), "-q").returncode == 0
+
+    # A sleep killed after its spill: the agent rolls back to running, the journal still says half-way.
+    killed = cli("sleep", str(half.pid), "--to", str(work_dir), env={faults.ENV: "sleep.after-spill:kill"})
+    assert killed.returncode == -signal.SIGKILL
+    wait_until(lambda: state_of(cli, half.pid) == "running", 30, "the agent to roll back by itself")
+    for args in ([str(half.pid)], [str(half.pid), str(other.pid)]):
+        error = refused(
+            cli("wake", *args, "--if-needed", "--json"), ExitCode.NEEDS_RECOVERY, "needs-recovery"
+        )
+        assert f"run `hibernate recover {half.pid}`" in error["hint"]
+    assert cli("recover", str(half.pid), "-q").returncode == 0
+    assert valid("wake", cli("wake", str(half.pid), "--if-needed", "--json"))["processes"] == []
+
+
+@pytest.mark.slow
+def test_a_target_another_command_is_still_putting_to_sleep_is_busy(
+    start_demo, cli, work_dir: Path, tmp_path: Path
+) -> None:
+    demo = start_demo(size_mb=16)
+    trace = tmp_path / "points"
+    trace.touch()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        faults.ENV: "sleep.after-release:hang",
+        faults.TRACE_ENV: str(trace),
+    }
+    other = subprocess.Popen(
+        [sys.executable, "-m", "hibernate", "sleep", str(demo.pid), "--to", str(work_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        wait_until(
+            lambda: "sleep.after-release" in trace.read_text().split(), 60, "the other sleep's release"
+        )
+        assert state_of(cli, demo.pid) == "asleep"
+        error = refused(
+            cli("sleep", str(demo.pid), "--to", str(work_dir), "--if-needed", "--json"), ExitCode.BUSY, "busy"
+        )
+        assert f"process {demo.pid} is asleep, but hibernate (pid {other.pid}" in error["message"]
+    finally:
+        other.kill()
+        other.wait()
+    assert cli("recover", str(demo.pid), "-q").returncode == 0
 
 
 def test_if_needed_does_not_hide_a_target_that_cannot_be_acted_on(cli, runtime_dir: Path) -> None:

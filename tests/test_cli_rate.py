@@ -3,17 +3,20 @@
 The bar once took rich's estimate over its last updates (leaving out the
 step's start, and counting reused chunks that pass in a burst) while the
 report divided the written bytes by the whole step: 2.3 GB/s against 0.74
-for one sleep. Both now come from progress.transfer_rate, over the same
-bytes and the same clock.
+for one sleep. Both come from progress.transfer_rate, and the bar's last
+rate is the report's own figure: the same bytes over the same seconds
+(progress.side_by_side; several processes: the report's total line).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from hibernate.cli.render import TerminalProgress
-from hibernate.operation.progress import transfer_rate
-from hibernate.operation.reports import ProcessSleep, ProcessWake
+from hibernate.operation.progress import side_by_side, transfer_rate
+from hibernate.operation.reports import ProcessSleep, ProcessWake, total_rate
 
 GB = 10**9
 
@@ -32,23 +35,43 @@ def test_a_sleep_s_rate_counts_reused_bytes_as_the_bar_does() -> None:
     assert woken.gb_per_s == 1.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
+def last_rate(lines: list[str], prefix: str) -> str:
+    """The rate (``0.42 GB/s``) of the last of ``lines`` that starts with ``prefix``."""
+    line = [line for line in lines if line.startswith(prefix)][-1]
+    found = re.search(r" at (\d+\.\d\d GB/s)", line)
+    assert found, line
+    return found.group(1)
 
-    def __call__(self) -> float:
-        return self.now
+
+@pytest.mark.slow
+def test_the_bar_ends_on_the_report_s_rate(start_demo, cli, work_dir: Path) -> None:
+    """Piped, the bar prints plain lines on stderr: its last rate is the one the report prints,
+    for one process (its own line) and for several (the report's total line)."""
+    one, two = start_demo(size_mb=16), start_demo(size_mb=16)
+    slept = cli("sleep", str(one.pid), "--to", str(work_dir))
+    assert slept.returncode == 0, slept.stderr
+    bar, report = slept.stderr.splitlines(), slept.stdout.splitlines()
+    assert last_rate(bar, "spill: ") == last_rate(report, "  kept "), (bar, report)
+    woken = cli("wake", str(one.pid))
+    assert woken.returncode == 0, woken.stderr
+    bar, report = woken.stderr.splitlines(), woken.stdout.splitlines()
+    assert last_rate(bar, "restore: ") == last_rate(report, "  restored "), (bar, report)
+
+    both = cli("sleep", str(one.pid), str(two.pid), "--to", str(work_dir))
+    assert both.returncode == 0, both.stderr
+    bar, report = both.stderr.splitlines(), both.stdout.splitlines()
+    assert last_rate(bar, "spill: ") == last_rate(report, "total: kept "), (bar, report)
+    woken = cli("wake", str(one.pid), str(two.pid))
+    assert woken.returncode == 0, woken.stderr
+    bar, report = woken.stderr.splitlines(), woken.stdout.splitlines()
+    assert last_rate(bar, "restore: ") == last_rate(report, "total: restored "), (bar, report)
 
 
-def test_the_bar_shows_the_report_s_rate_for_the_same_sleep(capsys: pytest.CaptureFixture[str]) -> None:
-    clock = Clock()
-    spill = {"written_bytes": 1 * GB, "reused_bytes": 3 * GB, "total_bytes": 4 * GB, "seconds": 2.0}
-    with TerminalProgress(enabled=True, clock=clock) as bar:  # stderr is no terminal here: its lines
-        bar.step("spill")
-        clock.now += 0.5  # the staging and planning before the first bytes: part of the step
-        bar.transfer("spill", 3 * GB, 4 * GB)  # reused chunks, in a burst
-        clock.now += 1.5
-        bar.transfer("spill", 4 * GB, 4 * GB)
-    last = capsys.readouterr().err.splitlines()[-1]
-    report = ProcessSleep.from_answers(1, "p", {"spill": spill})
-    assert last.endswith(f" at {report.gb_per_s:.2f} GB/s") and report.gb_per_s == 2.0
+def test_the_total_of_processes_moved_at_once_is_all_their_bytes_over_the_longest() -> None:
+    assert side_by_side([(4 * GB, 2.0), (2 * GB, 4.0)]) == (6 * GB, 4.0)
+    assert side_by_side([(4 * GB, 2.0)]) == (4 * GB, 2.0)  # one: its own figures
+    one = {"spill": {"written_bytes": 1 * GB, "reused_bytes": 3 * GB, "seconds": 2.0}}
+    other = {"spill": {"written_bytes": 2 * GB, "reused_bytes": 0, "seconds": 1.0}}
+    processes = [ProcessSleep.from_answers(1, "p", one), ProcessSleep.from_answers(2, "q", other)]
+    assert total_rate(processes) == (6 * GB, 3.0)
+    assert total_rate(processes[:1]) is None

@@ -110,7 +110,19 @@ def test_bad_and_missing_values_are_reported_as_json(
         (["sleep", "12"], False),
         (["run", "--to", "d", "--", "job", "--json"], False),
         (["run", "--json", "--to", "d", "--", "job", "--json"], True),
+        (["run", "true", "--json"], False),  # the job's: run's options end at its first word
+        (["run", "--to", "d", "job", "--json"], False),
+        (["run", "--to", "d", "--json", "job"], True),
+        (["run", "--to=d", "--json", "job"], True),
     ],
 )
 def test_json_is_asked_for_by_the_command_s_own_words_not_a_job_s(args: list[str], expected: bool) -> None:
     assert wants_json(args) is expected
+
+
+def test_a_job_s_json_does_not_turn_run_s_usage_error_into_a_document(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, output = run_in_process(capsys, monkeypatch, "run", "true", "--json")  # --to is missing
+    assert code == ExitCode.USAGE
+    assert output.out == "" and "Missing option '--to'" in output.err

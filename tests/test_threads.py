@@ -84,14 +84,34 @@ def test_with_a_limit_items_start_in_their_order() -> None:
     assert begun == list(range(8))
 
 
-def test_an_interrupt_in_the_caller_s_own_thread_is_not_kept_as_an_outcome() -> None:
+@pytest.mark.parametrize("items", [["only"], ["one", "two"]])
+@pytest.mark.usefixtures("sigint_raises")
+def test_an_interrupt_goes_on_only_once_every_item_in_flight_has_ended(items: list[str]) -> None:
+    """One item too (in the caller's thread an interrupt would cut its call), and however the
+    interrupt meets the wait (a cut Thread.join may take a running thread for stopped)."""
+    interrupted = threading.Event()
+    returned = threading.Event()
+    in_flight = threading.Barrier(len(items), timeout=10)
+    seen_returned: list[bool] = []
+
     def work(item: str) -> None:
+        in_flight.wait()
+        if item == items[0]:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        interrupted.wait(10)
+        # run_each must not have returned while this item is in flight: it would have by now.
+        seen_returned.append(returned.wait(0.5))
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupted.set()
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, on_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        run_each(["only"], work)
+        run_each(items, work)
+    returned.set()
+    assert seen_returned == [False] * len(items)
 
 
-def test_one_item_runs_in_the_caller_s_thread() -> None:
-    assert run_each(["x"], lambda _: threading.get_ident())[0].value == threading.get_ident()
+def test_no_items_no_outcomes() -> None:
     assert run_each([], lambda _: os.getpid()) == []

@@ -21,6 +21,7 @@ from hibernate.version import __version__
 
 # `run` and `serve` pass what follows `--` to a program: their own options must come before it.
 PASS_THROUGH = {"allow_interspersed_args": False}
+PASSES_THROUGH = ("run", "serve")
 
 app = typer.Typer(
     name="hibernate",
@@ -69,9 +70,31 @@ _ClickException: type[Exception] = next(
 
 def wants_json(args: Sequence[str]) -> bool:
     """Whether a command line asks for ``--json``: among the command's own arguments, not a job's
-    after ``--`` (``hibernate run -- job --json``)."""
-    own = args[: args.index("--")] if "--" in args else args
+    (``hibernate run -- job --json``, or ``hibernate run job --json``: for ``run`` and ``serve``,
+    whatever follows the first argument that is not an option belongs to the program)."""
+    own = list(args[: args.index("--")] if "--" in args else args)
+    if own and own[0] in PASSES_THROUGH:
+        group: Any = typer.main.get_command(app)
+        own = own[: 1 + _first_program_word(own[1:], group.commands[own[0]])]
     return "--json" in own
+
+
+def _first_program_word(args: Sequence[str], command: Any) -> int:
+    """The index of the first word of ``args`` that is neither an option of ``command`` nor the
+    value of one (len(args) if none): where the program's own command line starts."""
+    takes_value = {
+        name
+        for param in command.params
+        if param.param_type_name == "option" and not param.is_flag and not getattr(param, "count", False)
+        for name in param.opts
+    }
+    index = 0
+    while index < len(args):
+        word = args[index]
+        if not word.startswith("-") or word == "-":
+            return index
+        index += 2 if word in takes_value else 1  # --opt=value is one word
+    return index
 
 
 def readable_help(command: Any) -> None:  # click's Command: vendored by typer in some versions

@@ -76,12 +76,13 @@ def _operate_and_report(
     as it is, not as it was.
 
     A Ctrl-C (``operation`` names what it stopped) is reported with the state each target was
-    left in (the undo of a sleep's steps has run by then), as the one error of the command.
+    left in (the undo of a sleep's steps has run by then), as the one error of the command; so is
+    one whose undo failed (a target left half-way is named with the recover that resolves it).
 
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
     from hibernate.cli import render
-    from hibernate.errors import WrongStateError
+    from hibernate.errors import NeedsRecoveryError, WrongStateError
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         try:
@@ -93,6 +94,10 @@ def _operate_and_report(
             report = satisfied
         except KeyboardInterrupt:
             raise _interrupted(operation, selection, all_users) from None
+        except NeedsRecoveryError as exc:
+            if not isinstance(exc.__cause__, KeyboardInterrupt):
+                raise
+            raise _interrupted(operation, selection, all_users) from None  # its undo failed: says so
     render.result(
         with_selection({"ok": True, **report.to_wire()}, selection),
         lambda: show(report),
@@ -146,13 +151,26 @@ def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _agents_in(selection: Selection, state: str, all_users: bool) -> list[dict[str, Any]] | None:
-    """The targets' agents, as skipped, where every one is in ``state`` (and not busy); else None."""
+    """The targets' agents, as skipped, where every one is in ``state``; else None. One in it that a
+    command is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
     from hibernate import orchestrator
 
     entries = orchestrator.status(selection.pids, all_users=all_users)
-    if not entries or any(e.get("state") != state or e.get("busy") for e in entries):
+    if not entries or any(e.get("state") != state for e in entries):
         return None
+    _refuse_unsettled(entries)
     return [_skipped(e) for e in entries]
+
+
+def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
+    """A target in the state asked for is not "already there" while a command is still at work on
+    it (BusyError) or one left it half-way (NeedsRecoveryError naming the recover)."""
+    from hibernate.operation.unit import unsettled
+
+    for entry in entries:
+        error = unsettled(entry["pid"], entry, entry.get("interrupted"))
+        if error is not None:
+            raise error
 
 
 def _already_asleep(selection: Selection, directory: Path, all_users: bool) -> SleepReport | None:
@@ -184,6 +202,7 @@ def _wake_if_needed(
     from hibernate import orchestrator
 
     entries = orchestrator.status(selection.pids, all_users=options.all_users)
+    _refuse_unsettled([e for e in entries if e.get("state") == "running"])
     report = orchestrator.wake(selection.pids, options, progress)
     woken = {p.pid for p in report.processes}
     report.skipped = [_skipped(e) for e in entries if e.get("state") == "running" and e["pid"] not in woken]

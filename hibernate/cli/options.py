@@ -172,7 +172,8 @@ IfNeededOption = Annotated[
     typer.Option(
         "--if-needed",
         help="Succeed (exit 0) where a target already is in the state asked for: it is left as it is and "
-        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state).",
+        "listed as skipped, and only the others are acted on (without it: exit 6, wrong state). One that "
+        "another command is still at work on is exit 7, one a command left half-way exit 13.",
         show_default=False,
     ),
 ]
@@ -202,7 +203,8 @@ def parse_directory(value: str) -> Path:
 
 
 def handles_errors(func: F) -> F:
-    """Turn HibernateError into its exit code and message (JSON when --json).
+    """Turn HibernateError into its exit code and message (JSON when --json), and a Ctrl-C into
+    exit 130 with its line or document, so a script reading stdout gets one whatever happened.
 
     Every numeric option is range-checked here first (hibernate/limits.py, by
     parameter name), so each command refuses a bad number before it touches
@@ -219,8 +221,11 @@ def handles_errors(func: F) -> F:
             return func(*args, **kwargs)
         except HibernateError as exc:
             raise typer.Exit(render.error(exc, bool(kwargs.get("as_json")))) from None
-        except KeyboardInterrupt:
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt:  # outside an operation (one reports its targets' states itself)
+            from hibernate.errors import InterruptedByUserError
+
+            interrupted = InterruptedByUserError("interrupted (Ctrl-C)")
+            raise typer.Exit(render.error(interrupted, bool(kwargs.get("as_json")))) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -7,9 +7,11 @@ documented in docs/json-schema/; the human layout may change between versions.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -25,7 +27,14 @@ from rich.progress import (
 
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.operation.progress import ProgressSink, transfer_rate
-from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+from hibernate.operation.reports import (
+    ProcessSleep,
+    ProcessWake,
+    RecoverReport,
+    SleepReport,
+    WakeReport,
+    total_rate,
+)
 from hibernate.units import human_bytes
 
 out = Console(highlight=False, soft_wrap=True)
@@ -69,9 +78,11 @@ def error(exc: HibernateError, as_json: bool) -> int:
 class TerminalProgress(ProgressSink):
     """A rich bar per transfer on a terminal; one line per step (and every few seconds) otherwise.
 
-    The rate either shows is the report's (:func:`transfer_rate`): the bytes so far over the time
-    since the step began, not rich's estimate over the last few updates, which left out the
-    step's start and counted a burst of reused chunks as the speed of the disk.
+    The rate either shows is :func:`transfer_rate`: the bytes so far over the time since the step
+    began, not rich's estimate over the last few updates, which left out the step's start and
+    counted a burst of reused chunks as the speed of the disk. Its last one is the report's own
+    figure (``ended``): the same bytes over the seconds the agents' answers took, so the two agree
+    to the digit (several processes: the report's total line).
     """
 
     def __init__(self, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
@@ -82,6 +93,7 @@ class TerminalProgress(ProgressSink):
         self._task: TaskID | None = None
         self._last_line = 0.0
         self._step_started = clock()
+        self._final: str | None = None  # a transfer's last line, held for ended()
 
     def __enter__(self) -> TerminalProgress:
         if self.interactive:
@@ -98,10 +110,12 @@ class TerminalProgress(ProgressSink):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._flush()
         if self._progress is not None:
             self._progress.stop()
 
     def step(self, label: str) -> None:
+        self._flush()
         self._step_started = self._clock()
         if not self.enabled:
             return
@@ -112,6 +126,7 @@ class TerminalProgress(ProgressSink):
             err.print(f"step: {label}", markup=False)
 
     def note(self, message: str) -> None:
+        self._flush()
         if not self.enabled:
             return
         if self._progress is not None:
@@ -129,9 +144,29 @@ class TerminalProgress(ProgressSink):
                 self._task = self._progress.add_task(label, total=total, rate=rate)
             self._progress.update(self._task, completed=done, total=total, rate=rate)
             return
-        if done >= total or now - self._last_line >= 2.0:
+        line = f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}"
+        if done >= total:
+            self._final = line  # printed once the step goes on, unless ended() brings the report's rate
+        elif now - self._last_line >= 2.0:
             self._last_line = now
-            err.print(f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}", markup=False)
+            err.print(line, markup=False)
+
+    def ended(self, label: str, nbytes: int, seconds: float) -> None:
+        """The last rate is the report's: the same bytes over the same seconds (progress.side_by_side)."""
+        if not self.enabled:
+            return
+        rate = f"{transfer_rate(nbytes, seconds):.2f} GB/s"
+        if self._progress is not None:
+            if self._task is not None:
+                self._progress.update(self._task, completed=nbytes, total=nbytes, rate=rate)
+            return
+        self._final = f"{label}: {human_bytes(nbytes)} / {human_bytes(nbytes)} at {rate}"
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._final is not None:
+            err.print(self._final, markup=False)
+            self._final = None
 
 
 def _line(label: str, text: str) -> None:
@@ -178,6 +213,7 @@ def sleep_report(report: SleepReport) -> None:
             _line("resident", f"{human_bytes(p.resident_bytes)} (partial pages at the edges of fixed memory)")
         for warning in p.warnings:
             _line("warning", warning)
+    _total_line(report.processes, "kept")
     for s in report.skipped:
         where = f" (snapshot {s['snapshot']})" if s.get("snapshot") else ""
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already asleep{where}", markup=False)
@@ -186,6 +222,17 @@ def sleep_report(report: SleepReport) -> None:
     out.print(f"cuda: {cuda_summary(report.cuda)}; total {report.seconds:.2f}s", markup=False)
     for gpu in report.gpus or []:
         out.print(gpu_summary(gpu), markup=False)
+
+
+def _total_line(processes: Sequence[ProcessSleep] | Sequence[ProcessWake], what: str) -> None:
+    """Several processes moved side by side: their bytes and rate as one, the bar's last rate."""
+    total = total_rate(processes)
+    if total is not None:
+        nbytes, rate = total
+        out.print(
+            f"total: {what} {human_bytes(nbytes)} at {rate:.2f} GB/s ({len(processes)} processes at once)",
+            markup=False,
+        )
 
 
 def gpu_summary(gpu: dict[str, Any]) -> str:
@@ -229,6 +276,7 @@ def wake_report(report: WakeReport) -> None:
         _line("memory", _rss_change(p.rss_before, p.rss_after))
         for warning in p.warnings:
             _line("warning", warning)
+    _total_line(report.processes, "restored")
     for s in report.skipped:
         out.print(f"skipped: pid {s['pid']} ({s['name']}) is already awake", markup=False)
     for server in report.extras.get("vllm_all", []):
@@ -274,13 +322,25 @@ def doctor_report(report: dict[str, Any], only_problems: bool = False) -> None:
     out.print("verdict: " + ("ready" if not failed else f"not ready ({', '.join(failed)})"), markup=False)
 
 
-def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, str | None]:
+def holder_pid(holder: object) -> int | None:
+    """The pid in a busy holder's description (``hibernate (pid 12, uid 0)``), if it names one."""
+    found = re.search(r"\(pid (\d+)[,)]", holder) if isinstance(holder, str) else None
+    return int(found.group(1)) if found else None
+
+
+def interruption(
+    operation: str, entries: list[dict[str, Any]], me: int | None = None
+) -> tuple[str, str | None]:
     """What a Ctrl-C left, from the targets' states read after it: one line, and what to run.
+
+    ``me`` (default: this process) is the command whose Ctrl-C it was: an agent still busy with
+    it is finishing that command's own undo, not serving another command.
 
     The sleep's steps are undone before the command exits, so a sleep cut short leaves its targets
     running with their memory in place: the user must hear that nothing was lost, or that one was
     left half-way and which `hibernate recover` finishes or undoes it.
     """
+    me = os.getpid() if me is None else me
     parts: list[str] = []
     commands: list[str] = []
     whole = bool(entries)
@@ -291,9 +351,11 @@ def interruption(operation: str, entries: list[dict[str, Any]]) -> tuple[str, st
             parts.append(f"process {pid} was left half-way ({state})")
             commands.append(interrupted["resolve"])
         elif e.get("busy") or interrupted:
-            parts.append(
-                f"process {pid} is {state}, still busy ({e.get('busy') or interrupted.get('in_progress')})"
-            )
+            holder = e.get("busy") or interrupted.get("in_progress")
+            if holder_pid(holder) == me:  # this command's own session: its undo, cut by a second Ctrl-C
+                parts.append(f"process {pid} is {state}, its undo is still running in the agent")
+            else:
+                parts.append(f"process {pid} is {state}, still busy ({holder})")
             commands.append(f"hibernate status {pid}")
         else:
             parts.append(f"process {pid} is {state}")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError
+from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError, describe_cause
 from hibernate.flows.members import (
     Member,
     connect_all,
@@ -29,11 +29,11 @@ from hibernate.flows.members import (
     holds_leases,
 )
 from hibernate.operation.options import share_staging
-from hibernate.operation.progress import ByteCounter
+from hibernate.operation.progress import ByteCounter, side_by_side
 from hibernate.operation.reports import ProcessSleep, ProcessWake, UnitReport
 from hibernate.operation.steps import Step
 from hibernate.operation.targets import AgentRef, Target
-from hibernate.operation.unit import Context, Unit, already_asleep, skipped_entry
+from hibernate.operation.unit import Context, Unit, already_asleep, refuse_unsettled, skipped_entry
 from hibernate.threads import raise_first_error, run_each
 
 
@@ -43,6 +43,28 @@ def describe_state(member: Member) -> str:
     if state == "asleep":
         return already_asleep(member.pid, (status.get("snapshot") or {}).get("path"))
     return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
+
+
+def undo_requests(state: str | None, reached: str) -> tuple[str, ...]:
+    """The requests that bring a member of an undone sleep back to running.
+
+    ``state`` is its agent's own (None where it could not be read), ``reached`` the last request
+    this command saw answered: the agent's word wins, as a request may have ended unseen.
+    """
+    if state is None:
+        state = {"release": "asleep", "quiesce": "quiesced", "spill": "spilled", "restore": "quiesced"}.get(
+            reached, "running"
+        )
+    return {"asleep": ("restore", "resume"), "quiesced": ("resume",), "spilled": ("resume",)}.get(state, ())
+
+
+def _state_now(member: Member) -> str | None:
+    """Its agent's state now, asked without counting as a step it reached; None if it cannot say."""
+    try:
+        state = member.client.call("status").get("state")
+    except HibernateError:
+        return None
+    return state if isinstance(state, str) else None
 
 
 class AgentsUnit(Unit):
@@ -64,11 +86,13 @@ class AgentsUnit(Unit):
         return [cls(ctx, groups, processes)]
 
     def skip_asleep(self) -> list[dict[str, object]]:
-        """Targets asleep as a whole are left out; a target half asleep stays (and connect refuses it)."""
+        """Targets asleep as a whole are left out; a target half asleep stays (and connect refuses it),
+        and one whose last operation has not ended is refused (``unsettled``)."""
         skipped: list[dict[str, object]] = []
         kept: list[list[AgentRef]] = []
         for group in self.groups:
             if all(ref.status.get("state") == "asleep" for ref in group):
+                refuse_unsettled(group)
                 skipped.extend(skipped_entry(ref) for ref in group)
             else:
                 kept.append(group)
@@ -123,27 +147,33 @@ class AgentsUnit(Unit):
             at_once=share.at_once,
         )
         raise_first_error(spill)
+        moved = [ProcessSleep.from_answers(m.pid, None, m.answers).moved() for m in self.members]
+        self.ctx.sink.ended("spill", *side_by_side(moved))
 
     def release(self) -> None:
         raise_first_error(run_each(self.members, lambda m: m.call("release")))
 
     def undo_sleep(self, error: BaseException) -> None:
-        """Put every member back to running; NeedsRecoveryError if that fails too."""
+        """Put every member back to running; NeedsRecoveryError if that fails too.
+
+        What to undo is read from each agent's own state where it answers: a request cut in flight
+        (a second Ctrl-C) may have ended in the agent after this command stopped waiting for it.
+        """
         failures = []
         for member in reversed(self.members):
             if member.unresponsive or not procinfo.is_alive(member.ref.identity):
                 continue  # left to roll back by itself, or gone: nothing of it to put back
             try:
-                if member.reached == "release":
-                    member.call("restore", idle_timeout=None)
-                if member.reached in ("quiesce", "spill", "release", "restore"):
-                    member.call("resume")
+                for op in undo_requests(_state_now(member), member.reached):
+                    member.call(op)
             except HibernateError as undo_error:
                 failures.append(f"process {member.pid}: {undo_error.message}")
         if failures:
+            pids = " ".join(str(m.pid) for m in self.members)
             raise NeedsRecoveryError(
-                f"{error}; undoing it failed too: {'; '.join(failures)}",
-                hint="run `hibernate wake PID` (or `hibernate status`) once the cause is fixed",
+                f"{describe_cause(error)}; undoing it failed too: {'; '.join(failures)}",
+                hint=f"run `hibernate recover {pids}` once the cause is fixed (`hibernate status {pids}` "
+                "shows where each was left)",
             ) from error
 
     def annotate(self, step: str, error: HibernateError) -> None:
@@ -189,6 +219,9 @@ class AgentsUnit(Unit):
 
         if sleeping:
             raise_first_error(run_each(sleeping, restore, at_once=share.at_once))
+        if sleeping and not failures:
+            moved = [_wake_entry(m).moved() for m in sleeping]
+            self.ctx.sink.ended("restore", *side_by_side(moved))
         if failures:
             self.resume()
             # A process that died is no longer asleep: its memory is gone, and no retry brings it back.

@@ -35,6 +35,7 @@ from hibernate.errors import (
     NoSuchProcessError,
     UnsupportedError,
     UsageError,
+    describe_cause,
 )
 from hibernate.operation.options import Options
 from hibernate.procinfo import ProcessIdentity
@@ -299,8 +300,8 @@ class CudaStage:
             self.wake(processes, after_restore=lambda: None)
         except HibernateError as undo_error:
             raise NeedsRecoveryError(
-                f"{error}; bringing the CUDA state back failed too: {undo_error.message}",
-                hint="run `hibernate wake PID` once the cause is fixed",
+                f"{describe_cause(error)}; bringing the CUDA state back failed too: {undo_error.message}",
+                hint=f"run `hibernate recover {' '.join(map(str, processes))}` once the cause is fixed",
             ) from error
         self.slept = False
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -19,6 +19,13 @@ def transfer_rate(nbytes: int, seconds: float) -> float:
     return round(nbytes / max(seconds, 1e-9) / 1e9, 3)
 
 
+def side_by_side(transfers: Sequence[tuple[int, float]]) -> tuple[int, float]:
+    """Transfers of one step run at once (bytes, seconds each), as one: all their bytes over the
+    longest one's seconds. The bar's last rate and a report's total line are both this; for one
+    process it is that process's own bytes and seconds, so its report line says the same."""
+    return sum(nbytes for nbytes, _ in transfers), max((seconds for _, seconds in transfers), default=0.0)
+
+
 class ProgressSink:
     """Receives step labels, byte counts and notes; the CLI renders them, the default ignores them."""
 
@@ -30,6 +37,9 @@ class ProgressSink:
 
     def note(self, message: str) -> None:
         """Something the user should know that is not a step (a change of plan, a warning)."""
+
+    def ended(self, label: str, nbytes: int, seconds: float) -> None:
+        """A spill or restore ended: its bytes and seconds as the report counts them (side_by_side)."""
 
 
 class ByteCounter:

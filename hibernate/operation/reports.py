@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hibernate.operation.progress import transfer_rate
+from hibernate.operation.progress import side_by_side, transfer_rate
 
 
 def _io_seconds(answer: dict[str, Any]) -> float | None:
@@ -65,7 +66,7 @@ class ProcessSleep:
         spill = answers.get("spill", {})
         release = answers.get("release", {})
         written = int(spill.get("written_bytes", 0))
-        spill_seconds = float(spill.get("seconds", 0.0))
+        spill_seconds = round(float(spill.get("seconds", 0.0)), 6)  # as phases holds it
         return cls(
             pid=pid,
             name=name,
@@ -90,6 +91,10 @@ class ProcessSleep:
             pools=spill.get("pools", []),
             phases=_step_seconds(answers),
         )
+
+    def moved(self) -> tuple[int, float]:
+        """The bytes and seconds its rate is over (``gb_per_s``)."""
+        return self.written_bytes + self.reused_bytes, self.phases.get("spill", 0.0)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +125,7 @@ class ProcessWake:
         """GB/s is over the whole restore step, as in :meth:`ProcessSleep.from_answers`."""
         restore = answers.get("restore", {})
         total = int(restore.get("total_bytes", 0))
-        restore_seconds = float(restore.get("seconds", 0.0))
+        restore_seconds = round(float(restore.get("seconds", 0.0)), 6)  # as phases holds it
         return cls(
             pid=pid,
             name=name,
@@ -137,8 +142,21 @@ class ProcessWake:
             warnings=list(restore.get("warnings", [])),
         )
 
+    def moved(self) -> tuple[int, float]:
+        """The bytes and seconds its rate is over (``gb_per_s``)."""
+        return self.restored_bytes, self.phases.get("restore", 0.0)
+
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def total_rate(processes: Sequence[ProcessSleep] | Sequence[ProcessWake]) -> tuple[int, float] | None:
+    """Bytes and GB/s of the processes' transfers as one (side_by_side): the progress bar's last
+    rate; None for fewer than two processes, whose own lines say it."""
+    if len(processes) < 2:
+        return None
+    nbytes, seconds = side_by_side([p.moved() for p in processes])
+    return nbytes, transfer_rate(nbytes, seconds)
 
 
 @dataclass

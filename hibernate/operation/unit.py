@@ -11,13 +11,13 @@ unit's ``sleep_steps`` in turn, then one CUDA stage; for a wake, ``lock``,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from hibernate.errors import HibernateError
-from hibernate.operation.ledger import Ledger
+from hibernate.errors import BusyError, HibernateError, NeedsRecoveryError
+from hibernate.operation.ledger import Ledger, interrupted_operation
 from hibernate.operation.options import Options
 from hibernate.operation.progress import ProgressSink
 from hibernate.operation.reports import UnitReport
@@ -124,10 +124,12 @@ class Unit(ABC):
         """Leave out what already sleeps (a selector's sleep); what was left out, one entry per process.
 
         A unit asleep as a whole is left out entirely (its ``refs`` emptied);
-        one half asleep is kept, and its connect refuses it.
+        one half asleep is kept, and its connect refuses it. One whose last operation has not
+        ended is refused (see ``unsettled``): it is not asleep whole, nor to be left alone silently.
         """
         if not self.asleep():
             return []
+        refuse_unsettled(self.memory_holders())
         skipped = [skipped_entry(ref) for ref in self.memory_holders()]
         self.refs = []
         return skipped
@@ -145,3 +147,37 @@ def skipped_entry(ref: AgentRef) -> dict[str, object]:
         "state": ref.status.get("state"),
         "snapshot": (ref.status.get("snapshot") or {}).get("path"),
     }
+
+
+def unsettled(
+    pid: object, status: Mapping[str, Any], interrupted: Mapping[str, Any] | None
+) -> HibernateError | None:
+    """Why a target found in the state asked for is not "already there" (None where it is).
+
+    Its state says where its agent is, not that an operation got it there whole: a command still
+    at work on it (busy) may yet undo it, and one that died half-way left the rest undone (after
+    a sleep's release, its CUDA state may still be on the GPU). ``interrupted`` is its journal's
+    word (``ledger.interrupted_operation``).
+    """
+    if interrupted and "resolve" in interrupted:
+        return NeedsRecoveryError(
+            f"process {pid} was left half-way by an interrupted `hibernate {interrupted.get('op')}` "
+            f"(it is {status.get('state')}); nothing was changed",
+            hint=f"run `{interrupted['resolve']}` to finish or undo it",
+        )
+    holder = status.get("busy") or (interrupted or {}).get("in_progress")
+    if holder:
+        return BusyError(
+            f"process {pid} is {status.get('state')}, but {holder} is still at work on it; "
+            "nothing was changed",
+            hint=f"wait for it to end (`hibernate status {pid}` shows it), then run this again",
+        )
+    return None
+
+
+def refuse_unsettled(refs: Sequence[AgentRef]) -> None:
+    """Raise ``unsettled``'s error for the first of ``refs`` that has one."""
+    for ref in refs:
+        error = unsettled(ref.pid, ref.status, interrupted_operation(ref))
+        if error is not None:
+            raise error
