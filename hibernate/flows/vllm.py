@@ -62,6 +62,7 @@ from hibernate.errors import (
     UnsupportedError,
     UsageError,
     WrongStateError,
+    describe_cause,
 )
 from hibernate.flows.members import died_during_wake, exits, holds_leases
 from hibernate.flows.vllm_api import (
@@ -690,7 +691,7 @@ class VllmServerUnit(Unit):
         if failures:
             any_refused = any(refused_restore(s) for s in statuses(server.workers).values())
             raise NeedsRecoveryError(
-                f"{error}; undoing it failed too: {'; '.join(failures)}"
+                f"{describe_cause(error)}; undoing it failed too: {'; '.join(failures)}"
                 + (
                     "; the server's scheduling stays paused"
                     if alive and self.paused and not self.slept
