@@ -105,7 +105,7 @@ class Recorder:
         )
         self.outcomes = Counter(
             PREFIX + "request_outcomes",
-            "Requests by how they ended: completed, client_cancelled, backend_failed, refused",
+            "Requests by how they ended: " + ", ".join(OUTCOMES),
             ["backend", "outcome"],
             registry=r,
         )
