@@ -271,6 +271,7 @@ def test_keep_alive_zero_puts_the_model_to_sleep_right_after_its_request(
     assert (code, body) == before
     wait_until(lambda: proxy.state("demo") == "asleep", 30, "the sleep right after the request")
     assert demo.state() == "asleep"
+    assert proxy.lines("demo: awake -> asleep (sleep, keep-alive 0, ")  # the log says what asked for it
     # In the body, as Ollama's keep_alive: taken out, and obeyed (negative: no idle sleep).
     code, _, body = exchange("POST", proxy.url + "/v1/completions", None, completion("demo", keep_alive=-1))
     assert (code, body) == before

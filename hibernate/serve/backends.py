@@ -785,7 +785,8 @@ class Fleet:
         started = []
         for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle):
             backend = self.backends[name]
-            started.append(self._begin(backend, State.SLEEPING, self._sleep(backend, "idle")))
+            why = "keep-alive 0" if backend.keep_alive == 0 else "idle"  # the log says which asked for it
+            started.append(self._begin(backend, State.SLEEPING, self._sleep(backend, why)))
         return started
 
     async def watch(self, refresh: float = REFRESH_SECONDS) -> None:
