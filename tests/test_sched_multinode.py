@@ -68,7 +68,8 @@ def hibernate_job(slurm: SlurmCluster, job_id: int, *args: str, env: dict[str, s
 
 
 def node_reports(stdout: str) -> list[dict[str, Any]]:
-    """The JSON documents the nodes printed, one line each (srun interleaves its tasks' lines)."""
+    """The JSON documents the nodes printed, one line each, whole however long (hibernate-job has each
+    node write its own to a file: srun would forward a line of over 1024 bytes in pieces)."""
     documents = [json.loads(line) for line in stdout.splitlines() if line.strip()]
     return sorted(documents, key=lambda d: d["node_index"])
 
