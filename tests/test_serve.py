@@ -220,8 +220,14 @@ def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]
     yield start
     for proxy in started:
         if proxy.proc.poll() is None:
-            proxy.proc.kill()
-            proxy.proc.wait()
+            # SIGTERM, as an operator stops it: serve then stops the backends it started itself
+            # (their own process groups), which a SIGKILL would leave running.
+            proxy.proc.terminate()
+            try:
+                proxy.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proxy.proc.kill()
+                proxy.proc.wait()
 
 
 def backend_flag(demo: HttpDemo) -> str:
