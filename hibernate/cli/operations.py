@@ -70,8 +70,9 @@ def _operate_and_report(
     """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
     print its report as JSON (with how the targets were selected) or as ``show``'s lines.
 
-    ``already`` (``--if-needed``) turns a refusal for the wrong state into success where every
-    target now is in the state asked for: its report, with nothing done and every one skipped.
+    ``already`` (``wake --if-needed``) turns a refusal for the wrong state into success where every
+    target now is in the state asked for: its report, with nothing done and every one skipped (a
+    sleep's is the engine's own: ``Options.nothing_left_ok``).
     The states are read after the refusal, so a target another command moved meanwhile is judged
     as it is, not as it was.
 
@@ -140,28 +141,6 @@ def _interrupted(operation: str, selection: Selection, all_users: bool) -> Inter
     return InterruptedByUserError(message, hint=hint)
 
 
-def _skipped(entry: dict[str, Any]) -> dict[str, Any]:
-    """An agent of ``status`` as a report lists one it left as it was."""
-    return {
-        "pid": entry["pid"],
-        "name": entry.get("name"),
-        "state": entry.get("state"),
-        "snapshot": (entry.get("snapshot") or {}).get("path"),
-    }
-
-
-def _agents_in(selection: Selection, state: str, all_users: bool) -> list[dict[str, Any]] | None:
-    """The targets' agents, as skipped, where every one is in ``state``; else None. One in it that a
-    command is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
-    from hibernate import orchestrator
-
-    entries = orchestrator.status(selection.pids, all_users=all_users)
-    if not entries or any(e.get("state") != state for e in entries):
-        return None
-    _refuse_unsettled(entries)
-    return [_skipped(e) for e in entries]
-
-
 def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
     """A target in the state asked for is not "already there" while a command is still at work on
     it (BusyError) or one left it half-way (NeedsRecoveryError naming the recover)."""
@@ -173,25 +152,19 @@ def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
             raise error
 
 
-def _already_asleep(selection: Selection, directory: Path, all_users: bool) -> SleepReport | None:
-    """``sleep --if-needed`` of targets that all sleep already: a sleep that did nothing."""
-    from hibernate.operation.reports import SleepReport
-
-    skipped = _agents_in(selection, "asleep", all_users)
-    if skipped is None:
-        return None
-    return SleepReport(
-        str(directory.absolute()), 0.0, [], {"status": "none (skipped)", "processes": []}, skipped=skipped
-    )
-
-
 def _already_awake(selection: Selection, all_users: bool) -> WakeReport | None:
-    """``wake --if-needed`` of targets that all run already: a wake that did nothing."""
+    """``wake --if-needed`` of targets that all run already, read after the wake refused them: a wake
+    that did nothing, every one skipped (None where one is not running). One running that a command
+    is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
+    from hibernate import orchestrator
     from hibernate.operation.reports import WakeReport
+    from hibernate.operation.unit import skipped_entry
 
-    skipped = _agents_in(selection, "running", all_users)
-    if skipped is None:
+    entries = orchestrator.status(selection.pids, all_users=all_users)
+    if not entries or any(e.get("state") != "running" for e in entries):
         return None
+    _refuse_unsettled(entries)
+    skipped = [skipped_entry(e["pid"], e) for e in entries]
     return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
 
 
@@ -200,12 +173,15 @@ def _wake_if_needed(
 ) -> WakeReport:
     """A wake that lists as skipped the targets it found running (a wake leaves those as they are)."""
     from hibernate import orchestrator
+    from hibernate.operation.unit import skipped_entry
 
     entries = orchestrator.status(selection.pids, all_users=options.all_users)
     _refuse_unsettled([e for e in entries if e.get("state") == "running"])
     report = orchestrator.wake(selection.pids, options, progress)
     woken = {p.pid for p in report.processes}
-    report.skipped = [_skipped(e) for e in entries if e.get("state") == "running" and e["pid"] not in woken]
+    report.skipped = [
+        skipped_entry(e["pid"], e) for e in entries if e.get("state") == "running" and e["pid"] not in woken
+    ]
     return report
 
 
@@ -321,6 +297,7 @@ def sleep(
     )
     selection = select_targets(pids, every, job, cgroup, sleeping=True)
     options.skip_asleep = if_needed or by_selector(selection)  # as a wake skips those awake
+    options.nothing_left_ok = if_needed
     _operate_and_report(
         partial(orchestrator.sleep, selection.pids, to, options),
         render.sleep_report,
@@ -329,7 +306,6 @@ def sleep(
         quiet,
         operation="sleep",
         all_users=options.all_users,
-        already=partial(_already_asleep, selection, to, options.all_users) if if_needed else None,
     )
 
 

@@ -93,7 +93,7 @@ class AgentsUnit(Unit):
         for group in self.groups:
             if all(ref.status.get("state") == "asleep" for ref in group):
                 refuse_unsettled(group)
-                skipped.extend(skipped_entry(ref) for ref in group)
+                skipped.extend(skipped_entry(ref.pid, ref.status) for ref in group)
             else:
                 kept.append(group)
         self.groups = kept

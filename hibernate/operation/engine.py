@@ -260,6 +260,14 @@ def sleep(
         for unit in units:
             skipped.extend(unit.skip_asleep())
         units = [u for u in units if u.refs]
+        if not units and options.nothing_left_ok:
+            return SleepReport(
+                directory=str(directory.absolute()),
+                seconds=time.perf_counter() - started,
+                processes=[],
+                cuda={"status": "none (skipped)", "processes": []},
+                skipped=skipped,
+            )
         if not units:
             raise WrongStateError(
                 "nothing to put to sleep: "

@@ -82,6 +82,9 @@ class Options:
     # lists them, as a wake skips those awake: "everything of mine" should end asleep, not fail because
     # part of it already is. Pids named one by one are refused instead (the user meant those).
     skip_asleep: bool = False
+    # --if-needed: a sleep that finds every target asleep already (skip_asleep left nothing) ends with
+    # a report that lists them as skipped, instead of refusing (exit 6).
+    nothing_left_ok: bool = False
     # Agents of several users in one command (root only): --all-users, or a --job/--cgroup selection.
     all_users: bool = False
 

@@ -130,7 +130,7 @@ class Unit(ABC):
         if not self.asleep():
             return []
         refuse_unsettled(self.memory_holders())
-        skipped = [skipped_entry(ref) for ref in self.memory_holders()]
+        skipped = [skipped_entry(ref.pid, ref.status) for ref in self.memory_holders()]
         self.refs = []
         return skipped
 
@@ -140,12 +140,13 @@ def already_asleep(pid: object, snapshot: object = None) -> str:
     return f"process {pid} is already asleep" + (f" (snapshot {snapshot})" if snapshot else "")
 
 
-def skipped_entry(ref: AgentRef) -> dict[str, object]:
+def skipped_entry(pid: object, status: Mapping[str, Any]) -> dict[str, object]:
+    """A process a sleep or wake left as it was, as its report lists it (from its agent's status)."""
     return {
-        "pid": ref.pid,
-        "name": ref.status.get("name"),
-        "state": ref.status.get("state"),
-        "snapshot": (ref.status.get("snapshot") or {}).get("path"),
+        "pid": pid,
+        "name": status.get("name"),
+        "state": status.get("state"),
+        "snapshot": (status.get("snapshot") or {}).get("path"),
     }
 
 
