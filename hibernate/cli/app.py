@@ -21,7 +21,6 @@ from hibernate.version import __version__
 
 # `run` and `serve` pass what follows `--` to a program: their own options must come before it.
 PASS_THROUGH = {"allow_interspersed_args": False}
-PASSES_THROUGH = ("run", "serve")
 
 app = typer.Typer(
     name="hibernate",
@@ -73,9 +72,10 @@ def wants_json(args: Sequence[str]) -> bool:
     (``hibernate run -- job --json``, or ``hibernate run job --json``: for ``run`` and ``serve``,
     whatever follows the first argument that is not an option belongs to the program)."""
     own = list(args[: args.index("--")] if "--" in args else args)
-    if own and own[0] in PASSES_THROUGH:
-        group: Any = typer.main.get_command(app)
-        own = own[: 1 + _first_program_word(own[1:], group.commands[own[0]])]
+    group: Any = typer.main.get_command(app)
+    command = group.commands.get(own[0]) if own else None
+    if command is not None and command.context_settings == PASS_THROUGH:  # run, serve
+        own = own[: 1 + _first_program_word(own[1:], command)]
     return "--json" in own
 
 
