@@ -8,6 +8,8 @@ import asyncio
 import json
 import logging
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from hibernate.serve.routing import ApiError, without_keep_alive
 from hibernate.serve.server import JsonFormat, TextFormat
 from hibernate.serve.starter import child_environment, tail
 from hibernate.version import __version__
+from tests.conftest import wait_until
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -436,3 +439,52 @@ def test_a_started_backend_gets_serves_environment_and_its_own_but_never_the_tok
 def test_a_backend_with_its_own_command_is_not_also_the_one_dash_dash_command_starts() -> None:
     with pytest.raises(UsageError, match=r"--start q: that backend has its own command in serve\.toml"):
         config(document=backend(command="vllm serve x"), command=["vllm", "serve", "y"], start="q")
+
+
+def dying_process() -> subprocess.Popen[bytes]:
+    """A process caught as a SIGKILLed model is for a moment: its main thread ended (a zombie, as
+    /proc shows it) while another thread still runs, so it cannot be reaped yet."""
+    code = (
+        "import ctypes, os, threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(0))).start()\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"  # the GIL is let go: the other thread goes on
+    )
+    process = subprocess.Popen([sys.executable, "-c", code])
+    wait_until(
+        lambda: Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0] == "Z",
+        10,
+        "its main thread to end",
+    )
+    assert process.poll() is None
+    return process
+
+
+def fleet_of_a_started_model(process: subprocess.Popen[bytes]) -> Any:
+    from hibernate.errors import NoSuchProcessError
+    from hibernate.serve.backends import Fleet
+
+    class AgentGone:
+        def adopt(self, spec: Any, pid: int | None = None) -> Any:
+            raise NoSuchProcessError(f"no hibernate agent in process {pid}")
+
+    specs = config(
+        document={"backend": [{"name": "a", "url": "http://127.0.0.1:8001", "command": "x"}]}
+    ).backends
+    fleet = Fleet(specs, AgentGone(), Recorder(STATES), idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    backend = fleet.backends["a"]
+    backend.state, backend.pid, backend.process = State.AWAKE, process.pid, process
+    return fleet
+
+
+def test_a_started_model_seen_gone_while_it_dies_is_reaped_and_stopped_not_failed() -> None:
+    """A killed model loses its agent before it can be reaped: a request or probe that finds the agent
+    gone, and the periodic read of its state, wait for the exit, so the model is startable again."""
+    from hibernate.serve.leases import Verdict
+
+    fleet = fleet_of_a_started_model(dying := dying_process())
+    assert asyncio.run(fleet._found_gone(fleet.backends["a"], Verdict(False, "gone", "went away")))
+    assert fleet.backends["a"].state is State.STOPPED and dying.returncode == 0
+
+    fleet = fleet_of_a_started_model(dying := dying_process())
+    asyncio.run(fleet.refresh_states())
+    assert fleet.backends["a"].state is State.STOPPED and dying.returncode == 0

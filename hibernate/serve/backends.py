@@ -54,6 +54,7 @@ RETRY_SECONDS = 0.05
 RETRY_FULL_SECONDS = 1
 RETRY_BUSY_SECONDS = 5
 RETRY_FAILED_SECONDS = 10
+EXIT_WAIT_SECONDS = 1.0  # for a started process whose agent vanished to finish exiting
 
 
 class State(str, Enum):
@@ -360,9 +361,9 @@ class Fleet:
         if backend.state is State.AWAKE:
             verdict, leases = await self._take(backend)
             if leases is None and verdict.reason == "asleep":
-                self._learn(backend, verdict)
+                await self._learn(backend, verdict)
             elif leases is None and verdict.reason == "gone":
-                self._found_gone(backend, verdict)  # its state said, not a 502: a probe answers it
+                await self._found_gone(backend, verdict)  # its state said, not a 502: a probe answers it
         try:
             yield backend if leases is not None else None
         finally:
@@ -427,7 +428,7 @@ class Fleet:
             verdict, leases = await self._take(backend)
             if leases is not None:
                 return leases
-            self._learn(backend, verdict)  # what it is, if not awake; else the loop below waits
+            await self._learn(backend, verdict)  # what it is, if not awake; else the loop below waits
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.patience(backend)
         started = time.monotonic()
@@ -440,7 +441,7 @@ class Fleet:
                 verdict, leases = await self._take(backend)
                 if leases is not None:
                     return leases
-                if not self._learn(backend, verdict):
+                if not await self._learn(backend, verdict):
                     await self._pause(backend, deadline, verdict.detail)
         finally:
             backend.waiting -= 1
@@ -466,7 +467,7 @@ class Fleet:
         verdict = await leases.take()
         return verdict, leases if verdict.granted else None
 
-    def _learn(self, backend: Backend, verdict: Verdict) -> bool:
+    async def _learn(self, backend: Backend, verdict: Verdict) -> bool:
         """What a refused lease says of the backend, taken into its state; False when the request can
         only wait (someone else's sleep or wake is under way). A backend whose agents are gone is
         answered 502 at once, and looked for again by the next request."""
@@ -477,7 +478,7 @@ class Fleet:
                 self._set(backend, State.ASLEEP)
             return True
         if verdict.reason == "gone":
-            if not self._found_gone(backend, verdict):
+            if not await self._found_gone(backend, verdict):
                 return False  # the links broke, not the process: opened again on the next try
             if backend.state is State.STOPPED:
                 return True  # its command is started again, for this very request
@@ -491,14 +492,13 @@ class Fleet:
             )
         return False
 
-    def _found_gone(self, backend: Backend, verdict: Verdict) -> bool:
+    async def _found_gone(self, backend: Backend, verdict: Verdict) -> bool:
         """Whether the backend's process is really gone (else only the links to its agents broke), taken
         into its state if no transition of ours runs: stopped if it has a command (the next request, or
         this one, starts it again), else failed (looked for again by the next request)."""
-        if backend.process is not None:
-            backend.process.poll()  # one the proxy started and that exited: reaped, not a zombie
         if backend.pid is not None and _alive(backend.pid):
             return False
+        await _exit_of(backend.process)  # one the proxy started: reaped, not left a zombie
         if backend.state is State.AWAKE:
             log.warning("%s: its process is gone: %s", backend.name, verdict.detail)
             self._lost(backend, verdict.detail)
@@ -819,6 +819,7 @@ class Fleet:
             except BusyError:
                 continue  # a `hibernate sleep` or `wake` of someone else is under way: read it next time
             except HibernateError as exc:
+                await _exit_of(backend.process)
                 if backend.state is before and backend.transition is transition:
                     # Gone: looked for (or started) again by the next request.
                     log.warning("%s: its state could not be read: %s", backend.name, exc.message)
@@ -851,6 +852,16 @@ def _spawn(backend: Backend, log: Path) -> None:
     """Run the backend's command, known to the fleet as soon as it exists: set from the worker thread, so
     that a request cancelled meanwhile cannot leave it running unknown (stop_started stops it)."""
     backend.process = starter.spawn(backend.spec, log)
+
+
+async def _exit_of(process: subprocess.Popen[bytes] | None) -> None:
+    """Reap a started process that is exiting, waiting for it briefly. A killed process loses its agent
+    (its sockets closed) and shows as a zombie (its main thread gone) a moment before the last of its
+    threads has ended and it can be reaped: seen in that moment it would not be startable again, and be
+    marked failed instead of stopped."""
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(process.wait, EXIT_WAIT_SECONDS)
 
 
 def _alive(pid: int) -> bool:
