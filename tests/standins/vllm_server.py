@@ -4,10 +4,12 @@
                                    [--enable-sleep-mode] [--sleep-mode-backend NAME] [--served-model-name M]
                                    [--enable-nccl-comm-suspend] [--disable-custom-all-reduce]
 
-Like ``vllm serve`` it is the parent of its workers: each is a real
-``tests.standins.vllm_worker`` process (vLLM's plugin loader, real ``AllocationData``
-over host memory, hibernate's backend created by vLLM's factory), driven over
-its stdin as vLLM's executor drives its workers (every worker, then gather).
+Like ``vllm serve`` it is the parent of its workers: each is a separate
+process forked once vLLM is imported, as vLLM's executor forks them by default,
+that runs ``tests.standins.vllm_worker`` (vLLM's plugin loader, real
+``AllocationData`` over host memory, hibernate's backend created by vLLM's
+factory), driven over its stdin as vLLM's executor drives its workers (every
+worker, then gather).
 Each worker is told its ``RANK``, the ``WORLD_SIZE`` and a directory where its
 collectives meet (``tests/standins/vllm_parallel_state.py``).
 The server loads vLLM's general plugins too, so it has a hibernate agent with
@@ -55,13 +57,14 @@ Stand-in controls, under ``/standin/`` (no vLLM equivalent; hibernate never call
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -81,58 +84,80 @@ class EngineError(Exception):
 
 
 class WorkerHandle:
-    """One stand-in worker process, spoken to over its stdin/stdout."""
+    """One stand-in worker process, spoken to over its stdin/stdout.
+
+    Forked from the server once it has imported vLLM, as vLLM's multiprocessing executor starts its
+    workers by default (``VLLM_WORKER_MULTIPROC_METHOD=fork``): each is a separate process, a child of
+    the server with the server's command line and its own environment, that loads the plugins itself.
+    """
 
     def __init__(
         self, index: int, cudart: str, mb: int, world_size: int, collective_dir: Path, comm_suspend: bool
     ) -> None:
         # As vLLM's executor starts a worker: its rank in a world of `world_size`, with peers to meet
         # in collectives (tests/standins/vllm_parallel_state.py).
-        env = {
-            **os.environ,
-            "RANK": str(index),
-            "WORLD_SIZE": str(world_size),
-            COLLECTIVE_DIR_ENV: str(collective_dir),
-        }
+        env = {"RANK": str(index), "WORLD_SIZE": str(world_size), COLLECTIVE_DIR_ENV: str(collective_dir)}
+        argv = [
+            "--cudart",
+            cudart,
+            "--mb",
+            str(mb),
+            *(["--enable-nccl-comm-suspend"] if comm_suspend else []),
+        ]
         self.index = index
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-W",
-                "ignore",
-                "-m",
-                "tests.standins.vllm_worker",
-                "--cudart",
-                cudart,
-                "--mb",
-                str(mb),
-                *(["--enable-nccl-comm-suspend"] if comm_suspend else []),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        to_worker, from_worker = os.pipe(), os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.dup2(to_worker[0], 0)
+            os.dup2(from_worker[1], 1)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # no other worker's pipe: each sees its own EOF
+            _run_worker(env, argv)
+        os.close(to_worker[0])
+        os.close(from_worker[1])
+        self.stdin = os.fdopen(to_worker[1], "w")
+        self.stdout = os.fdopen(from_worker[0], "r")
         self.lock = threading.Lock()
         self.ready: dict[str, Any] = {}
 
     def wait_ready(self) -> None:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             raise RuntimeError(f"worker {self.index} did not start")
         self.ready = json.loads(line)
 
     def call(self, command: str) -> dict[str, Any]:
         with self.lock:
-            assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            self.stdin.write(command + "\n")
+            self.stdin.flush()
+            line = self.stdout.readline()
         if not line:
             return {"ok": False, "error": f"worker {self.index} exited"}
         reply: dict[str, Any] = json.loads(line)
         return reply
+
+
+def _run_worker(env: dict[str, str], argv: list[str]) -> None:
+    """In the forked child: become the worker (tests/standins/vllm_worker.py); never returns."""
+    code = 1
+    try:
+        os.environ.update(env)
+        sys.stdin = os.fdopen(0, "r")
+        sys.stdout = os.fdopen(1, "w")
+        sys.argv = ["tests.standins.vllm_worker", *argv]
+        from tests.standins import vllm_worker
+
+        vllm_worker.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
 
 
 class Engine:
@@ -289,7 +314,7 @@ def make_handler(engine: Engine, dev_mode: bool, model: str) -> type[BaseHTTPReq
         def _worker(worker: WorkerHandle) -> dict[str, Any]:
             return {
                 "index": worker.index,
-                "pid": worker.proc.pid,
+                "pid": worker.pid,
                 "digests": worker.call("digests").get("result"),
                 "cuda": worker.call("cuda").get("result"),
             }
@@ -390,20 +415,20 @@ def main() -> None:
 
     collective_dir = Path(args.ready).parent / f"collectives-{os.getpid()}"  # beside the ready file
     collective_dir.mkdir()
+    import vllm.plugins
+
     workers = [
         WorkerHandle(i, args.cudart, args.mb, args.workers, collective_dir, args.enable_nccl_comm_suspend)
         for i in range(args.workers)
     ]
-    import vllm.plugins  # the API server loads the plugins too: hibernate's agent, with an empty pool
-
-    vllm.plugins.load_general_plugins()
+    vllm.plugins.load_general_plugins()  # the API server's plugins too: hibernate's agent, an empty pool
     for worker in workers:
         worker.wait_ready()
     engine = Engine(workers)
     server = ApiServer(
         (args.host or "0.0.0.0", args.port), make_handler(engine, dev_mode, args.served_model_name)
     )
-    ready = {"pid": os.getpid(), "port": args.port, "workers": [w.proc.pid for w in workers]}
+    ready = {"pid": os.getpid(), "port": args.port, "workers": [w.pid for w in workers]}
     tmp = Path(f"{args.ready}.tmp")
     tmp.write_text(json.dumps(ready))
     tmp.rename(args.ready)
