@@ -124,6 +124,7 @@ def as_user_prefix(uid: int | None) -> list[str]:
 
 
 _readable_copy: Path | None = None
+_cannot_run: dict[int, str | None] = {}  # per uid: why this interpreter cannot run as that user, if so
 
 
 def source_root_for(uid: int | None) -> Path:
@@ -144,14 +145,16 @@ def source_root_for(uid: int | None) -> Path:
             path.chmod(0o755 if path.is_dir() else 0o644)
         atexit.register(shutil.rmtree, copy, ignore_errors=True)
         _readable_copy = copy
-    probe = subprocess.run(
-        [*as_user_prefix(uid), sys.executable, "-c", "import hibernate, torch"],
-        env={**os.environ, "PYTHONPATH": str(_readable_copy)},
-        cwd=_readable_copy,
-        capture_output=True,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"this interpreter cannot run as uid {uid} here: {probe.stderr.decode()[-200:]}")
+    if uid not in _cannot_run:  # asked once per user: the probe imports torch (seconds)
+        probe = subprocess.run(
+            [*as_user_prefix(uid), sys.executable, "-c", "import hibernate, torch"],
+            env={**os.environ, "PYTHONPATH": str(_readable_copy)},
+            cwd=_readable_copy,
+            capture_output=True,
+        )
+        _cannot_run[uid] = probe.stderr.decode()[-200:] if probe.returncode != 0 else None
+    if _cannot_run[uid] is not None:
+        pytest.skip(f"this interpreter cannot run as uid {uid} here: {_cannot_run[uid]}")
     return _readable_copy
 
 
