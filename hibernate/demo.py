@@ -3,6 +3,7 @@
     python -m hibernate.demo serve [--size-mb 512] [--control PATH]   # the target
     python -m hibernate.demo infer --control PATH                     # ask it for an output
     python -m hibernate.demo hold --control PATH --seconds 5          # hold the guard (a long step)
+    python -m hibernate.demo release --control PATH                   # end the holds in progress now
     python -m hibernate.demo mark --control PATH                      # fill scratch, rewrite side (async)
     python -m hibernate.demo inspect --control PATH                   # scratch zeroed? side, private intact?
     python -m hibernate.demo serve --http-port 8001 [--model-name demo]  # also an OpenAI-style HTTP server
@@ -660,6 +661,8 @@ def serve(args: argparse.Namespace) -> int:
         tmp.rename(args.ready_file)
     print(json.dumps({"ready": ready}), flush=True)
     stop = threading.Event()
+    holds: set[threading.Event] = set()  # one per hold in progress: set by a release
+    holding = threading.Lock()
 
     def handle(conn: socket.socket) -> None:
         with conn, conn.makefile("rw") as stream:
@@ -671,10 +674,22 @@ def serve(args: argparse.Namespace) -> int:
             elif command == "inspect":
                 stream.write(json.dumps(probes.inspect()) + "\n")
             elif command.startswith("hold "):
-                with hibernate.guard():  # a long step: a sleep must wait for it
-                    stream.write('{"holding": true}\n')
-                    stream.flush()
-                    time.sleep(float(command.split()[1]))
+                released = threading.Event()
+                with holding:
+                    holds.add(released)
+                try:
+                    with hibernate.guard():  # a long step: a sleep must wait for it
+                        stream.write('{"holding": true}\n')
+                        stream.flush()
+                        released.wait(float(command.split()[1]))
+                finally:
+                    with holding:
+                        holds.discard(released)
+            elif command == "release":  # every hold in progress ends now
+                with holding:
+                    for hold in holds:
+                        hold.set()
+                    stream.write(json.dumps({"released": len(holds)}) + "\n")
             elif command == "quit":
                 stream.write('{"bye": true}\n')
                 stop.set()
@@ -756,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         help="capture a CUDA graph of the forward pass and replay it on every infer "
         "(with --pool through hibernate.cuda_graph)",
     )
-    for name in ("infer", "quit", "hold", "mark", "inspect"):
+    for name in ("infer", "quit", "hold", "release", "mark", "inspect"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")
         client.add_argument("--control", required=True)
         if name == "hold":

@@ -530,6 +530,9 @@ class JobDemo:
     def hold(self, seconds: float) -> None:
         assert self.request(f"hold {seconds}") == {"holding": True}
 
+    def release(self) -> None:
+        assert self.request("release") == {"released": 1}
+
     def rss(self) -> int:
         with open(f"/proc/{self.pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

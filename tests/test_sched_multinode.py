@@ -12,12 +12,14 @@ import json
 import re
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hibernate.errors import ExitCode
+from tests.conftest import wait_until
 from tests.slurm_cluster import SCRIPTS, JobDemo, SlurmCluster, agent_state, demo_job
 
 HIBERNATE_JOB = str(SCRIPTS / "hibernate-job")
@@ -138,9 +140,17 @@ def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> No
 @pytest.mark.slow
 def test_a_node_late_past_the_barrier_timeout_wakes_with_the_others(cluster, work_dir: Path) -> None:
     slurm, job_id, demos, _ = cluster
-    # node1's sleep waits for the step to end: it reports long after the others gave up (at 4 s)
-    demos[1].hold(20)
-    result = hibernate_job(slurm, job_id, "sleep", "--to", str(work_dir), "--barrier-timeout", "4", "--json")
+    barriers = slurm.scratch / ".hibernate"  # hibernate-job's default: in the job's submit directory
+    earlier = set(barriers.glob("*/decision"))
+    # node1's sleep waits for the step to end: it reports after the others gave up (at 4 s)
+    demos[1].hold(120)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            hibernate_job, slurm, job_id, "sleep", "--to", str(work_dir), "--barrier-timeout", "4", "--json"
+        )
+        wait_until(lambda: set(barriers.glob("*/decision")) - earlier, 60, "the others to give up")
+        demos[1].release()
+        result = running.result(timeout=180)
     assert result.returncode == ExitCode.TIMEOUT, result.stderr + result.stdout
     reports = node_reports(result.stdout)
     assert re.search(r"node\(s\) [0-9, ]*\b1 of 2 did not report within 4s", reports[0]["decision"]["reason"])
