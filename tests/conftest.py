@@ -346,6 +346,10 @@ class Demo:
     def hold(self, seconds: float) -> None:
         assert self.request(f"hold {seconds}") == {"holding": True}
 
+    def release(self) -> None:
+        """End the hold in progress (a demo shared by several tests is left with none)."""
+        assert self.request("release") == {"released": 1}
+
     def rss(self) -> int:
         with open(f"/proc/{self.pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -531,6 +531,7 @@ class JobDemo:
         assert self.request(f"hold {seconds}") == {"holding": True}
 
     def release(self) -> None:
+        """End the hold in progress (a demo shared by several tests is left with none)."""
         assert self.request("release") == {"released": 1}
 
     def rss(self) -> int:

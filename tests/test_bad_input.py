@@ -143,14 +143,15 @@ def test_two_sleeps_at_once_one_wins_the_other_is_busy(
     trace = reached_points(monkeypatch, tmp_path)
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
-    # The first sleep waits in quiesce for this step to finish. The demo's step lasts a fixed
-    # time: long enough for the second sleep to start while the first still waits.
-    demo.hold(6)
+    # The first sleep waits in quiesce for this step to finish: it is released once the second
+    # sleep has been refused.
+    demo.hold(60)
     first: list = []
     winner = threading.Thread(target=lambda: first.append(cli("sleep", str(demo.pid), "--to", str(work_dir))))
     winner.start()
     wait_until(lambda: "agent.quiesce" in trace(), 60, "the first sleep to reach quiesce in the target")
     second = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    demo.release()
     winner.join(timeout=60)
     assert second.returncode == ExitCode.BUSY, second.stderr
     assert f"process {demo.pid} is busy: hibernate sleep (pid" in second.stderr
@@ -162,8 +163,9 @@ def test_two_sleeps_at_once_one_wins_the_other_is_busy(
 def test_guard_held_past_timeout_leaves_target_untouched(start_demo, cli, work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
-    demo.hold(4)
+    demo.hold(60)
     result = cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "0.5")
+    demo.release()
     assert result.returncode == ExitCode.TIMEOUT, result.stderr
     assert "held hibernate.guard() for more than 0.5s" in result.stderr
     assert not list(work_dir.rglob("manifest.json"))

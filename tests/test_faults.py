@@ -268,9 +268,8 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
     monkeypatch.setenv(faults.TRACE_ENV, str(trace))  # the demo's agent appends the points it reaches
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
-    # The sleep waits in quiesce... (the demo's step lasts a fixed time: longer than the sleep
-    # takes to get there, even on a loaded machine)
-    demo.hold(8)
+    # The sleep waits in quiesce... (for the demo's step, released once the sleep has given up)
+    demo.hold(60)
     outcome: list[Any] = []
     sleeper = threading.Thread(
         target=lambda: outcome.append(cli("sleep", str(demo.pid), "--to", str(work_dir), "--timeout", "1"))
@@ -287,6 +286,7 @@ def test_an_agent_that_stops_answering_times_out_and_rolls_back_by_itself(
         assert "goes back to running by itself" in result.stderr
     finally:
         os.kill(demo.pid, signal.SIGCONT)
+    demo.release()  # its quiesce ends: the agent finds the sleep gone and rolls back by itself
     wait_until(
         lambda: not cli("status", str(demo.pid), "--json").json()["agents"][0]["busy"],
         30,

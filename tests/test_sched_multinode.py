@@ -123,8 +123,13 @@ def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> No
     slurm, job_id, demos, _ = cluster
     # node1's program is in a long step (longer than a loaded machine takes to start the node steps):
     # its sleep times out after 1 s
-    demos[1].hold(15)
-    result = hibernate_job(slurm, job_id, "sleep", "--to", str(work_dir), "--json", "--", "--timeout", "1")
+    demos[1].hold(60)
+    try:
+        result = hibernate_job(
+            slurm, job_id, "sleep", "--to", str(work_dir), "--json", "--", "--timeout", "1"
+        )
+    finally:
+        demos[1].release()  # the demos are shared: the next test finds no step running
     assert result.returncode == ExitCode.TIMEOUT, result.stderr + result.stdout
     reports = node_reports(result.stdout)
     assert [r["ok"] for r in reports] == [False, False]

@@ -415,10 +415,13 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
 def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
     a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
-    b.hold(30)  # b is in a long step (longer than a loaded machine takes to start the CLI): --timeout 1
-    result = hibernate(
-        node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--timeout", "1", "--json"
-    )
+    b.hold(60)  # b is in a long step (longer than a loaded machine takes to start the CLI): --timeout 1
+    try:
+        result = hibernate(
+            node, cgroups, "sleep", "--job", "4200", "--to", str(work_dir), "--timeout", "1", "--json"
+        )
+    finally:
+        b.release()  # the demos are shared: the next test finds no step running
     assert result.returncode == ExitCode.TIMEOUT, result.stdout
     assert f"process {b.pid}" in result.json()["error"]["message"]
     listing = json.loads(hibernate(node, cgroups, "ls", "--json").stdout)["agents"]

@@ -104,6 +104,12 @@ class HttpDemo:
 
         assert request(self.control, f"hold {seconds}") == {"holding": True}
 
+    def release(self) -> None:
+        """End the hold in progress: the sleep that waits for it goes on."""
+        from hibernate.demo import request
+
+        assert request(self.control, "release") == {"released": 1}
+
     def state(self) -> str:
         states = {entry["state"] for entry in orchestrator.status([self.pid])}
         assert len(states) == 1, states
@@ -662,7 +668,7 @@ def test_a_request_that_arrives_during_a_sleep_waits_for_it_then_wakes_the_backe
     demo = start_http_demo()
     before = fetch("POST", demo.url + "/v1/completions", completion("demo"))
     proxy = start_proxy("--backend", backend_flag(demo), "--idle", "1")
-    demo.hold(8)  # the idle sleep that comes waits for the demo's own step to end
+    demo.hold(60)  # the idle sleep that comes waits for the demo's own step to end (released below)
     wait_until(lambda: proxy.state("demo") == "sleeping", 30, "the idle sleep to begin")
 
     async def during_the_sleep() -> tuple[int, bytes]:
@@ -671,6 +677,7 @@ def test_a_request_that_arrives_during_a_sleep_waits_for_it_then_wakes_the_backe
         await asyncio.to_thread(wait_until, waiting, 30, "the request to wait for the sleep")
         assert not answer.done()
         assert (await asyncio.to_thread(proxy.state, "demo")) == "sleeping"  # held while the sleep runs
+        await asyncio.to_thread(demo.release)  # the step ends: the sleep goes on, then the wake
         return await answer
 
     assert asyncio.run(during_the_sleep()) == before
