@@ -158,6 +158,32 @@ def test_the_cli_killed_at_every_point_of_sleep_and_wake(
 
 
 @pytest.mark.slow
+def test_a_command_refused_on_a_target_left_half_way_keeps_what_recover_needs(
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+) -> None:
+    """A plain sleep of a target an interrupted sleep left asleep is refused; the interrupted sleep's
+    journal entry, which its refusal replaced while it ran, is put back whole for `recover`."""
+    demo = start_demo(size_mb=8)
+    world.register(demo.pid, nbytes=GIB)
+    reference = demo.infer()["digest"]
+    pid = str(demo.pid)
+    kill_at(cli, "sleep.after-release", "sleep", pid, "--to", str(work_dir), "-q")
+    left = interrupted(cli, demo.pid)
+    assert left is not None and left["phases"][-1] == "release", left
+    refused = cli("sleep", pid, "--to", str(work_dir))
+    assert refused.returncode == ExitCode.WRONG_STATE, refused.stderr
+    assert interrupted(cli, demo.pid) == left
+    failed = cli("wake", pid, env={faults.ENV: "wake.after-connect"})  # a wake that fails, undone
+    assert failed.returncode == ExitCode.FAILURE, failed.stderr
+    assert interrupted(cli, demo.pid) == left
+    resolve_and_check(cli, demo.pid, "sleep.after-release", reference, demo, world, (work_dir, runtime_dir))
+
+
+@pytest.mark.slow
 def test_a_failure_at_every_point_is_undone_cleanly(
     world: World,
     start_demo: Callable[..., Any],

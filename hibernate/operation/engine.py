@@ -128,7 +128,9 @@ class Operation:
         self.ctx = ctx
         self.units = list(units)
         self.directory = directory
-        self.ledger = Ledger(ctx.op, [ref for u in self.units for ref in u.refs])
+        # A wake that recover runs replaces the interrupted operation's entry even if it fails: recover
+        # has read it, and a failed wake (nothing asleep) is how it learns nothing was left.
+        self.ledger = Ledger(ctx.op, [ref for u in self.units for ref in u.refs], supersedes=ctx.recovering)
         ctx.ledger = self.ledger
         self.cuda = CudaStage(ctx.options, on_detach=self.ledger.journal_call)
         self.cuda_report: dict[str, Any] = {}

@@ -40,11 +40,15 @@ def _owner(ref: AgentRef) -> int | None:
 class Ledger:
     """A lock and a journal entry per process an operation changes, and a fault point per step."""
 
-    def __init__(self, op: str, refs: Sequence[AgentRef]) -> None:
+    def __init__(self, op: str, refs: Sequence[AgentRef], *, supersedes: bool = False) -> None:
         self.op = op
+        self.supersedes = supersedes  # recover's own operations: whatever their end, they replace it
         self.refs = list({ref.identity: ref for ref in refs}.values())
         self._locks: list[TargetLock] = []
         self._entries: dict[ProcessIdentity, tuple[Journal, Entry]] = {}
+        # What an interrupted earlier operation left, replaced by this one's entry: put back if this
+        # one fails, so that a refused or undone command never loses what `recover` needs.
+        self._earlier: dict[ProcessIdentity, Entry] = {}
         self._fired: set[str] = set()
         self._writing = threading.Lock()  # calls are journaled from the threads of a step
 
@@ -66,6 +70,9 @@ class Ledger:
         cuda = [[h.pid, h.start_time] for h in holders]
         for ref in self.refs:
             journal = Journal(ref.socket.parent, _owner(ref))
+            earlier = None if self.supersedes else journal.load(ref.identity)
+            if earlier is not None:
+                self._earlier[ref.identity] = earlier
             entry = Entry(
                 op=self.op,
                 pid=ref.pid,
@@ -147,8 +154,14 @@ class Ledger:
             self._fired.add(step)
             faults.point(f"{self.op}.during-{step}")
 
-    def finish(self) -> None:
-        """Done, or cleanly undone: nothing to recover; earlier entries of these processes go too.
+    def finish(self, succeeded: bool = True) -> None:
+        """Done, or cleanly undone: nothing of this operation to recover.
+
+        Done: an entry an interrupted earlier operation left goes too (this one has moved the
+        processes on). Failed or undone: that entry is put back as it was, since the processes are
+        where it left them (a plain `hibernate sleep` refused because an interrupted one left the
+        target asleep must not erase what `hibernate recover` needs to finish it), unless this
+        operation ``supersedes`` it (one that recover runs).
 
         Except an entry that names a checkpoint or restore still running: an operation ended by
         something else than a HibernateError (a second Ctrl-C during an undo, an OSError, a bug)
@@ -158,7 +171,12 @@ class Ledger:
         for ref in self.refs:
             journal = Journal(ref.socket.parent, _owner(ref))
             entry = journal.load(ref.identity)
-            if entry is None or not any(procinfo.is_alive(call.helper) for call in entry.calls):
+            if entry is not None and any(procinfo.is_alive(call.helper) for call in entry.calls):
+                continue
+            earlier = None if succeeded else self._earlier.get(ref.identity)
+            if earlier is not None:
+                journal.record(earlier)
+            else:
                 journal.remove(ref.identity)
         self._entries.clear()
         self.release()
@@ -178,10 +196,10 @@ class Ledger:
             if exc.keeps_journal:
                 self.release()
             else:
-                self.finish()
+                self.finish(succeeded=False)
             raise
         except BaseException:
-            self.finish()
+            self.finish(succeeded=False)
             raise
         self.finish()
 
