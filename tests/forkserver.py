@@ -23,7 +23,8 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 _exited: dict[int, int] = {}
 _lock = threading.Lock()
@@ -41,10 +42,27 @@ def _reap(signum: int, frame: object) -> None:
             _exited[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _become_target(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> None:
-    """In the child: drop the server's sockets and handlers, then run the demo; never returns."""
+def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
+    """In a forked child: run ``main``, then end the process with its status, whatever happens: it
+    never returns into the code it was forked from."""
     code = 1
     try:
+        code = main() or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _become_target(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> NoReturn:
+    """In the child: drop the server's sockets and handlers, then run the demo."""
+
+    def demo_main() -> int:
         listener.close()
         conn.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -59,16 +77,9 @@ def _become_target(request: dict[str, Any], listener: socket.socket, conn: socke
         sys.argv = ["hibernate.demo", *request["argv"]]
         from hibernate import demo
 
-        code = demo.main(request["argv"])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        return demo.main(request["argv"])
+
+    run_then_exit(demo_main)
 
 
 def serve(path: str) -> None:

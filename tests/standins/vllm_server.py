@@ -57,21 +57,20 @@ Stand-in controls, under ``/standin/`` (no vLLM equivalent; hibernate never call
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
 
+from tests.forkserver import run_then_exit
 from tests.standins.vllm_parallel_state import COLLECTIVE_DIR_ENV
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -138,10 +137,10 @@ class WorkerHandle:
         return reply
 
 
-def _run_worker(env: dict[str, str], argv: list[str]) -> None:
-    """In the forked child: become the worker (tests/standins/vllm_worker.py); never returns."""
-    code = 1
-    try:
+def _run_worker(env: dict[str, str], argv: list[str]) -> NoReturn:
+    """In the forked child: become the worker (tests/standins/vllm_worker.py)."""
+
+    def worker_main() -> None:
         os.environ.update(env)
         sys.stdin = os.fdopen(0, "r")
         sys.stdout = os.fdopen(1, "w")
@@ -149,15 +148,8 @@ def _run_worker(env: dict[str, str], argv: list[str]) -> None:
         from tests.standins import vllm_worker
 
         vllm_worker.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os._exit(code)
+
+    run_then_exit(worker_main)
 
 
 class Engine:
