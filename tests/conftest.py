@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from hibernate.checkpoint.nccl import NCCL_SAFE
+from tests.demo_control import DemoControl
 
 # Every fixture plugin, registered once for the whole suite (stand-ins of hardware, a private Slurm).
 pytest_plugins = ["tests.standins.fixtures", "tests.slurm_cluster"]
@@ -322,7 +323,7 @@ def forkserver() -> ForkServer:
 
 
 @dataclass
-class Demo:
+class Demo(DemoControl):
     """A running ``python -m hibernate.demo serve`` target."""
 
     proc: Any  # subprocess.Popen, or ForkedProcess
@@ -335,24 +336,8 @@ class Demo:
     def pid(self) -> int:
         return self.proc.pid
 
-    def request(self, command: str, timeout: float = 120) -> dict[str, Any]:
-        from hibernate.demo import request
-
-        return request(self.control, command, timeout)
-
     def infer(self) -> dict[str, Any]:
         return self.request("infer")
-
-    def hold(self, seconds: float) -> None:
-        assert self.request(f"hold {seconds}") == {"holding": True}
-
-    def release(self) -> None:
-        """End the hold in progress (a demo shared by several tests is left with none)."""
-        assert self.request("release") == {"released": 1}
-
-    def rss(self) -> int:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))

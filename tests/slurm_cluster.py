@@ -42,6 +42,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.demo_control import DemoControl
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts" / "slurm"
 FREEZER = Path("/sys/fs/cgroup/freezer")
@@ -509,7 +511,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
 
 @dataclass
-class JobDemo:
+class JobDemo(DemoControl):
     """A demo server started by a job on one node (a task of the job: not this process's child)."""
 
     pid: int
@@ -517,26 +519,9 @@ class JobDemo:
     node: str
     reference: str = ""
 
-    def request(self, command: str, timeout: float = 120) -> dict[str, object]:
-        from hibernate.demo import request
-
-        reply: dict[str, object] = request(self.control, command, timeout)
-        return reply
-
     def infer(self) -> str:
         """The digest of the demo's weights as it computes them now (bit-exact checks compare these)."""
         return str(self.request("infer")["digest"])
-
-    def hold(self, seconds: float) -> None:
-        assert self.request(f"hold {seconds}") == {"holding": True}
-
-    def release(self) -> None:
-        """End the hold in progress (a demo shared by several tests is left with none)."""
-        assert self.request("release") == {"released": 1}
-
-    def rss(self) -> int:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def demo_command(cluster: SlurmCluster, name: str, size_mb: int = 16) -> str:

@@ -33,6 +33,7 @@ from hibernate.errors import ExitCode
 from hibernate.serve import httplog
 from tests import test_vllm_server as vllm_standin
 from tests.conftest import REPO, forkserver, stays_false, wait_until
+from tests.demo_control import DemoControl
 from tests.standins.world import GIB, World
 
 # The stand-in vLLM server's fixture, offered to this module's tests under its own name.
@@ -73,7 +74,7 @@ def completion(model: str, **extra: Any) -> dict[str, Any]:
 
 
 @dataclass
-class HttpDemo:
+class HttpDemo(DemoControl):
     proc: Any
     port: int
     model: str
@@ -93,22 +94,6 @@ class HttpDemo:
         assert status == 200
         counts: dict[str, int] = json.loads(body)
         return counts
-
-    def rss(self) -> int:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def hold(self, seconds: float) -> None:
-        """Hold the demo's guard for ``seconds`` (a long step of its own): a sleep waits for it."""
-        from hibernate.demo import request
-
-        assert request(self.control, f"hold {seconds}") == {"holding": True}
-
-    def release(self) -> None:
-        """End the hold in progress: the sleep that waits for it goes on."""
-        from hibernate.demo import request
-
-        assert request(self.control, "release") == {"released": 1}
 
     def state(self) -> str:
         states = {entry["state"] for entry in orchestrator.status([self.pid])}
