@@ -687,9 +687,11 @@ def serve(args: argparse.Namespace) -> int:
                         holds.discard(released)
             elif command == "release":  # every hold in progress ends now
                 with holding:
+                    ended = len(holds)
                     for hold in holds:
                         hold.set()
-                    stream.write(json.dumps({"released": len(holds)}) + "\n")
+                    holds.clear()  # a hold ended is not counted by the next release
+                stream.write(json.dumps({"released": ended}) + "\n")
             elif command == "quit":
                 stream.write('{"bye": true}\n')
                 stop.set()
