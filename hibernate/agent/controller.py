@@ -66,10 +66,10 @@ from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
 from hibernate.pools.provided import no_room, shortfalls
 from hibernate.procinfo import ProcessIdentity
-from hibernate.store.layout import SpillRoot
+from hibernate.store.layout import SpillRoot, open_spill_root_in
 from hibernate.store.manifest import WrittenRecords
 from hibernate.store.options import WriteOptions
-from hibernate.store.owner import Owner, spill_root_name
+from hibernate.store.owner import Owner
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
 from hibernate.store.reuse import ReuseSource
 from hibernate.store.writer import write_snapshot
@@ -219,6 +219,11 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
         raise UsageError(str(exc)) from exc
 
 
+def _draw_token() -> str:
+    """The random part of a spill root's name (store.owner.spill_root_name)."""
+    return secrets.token_hex(6)
+
+
 class Agent:
     def __init__(self, identity: ProcessIdentity, name: str | None = None, kind: str = "torch") -> None:
         self.identity = identity
@@ -229,8 +234,10 @@ class Agent:
         self.leases = Leases()
         self.token = secrets.token_hex(8)
         # The random part of this process's spill root names (see store.owner.spill_root_name):
-        # drawn once, so every sleep of the process finds its previous snapshot again.
-        self.root_token = secrets.token_hex(6)
+        # drawn once, so every sleep of the process finds its previous snapshot again; a --to where
+        # that name was taken by someone else gets a name of its own, remembered here.
+        self.root_token = _draw_token()
+        self._root_tokens: dict[Path, str] = {}
         self._pools: list[Pool] = []
         self._mutex = threading.Lock()
         self._owner: Session | None = None
@@ -424,11 +431,16 @@ class Agent:
             moves = refuse_moves(pools, bool(args.get("allow_moves", False)))
             for pool in pools:
                 pool.synchronize()  # work the program queued on any stream lands before a byte is read
-            sleeping = _Sleep(regions, Path(base) / spill_root_name(self.name, self.root_token), "")
+            base = Path(os.path.abspath(base))
+            opened, token = open_spill_root_in(
+                base, self.name, self._root_tokens.get(base, self.root_token), self.owner, _draw_token
+            )
+            self._root_tokens[base] = token
+            sleeping = _Sleep(regions, opened.path, "")
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
             with self._mutex:
                 known, self._known = self._known, None
-            with SpillRoot(sleeping.root, create=True, owner=self.owner) as root:
+            with opened as root:
                 result = write_snapshot(
                     root,
                     sleeping.kept,

@@ -32,11 +32,12 @@ import fcntl
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hibernate.errors import (
     BusyError,
+    HibernateError,
     PermissionDeniedError,
     SnapshotInvalidError,
     StorageError,
@@ -57,7 +58,7 @@ from hibernate.store.manifest import (
     snapshot_name,
     snapshot_sequence,
 )
-from hibernate.store.owner import Owner, parse_owner
+from hibernate.store.owner import Owner, parse_owner, spill_root_name
 from hibernate.store.parse import parse_manifest
 
 LOCK_NAME = ".lock"
@@ -67,6 +68,9 @@ TMP_PREFIX = ".tmp-"
 _MARKER_LIMIT = 64 << 10
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+# How many names a sleep tries for its spill root in one --to before it gives up: each is random, so
+# more than one taken means someone is taking them on purpose.
+ROOT_NAME_TRIES = 8
 
 
 def _storage_error(exc: OSError, what: str, path: Path) -> StorageError:
@@ -99,6 +103,46 @@ def read_marker(dir_fd: int) -> Owner | None:
     if owner is None or raw.get("format") != MARKER_FORMAT:
         raise SnapshotInvalidError(f"{MARKER_NAME} is not a hibernate marker")
     return owner
+
+
+def name_taken(path: Path) -> bool:
+    """Whether ``path`` is held by something a sleep of this user may not use as its spill root.
+
+    Another user's directory, a file or a symbolic link there: what someone who
+    saw the name in one ``--to`` (or guessed it) can put in another to make
+    every sleep there fail. A directory of this user is not taken: it is this
+    process's root, or is refused for what it holds.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+
+
+def open_spill_root_in(
+    base: Path, label: str, token: str, owner: Owner, draw: Callable[[], str]
+) -> tuple[SpillRoot, str]:
+    """Open, creating it if missing, the spill root ``<base>/<label>-<token>``, and the token it took.
+
+    Where the name is taken by someone else (``name_taken``), another token is
+    drawn and tried: the caller keeps the one returned for ``base``, so that its
+    later sleeps there find this root, and its snapshot, again.
+    """
+    for _ in range(ROOT_NAME_TRIES):
+        path = base / spill_root_name(label, token)
+        try:
+            return SpillRoot(path, create=True, owner=owner), token
+        except HibernateError:
+            if not name_taken(path):
+                raise
+        token = draw()
+    raise PermissionDeniedError(
+        f"{ROOT_NAME_TRIES} names for this process's snapshots in {base} were all taken by other users",
+        hint="choose a --to directory that only you can write to",
+    )
 
 
 class SpillRoot:
