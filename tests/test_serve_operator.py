@@ -290,7 +290,7 @@ def test_the_control_endpoints_are_open_on_loopback_off_elsewhere_and_need_the_t
     assert config(token_file=token_file, **flags).token == TOKEN  # on loopback too, once given
 
     token_file.chmod(0o644)
-    with pytest.raises(UsageError, match="can be read by others"):
+    with pytest.raises(UsageError, match="can be read or written by others"):
         config(token_file=token_file, **flags)
     token_file.chmod(0o600)
     token_file.write_text("short")

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode, PermissionDeniedError, ProtocolError, UsageError
+from hibernate.procinfo import describe_user
 from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
 from hibernate.serve.control import BackendControl, refuse_other_user, refuse_tree_holding_proxy
@@ -584,7 +585,7 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
         (
             [*backend, "--to", str(tmp_path), "--token-file", str(token)],
             ExitCode.USAGE,
-            f"--token-file {token} can be read by others (mode 644)",
+            f"--token-file {token} can be read or written by others (mode 644, owner {describe_user(os.geteuid())})",
         ),
         ([*backend, "--to", str(tmp_path), "--log-format", "xml"], ExitCode.USAGE, "--log-format must be"),
     ]

@@ -103,8 +103,9 @@ def run_proxy(
         typer.Option(
             "--token-file",
             metavar="FILE",
-            help="A file (mode 600) holding the bearer token of /hibernate/models (sleep, wake); "
-            "else HIBERNATE_SERVE_TOKEN. Without one they are on only when listening on loopback.",
+            help="A file of yours (or root's), mode 600, holding the bearer token of /hibernate/models "
+            "(sleep, wake); else HIBERNATE_SERVE_TOKEN. Without one they are on only when listening on "
+            "loopback.",
             show_default=False,
         ),
     ] = None,

@@ -8,10 +8,14 @@ would be accepted.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
+import os
+import pwd
 import re
 import shlex
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -19,6 +23,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from hibernate.errors import UsageError
+from hibernate.procinfo import describe_user
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 AUTO = "auto"  # --gpu-budget auto: measured free memory rather than a size
@@ -454,7 +459,7 @@ def build_config(
         if not isinstance(token_path, (str, Path)) or not str(token_path):
             raise UsageError(f"{token_label} must name a file, not {token_path!r}")
         token, token_source = read_token(Path(token_path), token_label), f"{token_label} {token_path}"
-    elif (environ or {}).get(TOKEN_ENV):
+    elif TOKEN_ENV in (environ or {}):  # set but empty is refused as a short token is, not taken for none
         token, token_source = check_token((environ or {})[TOKEN_ENV], TOKEN_ENV), TOKEN_ENV
     config = ServeConfig(
         host=host,
@@ -476,26 +481,108 @@ def build_config(
 def check_token(token: str, label: str) -> str:
     token = token.strip()
     if len(token) < 16 or any(c.isspace() for c in token):
-        raise UsageError(f"{label}: a token is at least 16 characters, without spaces")
+        empty = " (it is set but empty: unset it for no token)" if not token else ""
+        raise UsageError(f"{label}: a token is at least 16 characters, without spaces{empty}")
     return token
 
 
-def read_token(path: Path, label: str) -> str:
-    """The bearer token in ``path``: a file only its owner can read (as an ssh key), one line."""
-    path = path.expanduser()
-    try:
-        mode = path.stat().st_mode
-        text = path.read_text()
-    except OSError as exc:
-        raise UsageError(f"{label} {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{label} {path}: not text") from None
-    if mode & 0o077:
-        raise UsageError(
-            f"{label} {path} can be read by others (mode {mode & 0o777:o})",
-            hint=f"chmod 600 {path}",
+# A token is one short line: what a token file may hold, read from it and no more (one byte over says
+# "too long" rather than reading a file of any size, or a device that never ends, into memory).
+MAX_TOKEN_FILE_BYTES = 4096
+# Opened once, never following a symbolic link, never waiting for a writer (a FIFO): what was opened is
+# then checked on its descriptor, so nothing can be swapped between the check and the read.
+TOKEN_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def token_file_problem(info: os.stat_result, uid: int) -> tuple[str, str] | None:
+    """Why a token file, as ``fstat`` describes it, cannot hold the token of a proxy run by ``uid``, and
+    what to do about it; None if it can.
+
+    As sshd treats a private key: a regular file, owned by whoever runs the proxy (or root), that
+    nobody else may read or write. A file another user owns is refused even at mode 600: its owner
+    could write a token of their own in it, and so sleep and wake every backend through the control
+    endpoints (which root's proxy would then obey).
+    """
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in FILE_KINDS if test(info.st_mode)), "not a regular file")
+        return f"is {kind}, not a regular file", "give a regular file holding the token"
+    owner = f"mode {stat.S_IMODE(info.st_mode):o}, owner {describe_user(info.st_uid)}"
+    if info.st_uid not in (uid, 0):
+        return (
+            f"belongs to another user ({owner}): whoever owns it could put a token of theirs in it",
+            f"keep the token in a file of your own: chown {user_name(uid)} FILE",
         )
-    return check_token(text, f"{label} {path}")
+    if info.st_mode & 0o077:
+        return f"can be read or written by others ({owner})", "chmod 600 FILE"
+    return None
+
+
+def user_name(uid: int) -> str:
+    """A user as ``chown`` takes one: the name, else the number."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd``, to its end if it is shorter (a read may return less)."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_token(path: Path, label: str) -> str:
+    """The bearer token in ``path``: one line, in a file only the proxy's user (or root) controls.
+
+    The file is opened once and what was opened is checked (:func:`token_file_problem`), then read
+    from that descriptor, at most :data:`MAX_TOKEN_FILE_BYTES`: a FIFO or a device is refused at
+    once, not waited on or read without end. Its directories are not checked (docs/security.md says
+    why): a user who can change one can only lead the path to a file the checks refuse, or to another
+    private file of the proxy's user, which they can read no more than the token.
+    """
+    path = path.expanduser()
+    shown = f"{label} {path}"
+    try:
+        fd = os.open(path, TOKEN_OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError(
+                f"{shown} is a symbolic link; a token file is read only from the file itself",
+                hint="give the path of the file the link points to",
+            ) from None
+        raise UsageError(f"{shown}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        problem = token_file_problem(info, os.geteuid())
+        if problem is not None:
+            what, fix = problem
+            raise UsageError(f"{shown} {what}", hint=fix.replace("FILE", shlex.quote(str(path))))
+        data = read_at_most(fd, MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"{shown}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise UsageError(f"{shown} is longer than {MAX_TOKEN_FILE_BYTES} bytes: a token file holds one token")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"{shown}: not text") from None
+    return check_token(text, shown)
 
 
 def with_command(config: ServeConfig, command: Sequence[str], start: str | None) -> ServeConfig:
