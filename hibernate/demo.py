@@ -43,7 +43,8 @@ With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
 /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the
 same inference, the tokens as the text or the assistant's message; ``"stream":
 true`` sends one server-sent event per token, in the shape of OpenAI's
-``text_completion`` or ``chat.completion.chunk``, then ``data: [DONE]``). While the
+``text_completion`` or ``chat.completion.chunk``, then one with the finish reason
+and, in an extra field, the output's ``digest``, then ``data: [DONE]``). While the
 process sleeps a completion is refused (503), not held: a proxy that forwarded
 one to a sleeping demo would be caught. Demo-only extensions, for tests: a
 request with ``"paced": true`` streams each token after the first only once
@@ -498,29 +499,50 @@ class HttpApi:
         }
 
     def chat_chunks(self, answer: dict[str, Any]) -> Iterator[bytes]:
-        """A streamed chat completion: the role, one delta per token, the finish reason, then [DONE]."""
+        """A streamed chat completion: the role, one delta per token, then the finish reason with the digest.
 
-        def event(delta: dict[str, Any], finish: str | None) -> bytes:
+        Every event is a chunk an OpenAI client can read (the digest rides in an extra field of the
+        last one), then ``[DONE]``.
+        """
+
+        def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            chunk = {"id": "chatcmpl-demo", "object": "chat.completion.chunk", "created": 0,
-                     "model": self.model, "choices": [choice]}  # fmt: skip
-            return f"data: {json.dumps(chunk)}\n\n".encode()
+            return {"id": "chatcmpl-demo", "object": "chat.completion.chunk", "created": 0,
+                    "model": self.model, "choices": [choice]}  # fmt: skip
 
-        tokens = answer["choices"][0]["text"].split(" ")
-        yield event({"role": "assistant", "content": ""}, None)
-        for index, token in enumerate(tokens):
-            yield event({"content": token + (" " if index < len(tokens) - 1 else "")}, None)
-        yield event({}, "length")
+        yield event(chunk({"role": "assistant", "content": ""}, None))
+        for piece in pieces(answer["choices"][0]["text"]):
+            yield event(chunk({"content": piece}, None))
+        yield event({**chunk({}, answer["choices"][0]["finish_reason"]), "digest": answer["digest"]})
         yield b"data: [DONE]\n\n"
 
     def chunks(self, answer: dict[str, Any]) -> Iterator[bytes]:
-        """The server-sent events of a streamed completion: one per token, then the digest, then [DONE]."""
-        for token in answer["choices"][0]["text"].split(" "):
-            event = {"id": answer["id"], "object": "text_completion", "model": self.model,
-                     "choices": [{"index": 0, "text": token + " ", "finish_reason": None}]}  # fmt: skip
-            yield f"data: {json.dumps(event)}\n\n".encode()
-        yield f"data: {json.dumps({'id': answer['id'], 'digest': answer['digest']})}\n\n".encode()
+        """A streamed completion: one chunk per token, then the finish reason with the digest, then [DONE].
+
+        The last chunk's text is empty, as OpenAI's is: it carries the finish reason and, in an extra
+        field a client ignores, the digest a test compares with an unstreamed answer's.
+        """
+
+        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"id": answer["id"], "object": "text_completion", "created": 0,
+                    "model": self.model, "choices": [choice]}  # fmt: skip
+
+        for piece in pieces(answer["choices"][0]["text"]):
+            yield event(chunk(piece, None))
+        yield event({**chunk("", answer["choices"][0]["finish_reason"]), "digest": answer["digest"]})
         yield b"data: [DONE]\n\n"
+
+
+def pieces(text: str) -> list[str]:
+    """The text cut into what a stream sends, one token each: joined again they are the text, exactly."""
+    tokens = text.split(" ")
+    return [token + " " for token in tokens[:-1]] + tokens[-1:]
+
+
+def event(chunk: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
 def client_gone(conn: socket.socket) -> bool:

@@ -69,12 +69,12 @@ def ask(client: OpenAI, model: str, kind: str, stream: bool) -> str:
     if kind == "chat":
         if stream:
             chunks = client.chat.completions.create(model=model, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return "".join(c.choices[0].delta.content or "" for c in chunks)
         chat = client.chat.completions.create(model=model, messages=MESSAGES)  # type: ignore[arg-type]
         return chat.choices[0].message.content or ""
     if stream:
         pieces = client.completions.create(model=model, prompt="hello", stream=True)
-        return "".join(c.choices[0].text for c in pieces if getattr(c, "choices", None)).rstrip(" ")
+        return "".join(c.choices[0].text for c in pieces)
     return client.completions.create(model=model, prompt="hello").choices[0].text
 
 
