@@ -20,6 +20,12 @@ From outside: ``hibernate sleep <pid> --to DIR`` and ``hibernate wake <pid>``.
 The process itself may call :func:`sleep` and :func:`wake`.
 
 Importing this package does not import torch; ``track`` does, on first use.
+
+Where this process's agent cannot start (its runtime directory belongs to
+another user), hibernate is *off* in the process, never its end: one line on
+stderr says why and what to set; ``track`` records nothing, ``pool()`` and
+``cuda_graph()`` are plain allocations and captures, and ``sleep()`` and
+``wake()`` raise :class:`~hibernate.errors.UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ def track(
     """
     from hibernate.agent import signals as agent_signals
     from hibernate.agent.local import local_agent
+
+    if _off():
+        return obj
     from hibernate.pools.tensors import TensorPool
 
     agent = local_agent()
@@ -92,6 +101,10 @@ def pool(tag: str = "weights", keep: bool = True) -> Iterator[None]:
     waits for it, and it waits for a wake. Starts this process's agent, as
     ``track`` does.
     """
+    _check_tag(tag)
+    if _off():
+        yield
+        return
     agent, provider = _pool_provider(tag, keep)
     with agent.guard.hold(), provider.region(tag):
         yield
@@ -117,6 +130,11 @@ def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **captu
 
     if "pool" in capture:
         raise UsageError("hibernate.cuda_graph() chooses the graph's pool itself; do not pass pool=")
+    _check_tag(tag)
+    if _off():
+        with torch.cuda.graph(graph, **capture):
+            yield
+        return
     agent, provider = _pool_provider(tag, keep)
     with (
         agent.guard.hold(),
@@ -126,13 +144,36 @@ def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **captu
         yield
 
 
+def _check_tag(tag: Any) -> None:
+    from hibernate.errors import UsageError
+
+    if not isinstance(tag, str) or not tag or any(ch in tag for ch in "/\n\0"):
+        raise UsageError(f"tag {tag!r} must be a non-empty name without '/', a newline or a NUL")
+
+
+def _off() -> bool:
+    """Whether hibernate is off in this process: its agent could not open its socket (said once, here).
+
+    Then nothing outside can put the process to sleep, so nothing is tracked
+    or pooled: memory is the program's own, as without hibernate.
+    """
+    from hibernate.agent import local
+
+    local.local_agent()
+    if local.unserved_reason() is None:
+        return False
+    local.say_unserved_once(
+        "hibernate is off in this process: nothing is tracked, pools and graphs are plain ones, "
+        "and hibernate.sleep() raises"
+    )
+    return True
+
+
 def _pool_provider(tag: str, keep: bool) -> tuple[Any, Any]:
     """This process's agent, and its provider with ``tag`` declared and its pool added to the agent."""
     from hibernate.errors import UsageError
     from hibernate.pools import provided
 
-    if not isinstance(tag, str) or not tag or any(ch in tag for ch in "/\n\0"):
-        raise UsageError(f"tag {tag!r} must be a non-empty name without '/', a newline or a NUL")
     provider = provided.current(_make_provider)
     agent = _started_agent()
     pool = provider.pool()
@@ -211,6 +252,7 @@ def sleep(
     from hibernate.agent.local import local_agent
     from hibernate.environ import ALLOW_MOVES_ENV, SKIP_REUSE_CHECK_ENV, env_flag
 
+    _refuse_if_off("sleep")
     directory = Path(to).expanduser().absolute()
     if skip_reuse_check is None:
         skip_reuse_check = env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
@@ -229,7 +271,21 @@ def wake(*, buffer_mb: int = 256) -> dict[str, Any]:
     """Bring back what :func:`sleep` released, verified against its checksums."""
     from hibernate.agent.local import local_agent
 
+    _refuse_if_off("wake")
     return local_agent().wake_here({"buffer_mb": buffer_mb})
+
+
+def _refuse_if_off(what: str) -> None:
+    from hibernate.agent.local import unserved_reason
+    from hibernate.errors import UnsupportedError
+
+    if _off():
+        raise UnsupportedError(
+            f"hibernate.{what}(): hibernate is off in this process, whose agent did not start "
+            f"({unserved_reason()}): nothing was tracked, so there is nothing to {what}",
+            hint="set HIBERNATE_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a directory only your user can write, "
+            "then restart the program",
+        )
 
 
 def state() -> str:

@@ -3,6 +3,7 @@ a tree that holds the command itself is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,61 @@ def test_agents_of_one_tree_in_two_runtime_directories_stay_in_sight_until_woken
         for child in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split():
             os.kill(int(child), 9)
         launcher.wait(timeout=60)
+
+
+SQUATTED_PROGRAM = """
+import json, sys, torch, hibernate
+from hibernate.errors import UnsupportedError
+from tests.standins.cuda_graphs import CUDAGraph, patched_torch_cuda
+
+model = torch.nn.Linear(4, 4)
+seen = {"track_returns": hibernate.track(model) is model}
+with hibernate.guard():
+    seen["guard"] = True
+with hibernate.pool("weights"):
+    seen["pooled"] = torch.ones(3).sum().item()  # a CPU torch has no pool provider: plain memory here
+inputs = torch.ones(2, 4)
+with patched_torch_cuda(), torch.no_grad():
+    graph = CUDAGraph()
+    with hibernate.cuda_graph(graph):
+        out = model(inputs)
+    graph.replay()
+    seen["graph_replayed"] = torch.equal(out, model(inputs))
+try:
+    hibernate.sleep(sys.argv[1])
+except UnsupportedError as exc:
+    seen["sleep_error"] = exc.message
+seen["state"] = hibernate.state()
+seen["untracked"] = hibernate.untrack(model)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make the runtime directory another user's")
+def test_a_runtime_directory_another_user_took_turns_hibernate_off_and_the_program_runs(
+    tmp_path: Path, work_dir: Path
+) -> None:
+    squatted = tmp_path / f"hibernate-{os.getuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "HIBERNATE_RUNTIME_DIR")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(REPO), HIBERNATE_AGENT="1")
+    result = subprocess.run(
+        [sys.executable, "-c", SQUATTED_PROGRAM, str(work_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["track_returns"] and seen["guard"] and seen["pooled"] == 3.0 and seen["graph_replayed"]
+    assert "hibernate is off in this process" in seen["sleep_error"]
+    assert "belongs to uid 65534" in seen["sleep_error"]
+    assert seen["state"] == "running" and seen["untracked"] is False
+    said = [line for line in result.stderr.splitlines() if line.startswith("hibernate:")]
+    assert len(said) == 1, result.stderr
+    assert "did not start" in said[0] and "HIBERNATE_RUNTIME_DIR" in said[0]
+    assert not any(squatted.iterdir()), "nothing was made in another user's directory"
+    assert not any(work_dir.iterdir()), "nothing was written"

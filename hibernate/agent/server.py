@@ -189,9 +189,12 @@ class AgentServer:
         old_umask = os.umask(0o177)
         try:
             self._sock.bind(os.fspath(self.path))
+            self._sock.listen(16)
+        except BaseException:
+            self._sock.close()
+            raise
         finally:
             os.umask(old_umask)
-        self._sock.listen(16)
         agent.crash_record = crash_record_path(self.path)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="hibernate-agent", daemon=True)

@@ -71,7 +71,7 @@ from typing import Any
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeState
 
 from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
-from hibernate.agent.local import local_agent
+from hibernate.agent.local import local_agent, unserved_reason
 from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
 from hibernate.errors import (
     AbortedError,
@@ -393,16 +393,19 @@ def _adopt(agent: Agent, *, with_pool: bool = True) -> Agent:
 
 
 def _process_agent() -> Agent:
-    """This process's agent, started (socket included) if it is not yet."""
-    try:
-        agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
-    except (HibernateError, OSError) as exc:  # the backend works without it; only `ls` is blind
+    """This process's agent, started (socket included) if it is not yet.
+
+    Without its socket (agent.local.unserved_reason) the backend still works,
+    driven by vLLM's own sleep and wake; only hibernate's commands are blind to it.
+    """
+    agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_KIND)
+    unserved = unserved_reason()
+    if unserved is not None:
         log.warning(
             "hibernate: control socket not started (%s); `hibernate ls` will not show pid %d",
-            exc,
+            unserved,
             os.getpid(),
         )
-        agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_KIND, serve=False)
     return _adopt(agent)
 
 
