@@ -285,6 +285,49 @@ def read_small_file(dir_fd: int, name: str, limit: int) -> bytes:
         os.close(fd)
 
 
+_SHOWN_NAME_CHARS = 24  # of a name too long, in the message that refuses it
+
+
+def _limit(directory: str, name: str, default: int) -> int:
+    """A filesystem's limit (``PC_NAME_MAX``, ``PC_PATH_MAX``) where ``directory`` lies, else ``default``."""
+    try:
+        return os.pathconf(directory, name)
+    except (OSError, ValueError):
+        return default
+
+
+def path_length_problem(path: Path) -> str | None:
+    """Why ``path`` is longer than a path may be, in words; None if it is not.
+
+    Each name in it is held to the limit of the filesystem it is (or would be
+    created) on, read with ``pathconf`` from the deepest directory of the path
+    that exists (255 bytes on ext4, xfs, tmpfs and most others), and the whole
+    path to ``PC_PATH_MAX``. Refused before any command touches anything: the
+    kernel's ENAMETOOLONG would otherwise surface half-way, from whichever call
+    met the name first.
+    """
+    absolute = os.path.abspath(path)
+    whole = len(os.fsencode(absolute))
+    path_max = _limit("/", "PC_PATH_MAX", 4096)
+    if whole >= path_max:
+        return f"is {whole} bytes long, more than the {path_max - 1} a path may have"
+    existing, exists = "/", True
+    for name in Path(absolute).parts[1:]:
+        size = len(os.fsencode(name))
+        name_max = _limit(existing, "PC_NAME_MAX", 255)
+        if size > name_max:
+            shown = name if len(name) <= _SHOWN_NAME_CHARS else name[:_SHOWN_NAME_CHARS] + "..."
+            return (
+                f"has a name of {size} bytes ({shown!r}), more than the {name_max} a name may have "
+                f"on the filesystem of {existing}"
+            )
+        if exists:
+            candidate = os.path.join(existing, name)
+            exists = os.path.isdir(candidate)  # a name not there yet is created on the same filesystem
+            existing = candidate if exists else existing
+    return None
+
+
 def free_bytes(path: Path) -> int:
     info = os.statvfs(path)
     return info.f_bavail * info.f_frsize

@@ -284,3 +284,39 @@ def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, wor
 
     assert cli("wake", "--all", "-q").returncode == 0
     assert second.infer()["digest"] == reference
+
+
+def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line_by_every_command(
+    start_demo, cli, work_dir: Path
+) -> None:
+    """A --to (or gc's DIR) no directory could have: exit 2 and one line (a JSON document under --json),
+    from sleep, gc, doctor and run alike, before anything is touched; not ENAMETOOLONG's traceback."""
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    long = work_dir / ("n" * 300) / "snap"
+    started = work_dir / "started"
+    job = [sys.executable, "-c", f"open({str(started)!r}, 'w').close()"]
+    named = f"has a name of 300 bytes ('{'n' * 24}...'), more than the 255 a name may have on the filesystem"
+    cases = [
+        (["sleep", str(demo.pid), "--to", str(long)], "--to"),
+        (["gc", str(long)], "DIR"),
+        (["doctor", str(demo.pid), "--to", str(long)], "--to"),
+    ]
+    for args, label in cases:
+        plain = cli(*args)
+        assert plain.returncode == ExitCode.USAGE, plain.stderr
+        line = f"hibernate: error: {label} {named} of {work_dir}; nothing was changed"
+        assert plain.stderr.splitlines() == [line], plain.stderr
+        as_json = cli(*args, "--json")
+        assert as_json.returncode == ExitCode.USAGE, as_json.stderr
+        error = as_json.json()["error"]
+        assert error["code"] == "usage" and error["message"].startswith(f"{label} {named}"), error
+    ran = cli("run", "--to", str(long), "--", *job)
+    assert ran.returncode == ExitCode.USAGE and ran.stderr.startswith(f"hibernate: error: --to {named}")
+    assert not started.exists()
+    too_deep = Path("/", *(["d" * 200] * 25))  # each name allowed, the whole past PATH_MAX
+    deep = cli("gc", str(too_deep), "--json")
+    assert deep.returncode == ExitCode.USAGE, deep.stderr
+    assert deep.json()["error"]["message"].startswith("DIR is 5025 bytes long, more than the 4095 a path may")
+    assert not any(work_dir.iterdir())
+    assert_untouched(demo, cli, reference)

@@ -202,6 +202,24 @@ def parse_directory(value: str) -> Path:
     return Path(value)
 
 
+# How an error names a command's path parameter, where that is not ``--`` and its name.
+PATH_LABELS = {"directory": "DIR"}
+
+
+def check_paths(values: dict[str, Any]) -> None:
+    """Refuse (UsageError, exit 2) a path given to a command that no file or directory could have: a
+    name in it longer than its filesystem allows (255 bytes on most), or a path beyond ``PATH_MAX``.
+    Checked for every path parameter of every command, before anything is touched, as numbers are."""
+    from hibernate.fsutil import path_length_problem
+
+    for name, value in values.items():
+        if isinstance(value, Path):
+            problem = path_length_problem(value)
+            if problem is not None:
+                label = PATH_LABELS.get(name, "--" + name.replace("_", "-"))
+                raise UsageError(f"{label} {problem}; nothing was changed")
+
+
 def handles_errors(func: F) -> F:
     """Turn HibernateError into its exit code and message (JSON when --json), and a Ctrl-C into
     exit 130 with its line or document, so a script reading stdout gets one whatever happened.
@@ -218,6 +236,7 @@ def handles_errors(func: F) -> F:
 
         try:
             limits.check(kwargs)
+            check_paths(kwargs)
             return func(*args, **kwargs)
         except HibernateError as exc:
             raise typer.Exit(render.error(exc, bool(kwargs.get("as_json")))) from None
