@@ -568,8 +568,27 @@ class Fleet:
 
     def _begin(self, backend: Backend, state: State, work: Any) -> asyncio.Task[Outcome]:
         self._set(backend, state, backend.reason)
-        backend.transition = asyncio.ensure_future(work)
+        backend.transition = asyncio.ensure_future(self._ended(backend, state, work))
         return backend.transition
+
+    async def _ended(self, backend: Backend, state: State, work: Any) -> Outcome:
+        """``work``'s outcome, whatever becomes of it. Each transition settles its own failures; one
+        that escapes it all the same (from reading the state back after a failure, say) still ends the
+        transition as a failure: the backend is never left starting, waking or sleeping, where every
+        request for it would wait on a transition that is over. Stopped if its command can be started
+        again, else failed (looked for again by the next request)."""
+        try:
+            outcome: Outcome = await work
+            return outcome
+        except Exception as exc:
+            reason = as_error(exc).message
+            if backend.state is state:
+                settled = State.STOPPED if self.startable(backend) else State.FAILED
+                if settled is State.FAILED:
+                    backend.pid = None
+                self._set(backend, settled, reason=reason)
+            log.warning("%s: %s failed: %s", backend.name, state.value, reason)
+            return Outcome(False, reason)
 
     async def _settle(self, backend: Backend, error: HibernateError, op: str, started: float) -> Outcome:
         """After a failed ``op``: the state the engine left, read from the backend's agents."""
@@ -624,8 +643,8 @@ class Fleet:
                 await self._make_room(backend, started + self.wake_timeout)
                 begun = time.monotonic()
                 restored = await asyncio.to_thread(self.control.wake, backend.pid)
-        except HibernateError as exc:
-            return await self._settle(backend, exc, "wake", started)
+        except Exception as exc:  # any failure: the state is read back, never left waking
+            return await self._settle(backend, as_error(exc), "wake", started)
         seconds = time.monotonic() - begun
         backend.last_used = time.monotonic()
         self._set(backend, State.AWAKE)
@@ -648,17 +667,18 @@ class Fleet:
                     if budgeted:
                         await self._make_room(backend, started + spec.start_timeout, starting=True)
                     found = await self._run_command(backend)
-        except HibernateError as exc:
+        except Exception as exc:  # any failure ends the start stopped, never starting
+            message = as_error(exc).message
             self.recorder.failed(backend.name, "start")
             tail = starter.tail(backend.log) if backend.log is not None else ""
             where = f" (log {backend.log})" if backend.log is not None else ""
-            reason = f"{exc.message}{where}" + (f"; its log ends:\n{tail}" if tail else "")
+            reason = f"{message}{where}" + (f"; its log ends:\n{tail}" if tail else "")
             self._set(backend, State.STOPPED, reason=reason)
             log.warning(
                 "%s: start failed after %.2f s: %s%s",
                 backend.name,
                 time.monotonic() - started,
-                exc.message,
+                message,
                 where,
             )
             return Outcome(False, reason)
@@ -767,8 +787,8 @@ class Fleet:
             if backend.pid is None:
                 raise NoRoomError("its process is not known")
             written, reused = await asyncio.to_thread(self.control.sleep, backend.pid)
-        except HibernateError as exc:
-            return await self._settle(backend, exc, "sleep", started)
+        except Exception as exc:  # any failure: the state is read back, never left sleeping
+            return await self._settle(backend, as_error(exc), "sleep", started)
         seconds = time.monotonic() - started
         self._set(backend, State.ASLEEP)
         self.recorder.transition(backend.name, "sleep", seconds, written, reused)
@@ -862,6 +882,14 @@ async def _exit_of(process: subprocess.Popen[bytes] | None) -> None:
     if process is not None and process.poll() is None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(process.wait, EXIT_WAIT_SECONDS)
+
+
+def as_error(exc: Exception) -> HibernateError:
+    """A failure as a transition reports one: ours as it is, any other (a bug, or an error no layer
+    below knew to classify, such as a ValueError from the operating system) with its kind named."""
+    if isinstance(exc, HibernateError):
+        return exc
+    return HibernateError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 def _alive(pid: int) -> bool:

@@ -283,6 +283,17 @@ def command_from_value(value: Any, label: str) -> tuple[str, ...]:
     return tuple(words)
 
 
+def refuse_nul(backend: str, fields: Sequence[tuple[str, str]]) -> None:
+    """A NUL byte ends a C string: no argument, environment variable or path can carry one, and a
+    command given one is never started (the operating system refuses it). ``fields`` are (how an
+    error names it, text)."""
+    for label, text in fields:
+        if "\0" in text:
+            raise UsageError(
+                f"{label} of backend {backend} holds a NUL byte (\\0): no program can be given one"
+            )
+
+
 def env_from_table(value: Any, label: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, Mapping) or not all(
         isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in value.items()
@@ -332,6 +343,16 @@ def backend_from_table(
     for started_only in ("cwd", "env", "start_timeout", "health_path"):
         if started_only in table and not command:
             raise UsageError(f"{key(started_only)} is for a backend started on demand: give its command")
+    env = env_from_table(table["env"], key("env")) if "env" in table else ()
+    refuse_nul(
+        name,
+        [
+            *((f"{key('command')} word {i + 1}", word) for i, word in enumerate(command)),
+            *((f"{key('env')} the name {variable!r}", variable) for variable, _ in env),
+            *((f"{key('env')} {variable}", value) for variable, value in env),
+            *([(f"{key('cwd')} the directory", cwd)] if cwd is not None else []),
+        ],
+    )
     return BackendSpec(
         name,
         check_url(table["url"], key("url")),
@@ -342,7 +363,7 @@ def backend_from_table(
         probes_from_table(table["probes"], key("probes"), probes) if "probes" in table else probes,
         command,
         Path(cwd).expanduser() if cwd is not None else None,
-        env_from_table(table["env"], key("env")) if "env" in table else (),
+        env,
         check_seconds(table.get("start_timeout", DEFAULT_START_TIMEOUT), key("start_timeout")),
         health_path,
     )
