@@ -11,13 +11,18 @@ may override.
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hibernate.errors import ExitCode
@@ -28,6 +33,7 @@ from tests.slurm_cluster import (
     agent_state,
     demo_command,
     demo_job,
+    free_ports,
     ready_demos,
     stopped_by_slurm,
 )
@@ -170,6 +176,119 @@ def test_a_preempted_server_sleeps_before_slurm_stops_it_and_serves_after(
         for job_id in (preemptor, server_id):
             if job_id is not None:
                 slurm.cancel(job_id)
+
+
+# `vllm serve MODEL --host H --port P ...` as the demo with its HTTP API (vLLM's default host: every
+# interface), recording the command line and VLLM_SERVER_DEV_MODE it was started with.
+VLLM_STANDIN = """#!/usr/bin/env bash
+printf '%s\\n' "VLLM_SERVER_DEV_MODE=${{VLLM_SERVER_DEV_MODE:-}}" "$@" >{record}
+model=$2
+shift 2
+while (($#)); do
+    case $1 in
+    --host) host=$2 && shift 2 ;;
+    --port) port=$2 && shift 2 ;;
+    *) shift ;;
+    esac
+done
+exec hibernate-demo serve --size-mb 4 --control {files}.sock --ready-file {files}.ready \\
+    --http-host "${{host:-0.0.0.0}}" --http-port "$port" --model-name "$model"
+"""
+
+
+def node_address() -> str | None:
+    """An IPv4 address of this machine other than loopback: where clients on other nodes come from."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return str(address.address)
+    return None
+
+
+def ask(
+    host: str, port: int, method: str, path: str, body: object = None, token: str = ""
+) -> tuple[int, bytes]:
+    """One HTTP request, straight to HOST:PORT (no proxy from the environment); its status and body."""
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores signal ``signum`` (its SigIgn mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError(f"no SigIgn in /proc/{pid}/status")
+
+
+@pytest.mark.slow
+def test_the_preemptible_server_keeps_vllm_on_loopback_and_lets_other_nodes_in_through_serve(
+    slurm_cluster: SlurmCluster, work_dir: Path
+) -> None:
+    """vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1) stay on 127.0.0.1; other nodes reach the
+    OpenAI API through hibernate serve on the node's address, its control endpoints behind a token the
+    script made (0600); a sleep by Slurm's signal still works with the proxy in the job."""
+    address = node_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback: nothing to hold vLLM away from")
+    slurm, node = slurm_cluster, slurm_cluster.nodes[0]
+    standin = slurm.scratch / "vllm-bin" / "vllm"
+    standin.parent.mkdir()
+    record = slurm.scratch / "vllm-argv"
+    standin.write_text(VLLM_STANDIN.format(record=record, files=f"{slurm.scratch}/vllm-$SLURMD_NODENAME"))
+    standin.chmod(0o755)
+    port = free_ports(2)
+    job_id = submit_script(
+        slurm, "vllm-preemptible.sbatch", f"--nodelist={node}", "--cpus-per-task=2",
+        env={
+            "MODEL": "demo", "LISTEN": f"{address}:{port}", "VLLM_PORT": str(port + 1),
+            "SNAPSHOTS": str(work_dir), "PATH": f"{standin.parent}{os.pathsep}{slurm.env['PATH']}",
+        },
+    )  # fmt: skip
+    try:
+        (demo,) = ready_demos(slurm, job_id, "vllm", [node])
+        output = output_of(slurm, job_id)
+        wait_until(lambda: "hibernate serve: listening on" in output.read_text(), 60, "the proxy", 0.1)
+        started = record.read_text().splitlines()
+        assert started[0] == "VLLM_SERVER_DEV_MODE=1"
+        assert started[1:] == [
+            "serve", "demo", "--host", "127.0.0.1", "--port", str(port + 1),
+            "--enable-sleep-mode", "--sleep-mode-backend", "hibernate",
+        ]  # fmt: skip
+        with pytest.raises(ConnectionRefusedError):  # vLLM, and its development endpoints: not out there
+            socket.create_connection((address, port + 1), timeout=10).close()
+        direct = ask("127.0.0.1", port + 1, "POST", "/v1/completions", {"model": "demo", "prompt": "x"})
+        assert direct[0] == 200
+
+        token_file = slurm.scratch / f"vllm-preemptible-{job_id}.token"
+        assert str(token_file) in output.read_text()
+        assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.stat().st_uid == os.getuid()
+        token = token_file.read_text().strip()
+        assert len(token) == 64 and set(token) <= set("0123456789abcdef")
+        assert ask(address, port, "POST", "/v1/completions", {"model": "demo", "prompt": "x"}) == direct
+        assert ask(address, port, "GET", "/hibernate/models")[0] == 401
+        status, models = ask(address, port, "GET", "/hibernate/models", token=token)
+        assert status == 200 and json.loads(models)["data"][0]["pid"] == demo.pid
+        for dev_path in ("/sleep?level=1", "/collective_rpc", "/is_sleeping"):  # never forwarded
+            assert ask(address, port, "POST", dev_path, {})[0] == 404, dev_path
+
+        # Slurm's SIGTSTP reaches every process of the job: the proxy ignores it, so that a request in
+        # flight through it is answered and the sleep does not wait on a stopped proxy.
+        proxy = next(p for p in psutil.Process(demo.pid).parent().children() if p.pid != demo.pid)
+        assert ignores(proxy.pid, signal.SIGTSTP), proxy.cmdline()
+        slurm.check("scancel", "--signal=TSTP", "--batch", str(job_id))
+        wait_until(lambda: "hibernate run: asleep: pid" in output.read_text(), 60, "the sleep", 0.1)
+        assert agent_state(slurm, demo) == "asleep"
+        assert ask(address, port, "POST", "/v1/completions", {"model": "demo", "prompt": "x"}) == direct
+        assert agent_state(slurm, demo) == "running"  # the request woke it, through the proxy
+    finally:
+        slurm.cancel(job_id)
 
 
 def train_env(slurm: SlurmCluster, hibernate_job: Path | str, evaluate: str = "true") -> dict[str, str]:
