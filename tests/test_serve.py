@@ -10,6 +10,7 @@ the answers (same bytes as before the sleep).
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -67,6 +68,9 @@ def fetch(
     method: str, url: str, body: Any = None, data: bytes | None = None, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     return asyncio.run(_fetch(method, url, body, data, headers))
+
+
+GZIP = {"Content-Encoding": "gzip"}
 
 
 def completion(model: str, **extra: Any) -> dict[str, Any]:
@@ -144,9 +148,13 @@ class Proxy:
         return f"http://127.0.0.1:{self.port}"
 
     def post(
-        self, body: Any = None, path: str = "/v1/completions", data: bytes | None = None
+        self,
+        body: Any = None,
+        path: str = "/v1/completions",
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
-        return fetch("POST", self.url + path, body, data)
+        return fetch("POST", self.url + path, body, data, headers)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """GET /hibernate/status, checked against its published schema, by backend name."""
@@ -238,10 +246,12 @@ def test_requests_go_to_the_backend_their_model_names_unchanged(
     proxy = start_proxy("--backend", backend_flag(one), "--backend", backend_flag(two))
     for model in ("one", "two", "one"):
         assert proxy.post(completion(model)) == direct[model]
+    squeezed = gzip.compress(json.dumps(completion("two")).encode())  # routed by its decoded body
+    assert proxy.post(data=squeezed, headers=GZIP) == direct["two"]
     models = json.loads(fetch("GET", proxy.url + "/v1/models")[1])["data"]
     assert [(m["id"], m["state"]) for m in models] == [("one", "awake"), ("two", "awake")]
     assert proxy.metric("hibernate_serve_requests_total", backend="one", code="200") == 2
-    assert proxy.metric("hibernate_serve_added_latency_seconds_count", backend="two") == 1
+    assert proxy.metric("hibernate_serve_added_latency_seconds_count", backend="two") == 2
 
     # Every metric /metrics exposes is in docs/serve.md's table, and nothing else is.
     documented = set(
@@ -328,6 +338,7 @@ def test_bad_input_gets_a_clear_4xx_and_wakes_nothing(
     refused(*proxy.post(completion("nobody")), 404, "The model `nobody` does not exist")
     refused(*proxy.post(completion("demo", prompt="x" * 5000)), 413, "the limit is 4096 bytes")
     refused(*fetch("GET", proxy.url + "/v1/completions"), 404, "is not routed")
+    refused(*proxy.post(data=b"not gzip", headers=GZIP), 400, "not valid gzip")
 
     # A slow client: headers promise 100 bytes, 10 come, then nothing.
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:

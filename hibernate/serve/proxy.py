@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet, parse_keep_alive
+from hibernate.serve.bodies import CONTENT_ENCODING, codings, decode_body
 from hibernate.serve.config import (
     MAX_SECONDS,
     PROBE_ANSWER,
@@ -27,6 +28,7 @@ from hibernate.serve.config import (
     probe_path,
 )
 from hibernate.serve.control import BackendControl
+from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import MODELS_PATH, ApiError, models_list, route, without_keep_alive
 
@@ -48,8 +50,11 @@ log = logging.getLogger("hibernate.serve")
 
 
 def forwarded_headers(headers: Any, *, request: bool) -> list[tuple[str, str]]:
-    """The end-to-end headers of a message; a request's Content-Length is set again from its body."""
+    """The end-to-end headers of a message; a request's Content-Length is set again from its body, and
+    its Content-Encoding is left out where the proxy decoded the body (:mod:`bodies`)."""
     drop = HOP_BY_HOP | OWN_HEADERS | {"content-length"} if request else HOP_BY_HOP
+    if request and codings(headers.get(CONTENT_ENCODING)):
+        drop = drop | {CONTENT_ENCODING.lower()}
     return [(k, v) for k, v in headers.items() if k.lower() not in drop]
 
 
@@ -315,7 +320,7 @@ class Proxy:
         if declared is not None and declared > limits.max_body_bytes:
             raise self._too_large(declared)
         try:
-            return await asyncio.wait_for(request.read(), limits.body_timeout)
+            body = await asyncio.wait_for(request.read(), limits.body_timeout)
         except TimeoutError:
             raise ApiError(
                 408,
@@ -324,6 +329,12 @@ class Proxy:
             ) from None
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large(None) from None
+        try:
+            return decode_body(body, request.headers.get(CONTENT_ENCODING), limits.max_body_bytes)
+        except ApiError as error:  # a client's mistake, but one worth a line: its body is not what it says
+            where = f"{request.method} {request.path}"
+            HTTP_LOG.warning("bad request body from %s: %s: %s", request.remote, where, error.message)
+            raise
 
     def _too_large(self, size: int | None) -> ApiError:
         limit = self.config.limits.max_body_bytes

@@ -124,6 +124,7 @@ async def serve(config: ServeConfig) -> None:
     runner = web.AppRunner(
         proxy.app(),
         handler_cancellation=True,  # a client that leaves cancels its request, upstream too
+        auto_decompress=False,  # the proxy decodes a compressed body itself (hibernate.serve.bodies)
         max_line_size=limits.max_header_bytes,
         max_field_size=limits.max_header_bytes,
         shutdown_timeout=limits.shutdown_timeout,
