@@ -70,6 +70,7 @@ def track(
         return obj
     from hibernate.pools.tensors import TensorPool
 
+    _watch_captures()
     agent = local_agent()
     if to is not None:
         agent.default_dir = Path(to).expanduser().absolute()
@@ -105,6 +106,7 @@ def pool(tag: str = "weights", keep: bool = True) -> Iterator[None]:
     if _off():
         yield
         return
+    _watch_captures()
     agent, provider = _pool_provider(tag, keep)
     with agent.guard.hold(), provider.region(tag):
         yield
@@ -127,6 +129,7 @@ def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **captu
     import torch
 
     from hibernate.errors import UsageError
+    from hibernate.pools.capture import watch_of_process
 
     if "pool" in capture:
         raise UsageError("hibernate.cuda_graph() chooses the graph's pool itself; do not pass pool=")
@@ -135,13 +138,24 @@ def cuda_graph(graph: Any, *, tag: str = "cudagraph", keep: bool = True, **captu
         with torch.cuda.graph(graph, **capture):
             yield
         return
+    _watch_captures()
     agent, provider = _pool_provider(tag, keep)
     with (
         agent.guard.hold(),
         provider.graph_pool(tag) as pool_id,
         torch.cuda.graph(graph, pool=pool_id, **capture),
     ):
+        watch_of_process().mark_in_hibernate_pool(graph)
         yield
+
+
+def _watch_captures() -> None:
+    """From now on every CUDA graph captured in this process is seen (hibernate.pools.capture)."""
+    import torch
+
+    from hibernate.pools import capture
+
+    capture.watch(torch.cuda)
 
 
 def _check_tag(tag: Any) -> None:

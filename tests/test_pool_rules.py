@@ -15,7 +15,7 @@ import torch
 
 from hibernate.agent.controller import AgentState
 from hibernate.errors import AddressesWouldMoveError, ExitCode, UnsupportedError, UsageError
-from hibernate.pools.graphs import graph_pools, is_graph_pool, moves_refusal
+from hibernate.pools.graphs import graph_descriptions, graph_pools, is_graph_pool, moves_refusal
 from hibernate.pools.provided import (
     PROVIDER_ENV,
     ROOM_HEADROOM_BYTES,
@@ -53,16 +53,25 @@ def test_graph_pools_are_listed_once_in_order_and_unnamed_pools_are_unknown() ->
 
 
 def test_nothing_is_refused_without_both_graphs_and_moves() -> None:
-    assert moves_refusal([], [(1, 0)]) is None
+    assert moves_refusal([], ["a CUDA graph captured at train.py:3"]) is None
     assert moves_refusal([("weights/w", 10)], []) is None
 
 
 def test_a_refusal_names_the_graphs_and_the_largest_storages_that_would_move() -> None:
     moving = [(f"weights/layer{i}", (i + 1) * MIB) for i in range(8)]
-    reason = moves_refusal(moving, [(1, 0)])
+    reason = moves_refusal(moving, ["a CUDA graph captured at train.py:3", "another at train.py:9"])
     assert reason is not None
-    assert "(1, 0)" in reason and "8 tracked storage(s)" in reason
+    assert "captured at train.py:3; another at train.py:9" in reason and "8 tracked storage(s)" in reason
     assert "weights/layer7" in reason and "weights/layer0" not in reason and "and 3 more" in reason
+
+
+def test_graphs_seen_at_their_capture_come_first_then_graph_pools_none_of_them_owns() -> None:
+    live = [("a graph captured at a.py:1", (3, 0)), ("a graph captured at b.py:2", None)]
+    described = graph_descriptions(live, [(3, 0), (5, 0)])
+    assert described[:2] == ["a graph captured at a.py:1", "a graph captured at b.py:2"]
+    assert len(described) == 3 and "private pool (5, 0)" in described[2]
+    assert "captured before hibernate watched captures" in described[2]
+    assert graph_descriptions([], []) == []
 
 
 # -- which provider --------------------------------------------------------------------------
@@ -137,6 +146,7 @@ def on_device(
         device_of=lambda storage: 1 if storage._cdata in ids else None,
         segments=lambda: segments,
         covered=lambda: list(covered),
+        graphs=lambda: [],  # the graph pools in ``segments`` only: none seen at a capture
     )
 
 

@@ -13,12 +13,13 @@ on the raw addresses captured.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import mmap
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,10 +36,10 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.pools import provided
-from hibernate.pools.provided import PROVIDER_ENV, ROOM_HEADROOM_BYTES, TORCH_MEMORY_SAVER
+from hibernate.pools import capture, provided
+from hibernate.pools.provided import PROVIDER_ENV, ROOM_HEADROOM_BYTES, TORCH_MEMORY_SAVER, resume_margin
 from hibernate.pools.tensors import TensorPool
-from hibernate.pools.tms import TAG_PREFIX, TmsPool, TmsProvider
+from hibernate.pools.tms import CAPTURE_SUFFIX, TAG_PREFIX, TmsPool, TmsProvider
 from tests.pooled import agent_with, assert_same, bits, fingerprint
 from tests.standins import cuda_graphs, tms
 from tests.standins.cuda_graphs import readable
@@ -94,7 +95,8 @@ def standin(fresh_agent: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setu
 
 
 def untagged(tms_tag: str) -> str:
-    return tms_tag.removeprefix(TAG_PREFIX)
+    """hibernate's tag of a torch_memory_saver tag (a capture's own tag is its tag's)."""
+    return tms_tag.removeprefix(TAG_PREFIX).partition(CAPTURE_SUFFIX)[0]
 
 
 def sleep(work_dir: Path, **args: Any) -> dict[str, Any]:
@@ -223,7 +225,7 @@ def test_the_agent_refuses_a_wake_without_room_before_mapping_anything(
     assert hibernate.state() == "asleep" and standin.world.resumes == 0
     assert standin.mapped("weights", "state") == [False, False, False]
 
-    standin.world.set_free_bytes(0, held + ROOM_HEADROOM_BYTES)
+    standin.world.set_free_bytes(0, held + resume_margin(3))  # each tag's own check, right before it
     wake()
     assert_same(made.tensors(), before)
 
@@ -464,6 +466,41 @@ def test_a_graph_captured_over_pooled_weights_replays_bit_exact_after_a_wake(
         assert torch.equal(out, made.model(inputs) * 2)
 
 
+def test_memory_a_graph_writes_is_never_handed_to_a_later_pool_allocation_of_its_tag(
+    standin: Setup, work_dir: Path
+) -> None:
+    """An intermediate the capture freed is back in the capture's pool, and every replay writes it:
+    a pool of the capture's own keeps it from ``hibernate.pool(tag)``'s next tensors."""
+    made = pooled()
+    with hibernate.pool("scratch"):
+        inputs = torch.randn(4, 300)
+    with cuda_graphs.patched_torch_cuda(), torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        with hibernate.cuda_graph(graph, tag="scratch"):
+            out = made.model(inputs) * 2  # the linear layer's result is freed inside the capture
+        graph.replay()
+        expected = bits(out)
+        with hibernate.pool("scratch"):
+            later = [torch.full((4, 300), 7.0) for _ in range(4)]  # the freed block's size and more
+        written = [(w.address, w.address + w.nbytes) for w in graph.writes]
+        for tensor in later:
+            start = tensor.data_ptr()
+            assert not any(a < start + tensor.nbytes and start < b for a, b in written), "shares graph memory"
+        graph.replay()
+    assert all(torch.equal(tensor, torch.full((4, 300), 7.0)) for tensor in later)
+    assert torch.equal(bits(out), expected)
+    assert {untagged(a.tag) for a in standin.world.allocations()} >= {"scratch"}
+    assert len({a.tag for a in standin.world.allocations() if untagged(a.tag) == "scratch"}) == 2
+
+    sleep(work_dir)  # the capture's own pool sleeps and wakes with its tag
+    assert standin.mapped("scratch") == [False] * len(standin.allocations("scratch"))
+    wake()
+    with cuda_graphs.patched_torch_cuda():
+        graph.replay()
+    assert torch.equal(bits(out), expected)
+    assert all(torch.equal(tensor, torch.full((4, 300), 7.0)) for tensor in later)
+
+
 def test_cuda_graph_chooses_the_pool_itself(standin: Setup) -> None:
     with pytest.raises(UsageError, match="do not pass pool"), hibernate.cuda_graph(object(), pool=(0, 1)):
         pass
@@ -502,9 +539,11 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
 
     weights = torch.randn(33 * MIB // 4)  # beyond glibc's mmap threshold: freed, it is unmapped
     inputs = torch.randn(1024)
+    watch_standin_captures()
     graph = cuda_graphs.CUDAGraph()
     with cuda_graphs.graph(graph):  # its own pool, (N, 0)
         out = weights[:1024] * inputs
+    captured_at = f"{__file__}:{inspect.currentframe().f_lineno - 2}"  # type: ignore[union-attr]
     graph.replay()
     expected = bits(out)
     before = fingerprint({"weights": weights})
@@ -522,6 +561,7 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
         agent.sleep_here(work_dir, 5.0, {})
     assert caught.value.exit_code == ExitCode.ADDRESSES_WOULD_MOVE == 15
     assert str(graph.pool()) in caught.value.message and "weights/w" in caught.value.message
+    assert f"a CUDA graph captured at {captured_at} (in test_a_graph_over" in caught.value.message
     assert agent.state is AgentState.RUNNING
     assert_same({"weights": weights}, before)
 
@@ -545,6 +585,62 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
     assert not torch.equal(bits(out), expected), "the graph reads the old address: wrong"
     if held is not None:
         libc.munmap(*held)
+
+
+def watch_standin_captures() -> None:
+    """The captures of the stand-in graph classes seen from now on, as ``track``/``pool`` would
+    start seeing torch's (whether an earlier test already did is no matter: once per class)."""
+    capture.watch(SimpleNamespace(CUDAGraph=cuda_graphs.CUDAGraph, graph=cuda_graphs.graph))
+
+
+def test_a_graph_that_allocated_nothing_over_tracked_weights_refuses_the_sleep_naming_its_capture(
+    work_dir: Path, cudart_path: Path
+) -> None:
+    """A capture into static buffers (``out=``) makes no memory of its own: torch's allocator shows
+    no graph, yet its replay reads the weights where they were."""
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    weights = torch.randn(33 * MIB // 4)  # beyond glibc's mmap threshold: freed, it is unmapped
+    inputs, static_out = torch.randn(1024), torch.empty(1024)
+    watch_standin_captures()
+    graph = cuda_graphs.CUDAGraph()
+    with cuda_graphs.graph(graph):
+        torch.mul(weights[:1024], inputs, out=static_out)
+    line = inspect.currentframe().f_lineno - 2  # type: ignore[union-attr]
+    graph.replay()
+    expected = bits(static_out)
+    assert not [s for s in cuda_graphs.memory_snapshot() if s["segment_pool_id"] == graph.pool()]
+    cudart = FakeCudaRT(cudart_path)
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=lambda storage: 0 if storage._cdata == weights.untyped_storage()._cdata else None,
+        segments=cuda_graphs.memory_snapshot,
+        covered=lambda: [],
+    )
+    pool.track(weights, "weights", True, "w")
+    agent = agent_with(pool, "pool-tms")
+    [seen] = [g for g in agent.status()["graphs"] if g["captured_at"].startswith(f"{__file__}:{line} ")]
+    assert seen["pool"] == list(graph.pool()) and seen["hibernate_pool"] is False
+
+    with pytest.raises(AddressesWouldMoveError) as caught:
+        agent.sleep_here(work_dir, 5.0, {})
+    assert f"captured at {__file__}:{line}" in caught.value.message and "weights/w" in caught.value.message
+    assert agent.state is AgentState.RUNNING and not any(work_dir.iterdir())
+
+    old = weights.data_ptr()
+    agent.sleep_here(work_dir, 5.0, {"allow_moves": True})
+    held = block(old, 1024 * 4, 0x3C)  # something else lives where the weights were
+    assert held is not None or readable(old, 4096)
+    agent.wake_here({})
+    assert weights.data_ptr() != old
+    assert torch.equal(bits(weights[:1024] * inputs), expected), "eager code reads the tensor: right"
+    graph.replay()
+    assert not torch.equal(bits(static_out), expected), "the graph reads the old address: wrong"
+    if held is not None:
+        libc.munmap(*held)
+    graph.reset()
+    assert not [g for g in agent.status()["graphs"] if g["captured_at"].startswith(f"{__file__}:{line} ")]
 
 
 # -- which provider ----------------------------------------------------------------------------

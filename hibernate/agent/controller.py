@@ -62,6 +62,7 @@ from hibernate.errors import (
     WrongStateError,
 )
 from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
+from hibernate.pools.capture import live_graphs
 from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
 from hibernate.pools.provided import no_room, shortfalls
@@ -319,6 +320,7 @@ class Agent:
             "last_operation": last_operation,
             "restore_refusal": refusal.message if (refusal := self._restore_refused()) else None,
             "torch": torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
+            "graphs": [graph.to_wire() for graph in live_graphs()],  # seen since the first track/pool
         }
 
     def configure(self, directory: Path | None) -> dict[str, Any]:

@@ -134,6 +134,7 @@ class Doctor:
         if self.pid is not None:
             self.check_target()
             self.check_torch()
+            self.check_graphs()
             self.check_nccl()
             self.check_vllm_peers()
         self.check_directory()
@@ -451,6 +452,40 @@ class Doctor:
             for pid, torch in reported
         ]
         self.add("torch", OK, "; ".join(builds), versions=versions)
+
+    def check_graphs(self) -> None:
+        """The CUDA graphs each agent saw captured: what a sleep that moves tracked memory is refused for.
+
+        An agent of an older hibernate does not report them and is left out.
+        """
+        reported = [
+            (a.pid, a.status["graphs"]) for a in self.agents if isinstance(a.status.get("graphs"), list)
+        ]
+        if not reported:
+            return
+        seen = [(pid, graph) for pid, graphs in reported for graph in graphs if isinstance(graph, dict)]
+        if not seen:
+            self.add(
+                "graphs", OK, "no live CUDA graph seen captured since the first track or pool", graphs=[]
+            )
+            return
+        outside = [(pid, g) for pid, g in seen if not g.get("hibernate_pool")]
+        listed = "; ".join(
+            f"process {pid}: captured at {g.get('captured_at')}"
+            + (" in a hibernate pool" if g.get("hibernate_pool") else "")
+            for pid, g in seen
+        )
+        self.add(
+            "graphs",
+            WARN if outside else OK,
+            f"{len(seen)} live CUDA graph(s): {listed}",
+            "a sleep that would move tracked CUDA memory beside these graphs is refused (exit 15): allocate "
+            "what they read in hibernate.pool() and capture with hibernate.cuda_graph, or pass --allow-moves "
+            "if the program captures them again after every wake"
+            if outside
+            else None,
+            graphs=[{"pid": pid, **g} for pid, g in seen],
+        )
 
     def check_nccl(self) -> None:
         from hibernate import procinfo

@@ -58,6 +58,12 @@ NEEDS: Mapping[str, str] = {
 # Free memory a wake leaves on a GPU beyond the pools it maps back: the CUDA runtime and the
 # caching allocator need some to run the program's first kernels.
 ROOM_HEADROOM_BYTES = 64 << 20
+# What cuMemCreate maps for an allocation is its size rounded up to the allocation granularity:
+# 2 MiB for device memory on every NVIDIA GPU so far (cuMemGetAllocationGranularity's minimum).
+MAP_GRANULARITY = 2 << 20
+# Before a provider maps its allocations back, beyond the headroom, per allocation: the driver's own
+# bookkeeping of each mapping, and a margin against another process's growth that scales with the work.
+PER_MAPPING_MARGIN = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,6 @@ class PoolProvider(Protocol):
 
     def spans(self) -> list[Span]:
         """Every allocation of the declared tags now: what ``hibernate.track`` must leave alone."""
-        ...
-
-    def graph_pools(self) -> list[PoolId]:
-        """The pools ``graph_pool`` gave to captures: CUDA graphs live there (hibernate.pools.graphs)."""
         ...
 
 
@@ -172,11 +174,17 @@ def no_room(short: Sequence[tuple[int, int, int]], what: str) -> UnsupportedErro
     )
 
 
-def bytes_per_device(spans: Iterable[Span]) -> dict[int, int]:
+def bytes_to_map(spans: Iterable[Span], granularity: int = MAP_GRANULARITY) -> dict[int, int]:
+    """Per device, what mapping ``spans`` back takes: each one rounded up to the granularity."""
     total: dict[int, int] = {}
     for span in spans:
-        total[span.device] = total.get(span.device, 0) + span.nbytes
+        total[span.device] = total.get(span.device, 0) + -(-span.nbytes // granularity) * granularity
     return total
+
+
+def resume_margin(mappings: int) -> int:
+    """The free memory a provider leaves beyond what it maps back, for ``mappings`` allocations."""
+    return ROOM_HEADROOM_BYTES + mappings * PER_MAPPING_MARGIN
 
 
 # -- which provider this process uses -----------------------------------------------------
@@ -252,9 +260,3 @@ def covered_spans() -> Sequence[Span]:
     """What the process's provider holds now ([] before any ``hibernate.pool()``); never chooses one."""
     provider = installed()
     return provider.spans() if provider is not None else []
-
-
-def captured_graph_pools() -> Sequence[PoolId]:
-    """The pools of the process's provider that ``hibernate.cuda_graph`` captured into ([] before any)."""
-    provider = installed()
-    return provider.graph_pools() if provider is not None else []

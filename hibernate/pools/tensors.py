@@ -53,6 +53,7 @@ from hibernate.errors import HibernatingError, UsageError
 from hibernate.gcpause import gc_paused
 from hibernate.pools import hostpages
 from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.capture import SeenGraph, live_graphs
 from hibernate.pools.device import (
     POISON_STORAGE,
     UNPOISON_STORAGE,
@@ -61,8 +62,8 @@ from hibernate.pools.device import (
     torch_cuda_in_use,
     untracked_views_warning,
 )
-from hibernate.pools.graphs import graph_pools, moves_refusal
-from hibernate.pools.provided import Span, captured_graph_pools, covered_spans
+from hibernate.pools.graphs import graph_descriptions, graph_pools, moves_refusal
+from hibernate.pools.provided import Span, covered_spans
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
 
@@ -527,7 +528,8 @@ class TensorPool:
     ``segments`` lists the device allocator's segments and the pool of each;
     ``covered`` the allocations of ``hibernate.pool()``, whose storages their
     own pool hibernates at their addresses (tracking them too changes nothing);
-    ``captured`` the pools ``hibernate.cuda_graph`` captured graphs into.
+    ``graphs`` the CUDA graphs alive that the process captured since its
+    first track or pool (hibernate.pools.capture).
     """
 
     name = "torch"
@@ -538,7 +540,7 @@ class TensorPool:
         device_of: Callable[[torch.UntypedStorage], int | None] = cuda_index,
         segments: Callable[[], Sequence[Mapping[str, Any]]] = allocator_segments,
         covered: Callable[[], Sequence[Span]] = covered_spans,
-        captured: Callable[[], Sequence[tuple[int, int]]] = captured_graph_pools,
+        graphs: Callable[[], Sequence[SeenGraph]] = live_graphs,
     ) -> None:
         self._tracked: dict[int, _Tracked] = {}
         self._lock = threading.Lock()
@@ -554,7 +556,7 @@ class TensorPool:
         self._device_of = device_of
         self._segments = segments
         self._covered = covered
-        self._captured = captured
+        self._graphs = graphs
         self._devices: frozenset[int] = frozenset()  # those holding a storage at the newest regions()
 
     def copies(self) -> DeviceCopies:
@@ -700,21 +702,21 @@ class TensorPool:
         Every tracked device storage moves (a pool's are not tracked here: see
         ``covered``); host storages are not counted, as a graph reads device
         memory. Asked only where something moves: the allocator's snapshot is
-        costly. An allocator that cannot list its segments cannot show graphs
-        either; its warning (see warnings) says so.
+        costly. Every graph seen at its capture counts, one captured by
+        ``hibernate.cuda_graph`` too (its own memory stays in place, not what it
+        reads); so does a graph pool holding memory that none of them owns. An
+        allocator that cannot list its segments shows no such pool (its warning
+        says so), but the graphs seen at their capture still count.
         """
         moving = [(key, nbytes) for key, _, _, nbytes in self._device_storages]
         if not moving:
             return None
         try:
-            segments = self._segments()
+            pools = graph_pools(self._segments())
         except UnknownSegments:
-            return None
-        # Graphs hibernate.cuda_graph captured live in a pool of the provider's (a user pool, (0, N)):
-        # counted while that pool holds memory. They keep their own memory in place, not what they read.
-        holding = {tuple(s["segment_pool_id"]) for s in segments if s.get("segment_pool_id") is not None}
-        pools = [*graph_pools(segments), *(pool for pool in self._captured() if pool in holding)]
-        return moves_refusal(moving, pools)
+            pools = []
+        live = [(graph.describe(), graph.pool) for graph in self._graphs()]
+        return moves_refusal(moving, graph_descriptions(live, pools))
 
     def after_release(self) -> None:
         _trim_host_heap()

@@ -22,6 +22,13 @@ process-wide tags (``hibernate:<tag>``): a pause acts on every allocation with
 its tag, whoever made it, and a library that uses torch_memory_saver itself
 with a tag such as ``weights`` must not have its memory paused unspilled.
 
+Each ``hibernate.cuda_graph`` capture gets a MemPool of its own, under a
+torch_memory_saver tag of its own (``hibernate:<tag>/graph-<n>``; a hibernate
+tag has no ``/``), hibernated with its tag. Blocks a capture frees return to
+its pool's free list (torch's caching allocator reuses them within the
+capture), and the graph writes them on every replay: a pool shared with
+``hibernate.pool(tag)`` blocks would hand them to the program's next tensors.
+
 Which memory a tag holds is read from torch's allocator: the segments of the
 tag's MemPools (``torch.cuda.memory_snapshot(pool_id)``), each one raw
 allocation of torch_memory_saver. torch_memory_saver names no public way to
@@ -33,6 +40,7 @@ version that keeps them elsewhere is refused with that said.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,15 +60,17 @@ from hibernate.pools.graphs import PoolId
 from hibernate.pools.provided import (
     TORCH_MEMORY_SAVER,
     Span,
-    bytes_per_device,
+    bytes_to_map,
     declare_once,
     no_room,
+    resume_margin,
     shortfalls,
 )
 
 KNOWN_VERSION = "0.0.10"
 HOOK_MODE = "torch"
 TAG_PREFIX = "hibernate:"  # hibernate's tags among torch_memory_saver's (see the module docstring)
+CAPTURE_SUFFIX = "/graph-"  # a capture's own tag: hibernate:<tag>/graph-<n>
 
 Segments = Callable[[PoolId], Sequence[Mapping[str, Any]]]
 
@@ -151,6 +161,8 @@ class TmsPool:
         self._lock = threading.Lock()
         self._keep: dict[str, bool] = {}
         self._paused: dict[str, list[Span]] = {}  # tag -> what it held when paused
+        # tag -> its torch_memory_saver tags paused and not yet resumed (a capture's own among them)
+        self._paused_saver_tags: dict[str, list[str]] = {}
         # The devices the newest regions() found: what synchronize and pinner act on, without asking
         # torch's allocator again (its snapshot is costly, and a sleep asks right after regions()).
         self._devices: frozenset[int] = frozenset()
@@ -228,10 +240,12 @@ class TmsPool:
             )
         for device in sorted({span.device for span in spans}):
             self.copies().synchronize(device)  # no kernel of an unguarded thread still uses the memory
-        faults.point("pool.pause")
-        self._provider.pause(tag)
-        with self._lock:
-            self._paused[tag] = spans
+        for saver_tag in self._provider.saver_tags(tag):
+            faults.point("pool.pause")
+            self._provider.pause(saver_tag)
+            with self._lock:  # asleep from its first part on: a failure later resumes what went
+                self._paused[tag] = spans
+                self._paused_saver_tags.setdefault(tag, []).append(saver_tag)
 
     def resume(self, tag: str) -> None:
         """Map the tag back, unless that would end the process inside torch_memory_saver."""
@@ -250,13 +264,19 @@ class TmsPool:
                 "cannot be woken; its snapshot is whole, for a process restarted from it",
                 hint="allocate in a pool only inside hibernate.pool() blocks, which wait for the wake",
             )
-        short = shortfalls(bytes_per_device(now), self._provider.free_bytes)
+        short = shortfalls(bytes_to_map(now), self._provider.free_bytes, resume_margin(len(now)))
         if short:
             raise no_room(short, f"hibernate.pool({tag!r})")
-        faults.point("pool.resume")
-        self._provider.resume(tag)
+        with self._lock:
+            saver_tags = list(self._paused_saver_tags.get(tag, ()))
+        for saver_tag in saver_tags:
+            faults.point("pool.resume")
+            self._provider.resume(saver_tag)
+            with self._lock:
+                self._paused_saver_tags[tag].remove(saver_tag)
         with self._lock:
             self._paused.pop(tag, None)
+            self._paused_saver_tags.pop(tag, None)
 
 
 class TmsProvider:
@@ -287,7 +307,8 @@ class TmsProvider:
         self._device = device
         self._lock = threading.Lock()
         self._pool = TmsPool(self)
-        self._graph_pools: set[PoolId] = set()  # the pools hibernate.cuda_graph captured into
+        self._captures: dict[str, list[str]] = {}  # tag -> the torch_memory_saver tags of its captures
+        self._capture_numbers = itertools.count(1)
         self._use_torch_hooks()
 
     def _use_torch_hooks(self) -> None:
@@ -327,35 +348,46 @@ class TmsProvider:
     def region(self, tag: str) -> Iterator[None]:
         if self._pool.asleep(tag):
             raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
+        with self._saver_region(TAG_PREFIX + tag):
+            yield
+
+    @contextmanager
+    def _saver_region(self, saver_tag: str) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(self._saver.region(TAG_PREFIX + tag))
+                stack.enter_context(self._saver.region(saver_tag))
             except RuntimeError as exc:  # its start-up checks (expandable_segments, the CUDA runtime)
                 raise UnsupportedError(
-                    f"torch_memory_saver could not open a region for {tag!r}: {exc}"
+                    f"torch_memory_saver could not open a region for {saver_tag.removeprefix(TAG_PREFIX)!r}: "
+                    f"{exc}"
                 ) from exc
             yield
 
     @contextmanager
     def graph_pool(self, tag: str) -> Iterator[PoolId]:
-        """The MemPool of ``tag`` on this device, with torch_memory_saver's allocator set up on this thread.
+        """A MemPool of its own for one capture, hibernated with ``tag``, with torch_memory_saver's
+        allocator set up on this thread.
 
-        Not through ``region``: that makes the thread allocate to the pool
-        (``use_mem_pool``), and torch refuses a capture into a pool already
-        being allocated to ("already recording to mempool_id"). The capture
-        routes its own allocations to the pool; what torch_memory_saver's
-        allocator needs besides is its thread-local tag and region flag, which
-        it keeps per thread: the capture must allocate on this thread (a
-        backward pass captured by make_graphed_callables allocates on
-        autograd's threads, where the allocator ends the process).
+        Its own pool: see the module docstring. Not entered as a region: that
+        makes the thread allocate to the pool (``use_mem_pool``), and torch
+        refuses a capture into a pool already being allocated to ("already
+        recording to mempool_id"). The capture routes its own allocations to
+        the pool; what torch_memory_saver's allocator needs besides is its
+        thread-local tag and region flag, which it keeps per thread: the
+        capture must allocate on this thread (a backward pass captured by
+        make_graphed_callables allocates on autograd's threads, where the
+        allocator ends the process).
         """
-        with self.region(tag):
+        if self._pool.asleep(tag):
+            raise WrongStateError(f"hibernate.pool({tag!r}) is asleep: nothing can be allocated in it now")
+        saver_tag = f"{TAG_PREFIX}{tag}{CAPTURE_SUFFIX}{next(self._capture_numbers)}"
+        with self._saver_region(saver_tag):
             pass  # torch_memory_saver makes the tag's pool on this device on first use
         device = self._device()
         ids = [
             pool.id
             for key, pool in list(self._mem_pools().items())
-            if isinstance(key, tuple) and key[0] == TAG_PREFIX + tag and key[-1] == device
+            if isinstance(key, tuple) and key[0] == saver_tag and key[-1] == device
             and not any(key[1:3])  # neither of its own backups
         ]  # fmt: skip
         if not ids:
@@ -369,13 +401,14 @@ class TmsProvider:
                 hint=f"pip install torch-memory-saver=={KNOWN_VERSION}",
             )
         with self._lock:
-            self._graph_pools.add(pool_id)
-        with configure(tag=TAG_PREFIX + tag, enable_cpu_backup=False, cpu_backup_backend=None):
+            self._captures.setdefault(tag, []).append(saver_tag)
+        with configure(tag=saver_tag, enable_cpu_backup=False, cpu_backup_backend=None):
             yield pool_id
 
-    def graph_pools(self) -> list[PoolId]:
+    def saver_tags(self, tag: str) -> list[str]:
+        """torch_memory_saver's tags that hold ``tag``'s memory: its own, then each capture's."""
         with self._lock:
-            return sorted(self._graph_pools)
+            return [TAG_PREFIX + tag, *self._captures.get(tag, ())]
 
     def declare(self, tag: str, keep: bool) -> None:
         self._pool.declare(tag, keep)
@@ -388,12 +421,14 @@ class TmsProvider:
         if tag is None:
             return self._pool.spans()
         found: list[Span] = []
-        for pool_id in pools_of_tag(self._mem_pools(), TAG_PREFIX + tag):
-            found.extend(spans_of(tag, self._segments(pool_id)))
-        return found
+        for saver_tag in self.saver_tags(tag):
+            for pool_id in pools_of_tag(self._mem_pools(), saver_tag):
+                found.extend(spans_of(tag, self._segments(pool_id)))
+        return sorted(found, key=lambda span: (span.device, span.address))
 
-    def pause(self, tag: str) -> None:
-        self._saver.pause(TAG_PREFIX + tag)
+    def pause(self, saver_tag: str) -> None:
+        """Unmap every allocation of torch_memory_saver's ``saver_tag`` (one of ``saver_tags``)."""
+        self._saver.pause(saver_tag)
 
-    def resume(self, tag: str) -> None:
-        self._saver.resume(TAG_PREFIX + tag)
+    def resume(self, saver_tag: str) -> None:
+        self._saver.resume(saver_tag)

@@ -426,7 +426,6 @@ class CuMemProvider:
         self._instance = allocator or _allocator_instance
         self._declared: dict[str, bool] = {}
         self._pool = CuMemPool(allocator=self._instance, device=device, keep=self._keeps)
-        self._graph_pools: set[tuple[int, int]] = set()
 
     def _keeps(self, tag: str) -> bool:
         return self._declared.get(tag, True)  # a tag nobody declared is kept: dropping it could lose data
@@ -449,12 +448,7 @@ class CuMemProvider:
         allocator = self._instance()
         with allocator.cudagraph_pool() as pool_id:
             allocator.current_tag = tag
-            captured = (int(pool_id[0]), int(pool_id[1]))
-            self._graph_pools.add(captured)
-            yield captured
-
-    def graph_pools(self) -> list[tuple[int, int]]:
-        return sorted(self._graph_pools)
+            yield int(pool_id[0]), int(pool_id[1])
 
     def declare(self, tag: str, keep: bool) -> None:
         declare_once(self._declared, tag, keep)

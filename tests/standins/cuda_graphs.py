@@ -54,9 +54,12 @@ puts them in ``torch.cuda`` for a block):
   ``cudagraph_pool()``), through torch's caching allocator
   (:mod:`tests.standins.mempool`). A private pool's segments show in
   :func:`graph_segments` while a graph uses it or a tensor holds a block.
-  Every tensor a capture made stays allocated until the graph is reset or
-  collected (torch would reuse an intermediate's block within the capture;
-  nothing else may use a graph's memory, so only the footprint differs).
+  A tensor the capture made lives as long as the program holds it, as in
+  torch: an intermediate the program drops during the capture gives its
+  block back to the capture's pool at once (torch's allocator frees a block
+  with no other stream's use straight to its pool's free list), where the
+  capture's next allocations, and after the capture any allocation routed to
+  that pool, may get it, while every replay still writes it.
 * ``replay()`` runs every kernel on the raw addresses captured (arguments
   and results alike) and writes each result where the capture put it; it
   allocates nothing. Before running, each address is checked where a GPU
@@ -559,7 +562,6 @@ class _Recording:
         self.pool = pool
         self.kernels: list[_Kernel] = []
         self.guards: dict[tuple[int, int], _HostGuard | _PoolGuard] = {}
-        self.made: list[torch.Tensor] = []  # every tensor the capture allocated: its address is the graph's
         if isinstance(pool, GraphPool):
             pool.users += 1
 
@@ -576,7 +578,7 @@ class _Recording:
         pool = self.pool
         if isinstance(pool, GraphPool):
             pool.users -= 1
-        self.kernels, self.guards, self.made = [], {}, []
+        self.kernels, self.guards = [], {}
         if isinstance(pool, GraphPool) and pool.users == 0:
             pool.release_free_segments()
 
@@ -666,9 +668,7 @@ class _CaptureMode(TorchDispatchMode):
         if nbytes == 0:
             return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
         storage = self._recording.pool.allocate(nbytes, POISON)
-        out = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
-        self._recording.made.append(out)
-        return out
+        return torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
 
 
 def _written_arguments(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, Any]:
@@ -774,6 +774,13 @@ class CUDAGraph:
     def kernels(self) -> int:
         """How many kernels the capture recorded (a stand-in reading, not torch's)."""
         return len(self._recording.kernels) if self._recording is not None else 0
+
+    @property
+    def writes(self) -> list[TensorRead]:
+        """Where every replay writes: each kernel's results (a stand-in reading, not torch's)."""
+        if self._recording is None:
+            return []
+        return [target for kernel in self._recording.kernels for _, target in kernel.outputs]
 
     def enable_debug_mode(self) -> None:
         raise NotImplementedError("the stand-in CUDAGraph has no debug dump")
