@@ -89,11 +89,36 @@ def test_enospc_mid_write_aborts_cleanly(tmp_path: Path, disk_fills_after: Any, 
     assert re.match(
         rf"no space left on the device of {re.escape(str(root_path))} "
         r"\(.*/\.tmp-snap-000002-\w+/data-000\.bin\) "
-        r"after writing \d+ of 1048576 bytes; nothing was published and the process keeps its memory$",
+        r"for the next \d+ bytes, after writing \d+ of the snapshot's 1048576 bytes; "
+        r"nothing was published and the process keeps its memory$",
         message,
     ), message
     assert caught.value.hint == "free space or choose another --to directory, then sleep again"
     assert [bytes(r.data) for r in new] == before, "the source memory is untouched"
+    assert_previous_intact(root_path, previous, old)
+
+
+def test_a_resleep_that_runs_out_of_space_says_what_it_was_writing_not_the_whole_snapshot(
+    tmp_path: Path, disk_fills_after: Any
+) -> None:
+    """A re-sleep writes only what changed since the previous snapshot: out of space, it says how much
+    it was writing and how much it reused, not "0 of" the whole snapshot's bytes."""
+    root_path = tmp_path / "proc"
+    old = regions_of(256 * KiB)
+    previous = write(root_path, old).snapshot
+    changed = BytesRegion("weights/r3", "weights", os.urandom(256 * KiB))
+    again = [*old[:3], changed]  # the last region changed, the others are as they were
+    disk_fills_after(0)
+    with pytest.raises(StorageError) as caught:
+        write(root_path, again, WriteOptions(chunk_bytes=64 * KiB, buffer_bytes=512 * KiB, stage_threads=1))
+    found = re.match(
+        rf"no space left on the device of {re.escape(str(root_path))} \(.*/data-000\.bin\) "
+        r"for the next (\d+) bytes, after writing 0 of the snapshot's 1048576 bytes "
+        r"\(786432 of them reused from the previous snapshot so far\); nothing was published",
+        caught.value.message,
+    )
+    assert found is not None, caught.value.message
+    assert 0 < int(found[1]) <= 256 * KiB  # what it was writing: the changed region, no more
     assert_previous_intact(root_path, previous, old)
 
 

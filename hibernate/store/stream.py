@@ -103,7 +103,23 @@ class Segments:
         self.files.clear()
 
 
-def io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total: int) -> StorageError:
+def io_error(
+    exc: OSError,
+    root: SpillRoot,
+    where: Path | None,
+    *,
+    written: int,
+    reused: int,
+    total: int,
+    pending: int | None = None,
+) -> StorageError:
+    """The error a write that failed with ``exc`` reports: where, and for a full disk how far it got.
+
+    ``written`` counts the bytes written whole, ``reused`` those referred to the previous snapshot so
+    far (a re-sleep writes only what changed), ``total`` the snapshot's size, ``pending`` what the
+    failed write was to add (None where no data was being written). So a re-sleep that had a few
+    MiB to write says so, not that it had written nothing of the whole snapshot.
+    """
     target = f" ({where})" if where is not None else ""
     if isinstance(exc, DirectIORefused):
         return StorageError(
@@ -112,8 +128,9 @@ def io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total
             hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",
         )
     if exc.errno == errno.ENOSPC:
+        how_far = space_words(written, reused, total, pending)
         return StorageError(
-            f"no space left on the device of {root.path}{target} after writing {done} of {total} bytes; "
+            f"no space left on the device of {root.path}{target}{how_far}; "
             "nothing was published and the process keeps its memory",
             hint="free space or choose another --to directory, then sleep again",
         )
@@ -121,6 +138,14 @@ def io_error(exc: OSError, root: SpillRoot, where: Path | None, done: int, total
         f"I/O error writing the snapshot in {root.path}{target}: {exc.strerror or exc}; "
         "nothing was published and the process keeps its memory"
     )
+
+
+def space_words(written: int, reused: int, total: int, pending: int | None) -> str:
+    """How far a write that ran out of space got: `` for the next 4194304 bytes, after writing 0 of the
+    snapshot's 25703936 bytes (21509632 of them reused from the previous snapshot so far)``."""
+    wanted = f" for the next {pending} bytes," if pending else ""
+    kept = f" ({reused} of them reused from the previous snapshot so far)" if reused else ""
+    return f"{wanted} after writing {written} of the snapshot's {total} bytes{kept}"
 
 
 class Stream:
@@ -247,6 +272,14 @@ class Stream:
             counts[index] += 1
         return counts
 
+    def io_error(self, exc: OSError, where: Path | None, pending: int | None = None) -> StorageError:
+        """:func:`io_error` with how far this stream got."""
+        with self._lock:
+            written, reused = self.written, self.reused
+        return io_error(
+            exc, self._root, where, written=written, reused=reused, total=self._total, pending=pending
+        )
+
     def _advance(self, wrote: int, reused: int) -> None:
         with self._lock:
             self._done += wrote + reused
@@ -316,7 +349,8 @@ class Stream:
                 self.news.set()
 
     def _stage_small(self, packer: Packer, chunks: list[tuple[int, memoryview]]) -> int:
-        """Stage a run of small host chunks; the bytes found already written (nothing is copied for them).
+        """Stage a run of small host chunks; the bytes found already written once staged (those found in
+        place, of which nothing is copied, are counted at once).
 
         Hashed in place and copied a run at a time (bulk.checksums and
         bulk.stage), not through the region's call per chunk; each checksum
@@ -326,12 +360,16 @@ class Stream:
         if self._hash_in_place:
             changed = []
             digests = bulk.checksums([view for _, view in chunks])
+            found = 0
             for (task, view), digest in zip(chunks, digests, strict=True):
                 if self._reuse(task, (digest, len(view)), claim=False):
-                    reused += len(view)
+                    found += len(view)
                 else:
                     changed.append((task, view))
             chunks = changed
+            if found:  # counted before the changed chunks are staged: a write of theirs that fails says it
+                self._advance(0, found)
+                self.news.set()
         start = 0
         while start < len(chunks):
             arena, slots = packer.reserve([(task, len(view)) for task, view in chunks[start:]])
@@ -404,11 +442,11 @@ class Stream:
         try:
             file, name, offset = self._segments.allocate(size)
         except OSError as exc:
-            raise io_error(exc, self._root, self._segments.next_path(), self.written, self._total) from exc
+            raise self.io_error(exc, self._segments.next_path(), size) from exc
         try:
             write_views(file, views, offset)
         except OSError as exc:
-            raise io_error(exc, self._root, self._segments.path_of(name), self.written, self._total) from exc
+            raise self.io_error(exc, self._segments.path_of(name), size) from exc
         # Each live slot lies in one span; the spans lie back to back in the file from ``offset``.
         span = 0
         span_at = offset  # where spans[span] starts in the file

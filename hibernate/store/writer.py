@@ -77,7 +77,7 @@ from hibernate.store.reuse import (
     unread_warning,
 )
 from hibernate.store.reusecheck import ReuseCheck, plan_staging
-from hibernate.store.stream import Segments, Stream, io_error
+from hibernate.store.stream import Segments, Stream
 
 # Each region's key, tag and meta, in order: what a snapshot's records hold of a region but its chunks.
 Described = tuple[list[str], list[str], list[Mapping[str, Any]]]
@@ -280,7 +280,7 @@ def _write_locked(
             files = _identities(tmp_fd, {*segments.names, *in_use})
             faults.point("store.write")  # data durable, nothing published yet
         except OSError as exc:
-            raise io_error(exc, root, None, stream.written, total) from exc
+            raise stream.io_error(exc, None) from exc
         finally:
             io_mode = segments.mode
             data_files = len(segments.files)
@@ -309,7 +309,7 @@ def _write_locked(
             faults.point("store.publish")  # the manifest is in place, the rename is next
             root.publish(tmp_name, name)
         except OSError as exc:
-            raise io_error(exc, root, root.path / tmp_name / MANIFEST_NAME, stream.written, total) from exc
+            raise stream.io_error(exc, root.path / tmp_name / MANIFEST_NAME) from exc
     return WriteResult(
         snapshot=name,
         path=root.path / name,
