@@ -23,6 +23,7 @@ import torch
 
 from hibernate.errors import UnsupportedError
 from hibernate.operation.reports import ProcessSleep
+from hibernate.pools.capture import SeenGraph
 from hibernate.pools.device import CudaCopies, CudaRuntime, DeviceMemoryError, choose_cudart, loaded_cudart
 from hibernate.pools.hostpages import HostMapping
 from hibernate.pools.tensors import TensorPool, pool_of
@@ -41,6 +42,11 @@ def cudart(cudart_path: Path) -> FakeCudaRT:
     lib.set_counter("fake_fail_copy_at", -1)
     lib.lib.cudaGetLastError()  # this thread's error slot, as a test before this one may have left it
     return lib
+
+
+def no_graphs() -> list[SeenGraph]:
+    """No CUDA graph seen at a capture: what these tests pin does not depend on another test's graphs."""
+    return []
 
 
 def side_stream(cudart: FakeCudaRT, device: int) -> ctypes.c_void_p:
@@ -63,7 +69,9 @@ def test_a_side_stream_write_still_in_flight_when_the_guard_exits_is_in_the_snap
     weights = torch.zeros(1 << 20, dtype=torch.uint8)
     cache = torch.full((1 << 16,), 3, dtype=torch.uint8)
     pool = TensorPool(
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device({"w": weights, "c": cache}, 1)
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=on_device({"w": weights, "c": cache}, 1),
+        graphs=no_graphs,
     )
     pool.track(weights, "weights", True, "w")
     pool.track(cache, "kv_cache", False, "c")
@@ -293,6 +301,7 @@ def test_a_storage_in_a_private_pool_is_named_in_the_sleeps_warnings(
         copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
         device_of=on_device({"m": in_mempool, "d": in_default}, 1),
         segments=lambda: segments,
+        graphs=no_graphs,
     )
     pool.track({"m": in_mempool, "d": in_default}, "weights", True, "net")
     agent = agent_with(pool, "device-test")
@@ -326,7 +335,9 @@ def test_with_a_pluggable_allocator_the_sleep_goes_on_and_says_the_pools_are_unk
     weights = torch.arange(4096, dtype=torch.int32)
     expected = weights.clone()
     pool = TensorPool(
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device({"w": weights}, 0)
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=on_device({"w": weights}, 0),
+        graphs=no_graphs,
     )
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool, "device-test")
