@@ -160,7 +160,10 @@ def node_step(
     as_json: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
-    """One node's part of a job-wide sleep or wake (run by scripts/slurm/hibernate-job under srun)."""
+    """One node's part of a job-wide sleep or wake: run once on every node (hibernate-job does, under srun).
+
+    The nodes agree through the barrier directory: every node ends asleep, or every node ends awake.
+    """
     from hibernate.cli import render
     from hibernate.sched import nodestep
 
