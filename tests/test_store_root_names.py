@@ -70,18 +70,28 @@ def test_a_name_squatted_in_another_to_is_replaced_there_and_kept_for_later_slee
     assert torch.equal(weights, before)
 
 
-def test_a_file_or_a_link_holds_a_name_and_a_directory_of_ones_own_does_not(tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("")
-    (tmp_path / "link").symlink_to(tmp_path)
-    (tmp_path / "mine").mkdir()
-    assert name_taken(tmp_path / "file") and name_taken(tmp_path / "link")
-    assert not name_taken(tmp_path / "mine") and not name_taken(tmp_path / "missing")
+@needs_root
+def test_what_another_user_has_there_holds_a_name_and_what_one_has_oneself_does_not(tmp_path: Path) -> None:
+    for name in ("file", "link", "dir"):
+        for owner in ("mine", "theirs"):
+            path = tmp_path / f"{owner}-{name}"
+            if name == "file":
+                path.write_text("")
+            elif name == "link":
+                path.symlink_to(tmp_path)
+            else:
+                path.mkdir()
+            if owner == "theirs":
+                os.lchown(path, NOBODY, NOBODY)
+            assert name_taken(path) is (owner == "theirs"), path.name
+    assert not name_taken(tmp_path / "missing")
 
 
+@needs_root
 def test_when_every_name_drawn_is_taken_the_sleep_is_refused_saying_so(tmp_path: Path) -> None:
     tokens = iter(f"{n:012x}" for n in range(ROOT_NAME_TRIES + 1))
     for n in range(ROOT_NAME_TRIES + 1):
-        (tmp_path / f"p-{n:012x}").write_text("")
+        squat(tmp_path / f"p-{n:012x}")
     with pytest.raises(PermissionDeniedError) as caught:
         open_spill_root_in(tmp_path, "p", next(tokens), Owner.current(), lambda: next(tokens))
     assert f"{ROOT_NAME_TRIES} names" in caught.value.message

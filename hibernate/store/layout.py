@@ -106,12 +106,12 @@ def read_marker(dir_fd: int) -> Owner | None:
 
 
 def name_taken(path: Path) -> bool:
-    """Whether ``path`` is held by something a sleep of this user may not use as its spill root.
+    """Whether ``path`` is held by another user: a directory, file or symbolic link of theirs.
 
-    Another user's directory, a file or a symbolic link there: what someone who
-    saw the name in one ``--to`` (or guessed it) can put in another to make
-    every sleep there fail. A directory of this user is not taken: it is this
-    process's root, or is refused for what it holds.
+    What someone who saw the name in one ``--to`` (or guessed it) can put in
+    another to make every sleep there fail. What this user has there is not
+    taken: it is this process's root, or is refused for what it is (a link is
+    never followed).
     """
     try:
         info = os.lstat(path)
@@ -119,7 +119,7 @@ def name_taken(path: Path) -> bool:
         return False
     except OSError:
         return True
-    return not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+    return info.st_uid != os.geteuid()
 
 
 def open_spill_root_in(
