@@ -67,6 +67,9 @@ def test_flags_build_a_config_that_listens_on_localhost_by_default() -> None:
         ({"backend_flags": ["a"]}, "--backend must be NAME=http://HOST:PORT"),
         ({"backend_flags": ["a=https://h:1"]}, "must be http://HOST:PORT"),
         ({"backend_flags": ["a=http://h:1/v1"]}, "no path"),
+        ({"backend_flags": ["a=http://h:0"]}, "port 0 names no server"),
+        ({"backend_flags": ["a=http://user:secret@h:1"]}, "a backend's address holds no user or password"),
+        ({"backend_flags": ["a=http://user@h:1"]}, "a backend's address holds no user or password"),
         ({"backend_flags": ["a b=http://h:1"]}, "a backend name is"),
         ({"backend_flags": ["a=http://h:1", "a=http://h:2"]}, "two backends are named 'a'"),
         ({"backend_flags": ["a=http://h:1", "b=http://h:1"]}, "the same address"),
@@ -547,6 +550,8 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
     gone.wait()
     config = tmp_path / "serve.toml"
     config.write_text(f'[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\npid = {gone.pid}\n')
+    no_such_pid = tmp_path / "no-such-pid.toml"  # beyond any pid: a typo, not a process that is gone
+    no_such_pid.write_text('[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\npid = 99999999999\n')
     backend = ["--backend", "a=http://127.0.0.1:9"]
     on_demand = tmp_path / "on-demand.toml"
     on_demand.write_text(
@@ -573,6 +578,12 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
             f"backend a: no process with pid {gone.pid}",
         ),
         (
+            ["--to", str(tmp_path), "--config", str(no_such_pid)],
+            ExitCode.USAGE,
+            f"{no_such_pid}: [[backend]] #1 pid: must be a process id, 1 to 4194303 (the most Linux allows), "
+            "not 99999999999",
+        ),
+        (
             [*backend, "--to", str(tmp_path), "--", "/nonexistent/server"],
             ExitCode.USAGE,
             "-- /nonexistent/server: ",
@@ -585,7 +596,8 @@ def test_inputs_given_at_start_are_refused_at_start_in_one_line(tmp_path: Path) 
         (
             [*backend, "--to", str(tmp_path), "--token-file", str(token)],
             ExitCode.USAGE,
-            f"--token-file {token} can be read or written by others (mode 644, owner {describe_user(os.geteuid())})",
+            f"--token-file {token} can be read or written by others "
+            f"(mode 644, owner {describe_user(os.geteuid())})",
         ),
         ([*backend, "--to", str(tmp_path), "--log-format", "xml"], ExitCode.USAGE, "--log-format must be"),
     ]

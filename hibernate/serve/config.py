@@ -36,6 +36,9 @@ SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGN
 # The proxy's own paths: no backend prefix may take them.
 OWN_PATHS = ("/v1", "/metrics", "/hibernate", "/health", "/healthz")
 TOKEN_ENV = "HIBERNATE_SERVE_TOKEN"
+# Linux's PID_MAX_LIMIT: no process id reaches it, whatever /proc/sys/kernel/pid_max says. A pid beyond
+# it is a typo, refused as one (exit 2), not looked for as a process that is gone (exit 3).
+PID_LIMIT = 1 << 22
 DEFAULT_START_TIMEOUT = 600.0
 
 # What a probe (a GET or HEAD of one of a backend's probe paths, under its prefix) gets. None of them
@@ -191,15 +194,28 @@ def check_seconds(value: Any, option: str, *, allow_zero: bool = False) -> float
 
 
 def check_url(value: str, label: str) -> str:
+    """A backend's address: ``http://HOST:PORT``, where a server can listen and the proxy connect.
+
+    No path or query (the proxy adds the request's), no user or password (the proxy would send them
+    with no request; a backend is on this machine, behind the proxy's own checks) and no port 0 (a
+    server told port 0 takes any free port: none is ever reached at port 0)."""
     parts = urlsplit(value)
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
         raise UsageError(
             f"{label} a backend's address must be http://HOST:PORT (no path, no query), not {value!r}"
         )
+    if parts.username is not None or parts.password is not None:
+        raise UsageError(
+            f"{label} a backend's address holds no user or password: http://HOST:PORT, not {value!r}"
+        )
     try:
-        parts.port  # noqa: B018  (raises on a port out of range)
+        port = parts.port
     except ValueError:
         raise UsageError(f"{label} bad port in {value!r}") from None
+    if port == 0:
+        raise UsageError(
+            f"{label} port 0 names no server (it asks for any free port): give the port it listens on"
+        )
     return value.rstrip("/")
 
 
@@ -325,8 +341,10 @@ def backend_from_table(
     if prefix is not None and not isinstance(prefix, str):
         raise UsageError(f"{key('prefix')} must be a string such as /qwen")
     pid = table.get("pid")
-    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
-        raise UsageError(f"{key('pid')} must be a process id, not {pid!r}")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < PID_LIMIT):
+        raise UsageError(
+            f"{key('pid')} must be a process id, 1 to {PID_LIMIT - 1} (the most Linux allows), not {pid!r}"
+        )
     idle = table.get("idle")
     cwd = table.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd):
