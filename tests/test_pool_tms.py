@@ -269,6 +269,26 @@ def test_the_pool_refuses_a_tag_without_room_and_puts_back_the_tags_it_mapped(
     assert_same(made.tensors(), before)
 
 
+def test_each_allocation_a_tag_maps_back_needs_its_margin_beyond_the_headroom(
+    standin: Setup, work_dir: Path
+) -> None:
+    """Exactly the bytes plus the flat headroom is not enough: each allocation mapped costs the
+    driver something, and the margin against another process's growth scales with them."""
+    made = pooled()
+    before = fingerprint(made.tensors())
+    held = sum(a.allocation_size for a in standin.allocations("weights", "state"))
+    sleep(work_dir)
+    standin.agent.free_device_memory = lambda device: None  # only the pool's own checks
+    standin.world.set_free_bytes(0, held + ROOM_HEADROOM_BYTES)
+    with pytest.raises(UnsupportedError) as caught:
+        wake()
+    assert "stays asleep" in caught.value.message and hibernate.state() == "asleep"
+    assert standin.mapped("weights", "state") == [False, False, False]
+    standin.world.set_free_bytes(0, held + resume_margin(3))
+    wake()
+    assert_same(made.tensors(), before)
+
+
 # -- memory allocated in a tag while it sleeps --------------------------------------------------
 
 
