@@ -1,4 +1,5 @@
-"""A request body as the proxy reads it: decoded from its Content-Encoding, within the body limit.
+"""A request body as the proxy reads it (decoded from its Content-Encoding, within the body limit) and
+as it forwards it (naming the model its backend serves).
 
 The proxy must read a body to route it (its ``model``), so it decodes a
 compressed one itself, as the bytes it was sent, rather than leave that to its
@@ -13,6 +14,7 @@ Pure functions over bytes.
 
 from __future__ import annotations
 
+import json
 import zlib
 
 from hibernate.serve.routing import ApiError
@@ -100,3 +102,22 @@ def not_valid(coding: str) -> ApiError:
         f"the request body is not valid {shown} data, as its Content-Encoding says it is",
         "invalid_request_error",
     )
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """A JSON body routed by its ``model`` (read already: a JSON object that names one), forwarded with
+    ``model`` in its place: a backend's ``served_model`` for the alias a client asked for. A body that
+    names it already is forwarded byte for byte; another is written again compactly, its text as it
+    was (not escaped), or refused (400) where it cannot be written back as valid JSON."""
+    document = json.loads(body)
+    if document.get("model") == model:
+        return body
+    document["model"] = model
+    try:
+        return json.dumps(document, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError as exc:
+        raise ApiError(
+            400,
+            f"the request body cannot be forwarded with the model its backend serves: {exc}",
+            "invalid_request_error",
+        ) from None

@@ -16,7 +16,7 @@ import pwd
 import re
 import shlex
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,9 @@ SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGN
 # The proxy's own paths: no backend prefix may take them.
 OWN_PATHS = ("/v1", "/metrics", "/hibernate", "/health", "/healthz")
 TOKEN_ENV = "HIBERNATE_SERVE_TOKEN"
+# In a backend's url, command and env: the port serve chooses for it, free when serve starts, so that
+# the port is written once (as llama-swap's ${PORT}).
+PORT_MACRO = "${PORT}"
 # Linux's PID_MAX_LIMIT: no process id reaches it, whatever /proc/sys/kernel/pid_max says. A pid beyond
 # it is a typo, refused as one (exit 2), not looked for as a process that is gone (exit 3).
 PID_LIMIT = 1 << 22
@@ -88,6 +91,9 @@ class BackendSpec:
     env: tuple[tuple[str, str], ...] = ()  # added to serve's own environment
     start_timeout: float = DEFAULT_START_TIMEOUT  # to listen (and answer health_path) once started
     health_path: str | None = None  # answers 200 once it is ready (after it listens)
+    # The model name the backend itself serves: a request routed to it by one of its models is
+    # forwarded with its ``model`` field set to this (None: forwarded as it came).
+    served_model: str | None = None
 
     def probe_action(self, method: str, path: str) -> str | None:
         """What a request for ``path`` (the backend's own path, prefix stripped) is, if a probe: the
@@ -105,6 +111,11 @@ class BackendSpec:
     def host_port(self) -> tuple[str, int]:
         parts = urlsplit(self.url)
         return parts.hostname or "127.0.0.1", parts.port or 80
+
+    @property
+    def port_chosen_by_serve(self) -> bool:
+        """Whether its url names its port as ``${PORT}``: one serve chooses (:func:`with_ports`)."""
+        return PORT_MACRO in self.url
 
 
 @dataclass(frozen=True)
@@ -199,7 +210,13 @@ def check_url(value: str, label: str) -> str:
     No path or query (the proxy adds the request's), no user or password (the proxy would send them
     with no request; a backend is on this machine, behind the proxy's own checks) and no port 0 (a
     server told port 0 takes any free port: none is ever reached at port 0)."""
-    parts = urlsplit(value)
+    if PORT_MACRO in value:
+        host, _, macro = urlsplit(value).netloc.rpartition(":")
+        if macro != PORT_MACRO or PORT_MACRO in host:
+            raise UsageError(
+                f"{label} {PORT_MACRO} stands for the port alone: http://HOST:{PORT_MACRO}, not {value!r}"
+            )
+    parts = urlsplit(value.replace(PORT_MACRO, "1"))  # the rest checked as for the port serve chooses
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
         raise UsageError(
             f"{label} a backend's address must be http://HOST:PORT (no path, no query), not {value!r}"
@@ -244,6 +261,11 @@ def parse_backend_flag(value: str) -> BackendSpec:
     if not sep:
         raise UsageError(f"--backend must be NAME=http://HOST:PORT, not {value!r}")
     label = f"--backend {value}:"
+    if PORT_MACRO in url:
+        raise UsageError(
+            f"{label} {PORT_MACRO} is a port serve chooses for a backend it starts: give it in serve.toml, "
+            "with the backend's command"
+        )
     return BackendSpec(check_name(name, label), check_url(url, label))
 
 
@@ -253,7 +275,7 @@ TOP_KEYS = {
 }  # fmt: skip
 BACKEND_KEYS = {
     "name", "url", "models", "prefix", "pid", "idle", "probes", "command", "cwd", "env", "start_timeout",
-    "health_path",
+    "health_path", "served_model",
 }  # fmt: skip
 LIMIT_KEYS = {f.name for f in fields(Limits)}
 
@@ -362,6 +384,13 @@ def backend_from_table(
         if started_only in table and not command:
             raise UsageError(f"{key(started_only)} is for a backend started on demand: give its command")
     env = env_from_table(table["env"], key("env")) if "env" in table else ()
+    url = check_url(table["url"], key("url"))
+    check_port_macro(url, command, env, key)
+    served_model = table.get("served_model")
+    if served_model is not None and (not isinstance(served_model, str) or not served_model):
+        raise UsageError(
+            f"{key('served_model')} must be the model name the backend serves, not {served_model!r}"
+        )
     refuse_nul(
         name,
         [
@@ -373,7 +402,7 @@ def backend_from_table(
     )
     return BackendSpec(
         name,
-        check_url(table["url"], key("url")),
+        url,
         tuple(models),
         check_prefix(prefix, key("prefix")) if prefix is not None else None,
         pid,
@@ -384,7 +413,27 @@ def backend_from_table(
         env,
         check_seconds(table.get("start_timeout", DEFAULT_START_TIMEOUT), key("start_timeout")),
         health_path,
+        served_model,
     )
+
+
+def check_port_macro(
+    url: str, command: Sequence[str], env: Sequence[tuple[str, str]], key: Callable[[str], str]
+) -> None:
+    """``${PORT}`` in a url and in what starts its server go together: the port serve chooses must be
+    the one the proxy connects to and the one the command is told to listen on."""
+    in_url = PORT_MACRO in url
+    told = any(PORT_MACRO in word for word in command) or any(PORT_MACRO in value for _, value in env)
+    if in_url and not told:
+        raise UsageError(
+            f"{key('url')} {PORT_MACRO} is a port serve chooses: its command (or env) must say {PORT_MACRO} "
+            "too, to listen there"
+        )
+    if told and not in_url:
+        raise UsageError(
+            f"{key('command')} {PORT_MACRO} is a port serve chooses: the url must say {PORT_MACRO} too "
+            f"(http://127.0.0.1:{PORT_MACRO}), to reach the command there"
+        )
 
 
 def limits_from_table(table: Any, source: str) -> Limits:
@@ -425,7 +474,7 @@ def check_backends(backends: Sequence[BackendSpec]) -> tuple[BackendSpec, ...]:
             owner = seen.setdefault(f"prefix {spec.prefix}", spec.name)
             if owner != spec.name:
                 raise UsageError(f"backends {owner} and {spec.name} both claim prefix {spec.prefix!r}")
-    addresses = [s.host_port for s in backends]
+    addresses = [s.host_port for s in backends if not s.port_chosen_by_serve]  # those get ports of their own
     if len(set(addresses)) != len(addresses):
         raise UsageError("two backends have the same address; each backend is one server")
     return tuple(backends)
@@ -622,6 +671,23 @@ def read_token(path: Path, label: str) -> str:
     except UnicodeDecodeError:
         raise UsageError(f"{shown}: not text") from None
     return check_token(text, shown)
+
+
+def with_ports(config: ServeConfig, choose: Callable[[str], int]) -> ServeConfig:
+    """The configuration with each ``${PORT}`` replaced by the port ``choose(host)`` gives for its
+    backend (one per backend, the same in its url, command and env)."""
+    specs = []
+    for spec in config.backends:
+        if spec.port_chosen_by_serve:
+            port = str(choose(urlsplit(spec.url.replace(PORT_MACRO, "1")).hostname or "127.0.0.1"))
+            spec = replace(
+                spec,
+                url=spec.url.replace(PORT_MACRO, port),
+                command=tuple(word.replace(PORT_MACRO, port) for word in spec.command),
+                env=tuple((name, value.replace(PORT_MACRO, port)) for name, value in spec.env),
+            )
+        specs.append(spec)
+    return replace(config, backends=tuple(specs))
 
 
 def with_command(config: ServeConfig, command: Sequence[str], start: str | None) -> ServeConfig:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet, parse_keep_alive
-from hibernate.serve.bodies import CONTENT_ENCODING, codings, decode_body
+from hibernate.serve.bodies import CONTENT_ENCODING, codings, decode_body, with_model
 from hibernate.serve.config import (
     MAX_SECONDS,
     PROBE_ANSWER,
@@ -197,6 +197,8 @@ class Proxy:
             if probe is not None:
                 return await self._probe(request, spec, target.path, probe, started)
             body, field = without_keep_alive(body) if request.method == "POST" else (body, None)
+            if spec.served_model is not None and not target.prefixed:  # an alias: the backend's own name
+                body = with_model(body, spec.served_model)
             keep_alive = keep_alive_of(request.headers.get(KEEP_ALIVE_HEADER), field)
             return await self._forward(request, backend, target.path, body, started, keep_alive)
         except ApiError as error:

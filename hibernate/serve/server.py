@@ -28,7 +28,7 @@ from hibernate.errors import HibernateError, UsageError
 from hibernate.operation import targets
 from hibernate.serve import starter
 from hibernate.serve.backends import STATES, Fleet
-from hibernate.serve.config import ServeConfig
+from hibernate.serve.config import ServeConfig, with_ports
 from hibernate.serve.control import BackendControl, refuse_tree_holding_proxy
 from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
@@ -106,7 +106,17 @@ async def listen(runner: web.AppRunner, config: ServeConfig) -> None:
         ) from None
 
 
+def choose_ports(config: ServeConfig) -> ServeConfig:
+    """Each backend's ``${PORT}``, chosen free now, and said in the log (its url, command and env)."""
+    chosen = with_ports(config, starter.choose_port)
+    for before, after in zip(config.backends, chosen.backends, strict=True):
+        if before.port_chosen_by_serve:
+            log.info("%s: ${PORT} is %d (%s)", after.name, after.host_port[1], after.url)
+    return chosen
+
+
 async def serve(config: ServeConfig) -> None:
+    config = choose_ports(config)
     check_at_start(config)
     recorder = Recorder(STATES)
     control = BackendControl(config.to, config.sleep_timeout)

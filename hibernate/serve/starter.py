@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -37,6 +38,22 @@ class StartError(HibernateError):
 
     exit_code = ExitCode.NO_SUCH_PROCESS
     wire_name = "no-such-process"
+
+
+def choose_port(host: str) -> int:
+    """A port free on ``host`` now, for a backend's ``${PORT}``: the one the kernel gives a socket bound
+    to port 0 there, closed at once for the backend's server to take when it starts."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind(address)
+            port: int = probe.getsockname()[1]
+    except OSError as exc:
+        raise UsageError(
+            f"cannot choose a port for ${{PORT}} on {host}: {exc.strerror or exc}",
+            hint="a backend's url names an address of this machine",
+        ) from None
+    return port
 
 
 def log_directory() -> Path:
