@@ -43,7 +43,7 @@ from hibernate.serve.config import (
 from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
 from hibernate.serve.proxy import Proxy, authorize, backend_for, error_response, keep_alive_of
 from hibernate.serve.routing import ApiError, without_keep_alive
-from hibernate.serve.server import JsonFormat, TextFormat
+from hibernate.serve.server import JsonFormat, TextFormat, shutdown_words
 from hibernate.serve.starter import child_environment, tail
 from hibernate.version import __version__
 from tests.conftest import wait_until
@@ -400,6 +400,15 @@ def test_every_series_of_a_backend_exists_at_zero_from_the_start_with_the_versio
     assert 'hibernate_serve_reused_bytes_total{backend="q"} 90.0' in text
     assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="client_cancelled"} 1.0' in text
     assert 'hibernate_serve_request_outcomes_total{backend="q",outcome="backend_failed"} 1.0' in text
+
+
+def test_the_last_line_names_what_serve_stopped_and_what_it_left_running() -> None:
+    assert shutdown_words([], []) == "stopped"
+    assert shutdown_words([("own", 41), ("b", 42)], [("qwen", "asleep"), ("c", "awake")]) == (
+        "stopped; stopped what it started: own (pid 41), b (pid 42); "
+        "left as they are: qwen (asleep), c (awake)"
+    )
+    assert shutdown_words([], [("qwen", "awake")]) == "stopped; left as they are: qwen (awake)"
 
 
 def test_log_lines_have_a_utc_time_and_a_level_as_text_or_json() -> None:

@@ -416,10 +416,13 @@ class Fleet:
         503) instead of holding the shutdown for its start_timeout; none begins."""
         self.stopping.set()
 
-    async def stop_started(self, timeout: float) -> None:
-        """Stop every process the proxy started (SIGTERM to its group, SIGKILL after ``timeout``)."""
-        started = [b.process for b in self.backends.values() if b.process is not None]
-        await asyncio.gather(*(asyncio.to_thread(starter.stop, proc, timeout) for proc in started))
+    async def stop_started(self, timeout: float) -> list[tuple[str, int]]:
+        """Stop every process the proxy started (SIGTERM to its group, SIGKILL after ``timeout``); the
+        backends whose process was still running, with its pid (what the last log line names)."""
+        started = [(b.name, b.process) for b in self.backends.values() if b.process is not None]
+        running = [(name, proc.pid) for name, proc in started if proc.poll() is None]
+        await asyncio.gather(*(asyncio.to_thread(starter.stop, proc, timeout) for _, proc in started))
+        return running
 
     async def _hold(self, backend: Backend) -> BackendLeases:
         """The backend's leases, taken: at once if it runs, else after waking it or waiting for someone

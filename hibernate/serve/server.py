@@ -174,10 +174,26 @@ async def serve(config: ServeConfig) -> None:
         await runner.cleanup()
         await fleet.drain(limits.shutdown_timeout)
         fleet.close()
+        stopped = (
+            [(config.start or "", started.pid)] if started is not None and started.poll() is None else []
+        )
         await asyncio.to_thread(starter.stop, started, limits.shutdown_timeout)
-        await fleet.stop_started(limits.shutdown_timeout)
+        stopped += await fleet.stop_started(limits.shutdown_timeout)
         if idle is not None:
-            log.info("stopped")
+            names = {name for name, _ in stopped}
+            left = [(b.name, b.state.value) for b in fleet.backends.values() if b.name not in names]
+            log.info("%s", shutdown_words(stopped, left))
+
+
+def shutdown_words(stopped: list[tuple[str, int]], left: list[tuple[str, str]]) -> str:
+    """serve's last line: the backends it stopped (those it started, with their pids) and those it left
+    as they are (with their states), so that an operator knows what is still running."""
+    words = ["stopped"]
+    if stopped:
+        words.append("stopped what it started: " + ", ".join(f"{name} (pid {pid})" for name, pid in stopped))
+    if left:
+        words.append("left as they are: " + ", ".join(f"{name} ({state})" for name, state in left))
+    return "; ".join(words)
 
 
 class TextFormat(logging.Formatter):
