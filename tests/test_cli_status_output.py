@@ -14,7 +14,7 @@ import pytest
 from hibernate.cli.render import AGENT_COLUMNS, LIST_COLUMNS, WIDE_COLUMNS, agent_lines, plain_columns
 
 AGENT = {
-    "pid": 4242, "uid": 1000, "name": "proc-4242", "kind": "torch", "state": "asleep", "busy": None,
+    "pid": 4242, "uid": 0, "name": "proc-4242", "kind": "torch", "state": "asleep", "busy": None,
     "pools": [{"bytes": 3 << 30, "keep": True}, {"bytes": 1 << 30, "keep": False}],
     "snapshot": {"path": "/scratch/" + "deep/" * 30 + "proc-4242/snap-000001"},
     "rss": 512 << 20, "command": "python train.py --epochs 3",
@@ -49,11 +49,21 @@ def test_wide_adds_user_tracked_bytes_devices_and_the_command() -> None:
     assert header.split() == WIDE_COLUMNS
     cells = row.split(maxsplit=len(WIDE_COLUMNS) - 1)
     shown = dict(zip(WIDE_COLUMNS, cells, strict=True))
-    assert shown["USER"] == "1000" and shown["BUSY"] == "-" and shown["TRACKED"] == "4.0GiB"
+    assert shown["USER"] == "root" and shown["BUSY"] == "-" and shown["TRACKED"] == "4.0GiB"
     assert shown["DEVICES"] == "cuda:0=1.0GiB,cuda:1=2.0GiB"
     assert shown["SNAPSHOT"] == AGENT["snapshot"]["path"] and shown["COMMAND"] == AGENT["command"]
     (row_alone,) = agent_lines([AGENT], LIST_COLUMNS, headers=False)
-    assert row_alone.split() == ["4242", "1000", "asleep", "torch", "proc-4242", *AGENT["command"].split()]
+    assert row_alone.split() == ["4242", "root", "asleep", "torch", "proc-4242", *AGENT["command"].split()]
+
+
+def test_ls_and_status_show_the_user_by_name_as_ps_does_else_by_number() -> None:
+    nameless = 4_000_321  # no user of that number here: a container's, say
+    rows = agent_lines(
+        [AGENT, {**AGENT, "uid": nameless}, {**AGENT, "uid": None}], LIST_COLUMNS, headers=False
+    )
+    assert [row.split()[1] for row in rows] == ["root", str(nameless), "-"]
+    (wide,) = agent_lines([AGENT], WIDE_COLUMNS, headers=False)
+    assert wide.split()[1] == "root"
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ documented in docs/json-schema/; the human layout may change between versions.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pwd
 import re
 import sys
 import time
@@ -408,7 +410,19 @@ WIDE_COLUMNS = [
     *("SNAPSHOT", "COMMAND"),
 ]
 LIST_COLUMNS = ["PID", "USER", "STATE", "KIND", "NAME", "COMMAND"]
-_NUMBERS = frozenset({"PID", "USER", "KEPT", "DROPPED", "TRACKED", "RSS"})
+_NUMBERS = frozenset({"PID", "KEPT", "DROPPED", "TRACKED", "RSS"})
+
+
+@functools.lru_cache(maxsize=64)
+def user_cell(uid: int | None) -> str:
+    """A user as ``ps`` shows one: the name, else the number (a uid with no name here, such as a
+    container's); ``-`` when unknown."""
+    if uid is None:
+        return "-"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _agent_cells(e: dict[str, Any]) -> dict[str, str]:
@@ -419,7 +433,7 @@ def _agent_cells(e: dict[str, Any]) -> dict[str, str]:
     devices = e.get("device_bytes") or {}
     return {
         "PID": str(e["pid"]),
-        "USER": str(e.get("uid", "-")),
+        "USER": user_cell(e.get("uid")),
         "NAME": str(e.get("name") or "-"),
         "KIND": str(e.get("kind") or "-"),
         "STATE": str(e.get("state")) + ("(busy)" if e.get("busy") else ""),
