@@ -36,7 +36,11 @@ answers the weights' addresses, ``pointers``, to show it, as it does with
 ``--pool`` through ``hibernate.cuda_graph``, so the graph's own memory is
 hibernated too and its replay after a wake is bit-exact; without, through
 ``torch.cuda.graph`` over tracked weights, which a sleep must refuse (exit 15)
-unless told ``--allow-moves``.
+unless told ``--allow-moves``. ``--graphs static`` captures instead a graph that
+allocates nothing: the prompt's embedding and the first block's MLP over
+tracked weights, each result written with ``out=`` into buffers made before the
+capture, so its own pool holds no memory (``graph_pool_bytes`` in the ready
+answer) and only the graph itself knows which weights it reads.
 
 With ``--http-port`` it also serves a small OpenAI-style API on 127.0.0.1
 (``--http-host`` for another address) for ``hibernate serve``: ``GET
@@ -253,14 +257,15 @@ def build(
     seed: int,
     tracked: bool = True,
     pooled: bool = False,
-    graphs: bool = False,
+    graphs: bool | str = False,
 ) -> Any:
     """Build the model, KV cache and probes, track them with hibernate; returns the runner and probes.
 
     ``tracked=False`` starts the agent with nothing tracked: every sleep then
     moves no byte, which is how a check of what the pools did is shown to fail.
     ``pooled`` allocates them in ``hibernate.pool()`` instead; ``graphs``
-    captures a CUDA graph of the prompt's forward pass (see the module docstring).
+    captures a CUDA graph of the prompt's forward pass, or with ``"static"`` one that allocates
+    nothing (see the module docstring).
     """
     import torch
     from torch import nn
@@ -339,7 +344,10 @@ def build(
         from hibernate.errors import HibernateError, UnsupportedError
 
         try:
-            graph = capture_prompt_graph(torch, model, prompt, kv_cache, pooled)
+            if graphs == "static":
+                graph = capture_static_graph(torch, model, prompt)
+            else:
+                graph = capture_prompt_graph(torch, model, prompt, kv_cache, pooled)
         except HibernateError:
             raise
         except Exception as exc:  # a CPU torch has no CUDA graphs: the words, not a traceback
@@ -385,6 +393,8 @@ def build(
             "private_pool": probes.private is not None,
             "pooled": pooled,
             "graphs": graph is not None,
+            "graph_kind": None if graph is None else "static" if graphs == "static" else "forward",
+            "graph_pool_bytes": None if graph is None else graph.pool_bytes(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         },
     )
@@ -416,6 +426,19 @@ class PromptGraph:
             self._torch.cuda.synchronize()
         return tensor_digest(self._output.float().cpu().contiguous())
 
+    def pool_bytes(self) -> int | None:
+        """What the graph's own memory pool holds (torch's allocator snapshot); None where unknown.
+
+        A graph whose pool holds nothing is invisible in that snapshot: only the
+        graph itself knows which weights it reads.
+        """
+        try:
+            pool = tuple(self._graph.pool())
+            segments = self._torch.cuda.memory_snapshot()
+        except Exception:  # no snapshot on this torch or device: unknown, not zero
+            return None
+        return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id") or ()) == pool)
+
 
 def capture_prompt_graph(torch: Any, model: Any, prompt: Any, kv_cache: Any, pooled: bool) -> PromptGraph:
     """Capture ``model(prompt, kv_cache, 0)``: in hibernate's pool where ``pooled``, else torch's own.
@@ -437,6 +460,39 @@ def capture_prompt_graph(torch: Any, model: Any, prompt: Any, kv_cache: Any, poo
         with hibernate.cuda_graph(graph) if pooled else torch.cuda.graph(graph):
             output = model(prompt, kv_cache, 0)
     return PromptGraph(torch, graph, output)
+
+
+def capture_static_graph(torch: Any, model: Any, prompt: Any) -> PromptGraph:
+    """A graph over tracked weights that allocates nothing: the prompt's embedding, then the first
+    block's MLP, each written with ``out=`` into a buffer made before the capture.
+
+    On a GPU the warm-up runs on the capture's own stream, so that cuBLAS's
+    workspace for that stream exists before the capture and does not come from
+    the graph's pool either.
+    """
+    embed, block = model.embed.weight, model.blocks[0]
+    rows, width = prompt.shape[0], embed.shape[1]
+    hidden = torch.empty(rows, width, dtype=embed.dtype, device=embed.device)
+    up = torch.empty(rows, block.up.weight.shape[0], dtype=embed.dtype, device=embed.device)
+    down = torch.empty(rows, width, dtype=embed.dtype, device=embed.device)
+
+    def forward() -> None:
+        torch.index_select(embed, 0, prompt, out=hidden)
+        torch.mm(hidden, block.up.weight.T, out=up)
+        torch.mm(up, block.down.weight.T, out=down)
+
+    stream = torch.cuda.Stream() if prompt.is_cuda else None
+    with torch.no_grad():
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            forward()
+    return PromptGraph(torch, graph, down)
 
 
 class HttpApi:
@@ -791,9 +847,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument(
         "--graphs",
-        action="store_true",
+        nargs="?",
+        const="forward",
+        choices=("forward", "static"),
         help="capture a CUDA graph of the forward pass and replay it on every infer "
-        "(with --pool through hibernate.cuda_graph)",
+        "(with --pool through hibernate.cuda_graph); 'static': one that allocates nothing, "
+        "writing into buffers made before it with out=",
     )
     for name in ("infer", "quit", "hold", "release", "mark", "inspect"):
         client = sub.add_parser(name, help=f"send '{name}' to a serving demo")
@@ -803,6 +862,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and args.pool and args.untracked:
         parser.error("--pool and --untracked contradict each other: a pool hibernates what it holds")
+    if args.command == "serve" and args.pool and args.graphs == "static":
+        parser.error("--graphs static is a graph over tracked weights; with --pool use --graphs")
     if args.command == "serve":
         from hibernate.errors import HibernateError
 

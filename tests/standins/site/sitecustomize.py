@@ -25,7 +25,13 @@ allocates anything (tests only):
   and a graph captured without ``pool=`` makes a private pool ``(N, 0)``
   that shows in the allocator's segments, as a CUDA process's snapshot shows
   it: what the refusal of a sleep that would move memory under a graph looks
-  for (tracked device memory beside a graph's own pool).
+  for (tracked device memory beside a graph's own pool);
+* ``torch.cuda.memory_snapshot`` lists the stand-ins' pools and graphs
+  (``cuda_graphs.memory_snapshot``), and ``torch.cuda.MemPool()`` with
+  ``torch.cuda.use_mem_pool`` is a program's own pool over host segments
+  (torch's caching allocator of ``tests.standins.mempool``), as a CUDA
+  process has them: what a graph captured into a program's own pool shares
+  its memory with (``scripts/lib/gpu_check_graph_pool.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import traceback
+from typing import Any
 
 CUDART_ENV = "HIBERNATE_STANDIN_CUDART"  # the stand-in CUDA runtime's shared library
 _held: list[object] = []  # what must live as long as the process
@@ -63,6 +71,7 @@ def install() -> None:
     # For the life of the process: held here, as a generator's context collected would undo it.
     _held.append(cuda_graphs.patched_torch_cuda())
     _held[-1].__enter__()
+    _patch_mempool()
     # hibernate.track() adds its tensors to this pool: the agent is made here, not yet served.
     runtime = CudaRuntime(ctypes.CDLL(os.environ[CUDART_ENV]))
     tracked = TensorPool(
@@ -71,6 +80,38 @@ def install() -> None:
         segments=cuda_graphs.memory_snapshot,
     )
     local_agent(serve=False).add_pool(tracked)
+
+
+def _patch_mempool() -> None:
+    """``torch.cuda.MemPool``, ``use_mem_pool`` and ``memory_snapshot`` over the stand-ins' host pools."""
+    import torch
+
+    from tests.standins import cuda_graphs, mempool
+    from tests.standins.vllm_memory import HostReservations
+
+    segments = HostReservations()
+
+    class MemPool(mempool.CachingMemPool):
+        """``torch.cuda.MemPool()``: a pool of the program's own, ``(0, N)``, torch's allocator over
+        segments of its own (an ``allocator=`` is not modelled: the stand-ins that have one make theirs)."""
+
+        def __init__(self, allocator: Any = None, use_on_oom: bool = False) -> None:
+            if allocator is not None:
+                raise NotImplementedError("the stand-in MemPool takes no allocator")
+            super().__init__(0, threading.RLock())
+
+        def malloc_segment(self, size: int) -> int:
+            return segments.reserve(size)
+
+        def free_segment(self, address: int) -> None:
+            segments.free(address)
+
+    def memory_snapshot(mempool_id: Any = None, **_: Any) -> list[dict[str, Any]]:
+        return cuda_graphs.memory_snapshot(mempool_id)
+
+    torch.cuda.MemPool = MemPool  # type: ignore[misc,assignment]
+    torch.cuda.use_mem_pool = mempool.use_mem_pool  # type: ignore[assignment]
+    torch.cuda.memory_snapshot = memory_snapshot  # type: ignore[assignment]
 
 
 try:
