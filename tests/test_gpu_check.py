@@ -141,17 +141,27 @@ def test_sections_not_asked_for_are_the_skipped_and_those_without_input(tmp_path
             None,
             False,
         )
+        namespace.only = []
         return namespace
 
-    assert gpu_check.not_asked(args("binary,group", "tmpfs")) == {
+    assert gpu_check.not_asked(args("binary,group", "ceiling")) == {
         "binary": "--skip",
         "group": "--skip",
-        "tmpfs": "--skip",
+        "ceiling": "--skip",
         "cumem": "no --vllm-cumem given",
         "vllm": "no --vllm-model given (a local model directory or a cached name)",
     }
     with pytest.raises(SystemExit, match="--skip nonsense: not a section"):
         gpu_check.not_asked(args("nonsense"))
+    # A rerun of what a run missed: every other section is left out, not asked for.
+    rerun = args()
+    rerun.only, rerun.vllm_cumem = ["ceiling", "cumem,pools"], Path("cumem_allocator.abi3.so")
+    why = gpu_check.not_asked(rerun)
+    assert set(gpu_check.SECTIONS) - set(why) == {"ceiling", "cumem", "pools"}
+    assert why["binary"] == "not in --only" and why["vllm"] == "not in --only"
+    rerun.only = ["tmpfs"]
+    with pytest.raises(SystemExit, match="--only tmpfs: not a section"):
+        gpu_check.not_asked(rerun)
     result = {
         "sections": {
             "driver": {"checks": {"a": True, "b": False}},
@@ -161,22 +171,167 @@ def test_sections_not_asked_for_are_the_skipped_and_those_without_input(tmp_path
     assert gpu_check.failed_checks(result) == ["driver.b", "group[0].c"]
 
 
+# -- the whole dry run, as the GPU machine takes it -------------------------------------------------
+
+PYTHON_TAGS = ("cp310", "cp311", "cp312", "cp313")
+
+
+def fake_wheel(directory: Path, dist: str, version: str, tag: str, files: dict[str, bytes],
+               requires: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """A wheel pip takes as it takes any: its files, METADATA, WHEEL and RECORD."""
+    import zipfile
+
+    info = f"{dist}-{version}.dist-info"
+    metadata = "".join(
+        [
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+            *(f"Requires-Dist: {r}\n" for r in requires),
+        ]
+    )
+    content = {
+        **files,
+        f"{info}/METADATA": metadata.encode(),
+        f"{info}/WHEEL": f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n".encode(),
+    }
+    record = "".join(f"{name},,\n" for name in [*content, f"{info}/RECORD"])
+    path = directory / f"{dist}-{version}-{tag}.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in {**content, f"{info}/RECORD": record.encode()}.items():
+            archive.writestr(name, data)
+    return path
+
+
+def fake_index(directory: Path) -> Path:
+    """Wheels standing for every package gpu-vendor fetches, for CPython 3.10 to 3.13: pip finds them
+    with --no-index, so the assembly needs no network. numpy's shared library is the same in each."""
+    directory.mkdir(parents=True, exist_ok=True)
+    init = b"# a stand-in of the package, for gpu-vendor's tests\n"
+    fake_wheel(directory, "torch_memory_saver", "0.0.10", "cp39-abi3-manylinux2014_x86_64",
+               {"torch_memory_saver/__init__.py": init})  # fmt: skip
+    extension = b"\x7fELF the extension"
+    fake_wheel(directory, "vllm", "0.33.0", "py3-none-any",
+               {"vllm/__init__.py": init, "vllm/cumem_allocator.abi3.so": extension})  # fmt: skip
+    fake_wheel(directory, "typer", "0.29.1", "py3-none-any", {"typer/__init__.py": init}, ("rich>=13",))
+    fake_wheel(directory, "rich", "15.0.0", "py3-none-any", {"rich/__init__.py": init})
+    fake_wheel(directory, "psutil", "7.2.2", "cp36-abi3-manylinux2014_x86_64", {"psutil/__init__.py": init})
+    for tag in PYTHON_TAGS:
+        platform = f"{tag}-{tag}-manylinux2014_x86_64"
+        for dist, version in (("orjson", "3.13.0"), ("xxhash", "4.1.0")):
+            own = {f"{dist}/_{dist}.{tag}.so": tag.encode() * 64}
+            fake_wheel(directory, dist, version, platform, {f"{dist}/__init__.py": init, **own})
+        fake_wheel(directory, "numpy", "2.2.6", platform, {
+            "numpy/__init__.py": init, "numpy.libs/libopenblas.so": b"the same in every wheel" * 256,
+            f"numpy/_core/_multiarray_umath.{tag}.so": tag.encode() * 256,
+        })  # fmt: skip
+    return directory
+
+
+def offline_pip() -> dict[str, str]:
+    """An environment whose pip reads no configuration: only the wheels it is pointed at."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def vendored_checkout(
+    tmp_path: Path, binary: Path, *flags: str
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A checkout (its scripts the repository's) whose vendor/ scripts/gpu-vendor assembled offline."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "scripts").symlink_to(REPO / "scripts")
+    index = fake_index(tmp_path / "index")
+    proc = subprocess.run(
+        [sys.executable, str(checkout / "scripts" / "gpu-vendor"), str(checkout / "vendor"),
+         "--cuda-checkpoint", str(binary), "--find-links", str(index), "--offline", *flags],
+        capture_output=True, text=True, timeout=600, env=offline_pip(), cwd=checkout,
+    )  # fmt: skip
+    return checkout, proc
+
+
 @pytest.mark.slow
-def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runtime_dir: Path) -> None:
-    returncode, document = dry_run(tmp_path)
-    assert returncode == 0 and document["ok"], document.get("checks_failed") or document["not_run"]
+def test_gpu_vendor_assembles_what_gpu_run_carries_from_wheels_at_hand(
+    tmp_path: Path, standin_build: Any
+) -> None:
+    import zipfile
+
+    checkout, proc = vendored_checkout(tmp_path, standin_build.binary)
+    assert proc.returncode == 0, proc.stderr
+    vendor = checkout / "vendor"
+    assert (vendor / "cuda-checkpoint").read_bytes() == standin_build.binary.read_bytes()
+    assert os.access(vendor / "cuda-checkpoint", os.X_OK)
+    assert (vendor / "cumem_allocator.abi3.so").read_bytes() == b"\x7fELF the extension"
+    assert [p.name for p in vendor.glob("*.whl")] == [
+        "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
+    ]
+    assert not list(vendor.rglob("vllm-*"))  # only the extension is kept of vLLM's wheel
+    manifest = json.loads((vendor / "vendor.json").read_text())
+    assert manifest["tags"] == list(PYTHON_TAGS)
+    packages = {p["dist"]: p for p in manifest["packages"]}
+    assert set(packages) == {"torch_memory_saver", "typer", "rich", "psutil", "orjson", "xxhash", "numpy"}
+    assert packages["typer"]["group"] == packages["rich"]["group"] == "cli"
+    assert packages["orjson"]["min"] == "3.10" and packages["typer"]["module"] == "typer"
+    # numpy's files common to every Python are carried once, the rest per Python.
+    numpy = packages["numpy"]
+    with zipfile.ZipFile(vendor / numpy["files"][0]) as common:
+        assert "numpy.libs/libopenblas.so" in common.namelist()
+        assert not any("_multiarray_umath" in name for name in common.namelist())
+    assert sorted(numpy["per_python"]) == list(PYTHON_TAGS)
+    with zipfile.ZipFile(vendor / numpy["per_python"]["cp312"]) as own:
+        assert "numpy/_core/_multiarray_umath.cp312.so" in own.namelist()
+        assert "numpy.libs/libopenblas.so" not in own.namelist()
+    assert packages["psutil"]["files"] == ["wheels/any/psutil-7.2.2-cp36-abi3-manylinux2014_x86_64.whl"]
+    # What to ask the device for, with the directory as the checkout names it.
+    assert 'run(command="scripts/gpu-run", carry=["vendor"], timeout_s=480)' in proc.stdout
+    # Over the limit: said, with what weighs most, and a failure.
+    over = tmp_path / "over"
+    over.mkdir()
+    _, proc = vendored_checkout(over, standin_build.binary, "--limit-mib", "0.01", "--pythons", "3.12")
+    assert proc.returncode == 1 and "over 0.01 MiB" in proc.stderr and "--pythons" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the whole dry run, on 2 cores shared with the rest of the suite
+def test_the_dry_run_walks_every_section_of_the_device_run(
+    tmp_path: Path, runtime_dir: Path, standin_build: Any
+) -> None:
+    """The device's run, on the stand-ins: scripts/gpu-run over a vendor/ that scripts/gpu-vendor
+    assembled (the stand-in's cuda-checkpoint in place of NVIDIA's). Every section of the device run
+    runs here, none is left out for want of a carried file, with the same verdicts."""
+    checkout, proc = vendored_checkout(tmp_path, standin_build.binary)
+    assert proc.returncode == 0, proc.stderr
+    out, shm, snapshots = tmp_path / "out", tmp_path / "shm", tmp_path / "snapshots"
+    shm.mkdir()  # /dev/shm may be small where CI runs
+    flags = f"--dry-run --tmpfs {shm} --to {snapshots}"
+    env = {
+        **os.environ, "OUT": str(out), "GPU_CHECK_ARGS": flags, "GPU_CHECK_SIZE_MB": "16",
+        "GPU_CHECK_BUDGET_S": "900", "GPU_CHECK_TIMEOUT_S": "1200",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3: this one
+    }  # fmt: skip
+    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
+    run = subprocess.run([str(checkout / "scripts" / "gpu-run")], capture_output=True, text=True,
+                         timeout=1500, env=env, cwd=checkout)  # fmt: skip
+    document = json.loads((out / "gpu-check.json").read_text())
+    assert json.loads((out / "gpu-check.stdout").read_text()) == document
+    assert "error" not in document, document["error"]
+    log = (out / "gpu-run.log").read_text()
+    assert f'"python": "cp{sys.version_info[0]}{sys.version_info[1]}"' in log
+    assert "torch_memory_saver 0.0.10" in log  # what this image lacks was unpacked, and only that
+    assert "orjson" not in log.split("== unpacked")[1].split("== imports")[0]
+    assert run.returncode == 0 and document["ok"], document.get("checks_failed") or document["not_run"]
+    sections = document["sections"]
+    assert list(sections) == list(load_script().SECTIONS) and document["not_run"] == []
+    assert document["over_budget"] == []  # a dry run's sections fit their budgets with room
+    assert all(entry["budget_s"] > 0 for entry in sections.values())
+    assert snapshots.is_dir() and list(snapshots.iterdir()) == []  # each section's snapshots removed
     environment = document["environment"]
     assert {"kernel", "container_runtime", "driver", "cuda", "torch", "torch_cuda", "gpu_models"} <= set(
         environment
     )
     assert environment["driver"] == "580.95.05" and environment["gpu_models"] == ["StandIn-H200"]
-    sections = document["sections"]
-    assert list(sections) == [s for s in load_script().SECTIONS if s != "cumem"]
-    assert document["not_run"] == [{"section": "cumem", "why": "no --vllm-cumem given", "asked": False}]
     cycles = demo_cycles(document)
     assert set(cycles) == {
-        "pools-only", "driver", "binary", "tmpfs", "pools[0]", "pools[1]", "expandable[0]",
-        "expandable[1]", "group[0]", "group[1]", "background[0]",
+        "pools-only", "driver", "binary", "group[0]", "group[1]", "pools", "pools-checkpoint",
+        "ceiling[0]", "ceiling[1]", "ceiling[2]", "background[0]", "expandable[0]", "expandable[1]",
     }  # fmt: skip
     for where, checks in cycles.items():
         wanted = {f"{prefix}{name}" for name in POOL_CHECKS for prefix in ("", "0.", "1.", "2.")}
@@ -190,34 +345,64 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
     assert (
         sections["pools-only"]["sleep"]["report"]["cuda"]["status"] == "left on the GPU (--checkpointer none)"
     )
-    assert len({sections[n]["snapshot_dir"] for n in ("pools-only", "driver", "binary", "tmpfs")}) == 4
+    assert len({sections[n]["snapshot_dir"] for n in ("pools-only", "driver", "binary")}) == 3
     assert sections["refusal"]["checks"] == {
         "sleep": True, "refused": True, "stays_asleep": True, "wake": True, "bit_exact": True,
         "pools_wrote": True, "pools_read_back": True, "pools_zeroed": True,
     }  # fmt: skip
     assert sections["refusal"]["refused_wake"]["exit"] == 12
-    pools = sections["pools"]  # hibernate.pool() over the stand-in torch_memory_saver, a stand-in graph
-    assert pools["demo"]["pooled"] and pools["demo"]["graphs"] and pools["reference"]["graph_digest"]
-    for entry in pools["cycles"]:
-        assert entry["checks"]["same_pointers"] and entry["checks"]["graph_bit_exact"], entry["checks"]
-    assert [c["checkpointer"] for c in pools["cycles"]] == ["none", "driver"]
-    assert pools["checks"] == {
-        "refused": True, "refusal_stays_running": True, "refusal_changed_nothing": True,
-        "allow_moves_slept": True, "allow_moves_woke": True,
-    }  # fmt: skip
-    refusal = pools["graphs_refusal"]
-    assert refusal["refused_sleep"]["exit"] == 15
-    assert "captured CUDA graphs" in refusal["refused_sleep"]["report"]["error"]["message"]
-    assert "after_moves" in refusal  # what the graph replays after a wake that moved its memory: recorded
-    speeds = pools["speeds"]
+    # hibernate.pool() over the stand-in torch_memory_saver, a stand-in graph; then the driver's
+    # checkpoint over its paused ranges.
+    for name, kind in (("pools", "none"), ("pools-checkpoint", "driver")):
+        pools = sections[name]
+        assert pools["demo"]["pooled"] and pools["demo"]["graphs"] and pools["reference"]["graph_digest"]
+        assert pools["checkpointer"] == kind
+        assert pools["checks"]["same_pointers"] and pools["checks"]["graph_bit_exact"], pools["checks"]
+    assert sections["pools"]["demo"]["pid"] == sections["pools-checkpoint"]["demo"]["pid"]
+    speeds = sections["pools"]["speeds"]
     assert speeds["spill_of_disk_write"] and speeds["restore_of_disk_read"], speeds
-    assert abs(speeds["bytes"] - pools["disk_same_bytes"]["bytes"]) < 8 << 20  # the disk's 8 MiB requests
-    assert pools["provider_backups"] == {
+    assert abs(speeds["bytes"] - sections["pools"]["disk_same_bytes"]["bytes"]) < 8 << 20  # 8 MiB requests
+    assert sections["pools"]["provider_backups"] == {
         "skipped": "dry run: the stand-in torch_memory_saver has no CPU or disk backup"
     }
+    # Both graphs over tracked weights refused, the one that allocates nothing too, each named.
+    graphs = sections["graph-refusal"]
+    assert set(graphs["checks"]) == {
+        f"{variant}.{check}"
+        for variant in ("forward", "static")
+        for check in ("status_lists_graph", "refused", "refusal_names_capture", "refusal_stays_running",
+                      "refusal_changed_nothing", "allow_moves_slept", "allow_moves_woke")
+    } | {"static.graph_allocated_nothing"}  # fmt: skip
+    static = graphs["variants"]["static"]
+    assert static["demo"]["graph_kind"] == "static" and static["demo"]["graph_pool_bytes"] == 0
+    assert graphs["variants"]["forward"]["demo"]["graph_pool_bytes"] > 0  # what memory_snapshot() sees
+    for variant in graphs["variants"].values():
+        assert variant["refused_sleep"]["exit"] == 15
+        assert "after_moves" in variant  # what the graph replays after a wake that moved its memory
+    sharing = sections["graph-pool-sharing"]
+    assert sharing["checks"] == {
+        "answered": True, "graphs_replayed": True, "hibernate_separate": True, "status_lists_graphs": True,
+    }  # fmt: skip
+    assert isinstance(sharing["plain_shares"], bool)  # torch's own pool: recorded, not judged
+    # The ceiling: the page cache's wake read what was cached, the disk's what was not.
+    ceiling = sections["ceiling"]
+    cached, disk, tmpfs = ceiling["cycles"]
+    assert cached["io_mode"] == "buffered" and cached["before_wake"]["page_cache"]["share"] >= 0.9
+    assert disk["before_wake"]["page_cache"]["share"] <= 0.1 and "io_mode" not in disk
+    assert Path(tmpfs["snapshot_dir"]).parent == shm
+    assert ceiling["speeds"]["page_cache_restore_gb_per_s"] and ceiling["speeds"]["disk_restore_gb_per_s"]
+    assert ceiling["host_to_device_same_bytes"] == {"skipped": "dry run: no GPU"}
+    # vLLM's extension: carried, and driven here over the stand-ins of its allocator.
+    cumem = sections["cumem"]
+    assert cumem["path"] == str(checkout / "vendor" / "cumem_allocator.abi3.so")
+    assert cumem["checks"] == {
+        "answered": True, "released": True, "cuda_cycle": True, "bit_exact": True, "dropped_zeroed": True,
+        "graph_replay": True,
+    }  # fmt: skip
     assert sections["group"]["cycles"][0]["checks"]["cuda_checkpointed"]  # the three together
     assert [c["checkpointer"] for c in sections["group"]["cycles"]] == ["driver", "binary"]
     probe = sections["binary-probe"]
+    assert probe["path"] == str(checkout / "vendor" / "cuda-checkpoint")  # the carried binary
     assert probe["help"]["exit"] == 0 and "--action" in probe["help"]["stdout"]
     assert probe["unlock_running"]["exit"] != 0 and probe["mapped_unlock"]["error"] == "CheckpointStepError"
     driver = sections["driver-probe"]
@@ -251,19 +436,21 @@ def test_the_dry_run_walks_every_check_and_writes_its_json(tmp_path: Path, runti
     ended = [r for r in retired if r not in cut]
     assert ended and all(r.get("state_after") == "checkpointed" for r in ended), retired
     assert {r["why"] for r in retired} >= {
-        "end of the run", "group", "vllm worker", "killed checkpointer", "pools", "graphs",
+        "end of the run", "group", "vllm worker", "killed checkpointer", "pools", "graphs", "cumem",
+        "graph-pool-sharing",
     }  # fmt: skip
     assert document["total_seconds"] < 8 * 60
 
 
 @pytest.mark.slow
 def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runtime_dir: Path) -> None:
-    # The pools section's demos allocate in hibernate.pool(), which --demo-untracked does not change.
-    skip = "vllm,binary-probe,driver-probe,pools"
+    # The pools sections' demos allocate in hibernate.pool(), which --demo-untracked contradicts; the
+    # graphs' demos read untracked weights then, which nothing refuses.
+    skip = "vllm,binary-probe,driver-probe,pools,pools-checkpoint,graph-refusal,graph-pool-sharing"
     returncode, document = dry_run(tmp_path, "--demo-untracked", "--skip", skip)
     assert returncode == 1 and not document["ok"]
     cycles = demo_cycles(document)
-    assert len(cycles) == 9
+    assert len(cycles) == 11
     for where, checks in cycles.items():
         pool_checks = {name: ok for name, ok in checks.items() if name.split(".")[-1] in POOL_CHECKS}
         assert len(pool_checks) >= 4 and not any(pool_checks.values()), (where, checks)
@@ -277,14 +464,26 @@ def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runti
 
 @pytest.mark.slow
 def test_a_section_asked_for_and_not_run_fails_the_run(tmp_path: Path, runtime_dir: Path) -> None:
-    skip = "refusal,pools,tmpfs,driver-probe,expandable,group,background,vllm,destructive,driver"
     missing = tmp_path / "no-such-cuda-checkpoint"
-    returncode, document = dry_run(tmp_path, "--skip", skip, "--cuda-checkpoint", str(missing))
+    only = "pools-only,binary,binary-probe"
+    returncode, document = dry_run(tmp_path, "--only", only, "--cuda-checkpoint", str(missing))
     assert document["checks_failed"] == [] and list(document["sections"]) == ["pools-only"]
     asked = [entry for entry in document["not_run"] if entry["asked"]]
     assert [entry["section"] for entry in asked] == ["binary", "binary-probe"]
     assert "no cuda-checkpoint found" in asked[0]["why"]
     assert returncode == 1 and not document["ok"]
+
+
+@pytest.mark.slow
+def test_a_section_whose_budget_no_longer_fits_is_not_started_and_fails_the_run(
+    tmp_path: Path, runtime_dir: Path
+) -> None:
+    """A section starts only while its whole budget fits in what is left: one started ends in time."""
+    returncode, document = dry_run(tmp_path, "--only", "driver", "--budget-s", "10")
+    assert document["sections"] == {} and returncode == 1 and not document["ok"]
+    asked = [entry for entry in document["not_run"] if entry["asked"]]
+    assert [entry["section"] for entry in asked] == ["driver"]
+    assert asked[0]["why"].startswith("out of time: its budget is 25 s, "), asked[0]
 
 
 @pytest.mark.slow
@@ -415,22 +614,119 @@ def test_the_backups_answer_is_found_among_what_the_library_prints(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_the_pools_section_fails_when_a_sleep_under_a_graph_is_not_refused(
+def test_the_graph_refusal_fails_when_a_sleep_under_a_graph_is_not_refused(
     tmp_path: Path, runtime_dir: Path
 ) -> None:
     """With HIBERNATE_ALLOW_MOVES=1 every sleep moves memory under graphs: the refusal does not happen."""
-    others = ",".join(s for s in load_script().SECTIONS if s != "pools")
-    returncode, document = dry_run(tmp_path, "--skip", others, env={"HIBERNATE_ALLOW_MOVES": "1"})
+    env = {"HIBERNATE_ALLOW_MOVES": "1"}
+    returncode, document = dry_run(tmp_path, "--only", "graph-refusal,pools,pools-checkpoint", env=env)
     assert returncode == 1 and not document["ok"]
-    failed = document["checks_failed"]
-    assert {"pools.refused", "pools.refusal_stays_running"} <= set(failed), failed
-    # Besides: what the graph's replay did after that unrefused sleep, whatever moved (recorded).
-    assert set(failed) <= {"pools.refused", "pools.refusal_stays_running", "pools.refusal_changed_nothing"}
-    refusal = document["sections"]["pools"]["graphs_refusal"]
-    assert refusal["refused_sleep"]["exit"] == 0 and refusal["unrefused_wake"]["exit"] == 0
+    failed = set(document["checks_failed"])
+    wanted = {
+        f"graph-refusal.{v}.{c}" for v in ("forward", "static") for c in ("refused", "refusal_stays_running")
+    }
+    assert wanted <= failed, failed
+    # Besides: whatever the graph's replay did after that unrefused sleep (recorded), and the names.
+    assert {f.split(".")[-1] for f in failed} <= {
+        "refused", "refusal_stays_running", "refusal_changed_nothing", "refusal_names_capture",
+    }, failed  # fmt: skip
+    for variant in document["sections"]["graph-refusal"]["variants"].values():
+        assert variant["refused_sleep"]["exit"] == 0 and variant["unrefused_wake"]["exit"] == 0
     # The pooled demo is not concerned: its pools keep every address, with or without the flag.
-    for entry in document["sections"]["pools"]["cycles"]:
-        assert all(entry["checks"].values()), entry["checks"]
+    for name in ("pools", "pools-checkpoint"):
+        assert all(document["sections"][name]["checks"].values()), document["sections"][name]["checks"]
+
+
+def test_a_section_starts_only_while_its_budget_fits_and_the_pools_demo_is_capped() -> None:
+    gpu_check = load_script()
+    assert set(gpu_check.SECTION_BUDGETS) == set(gpu_check.SECTIONS)
+    assert gpu_check.section_budget("binary-probe", 2048) == 15
+    assert gpu_check.section_budget("driver", 2048) == 25 + 6 * 2
+    assert gpu_check.section_budget("driver", 8192) == 25 + 6 * 8  # the main demo's weights
+    assert gpu_check.section_budget("pools", 8192) == gpu_check.section_budget("pools", 2048)  # capped
+
+
+def test_a_refusal_must_say_where_the_graph_was_captured() -> None:
+    gpu_check = load_script()
+    said = "this process has captured CUDA graphs (a CUDA graph captured at /x/hibernate/demo.py:512 (in f))"
+    assert gpu_check.capture_named(said)
+    assert not gpu_check.capture_named("this process has captured CUDA graphs (memory pool (1, 0))")
+    assert not gpu_check.capture_named("a CUDA graph captured at <frozen runpy>:88 (in _run_code)")
+    assert not gpu_check.capture_named("demo.py:12 named, but not as where it was captured")
+    status = {"agents": [{"graphs": [
+        {"captured_at": "/x/demo.py:512 (in f)", "hibernate_pool": False, "pool": [1, 0]},
+        {"captured_at": "/x/other.py:3", "hibernate_pool": True, "pool": [0, 2]},
+    ]}]}  # fmt: skip
+    graphs = gpu_check.agent_graphs(status)
+    assert gpu_check.graphs_seen(graphs, "demo.py") == [False]
+    assert gpu_check.graphs_seen(graphs, "other.py") == [True]
+    assert gpu_check.agent_graphs({"agents": [{"state": "running"}]}) == []  # an agent that lists none
+    assert gpu_check.agent_graphs({}) == []
+
+
+def test_a_tensor_in_the_graphs_pool_after_its_capture_is_judged_only_for_hibernates_pools() -> None:
+    sharing_checks = load_script().sharing_checks
+    graphs = [
+        {
+            "captured_at": "/r/scripts/lib/gpu_check_graph_pool.py:106 (in plain_capture)",
+            "hibernate_pool": False,
+        },
+        {
+            "captured_at": "/r/scripts/lib/gpu_check_graph_pool.py:114 (in pooled_capture)",
+            "hibernate_pool": True,
+        },
+    ]
+    apart = {"replay_correct": True, "overlap": False, "clobbered": False}
+    shared = {"replay_correct": True, "overlap": True, "clobbered": True}
+    every = {"graphs_replayed": True, "hibernate_separate": True, "status_lists_graphs": True}
+    # torch's own pool handing the graph's memory out again is torch's behaviour: recorded, not judged.
+    assert sharing_checks({"plain": shared, "hibernate": apart}, graphs) == every
+    assert not sharing_checks({"plain": apart, "hibernate": shared}, graphs)["hibernate_separate"]
+    clobbered_only = {**apart, "clobbered": True}  # a replay wrote it, whatever the ranges said
+    assert not sharing_checks({"plain": apart, "hibernate": clobbered_only}, graphs)["hibernate_separate"]
+    refused = {"replay_correct": True, "refused": "UsageError: a graph was captured into this tag"}
+    assert sharing_checks({"plain": apart, "hibernate": refused}, graphs)["hibernate_separate"]
+    # A capture that computed nothing proves nothing; graphs the agent did not list fail.
+    assert not sharing_checks({"plain": apart, "hibernate": {**apart, "replay_correct": False}}, graphs)[
+        "hibernate_separate"
+    ]
+    assert not sharing_checks({"plain": apart, "hibernate": apart}, graphs[1:])["status_lists_graphs"]
+    assert not sharing_checks({}, graphs)["graphs_replayed"]
+
+
+def test_the_ceiling_sets_each_wake_beside_the_pinned_copy() -> None:
+    ceiling_speeds = load_script().ceiling_speeds
+
+    def entry(spill: float, restore: float) -> dict[str, Any]:
+        return {
+            "sleep": {"report": {"processes": [{"gb_per_s": spill}]}},
+            "wake": {"report": {"processes": [{"gb_per_s": restore}]}},
+        }
+
+    speeds = ceiling_speeds({"gb_per_s": 50.0}, entry(10.0, 25.0), entry(2.0, 2.5), None)
+    assert speeds["host_to_device_gb_per_s"] == 50.0
+    assert (
+        speeds["page_cache_restore_gb_per_s"] == 25.0
+        and speeds["page_cache_restore_of_host_to_device"] == 0.5
+    )
+    assert speeds["disk_restore_of_host_to_device"] == 0.05 and speeds["disk_spill_gb_per_s"] == 2.0
+    assert speeds["tmpfs_restore_gb_per_s"] is None and speeds["tmpfs_restore_of_host_to_device"] is None
+    unmeasured = ceiling_speeds({"skipped": "dry run: no GPU"}, entry(1.0, 2.0), entry(1.0, 1.0), None)
+    assert unmeasured["page_cache_restore_gb_per_s"] == 2.0
+    assert unmeasured["page_cache_restore_of_host_to_device"] is None
+
+
+def test_a_snapshot_is_read_into_the_page_cache_or_dropped_from_it_as_its_wake_needs(tmp_path: Path) -> None:
+    gpu_check = load_script()
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "pools").mkdir(parents=True)
+    (snapshot / "pools" / "data").write_bytes(os.urandom(8 << 20))
+    (snapshot / "manifest").write_bytes(b"")  # an empty file counts for nothing
+    dropped = gpu_check.evicted(snapshot)["page_cache"]
+    assert dropped["bytes"] == 8 << 20 and dropped["share"] <= gpu_check.COLD_SHARE, dropped
+    warm = gpu_check.warmed(snapshot)
+    assert warm["page_cache"]["share"] >= gpu_check.CACHED_SHARE and warm["warm_seconds"] >= 0, warm
+    assert gpu_check.page_cache(tmp_path / "nothing-here") == {"bytes": 0, "resident_bytes": 0, "share": None}
 
 
 def test_a_side_write_counts_only_if_it_landed_once_the_sleep_had_begun() -> None:
@@ -508,14 +804,27 @@ def test_a_stop_during_a_long_step_goes_on_after_the_grace(tmp_path: Path) -> No
 
 
 def checkout_with_vendor(tmp_path: Path, *files: str) -> Path:
-    """A copy of scripts/gpu-run in a checkout whose vendor/ holds ``files`` (empty ones)."""
-    scripts = tmp_path / "checkout" / "scripts"
-    scripts.mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "gpu-run", scripts / "gpu-run")
-    (tmp_path / "checkout" / "vendor").mkdir()
+    """A checkout whose scripts are the repository's and whose vendor/ holds ``files`` (empty ones)."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts" / "lib").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "gpu-run", checkout / "scripts" / "gpu-run")
+    shutil.copy(
+        REPO / "scripts" / "lib" / "gpu_run_site.py", checkout / "scripts" / "lib" / "gpu_run_site.py"
+    )
+    (checkout / "vendor").mkdir()
     for name in files:
-        (tmp_path / "checkout" / "vendor" / name).write_text("")
-    return scripts / "gpu-run"
+        (checkout / "vendor" / name).write_text("")
+    return checkout / "scripts" / "gpu-run"
+
+
+def gpu_run_env(out: Path, **more: str) -> dict[str, str]:
+    """What gpu-run runs with here: this interpreter as python3, a dry run's imports (torch without CUDA)."""
+    env = {
+        **os.environ, "OUT": str(out), "GPU_CHECK_ARGS": "--dry-run",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **more,
+    }  # fmt: skip
+    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
+    return env
 
 
 def wheel(path: Path, files: dict[str, str]) -> None:
@@ -532,14 +841,18 @@ TMS_WHEEL = "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl"
 def test_gpu_run_stops_at_once_without_the_torch_memory_saver_wheel(tmp_path: Path) -> None:
     gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out)}
-    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
-    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=gpu_run_env(out), timeout=60)
     assert proc.returncode == 3, proc.stderr
-    assert "missing vendor/torch_memory_saver-0.0.10-*.whl (see the head of scripts/gpu-run)" in proc.stderr
+    assert "missing vendor/torch_memory_saver-0.0.10-*.whl (see the head of scripts/gpu-run" in proc.stderr
     assert not out.exists()
+    # A carried wheel that is no zip (cut short on its way): said, before anything starts.
+    (gpu_run.parent.parent / "vendor" / TMS_WHEEL).write_text("not a zip")
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=gpu_run_env(out), timeout=60)
+    assert proc.returncode == 3 and "could not unpack what vendor/ carries" in proc.stderr, proc.stderr
+    assert "BadZipFile" in proc.stderr and not (out / "gpu-check.stdout").exists()
 
 
+@pytest.mark.slow
 def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path) -> None:
     """Nothing can be installed on the GPU machine: each vendor/*.whl is unpacked and importable."""
     gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
@@ -553,8 +866,7 @@ def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path)
         "print(' '.join(sys.argv[1:]), file=sys.stderr)\n"
     )
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out)}
-    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=gpu_run_env(out), timeout=120)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     value, where = (out / "gpu-check.stdout").read_text().split()
     assert value == "7" and where.endswith("torch_memory_saver/__init__.py")
@@ -564,19 +876,30 @@ def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path)
     )
     log = (out / "gpu-run.log").read_text()
     assert "--cuda-checkpoint" in log and "--vllm-cumem" in log and "torch_memory_saver" in log
+    assert "--size-mb 2048 --budget-s 390" in log  # 2 GiB, and no section starts that would end past 390 s
+
+
+@pytest.mark.slow
+def test_gpu_run_stops_before_anything_starts_when_an_import_the_run_needs_fails(tmp_path: Path) -> None:
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint", "cumem_allocator.abi3.so")
+    wheel(gpu_run.parent.parent / "vendor" / TMS_WHEEL, {"torch_memory_saver/__init__.py": ""})
+    broken = gpu_run.parent.parent / "vendor" / "site" / "orjson"
+    broken.mkdir(parents=True)  # vendor/site comes first on PYTHONPATH: an orjson that cannot be imported
+    (broken / "__init__.py").write_text("raise ImportError('no orjson for this Python')\n")
+    (gpu_run.parent / "gpu-check").write_text("raise SystemExit('gpu-check must not start')\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=gpu_run_env(out), timeout=120)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "cannot import orjson (ImportError: no orjson for this Python)" in proc.stderr
+    assert "torch_memory_saver" not in proc.stderr.split("cannot import")[1]  # only what fails is named
+    assert not (out / "gpu-check.stdout").exists()
 
 
 def test_gpu_run_stops_at_once_when_a_vendor_file_is_missing(tmp_path: Path) -> None:
     """Without cuda-checkpoint or vLLM's cumem extension the run would miss sections: it refuses first."""
-    scripts = tmp_path / "checkout" / "scripts"
-    scripts.mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "gpu-run", scripts / "gpu-run")
-    (tmp_path / "checkout" / "vendor").mkdir()
-    (tmp_path / "checkout" / "vendor" / "cuda-checkpoint").write_text("")
+    gpu_run = checkout_with_vendor(tmp_path, "cuda-checkpoint")
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out)}
-    env.pop("GPU_CHECK_WITHOUT_VENDOR", None)
-    proc = subprocess.run([str(scripts / "gpu-run")], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run([str(gpu_run)], capture_output=True, text=True, env=gpu_run_env(out), timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert (
         "missing vendor/cumem_allocator.abi3.so" in proc.stderr
@@ -584,3 +907,116 @@ def test_gpu_run_stops_at_once_when_a_vendor_file_is_missing(tmp_path: Path) -> 
     )
     assert "cuda-checkpoint" not in proc.stderr.split("(")[0]  # only what is missing is named
     assert not out.exists()  # nothing was started
+
+
+def load_site() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gpu_run_site", REPO / "scripts" / "lib" / "gpu_run_site.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_what_the_image_lacks_is_unpacked_for_its_own_python_and_a_group_goes_whole(tmp_path: Path) -> None:
+    import zipfile
+
+    site = load_site()
+    vendor = tmp_path / "vendor"
+    for name, files in {
+        "wheels/common/fastjson-1.0.zip": {"fastjson/__init__.py": "SHARED = 1\n"},
+        "wheels/cp311/fastjson-1.0.zip": {"fastjson/_speed.cp311.so": "311"},
+        "wheels/cp312/fastjson-1.0.zip": {"fastjson/_speed.cp312.so": "312"},
+        "wheels/any/clitool-2.0-py3-none-any.whl": {"clitool/__init__.py": ""},
+        "wheels/any/clidep-1.0-py3-none-any.whl": {"clidep/__init__.py": ""},
+        "wheels/common/onlyold-1.0.zip": {"onlyold/__init__.py": ""},
+        "loose-1.0-py3-none-any.whl": {"loose.py": ""},
+    }.items():
+        (vendor / name).parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(vendor / name, "w") as archive:
+            for member, text in files.items():
+                archive.writestr(member, text)
+    manifest = {
+        "tags": ["cp311", "cp312"],
+        "packages": [
+            {"dist": "fastjson", "module": "fastjson", "files": ["wheels/common/fastjson-1.0.zip"],
+             "per_python": {tag: f"wheels/{tag}/fastjson-1.0.zip" for tag in ("cp311", "cp312")}},
+            {"dist": "clitool", "module": "clitool", "group": "cli",
+             "files": ["wheels/any/clitool-2.0-py3-none-any.whl"], "per_python": {}},
+            {"dist": "clidep", "module": "json", "group": "cli",  # the image has it, the group does not
+             "files": ["wheels/any/clidep-1.0-py3-none-any.whl"], "per_python": {}},
+            {"dist": "onlyold", "module": "onlyold", "pythons": ["cp311"],  # a marker's: 3.11 only
+             "files": ["wheels/common/onlyold-1.0.zip"], "per_python": {}},
+            {"dist": "pip", "module": "json", "files": [], "per_python": {}},  # the image has it
+        ],
+    }  # fmt: skip
+    (vendor / "vendor.json").write_text(json.dumps(manifest))
+    done = site.unpack(vendor, tmp_path / "site312", tag="cp312")
+    assert done["unpacked"] == ["fastjson", "clitool", "clidep"] and done["wheels"] == [
+        "loose-1.0-py3-none-any.whl"
+    ]
+    unpacked = {p.relative_to(tmp_path / "site312").as_posix() for p in (tmp_path / "site312").rglob("*.*")}
+    assert unpacked == {
+        "fastjson/__init__.py", "fastjson/_speed.cp312.so", "clitool/__init__.py", "clidep/__init__.py",
+        "loose.py",
+    }  # fmt: skip
+    assert site.unpack(vendor, tmp_path / "site311", tag="cp311")["unpacked"] == [
+        "fastjson", "clitool", "clidep", "onlyold",
+    ]  # fmt: skip
+    # A Python no compiled file was carried for: those packages named (the run's import check stops
+    # it then), the pure ones unpacked all the same.
+    other = site.unpack(vendor, tmp_path / "site313", tag="cp313")
+    assert other["no_files_for_this_python"] == ["fastjson"] and other["unpacked"] == ["clitool", "clidep"]
+
+
+def test_an_image_package_older_than_hibernate_needs_counts_as_lacking() -> None:
+    site = load_site()
+    assert site.version_key("3.10.18") > site.version_key("3.9") and site.version_key("2.13.0+cu130") == (
+        2,
+        13,
+        0,
+    )
+    installed = importlib.metadata.version("psutil")
+    assert site.image_has({"dist": "psutil", "module": "psutil", "min": installed})
+    assert not site.image_has({"dist": "psutil", "module": "psutil", "min": "999"})
+    assert not site.image_has({"dist": "nothere", "module": "no_module_of_that_name"})
+    assert site.import_problem("no_module_of_that_name", dry_run=True).startswith(
+        "no_module_of_that_name (ModuleNotFoundError"
+    )
+    assert site.import_problem("json", dry_run=False) is None
+
+
+def test_gpu_vendor_carries_the_files_every_python_shares_once(tmp_path: Path) -> None:
+    import zipfile
+
+    loader = importlib.machinery.SourceFileLoader("gpu_vendor", str(REPO / "scripts" / "gpu-vendor"))
+    spec = importlib.util.spec_from_loader("gpu_vendor", loader)
+    assert spec is not None
+    vendor = importlib.util.module_from_spec(spec)
+    loader.exec_module(vendor)
+    wheels = {}
+    for tag in ("cp311", "cp312"):
+        wheels[tag] = tmp_path / f"thing-1.0-{tag}-{tag}-manylinux2014_x86_64.whl"
+        wheel(wheels[tag], {"thing/__init__.py": "", "thing.libs/blas.so": "same", f"thing/_c.{tag}.so": tag})
+    entry = vendor.split_common(wheels, tmp_path / "common", tmp_path)
+    with zipfile.ZipFile(entry["files"][0]) as common:
+        assert sorted(common.namelist()) == ["thing.libs/blas.so", "thing/__init__.py"]
+    for tag in wheels:
+        with zipfile.ZipFile(entry["per_python"][tag]) as own:
+            assert own.namelist() == [f"thing/_c.{tag}.so"]
+    assert vendor.top_module(wheels["cp311"]) == "thing"
+    assert vendor.normalized("Markdown-It.Py") == "markdown_it_py"
+
+
+def test_the_demos_static_graph_is_a_graph_over_tracked_weights_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hibernate.demo import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--pool", "--graphs", "static"])
+    assert stopped.value.code == 2  # a pool keeps its graph's addresses: no refusal to show there
+    assert (
+        "--graphs static is a graph over tracked weights; with --pool use --graphs" in capsys.readouterr().err
+    )
