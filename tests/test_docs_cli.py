@@ -12,7 +12,8 @@ several lines included) is read as a shell line would be:
   a ``)``, a ``#``, or ``--``, after which they are the program's) must be
   options of that command; likewise for ``hibernate-job``, ``hibernate-suspend``
   and ``hibernate-resume`` against their ``--help`` (what follows their ``--``
-  goes to ``hibernate node-step``);
+  goes to ``hibernate node-step``), and for the project's scripts
+  (``scripts/gpu-check``, ``scripts/bench-store``, ...) against theirs;
 - an option table under a heading that names a command (``## hibernate sleep``,
   the page ``hibernate serve``) lists that command's options;
 - an option named on its own (a span that starts with it) is an option of a
@@ -55,16 +56,24 @@ FOREIGN = {
     "pytest": {"-n", "-k", "-x", "-m"},
 }  # fmt: skip
 
-# The project's own scripts whose options the docs name: how to ask each for its help.
-SCRIPT_HELP = {
-    "hibernate-job": [str(REPO / "scripts/slurm/hibernate-job"), "--help"],
-    "hibernate-suspend": [str(REPO / "scripts/slurm/hibernate-suspend"), "--help"],
-    "hibernate-resume": [str(REPO / "scripts/slurm/hibernate-resume"), "--help"],
-    "gpu-check": [sys.executable, str(REPO / "scripts/gpu-check"), "--help"],
-    "bench-store": [sys.executable, str(REPO / "scripts/lib/bench_store.py"), "--help"],
-    "bench-serve": [sys.executable, str(REPO / "scripts/lib/bench_serve.py"), "--help"],
-    "hibernate.demo serve": [sys.executable, "-m", "hibernate.demo", "serve", "--help"],
-}
+
+def script_help() -> dict[str, list[str]]:
+    """The project's own scripts whose options the docs name, and how to ask each for its help: the
+    Slurm commands, the Python scripts of scripts/ (gpu-check, ...), those the bench wrappers run
+    (which would set up a virtual environment first), and the demo target."""
+    commands = {
+        name: [str(REPO / "scripts/slurm" / name), "--help"]
+        for name in ("hibernate-job", "hibernate-suspend", "hibernate-resume")
+    }
+    for path in sorted((REPO / "scripts").iterdir()):
+        if path.is_file() and "python" in path.read_text(errors="replace").partition("\n")[0]:
+            commands[path.name] = [sys.executable, str(path), "--help"]
+    for name in ("bench_store", "bench_serve"):
+        commands[name] = [sys.executable, str(REPO / "scripts/lib" / f"{name}.py"), "--help"]
+    commands["hibernate.demo serve"] = [sys.executable, "-m", "hibernate.demo", "serve", "--help"]
+    return commands
+
+
 # Where what follows a script's `--` goes: hibernate-job and hibernate-suspend pass it to every node's step.
 AFTER_DASHES = {"hibernate-job": "node-step", "hibernate-suspend": "node-step"}
 
@@ -82,6 +91,7 @@ HIBERNATE_OPTION = re.compile(STARTS + r"hibernate[ \t]+(--?[a-zA-Z][\w-]*)")
 # program's output (`hibernate spill    2.36`, `hibernate restore (cold)`) is not a command named.
 INVOKED = re.compile(r"\s*$| (?=[^\s(,])")
 SCRIPT = re.compile(r"(?<![\w.-])(?:scripts/slurm/)?(hibernate-(?:job|suspend|resume))\b")
+PROJECT_SCRIPT = re.compile(r"(?<![\w.-])(?:\./)?scripts/([\w-]+)\b(?!/)")
 
 
 @dataclass(frozen=True)
@@ -227,7 +237,7 @@ def real_cli() -> Cli:
     group = typer.main.get_command(app)
     commands = getattr(group, "commands", {})
     scripts = {}
-    for script, argv in SCRIPT_HELP.items():
+    for script, argv in script_help().items():
         result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
         assert result.returncode == 0, (script, result.stderr)
         scripts[script] = frozenset(OPTION.findall(result.stdout))
@@ -268,6 +278,14 @@ def problems(markdown: str, name: str, cli: Cli) -> list[str]:
                     if option not in cli.options[step]:
                         what = f"hibernate {step} has no option {option}"
                         found.append(f"{place}: `{script} ... -- {option}`: {what}")
+        for match in PROJECT_SCRIPT.finditer(text):
+            name = match.group(1)
+            known = cli.scripts.get(name, cli.scripts.get(name.replace("-", "_")))
+            if known is None:  # a script without options of its own to check (./scripts/test: pytest's)
+                continue
+            for option in options_in(text[match.end() :]):
+                if option not in known:
+                    found.append(f"{place}: `scripts/{name} ... {option}`: it has no option {option}")
         if not piece.span or not text.startswith("-"):
             continue
         option = OPTION.match(text)
@@ -304,6 +322,8 @@ def test_every_command_and_option_a_doc_names_is_one_the_cli_has(doc: Path) -> N
         ("## hibernate wake\n\n| option | meaning |\n|---|---|\n| `--to DIR` | where |", "hibernate wake"),
         ("A span `srun --overlap\n--wait=0 hibernate node-step sleep --frobnicate`.", "--frobnicate"),
         ("    hibernate sleep \\\n        --frobnicate --to /snap", "sleep has no option --frobnicate"),
+        ("    python3 scripts/gpu-check --frobnicate", "scripts/gpu-check ... --frobnicate"),
+        ("    ./scripts/bench-store --size-mb 64 --frobnicate", "scripts/bench-store ... --frobnicate"),
     ],
 )
 def test_a_doc_that_names_what_the_cli_lacks_is_caught(line: str, expected: str) -> None:
