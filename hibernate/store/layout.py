@@ -393,14 +393,16 @@ class SpillRoot:
         fsync_dir(self.fd)
 
     def delete_snapshot(self, name: str) -> int:
-        """Remove snapshot ``name`` whole (manifest first, so it is never half there); bytes freed."""
+        """Remove snapshot ``name`` whole (manifest first, so it is never half there); bytes freed, the
+        manifest's included."""
+        freed = 0
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            os.unlink(f"{name}/{MANIFEST_NAME}", dir_fd=self.fd)
+            freed = _unlink_any(self.fd, f"{name}/{MANIFEST_NAME}")
             fsync_dir(self.fd)
         try:
-            return _unlink_any(self.fd, name)
+            return freed + _unlink_any(self.fd, name)
         except FileNotFoundError:
-            return 0
+            return freed
 
     def retire_all_but(self, keep: str | None) -> int:
         """Delete every published snapshot but ``keep`` (each is self-contained); bytes freed."""

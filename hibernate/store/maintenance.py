@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,16 +68,39 @@ def spill_roots(directory: Path) -> list[Path]:
     return [p for p in entries if not p.is_symlink() and p.is_dir() and _is_marked(p)]
 
 
-def _allocated(dir_fd: int, name: str) -> int:
-    """Disk space of a file or tree, not following links (what deleting it would free at most)."""
+def _files(dir_fd: int, name: str) -> Iterator[os.stat_result]:
+    """Every regular file of a file or tree, not following links."""
     info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISREG(info.st_mode):
+        yield info
     if not stat.S_ISDIR(info.st_mode):
-        return info.st_blocks * 512 if stat.S_ISREG(info.st_mode) else 0
+        return
     sub = open_dir(name, dir_fd=dir_fd)
     try:
-        return sum(_allocated(sub, entry) for entry in os.listdir(sub))
+        for entry in os.listdir(sub):
+            yield from _files(sub, entry)
     finally:
         os.close(sub)
+
+
+def freed_by(dir_fd: int, names: Sequence[str]) -> list[int]:
+    """What deleting the trees ``names``, in this order, frees at each: a file's space goes with the
+    last of its links (as the deletion counts it), so a data file two snapshots share (a re-sleep links
+    the chunks it reuses) counts once, with the last of them deleted, and one that a snapshot kept
+    also links to counts not at all. What ``gc --dry-run`` says, and ``gc`` then frees."""
+    last: dict[tuple[int, int], int] = {}  # a file -> the deletion that unlinks its last link seen
+    seen: dict[tuple[int, int], int] = {}
+    files: dict[tuple[int, int], os.stat_result] = {}
+    for index, name in enumerate(names):
+        for info in _files(dir_fd, name):
+            key = (info.st_dev, info.st_ino)
+            seen[key] = seen.get(key, 0) + 1
+            last[key], files[key] = index, info
+    freed = [0] * len(names)
+    for key, info in files.items():
+        if seen[key] >= info.st_nlink:  # every link of it goes
+            freed[last[key]] += info.st_blocks * 512
+    return freed
 
 
 def plan_root(root: SpillRoot, *, awake: bool, agent_state: AgentStateFn | None) -> tuple[bool, list[Action]]:
@@ -158,14 +181,14 @@ def _collect_root(
         if not root.lock(exclusive=not dry_run):
             return {"path": str(path), "freed_bytes": 0, "skipped": True, "removed": False, "actions": []}
         remove, actions = plan_root(root, awake=awake, agent_state=agent_state)
-        for action in actions:
-            if action.delete:
-                action.nbytes = _allocated(root.fd, action.path.name)
+        doomed = [action for action in actions if action.delete]
+        for action, nbytes in zip(doomed, freed_by(root.fd, [a.path.name for a in doomed]), strict=True):
+            action.nbytes = nbytes
         freed = 0
         if not dry_run:
-            for action in actions:
-                if action.delete:
-                    freed += root.delete_snapshot(action.path.name)
+            for action in doomed:
+                action.nbytes = root.delete_snapshot(action.path.name)  # what it freed: as foreseen
+                freed += action.nbytes
             if remove:
                 freed += root.remove()
         return {
