@@ -140,13 +140,14 @@ class TerminalProgress(ProgressSink):
         if not self.enabled:
             return
         now = self._clock()
-        rate = f"{transfer_rate(done, now - self._step_started):.2f} GB/s"
+        # No rate before the first bytes have moved: "0.00 GB/s" would say the disk is stuck.
+        rate = f"{transfer_rate(done, now - self._step_started):.2f} GB/s" if done else ""
         if self._progress is not None:
             if self._task is None:
                 self._task = self._progress.add_task(label, total=total, rate=rate)
             self._progress.update(self._task, completed=done, total=total, rate=rate)
             return
-        line = f"{label}: {human_bytes(done)} / {human_bytes(total)} at {rate}"
+        line = f"{label}: {human_bytes(done)} / {human_bytes(total)}" + (f" at {rate}" if rate else "")
         if done >= total:
             self._final = line  # printed once the step goes on, unless ended() brings the report's rate
         elif now - self._last_line >= 2.0:
