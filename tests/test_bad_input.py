@@ -320,3 +320,16 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line_by_ever
     assert deep.json()["error"]["message"].startswith("DIR is 5025 bytes long, more than the 4095 a path may")
     assert not any(work_dir.iterdir())
     assert_untouched(demo, cli, reference)
+
+
+def test_a_runtime_directory_with_a_name_too_long_is_refused_in_one_line(cli, tmp_path: Path) -> None:
+    """ls, status, recover: the runtime directory the environment names is checked as a --to is."""
+    env = {"HIBERNATE_RUNTIME_DIR": str(tmp_path / ("r" * 300))}
+    words = "the runtime directory (HIBERNATE_RUNTIME_DIR) has a name of 300 bytes"
+    for args in (["ls"], ["status"], ["recover", "1"]):
+        result = cli(*args, env=env)
+        assert result.returncode == ExitCode.USAGE, result.stderr
+        assert result.stderr.splitlines()[0].startswith(f"hibernate: error: {words}"), result.stderr
+        assert result.stderr.splitlines()[1:] == ["  hint: set HIBERNATE_RUNTIME_DIR to a shorter directory"]
+    as_json = cli("status", "--json", env=env)
+    assert as_json.returncode == ExitCode.USAGE and as_json.json()["error"]["message"].startswith(words)

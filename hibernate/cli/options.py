@@ -209,7 +209,11 @@ PATH_LABELS = {"directory": "DIR"}
 def check_paths(values: dict[str, Any]) -> None:
     """Refuse (UsageError, exit 2) a path given to a command that no file or directory could have: a
     name in it longer than its filesystem allows (255 bytes on most), or a path beyond ``PATH_MAX``.
-    Checked for every path parameter of every command, before anything is touched, as numbers are."""
+    Checked for every path parameter of every command, and for the runtime directory the environment
+    names, before anything is touched, as numbers are."""
+    import os
+
+    from hibernate.agent.paths import runtime_dir
     from hibernate.fsutil import path_length_problem
 
     for name, value in values.items():
@@ -218,6 +222,13 @@ def check_paths(values: dict[str, Any]) -> None:
             if problem is not None:
                 label = PATH_LABELS.get(name, "--" + name.replace("_", "-"))
                 raise UsageError(f"{label} {problem}; nothing was changed")
+    problem = path_length_problem(runtime_dir())
+    if problem is not None:
+        named = [v for v in ("HIBERNATE_RUNTIME_DIR", "XDG_RUNTIME_DIR", "TMPDIR") if os.environ.get(v)]
+        label = f"the runtime directory ({named[0]})" if named else "the runtime directory"
+        raise UsageError(
+            f"{label} {problem}; nothing was changed", hint="set HIBERNATE_RUNTIME_DIR to a shorter directory"
+        )
 
 
 def handles_errors(func: F) -> F:
