@@ -23,8 +23,9 @@ import pytest
 from hibernate.checkpoint.nccl import NCCL_SAFE
 from tests.demo_control import DemoControl
 
-# Every fixture plugin, registered once for the whole suite (stand-ins of hardware, a private Slurm).
-pytest_plugins = ["tests.standins.fixtures", "tests.slurm_cluster"]
+# Every plugin, registered once for the whole suite: the reaper (tests/reaper.py: no process the suite
+# starts outlives it), then the fixtures (stand-ins of hardware, a private Slurm).
+pytest_plugins = ["tests.reaper", "tests.standins.fixtures", "tests.slurm_cluster"]
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
@@ -314,11 +315,14 @@ _forkserver: ForkServer | None = None
 
 
 def forkserver() -> ForkServer:
-    """Started on first use, stopped when the session ends."""
+    """Started on first use, stopped when the session ends (not a process left by the test that
+    happened to start it: its demos are)."""
+    from tests import reaper  # here: imported first as a plugin, to be assertion-rewritten
+
     global _forkserver
     if _forkserver is None:
         _forkserver = ForkServer()
-        atexit.register(_forkserver.close)
+        reaper.keep(_forkserver.proc.pid, "the fork server", _forkserver.close)
     return _forkserver
 
 
@@ -348,8 +352,8 @@ class Demo(DemoControl):
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the reaper ends it if this runs out
+            self.proc.wait(timeout=60)
 
 
 @pytest.fixture
