@@ -128,7 +128,7 @@ def test_a_vanished_client_rolls_back_a_half_done_sleep(served, work_dir: Path) 
     client.call("spill", {"dir": str(work_dir)})
     assert agent.state.value == "spilled"
     client.close()
-    wait_until(lambda: agent.status()["busy"] is None, 5, "the agent to end the vanished client's turn")
+    wait_until(lambda: agent.status()["busy"] is None, 30, "the agent to end the vanished client's turn")
     assert agent.state.value == "running"
     assert not agent.guard.closed
     with AgentClient(server.path) as again:
@@ -140,7 +140,7 @@ def test_asleep_outlives_its_client(served, work_dir: Path) -> None:
     with AgentClient(server.path) as client:
         for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
             client.call(op, args)
-    wait_until(lambda: agent.status()["busy"] is None, 5, "the agent to end the client's session")
+    wait_until(lambda: agent.status()["busy"] is None, 30, "the agent to end the client's session")
     assert agent.state.value == "asleep"
     with AgentClient(server.path) as client:
         client.call("begin")

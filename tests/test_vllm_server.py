@@ -426,7 +426,7 @@ def test_a_failing_sleep_is_undone_and_a_server_dying_mid_sleep_leaves_nothing_a
     # Its workers end with it (as vLLM's do); none is left asleep behind anyone's back.
     wait_until(
         lambda: not any(ident is not None and procinfo.is_alive(ident) for ident in workers),
-        20,
+        120,
         "the workers to end with their server",
         0.1,
     )
