@@ -452,19 +452,23 @@ def test_a_backend_with_its_own_command_is_not_also_the_one_dash_dash_command_st
 
 def dying_process() -> subprocess.Popen[bytes]:
     """A process caught as a SIGKILLed model is for a moment: its main thread ended (a zombie, as
-    /proc shows it) while another thread still runs, so it cannot be reaped yet."""
+    /proc shows it) while another thread still runs, so it cannot be reaped yet. That thread ends the
+    process once its stdin closes, which this does once it has seen the moment (not after a fixed
+    delay a loaded machine could outlast)."""
     code = (
-        "import ctypes, os, threading, time\n"
-        "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(0))).start()\n"
+        "import ctypes, os, sys, threading\n"
+        "threading.Thread(target=lambda: (sys.stdin.buffer.read(), os._exit(0))).start()\n"
         "ctypes.CDLL(None).pthread_exit(None)\n"  # the GIL is let go: the other thread goes on
     )
-    process = subprocess.Popen([sys.executable, "-c", code])
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     wait_until(
         lambda: Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0] == "Z",
-        10,
+        60,
         "its main thread to end",
     )
     assert process.poll() is None
+    assert process.stdin is not None
+    process.stdin.close()  # now it dies: whoever looks next finds it dying or gone
     return process
 
 
