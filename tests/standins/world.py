@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hibernate import procinfo
@@ -229,10 +229,22 @@ def spec(*items: tuple[str, int | None, str]) -> str:
 
 @dataclass
 class Tree:
-    """A running tree_target.py: a parent and its children."""
+    """A running tree_target.py: a parent and its children.
+
+    The children are held by pidfd from the start, while their parent still
+    holds their pids: once it is gone, an exited child is reaped by whoever
+    adopted it and its pid may name another process, which a kill by pid
+    would hit.
+    """
 
     proc: subprocess.Popen[bytes]
     children: list[int]
+    handles: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for child in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                self.handles.append(os.pidfd_open(child))
 
     @property
     def pid(self) -> int:
@@ -243,10 +255,12 @@ class Tree:
         return [self.pid, *self.children]
 
     def stop(self) -> None:
+        for handle in self.handles:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+            os.close(handle)
+        self.handles.clear()
         if self.proc.poll() is None:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        for child in self.children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+            self.proc.wait(timeout=60)
