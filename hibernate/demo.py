@@ -415,10 +415,13 @@ def weight_pointers(model: Any, kv_cache: Any) -> dict[str, int]:
 class PromptGraph:
     """A CUDA graph of the prompt's forward pass, captured once; each replay answers its output's digest."""
 
-    def __init__(self, torch: Any, graph: Any, output: Any) -> None:
+    def __init__(self, torch: Any, graph: Any, output: Any, buffers: tuple[Any, ...] = ()) -> None:
         self._torch = torch
         self._graph = graph
         self._output = output
+        # The graph writes these on every replay, by address, and holds no reference to them: freed,
+        # their memory would be handed out again and overwritten by each replay.
+        self._buffers = buffers
 
     def replay(self) -> str:
         self._graph.replay()
@@ -492,7 +495,7 @@ def capture_static_graph(torch: Any, model: Any, prompt: Any) -> PromptGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             forward()
-    return PromptGraph(torch, graph, down)
+    return PromptGraph(torch, graph, down, (hidden, up))
 
 
 class HttpApi:
