@@ -281,7 +281,7 @@ def test_gpu_vendor_assembles_what_gpu_run_carries_from_wheels_at_hand(
         assert "numpy.libs/libopenblas.so" not in own.namelist()
     assert packages["psutil"]["files"] == ["wheels/any/psutil-7.2.2-cp36-abi3-manylinux2014_x86_64.whl"]
     # What to ask the device for, with the directory as the checkout names it.
-    assert 'run(command="scripts/gpu-run", carry=["vendor"], timeout_s=480)' in proc.stdout
+    assert 'run(command="OUT=\\"$OUT\\" scripts/gpu-run", carry=["vendor"], timeout_s=480)' in proc.stdout
     # Over the limit: said, with what weighs most, and a failure.
     over = tmp_path / "over"
     over.mkdir()
@@ -876,7 +876,7 @@ def test_gpu_run_unpacks_every_carried_wheel_onto_the_pythonpath(tmp_path: Path)
     )
     log = (out / "gpu-run.log").read_text()
     assert "--cuda-checkpoint" in log and "--vllm-cumem" in log and "torch_memory_saver" in log
-    assert "--size-mb 2048 --budget-s 390" in log  # 2 GiB, and no section starts that would end past 390 s
+    assert "--size-mb 2048 --budget-s 380" in log  # 2 GiB, and no section starts that would end past 380 s
 
 
 @pytest.mark.slow
