@@ -554,9 +554,6 @@ def block(address: int, nbytes: int, fill: int) -> tuple[int, int] | None:
 def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_wrong(
     work_dir: Path, cudart_path: Path
 ) -> None:
-    from hibernate.pools.device import CudaCopies, CudaRuntime
-    from tests.standins.vllm_cumem import FakeCudaRT
-
     weights = torch.randn(33 * MIB // 4)  # beyond glibc's mmap threshold: freed, it is unmapped
     inputs = torch.randn(1024)
     watch_standin_captures()
@@ -567,14 +564,7 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
     graph.replay()
     expected = bits(out)
     before = fingerprint({"weights": weights})
-    cudart = FakeCudaRT(cudart_path)
-    pool = TensorPool(  # the weights as a device storage on cuda:0, copied through the stand-in runtime
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
-        device_of=lambda storage: 0 if storage._cdata == weights.untyped_storage()._cdata else None,
-        segments=cuda_graphs.memory_snapshot,
-        covered=lambda: [],
-    )
-    pool.track(weights, "weights", True, "w")
+    pool = tracked_on_device(weights, cudart_path)
     agent = agent_with(pool, "pool-tms")
 
     with pytest.raises(AddressesWouldMoveError) as caught:
@@ -607,6 +597,23 @@ def test_a_graph_over_tracked_weights_refuses_the_sleep_and_allowed_it_replays_w
         libc.munmap(*held)
 
 
+def tracked_on_device(weights: torch.Tensor, cudart_path: Path) -> TensorPool:
+    """``weights`` tracked as a device storage of cuda:0 (copied through the stand-in CUDA runtime),
+    beside the stand-in graphs' pools and every graph seen at its capture."""
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    cudart = FakeCudaRT(cudart_path)
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=lambda storage: 0 if storage._cdata == weights.untyped_storage()._cdata else None,
+        segments=cuda_graphs.memory_snapshot,
+        covered=lambda: [],
+    )
+    pool.track(weights, "weights", True, "w")
+    return pool
+
+
 def watch_standin_captures() -> None:
     """The captures of the stand-in graph classes seen from now on, as ``track``/``pool`` would
     start seeing torch's (whether an earlier test already did is no matter: once per class)."""
@@ -618,9 +625,6 @@ def test_a_graph_that_allocated_nothing_over_tracked_weights_refuses_the_sleep_n
 ) -> None:
     """A capture into static buffers (``out=``) makes no memory of its own: torch's allocator shows
     no graph, yet its replay reads the weights where they were."""
-    from hibernate.pools.device import CudaCopies, CudaRuntime
-    from tests.standins.vllm_cumem import FakeCudaRT
-
     weights = torch.randn(33 * MIB // 4)  # beyond glibc's mmap threshold: freed, it is unmapped
     inputs, static_out = torch.randn(1024), torch.empty(1024)
     watch_standin_captures()
@@ -631,14 +635,7 @@ def test_a_graph_that_allocated_nothing_over_tracked_weights_refuses_the_sleep_n
     graph.replay()
     expected = bits(static_out)
     assert not [s for s in cuda_graphs.memory_snapshot() if s["segment_pool_id"] == graph.pool()]
-    cudart = FakeCudaRT(cudart_path)
-    pool = TensorPool(
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
-        device_of=lambda storage: 0 if storage._cdata == weights.untyped_storage()._cdata else None,
-        segments=cuda_graphs.memory_snapshot,
-        covered=lambda: [],
-    )
-    pool.track(weights, "weights", True, "w")
+    pool = tracked_on_device(weights, cudart_path)
     agent = agent_with(pool, "pool-tms")
     [seen] = [g for g in agent.status()["graphs"] if g["captured_at"].startswith(f"{__file__}:{line} ")]
     assert seen["pool"] == list(graph.pool()) and seen["hibernate_pool"] is False

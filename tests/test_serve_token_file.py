@@ -8,7 +8,6 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,23 +16,14 @@ from hibernate.procinfo import describe_user
 from hibernate.serve.config import (
     MAX_TOKEN_FILE_BYTES,
     TOKEN_ENV,
-    build_config,
     read_token,
     token_file_problem,
 )
 from tests.conftest import NOBODY, is_root, run_cli
+from tests.test_serve_rules import config
 
 TOKEN = "a-long-enough-token-0123456789"
 BACKEND = ["--backend", "a=http://127.0.0.1:9"]
-
-
-def config(**given: Any) -> Any:
-    values: dict[str, Any] = {
-        "listen": None, "to": Path("/snap"), "backend_flags": ["a=http://127.0.0.1:8001"],
-        "idle": None, "wake_timeout": None, "gpu_budget": None,
-    }  # fmt: skip
-    values.update(given)
-    return build_config(**values)
 
 
 def private_file(path: Path, text: str) -> Path:
