@@ -60,13 +60,18 @@ def test_a_child_started_here_keeps_its_exit_status_for_whoever_waits_for_it() -
 
 
 def inner_run(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """pytest with the reaper, on ``source`` as a test file of its own, in a process of its own."""
+    """pytest with the reaper, on ``source`` as a test file of its own, in a process of its own.
+
+    Its output is the same wherever it runs: pytest writes its short summary whole on a CI machine
+    (CI or BUILD_NUMBER set) and cut to the terminal's width elsewhere, so neither reaches it.
+    """
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(source))
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.reaper", "-p", "no:cacheprovider", "-q", *args],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HIBERNATE_TEST_LINGER_S": "2"},
+        env={**env, "PYTHONPATH": str(REPO), "HIBERNATE_TEST_LINGER_S": "2", "COLUMNS": "80"},
         capture_output=True,
         text=True,
         timeout=300,
