@@ -41,11 +41,9 @@ from typing import Any
 from hibernate.pools.graphs import PoolId
 
 _WATCHED = "_hibernate_watched"  # set on a class whose capture entry points are wrapped
-# hibernate's own frames between the program and a capture: cuda_graph() in the package's API, the hooks
-_OWN_FILES = (
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py"),
-    __file__,
-)
+# hibernate's own frames between the program and a capture: cuda_graph() in the package's API, the hooks.
+# Spelt as the import spelt this file (a code object's file name is, relative where its path entry was).
+_OWN_FILES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "__init__.py"), __file__)
 
 
 @dataclass(frozen=True)
