@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,6 +34,29 @@ NOBODY = 65534
 
 def is_root() -> bool:
     return os.getuid() == 0
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on at 127.0.0.1 now, for a server a test starts next.
+
+    Drawn below the kernel's ephemeral range (``ip_local_port_range``): every outgoing connection of
+    every test takes its local port from that range at any moment, so a port seen free there can be
+    someone's before the server binds it. Where the server can take port 0 and say which it got,
+    that is better still (no window at all).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free TCP port found between 10000 and {low}")
 
 
 def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:

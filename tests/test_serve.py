@@ -33,7 +33,7 @@ from hibernate import orchestrator
 from hibernate.errors import ExitCode
 from hibernate.serve import httplog
 from tests import test_vllm_server as vllm_standin
-from tests.conftest import REPO, forkserver, stays_false, wait_until
+from tests.conftest import REPO, forkserver, free_port, stays_false, wait_until
 from tests.demo_control import DemoControl
 from tests.standins.world import GIB, World
 
@@ -46,13 +46,6 @@ STATUS_SCHEMA = jsonschema.Draft202012Validator(
 MIB = 1 << 20
 # A log line: UTC time to the millisecond, level, then the words.
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) hibernate serve: ")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _fetch(
@@ -196,7 +189,8 @@ def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]
     def start(
         *args: str, env: dict[str, str] | None = None, wait: bool = True, host: str = "127.0.0.1"
     ) -> Proxy:
-        port = free_port()
+        # Waited for, it takes any free port and says which: no window for another to take it first.
+        port = 0 if wait else free_port()
         log = tmp_path / f"proxy{len(started)}.log"
         command = [
             sys.executable, "-m", "hibernate", "serve", "--listen", f"{host}:{port}",
@@ -214,6 +208,9 @@ def start_proxy(work_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Proxy]
                 lambda: proxy.lines("listening on") or proc.poll() is not None, 120, "the proxy to listen"
             )
             assert proc.poll() is None, log.read_text()
+            bound = re.search(r"listening on http://\[?[^ ]*?\]?:(\d+)", proxy.lines("listening on")[0])
+            assert bound is not None, log.read_text()
+            proxy.port = int(bound.group(1))
         return proxy
 
     yield start

@@ -33,7 +33,7 @@ from hibernate.serve.discovery import (
 from hibernate.serve.httplog import LineBudget, OneLine
 from hibernate.serve.leases import Verdict, refusal
 from hibernate.serve.routing import ApiError, by_prefix, model_of, models_list, route
-from tests.conftest import NOBODY, REPO, as_user_prefix, is_root, run_cli
+from tests.conftest import NOBODY, REPO, as_user_prefix, free_port, is_root, run_cli
 
 A = BackendSpec("a", "http://127.0.0.1:8001", prefix="/a")
 B = BackendSpec("b", "http://127.0.0.1:8002", models=("org/model-b", "b-alias"))
@@ -462,13 +462,6 @@ sock.listen()
 print("listening", flush=True)
 sys.stdin.read()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture

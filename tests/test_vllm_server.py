@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from hibernate.flows.vllm import VllmServerUnit
 from hibernate.integrations.vllm import PREPARED_REFUSAL
 from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
-from tests.conftest import spill_root_of, wait_until
+from tests.conftest import free_port, spill_root_of, wait_until
 from tests.standins.vllm_parallel_state import (
     COMM_RESUME_STEP,
     COMM_SUSPEND_FAULT,
@@ -68,13 +67,6 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("HIBERNATE_RUNTIME_DIR", str(run))
     yield run
     shutil.rmtree(path, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
