@@ -668,7 +668,8 @@ class _CaptureMode(TorchDispatchMode):
         if nbytes == 0:
             return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
         storage = self._recording.pool.allocate(nbytes, POISON)
-        return torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
+        out = torch.empty(0, dtype=meta.dtype)
+        return out.set_(storage, meta.storage_offset(), meta.shape, meta.stride())
 
 
 def _written_arguments(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, Any]:
