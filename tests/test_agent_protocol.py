@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from hibernate import procinfo
 from hibernate.agent import protocol
 from hibernate.agent.client import AgentClient
-from hibernate.agent.controller import Agent
+from hibernate.agent.controller import Agent, Session
 from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name, sweep_stale_sockets
 from hibernate.agent.server import AgentServer
 from hibernate.errors import BusyError, ProtocolError, UsageError
@@ -118,6 +119,42 @@ def test_operations_need_a_session_and_sessions_exclude_each_other(served, work_
             second.call("begin")
         first.call("end")
         second.call("begin")
+
+
+def test_a_command_right_after_one_that_exited_waits_for_its_session_to_be_wound_up() -> None:
+    """The first command's exit closes its socket before the agent's connection thread has ended
+    its session: the next command, run at once, waits for that rather than being told "busy"."""
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    agent = Agent(ident)
+    asked = threading.Event()
+
+    def gone() -> bool:  # the agent asks whether the owner's client is gone: it is, and is being wound up
+        asked.set()
+        return True
+
+    exited = Session("hibernate (pid 1, uid 0)", cancelled=gone)
+    agent.begin(exited)
+    winding_up = threading.Thread(target=lambda: (asked.wait(60), agent.disconnect(exited)))
+    winding_up.start()
+    try:
+        agent.begin(Session("hibernate (pid 2, uid 0)"))
+    finally:
+        winding_up.join(60)
+
+
+def test_an_owner_whose_client_is_alive_is_busy_at_once_and_a_gone_one_only_for_a_while() -> None:
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    agent = Agent(ident)
+    agent.begin(Session("hibernate (pid 1, uid 0)"))
+    with pytest.raises(BusyError, match=r"busy: hibernate \(pid 1"):
+        agent.begin(Session("hibernate (pid 2, uid 0)"))
+    stuck = Agent(ident)
+    stuck.gone_owner_wait_s = 0.05
+    stuck.begin(Session("hibernate (pid 3, uid 0)", cancelled=lambda: True))  # gone, never wound up
+    with pytest.raises(BusyError, match=r"busy: hibernate \(pid 3"):
+        stuck.begin(Session("hibernate (pid 4, uid 0)"))
 
 
 def test_a_vanished_client_rolls_back_a_half_done_sleep(served, work_dir: Path) -> None:

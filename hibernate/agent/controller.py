@@ -96,6 +96,9 @@ _TRANSITIONS: dict[str, tuple[frozenset[AgentState], AgentState]] = {
     ),
 }
 
+# How long a new session waits for one whose client has gone to be wound up (see Agent.begin).
+GONE_OWNER_WAIT_S = 10.0
+
 # A fault point at the start of each transition (a partial restore is a restore).
 AGENT_POINTS = tuple(dict.fromkeys(f"agent.{op.removesuffix('_part')}" for op in _TRANSITIONS))
 
@@ -242,6 +245,8 @@ class Agent:
         self._pools: list[Pool] = []
         self._mutex = threading.Lock()
         self._owner: Session | None = None
+        self._owner_changed = threading.Condition(self._mutex)
+        self.gone_owner_wait_s = GONE_OWNER_WAIT_S
         self._state = AgentState.RUNNING
         self._sleep: _Sleep | None = None
         self._last_snapshot: dict[str, Any] | None = None
@@ -331,7 +336,16 @@ class Agent:
     # -- sessions ------------------------------------------------------------
 
     def begin(self, session: Session) -> None:
-        with self._mutex:
+        """Own the agent, or BusyError naming its owner.
+
+        An owner whose client is gone (its socket closed: the command exited) is waited for, up to
+        ``gone_owner_wait_s``: its connection thread is winding its session up (rolling back what was
+        half done) and the next command, run right after, must not be told the agent is busy.
+        """
+        with self._owner_changed:
+            owner = self._owner
+            if owner is not None and owner is not session and owner.cancelled():
+                self._owner_changed.wait_for(lambda: self._owner is not owner, self.gone_owner_wait_s)
             if self._owner is not None and self._owner is not session:
                 raise BusyError(
                     f"process {self.identity.pid} is busy: {self._owner.description} is operating on it",
@@ -351,8 +365,9 @@ class Agent:
                 self._transition(session, "resume", self._do_resume)
         finally:
             self.leases.reopen(session)
-            with self._mutex:
+            with self._owner_changed:
                 self._owner = None
+                self._owner_changed.notify_all()
 
     def disconnect(self, session: Session) -> None:
         """A client's connection ended: its leases are given back, then its session ends."""
