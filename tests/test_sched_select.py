@@ -22,19 +22,21 @@ import pytest
 
 from hibernate import procinfo
 from hibernate.errors import ExitCode, UsageError
-from hibernate.sched.selectors import (
+from hibernate.sched.cgroups import (
     cgroup_members,
-    check_job_id,
     find_named_cgroups,
+    parse_pid_list,
+    resolve_cgroup_path,
+    unified_cgroup_path,
+)
+from hibernate.sched.selectors import tree_roots
+from hibernate.sched.slurm import (
+    check_job_id,
     job_cgroups,
     job_dir_in_cgroup_path,
     on_this_node,
-    parse_pid_list,
     pids_with_job_environment,
-    resolve_cgroup_path,
     slurmd_of,
-    tree_roots,
-    unified_cgroup_path,
 )
 from tests.conftest import REPO, Demo, run_cli, wait_until
 from tests.slurm_cluster import (

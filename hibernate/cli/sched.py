@@ -211,27 +211,6 @@ def node_step(
         raise typer.Exit(int(error.exit_code))
 
 
-SLURM_SCRIPTS = "share/hibernate/slurm"  # under the install prefix (pyproject.toml, data-files)
-
-
-def slurm_scripts_directory() -> Path | None:
-    """Where the Slurm scripts lie: those installed with the package (found through its file list,
-    whatever the install scheme: a venv, --user, a prefix), else a source checkout's scripts/slurm."""
-    from importlib import metadata
-
-    try:
-        files = metadata.distribution("hibernate").files or []
-        installed = next((f for f in files if str(f).endswith(f"{SLURM_SCRIPTS}/hibernate-job")), None)
-        if installed is not None:
-            directory = Path(str(installed.locate())).resolve().parent
-            if directory.is_dir():
-                return directory
-    except metadata.PackageNotFoundError:
-        pass
-    checkout = Path(__file__).resolve().parents[2] / "scripts" / "slurm"
-    return checkout if (checkout / "hibernate-job").is_file() else None
-
-
 @handles_errors
 def slurm_scripts() -> None:
     """Print the directory of the Slurm scripts installed with hibernate.
@@ -240,8 +219,9 @@ def slurm_scripts() -> None:
     scripts (*.sbatch), e.g. `cp "$(hibernate slurm-scripts)"/train-phases.sbatch .`
     """
     from hibernate.errors import UnsupportedError
+    from hibernate.sched import slurm
 
-    directory = slurm_scripts_directory()
+    directory = slurm.scripts_directory()
     if directory is None:
         raise UnsupportedError(
             "the Slurm scripts were not installed with this hibernate",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -25,7 +24,7 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.sched import selectors
+from hibernate.sched import selectors, slurm
 from hibernate.sched.barrier import ABORT, COMMIT, Barrier, Decision, NodeResult
 
 OPERATIONS = ("sleep", "wake")
@@ -68,12 +67,6 @@ class StepOutcome:
             "report": self.report,
             "undo": self.undo,
         }
-
-
-def node_name(environ: Mapping[str, str] | None = None) -> str:
-    """This node as Slurm names it ($SLURMD_NODENAME), else the host name."""
-    env = os.environ if environ is None else environ
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def env_int(names: tuple[str, ...], what: str, environ: Mapping[str, str] | None = None) -> int:
@@ -149,11 +142,11 @@ def node_step(
         raise UsageError(f"the operation must be sleep or wake, not {operation!r}")
     if operation == "sleep" and to is None:
         raise UsageError("node-step sleep needs --to DIR")
-    name = node or node_name()
+    name = node or slurm.node_name()
     if "/" in name or not name.strip("."):
         raise UsageError(f"--node-name {name!r} cannot name a file")
-    count = nodes if nodes is not None else env_int(("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "--nodes")
-    index = node_index if node_index is not None else env_int(("SLURM_NODEID",), "--node-index")
+    count = nodes if nodes is not None else env_int(slurm.NODE_COUNT_ENV, "--nodes")
+    index = node_index if node_index is not None else env_int(slurm.NODE_INDEX_ENV, "--node-index")
     gate = Barrier(barrier, count, index, name, appear_timeout=min(barrier_timeout, 30.0))
     settings = options()
     chosen: list[int] = []
