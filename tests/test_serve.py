@@ -905,7 +905,7 @@ def test_a_backend_running_a_hibernate_from_before_leases_is_still_served_put_to
     runtime_dir: Path, start_proxy: Callable[..., Proxy], tmp_path: Path
 ) -> None:
     """A proxy upgraded beside a backend started earlier: no lease to take there, so none is asked."""
-    from tests.test_leases import AGENT_BEFORE_LEASES
+    from tests.test_agent_leases import AGENT_BEFORE_LEASES
 
     site = tmp_path / "site"
     site.mkdir()

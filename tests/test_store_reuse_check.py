@@ -4,7 +4,7 @@ The identity of a data file (inode, size, mtime, ctime) cannot see bytes that
 changed below the filesystem. Here that is simulated by damaging a file in
 place and letting the identity check pass (``_unchanged`` patched: writing
 changes ctime, which nothing but the kernel can set back); the real case, a
-byte flipped in the disk image under an ext4 file, is tests/test_reuse_check_disk.py.
+byte flipped in the disk image under an ext4 file, is tests/test_store_reuse_check_disk.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from hibernate.store.parse import parse_manifest
 from hibernate.store.reader import SnapshotReader
 from hibernate.store.writer import write_snapshot
 from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
-from tests.test_json_schema import valid
+from tests.test_cli_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024

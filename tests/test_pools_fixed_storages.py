@@ -31,7 +31,7 @@ from hibernate.pools.hostpages import (
     placement,
 )
 from tests.conftest import REPO, wait_until
-from tests.test_json_schema import valid
+from tests.test_cli_json_schema import valid
 
 MIB = 1 << 20
 

@@ -32,7 +32,7 @@ from hibernate.errors import ExitCode
 from hibernate.store.manifest import ChunkRef
 from hibernate.store.parse import parse_manifest
 from tests.conftest import REPO, is_root
-from tests.test_json_schema import valid
+from tests.test_cli_json_schema import valid
 
 _EXTENT = re.compile(r"^\s*\d+:\s*(\d+)\.\.\s*(\d+):\s*(\d+)\.\.\s*\d+:")
 

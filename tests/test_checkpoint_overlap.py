@@ -4,7 +4,7 @@ A lock, unlock or query that timed out keeps running in its thread (ctypes
 cannot be interrupted). The undo that follows must not call the driver for the
 same process until it has returned: it waits, bounded by the query timeout, and
 the outcome names both calls. (A checkpoint or restore that times out runs on in
-a process of its own and stops the group instead: tests/test_cuda_uncut.py.)
+a process of its own and stops the group instead: tests/test_checkpoint_uncut.py.)
 The stand-in logs each call when it returns, and a hanging call returns only at
 the end of its hang, so the log's order shows whether a later call overlapped it.
 """
