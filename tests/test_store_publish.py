@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from hibernate.errors import ExitCode
 from hibernate.store.layout import SpillRoot
 from hibernate.store.maintenance import collect_garbage
 from hibernate.store.options import WriteOptions
@@ -211,7 +210,7 @@ def test_published_snapshots_are_private(tmp_path: Path) -> None:
     assert result.path == root_path / "snap-000001"
 
 
-# -- hibernate gc ---------------------------------------------------------------------
+# -- what a crash leaves (`hibernate gc` of it: tests/test_store_gc.py) ---------------
 
 
 def make_leftovers(root_path: Path) -> dict[str, Path]:
@@ -225,54 +224,6 @@ def make_leftovers(root_path: Path) -> dict[str, Path]:
     retired.mkdir(mode=0o700, exist_ok=True)
     (retired / "data-001.bin").write_bytes(os.urandom(32 * KiB))
     return {"tmp": tmp, "retired": retired, "newest": root_path / newest}
-
-
-def test_gc_frees_leftovers_and_keeps_the_newest(cli: Any, work_dir: Path) -> None:
-    root_path = work_dir / "proc-1"
-    paths = make_leftovers(root_path)
-    result = cli("gc", str(work_dir), "--json")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
-    assert report["freed_bytes"] >= 96 * KiB
-    assert [r["path"] for r in report["roots"]] == [str(root_path)]
-    assert report["warnings"] == []
-    assert not paths["tmp"].exists() and not paths["retired"].exists()
-    assert_clean(root_path)
-    assert newest_content(root_path) == [bytes(r.data) for r in content(5)]
-    human = cli("gc", str(root_path))
-    assert human.returncode == 0 and "total freed: 0 B" in human.stdout, human.stdout
-    assert f"{paths['newest']}: kept: its process" in human.stdout, human.stdout
-
-
-def test_gc_skips_a_root_in_use(cli: Any, work_dir: Path) -> None:
-    root_path = work_dir / "proc-2"
-    paths = make_leftovers(root_path)
-    with SpillRoot(root_path) as root:
-        assert root.lock(exclusive=False)  # a wake is reading it
-        report = cli("gc", str(work_dir), "--json").json()
-    assert report["roots"][0]["skipped"] is True
-    assert paths["tmp"].exists(), "nothing was touched"
-
-
-def test_gc_keeps_everything_when_the_newest_manifest_cannot_be_read(cli: Any, work_dir: Path) -> None:
-    root_path = work_dir / "proc-3"
-    write(root_path, content(6))
-    newest = write(root_path, content(7))
-    # A newer snapshot whose manifest got damaged: it may be what a sleeping process needs once repaired.
-    broken = root_path / "snap-000003"
-    shutil.copytree(root_path / newest.snapshot, broken)
-    (broken / "manifest.json").write_text("{ damaged")
-    report = cli("gc", str(work_dir), "--json").json()
-    reasons = {a["path"]: a["reason"] for a in report["roots"][0]["actions"]}
-    assert f"{broken}/manifest.json cannot be read" in reasons[str(broken)], reasons
-    with SpillRoot(root_path) as root:
-        assert root.published() == ["snap-000002", "snap-000003"]
-
-
-def test_gc_of_a_missing_directory_is_a_usage_error(cli: Any, work_dir: Path) -> None:
-    result = cli("gc", str(work_dir / "nope"))
-    assert result.returncode == ExitCode.USAGE
-    assert "is not a directory" in result.stderr
 
 
 def test_the_next_write_cleans_what_a_crash_left(tmp_path: Path) -> None:

@@ -18,12 +18,11 @@ import hibernate.store.manifest as manifest_module
 from hibernate.errors import ExitCode, UnsupportedError
 from hibernate.store.layout import SpillRoot
 from hibernate.store.options import WriteOptions
-from hibernate.store.owner import Owner, liveness
+from hibernate.store.owner import Owner
 from hibernate.store.parse import parse_manifest
 from hibernate.store.reader import SnapshotReader
 from hibernate.store.writer import write_snapshot
 from tests.conftest import NOBODY, REPO, is_root, spill_root_of, wait_until
-from tests.test_cli_json_schema import valid
 from tests.test_store_roundtrip import BytesRegion
 
 KiB = 1024
@@ -223,36 +222,7 @@ def test_a_root_of_another_process_is_never_reused_retired_or_punched(tmp_path: 
     assert blank.data == regions[0].data
 
 
-# -- 3. gc touches only what hibernate made ----------------------------------------------
-
-
-def tree(directory: Path) -> list[tuple[str, int, int, bytes]]:
-    """Every path under ``directory`` with its mode, mtime and (for files) contents."""
-    found = []
-    for path in sorted(directory.rglob("*")):
-        info = path.lstat()
-        content = path.read_bytes() if path.is_file() and not path.is_symlink() else b""
-        found.append((str(path.relative_to(directory)), info.st_mode, info.st_mtime_ns, content))
-    return found
-
-
-@pytest.mark.slow
-def test_gc_changes_nothing_in_a_tree_hibernate_did_not_make(cli: Any, work_dir: Path) -> None:
-    for name in ("backups/snap-20240101", "backups/.tmp-export", "cache/snap-000001", "proc-42/.tmp-x"):
-        (work_dir / name).mkdir(parents=True)
-        (work_dir / name / "data.bin").write_bytes(os.urandom(4 * KiB))
-    (work_dir / "cache" / ".lock").write_text("someone else's lock")
-    (work_dir / ".tmp-upload").write_text("half an upload")
-    (work_dir / "proc-42" / "snap-000003").mkdir()
-    before = tree(work_dir)
-    for args in (["--dry-run"], [], ["--awake"]):
-        result = cli("gc", str(work_dir), *args, "--json")
-        assert result.returncode == 0, result.stderr
-        assert result.json()["roots"] == [] and result.json()["freed_bytes"] == 0
-        assert tree(work_dir) == before, f"gc {args} changed something"
-    for directory in ("backups", "cache", "proc-42"):
-        assert cli("gc", str(work_dir / directory)).returncode == 0
-        assert tree(work_dir) == before
+# -- 3. gc touches only what hibernate made: tests/test_store_gc.py ----------------------
 
 
 # -- 4. limits agree ------------------------------------------------------------------------
@@ -347,52 +317,7 @@ def test_deleting_the_older_snapshot_after_a_re_sleep_leaves_the_process_wakeabl
     assert demo.infer()["digest"] == reference
 
 
-# -- 7. gc reclaims what nobody needs, never a sleeping process's snapshot ------------------
-
-
-@pytest.mark.slow
-def test_gc_reclaims_dead_and_awake_processes_snapshots_never_an_asleep_ones(
-    start_demo: Any, cli: Any, work_dir: Path
-) -> None:
-    asleep, dead, awake = start_demo(size_mb=8), start_demo(size_mb=8), start_demo(size_mb=8)
-    reference = asleep.infer()["digest"]
-    for demo in (asleep, dead, awake):
-        assert cli("sleep", str(demo.pid), "--to", str(work_dir), "--quiet").returncode == 0
-    assert cli("wake", str(awake.pid), "--quiet").returncode == 0
-    roots = {
-        name: spill_root_of(work_dir, d.pid)
-        for name, d in (("asleep", asleep), ("dead", dead), ("awake", awake))
-    }
-    dead.stop()
-
-    planned = valid("gc", cli("gc", str(work_dir), "--dry-run", "--json"))
-    by_root = {r["path"]: r for r in planned["roots"]}
-    assert by_root[str(roots["dead"])]["removed"] is True
-    assert "is gone: it has exited" in by_root[str(roots["dead"])]["actions"][0]["reason"]
-    assert [a["delete"] for a in by_root[str(roots["asleep"])]["actions"]] == [False]
-    assert "is asleep" in by_root[str(roots["asleep"])]["actions"][0]["reason"]
-    assert "--awake reclaims it" in by_root[str(roots["awake"])]["actions"][0]["reason"]
-    assert all(root.exists() for root in roots.values()), "a dry run deletes nothing"
-
-    collected = valid("gc", cli("gc", str(work_dir), "--json"))
-    assert collected["freed_bytes"] >= 8 << 20
-    assert not roots["dead"].exists()
-    assert roots["asleep"].exists() and any(roots["awake"].glob("snap-*"))
-
-    assert cli("gc", str(work_dir), "--awake", "--quiet").returncode == 0
-    assert not any(roots["awake"].glob("snap-*")), "an awake process's kept snapshot goes with --awake"
-    assert any(roots["asleep"].glob("snap-*")), "an asleep process's snapshot is never touched"
-    assert cli("wake", str(asleep.pid), "--quiet").returncode == 0
-    assert asleep.infer()["digest"] == reference
-    assert cli("sleep", str(awake.pid), "--to", str(work_dir), "--quiet").returncode == 0
-
-
-def test_liveness_is_judged_by_identity_not_by_pid() -> None:
-    me = Owner.current()
-    assert liveness(me)[0] == "alive"
-    assert liveness(Owner(me.boot_id, me.pid_namespace, me.pid, me.start_time + 1))[0] == "dead"
-    assert liveness(Owner("another-boot", 1, me.pid, me.start_time, "another-host"))[0] == "unknown"
-    assert liveness(Owner("another-boot", 1, me.pid, me.start_time, me.hostname))[0] == "dead"
+# -- 7. gc reclaims what nobody needs, never a sleeping process's snapshot: tests/test_store_gc.py
 
 
 # -- 9. permission problems inside a snapshot tree are IO errors with the path ------------
