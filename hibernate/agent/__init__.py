@@ -14,6 +14,7 @@ Both sides (standard library only):
 
     paths       where agents listen: one socket per process in a private runtime directory
     protocol    the wire protocol: length-prefixed JSON over a Unix stream socket
+    wire        what travels on it, typed: the agent's state and status, each request's arguments
     client      talking to an agent from outside its process (the CLI, the engine, serve)
     triggers    which signals may put a process to sleep or wake it, and the variables carrying them
 

@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from hibernate import faults, procinfo
 from hibernate.agent.crash import recording_crashes
 from hibernate.agent.guard import Guard
 from hibernate.agent.leases import Leases
+from hibernate.agent.wire import AgentState, AgentStatus, TransferArgs
 from hibernate.errors import (
     AddressesWouldMoveError,
     BusyError,
@@ -75,14 +75,6 @@ from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
 from hibernate.store.reuse import ReuseSource
 from hibernate.store.writer import write_snapshot
 from hibernate.version import __version__
-
-
-class AgentState(str, Enum):
-    RUNNING = "running"
-    QUIESCED = "quiesced"
-    SPILLED = "spilled"
-    ASLEEP = "asleep"
-
 
 _TRANSITIONS: dict[str, tuple[frozenset[AgentState], AgentState]] = {
     "quiesce": (frozenset({AgentState.RUNNING}), AgentState.QUIESCED),
@@ -199,25 +191,19 @@ def refuse_moves(pools: Sequence[Pool], allowed: bool) -> list[str]:
     return [f"{reason.removesuffix('. Nothing was changed')} (allowed: --allow-moves)" for reason in reasons]
 
 
-def _bytes_option(args: dict[str, Any], name: str, default: int) -> int:
-    value = args.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UsageError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def write_options(args: dict[str, Any]) -> WriteOptions:
+    """The store's options of a spill or restore, from its arguments (``reuse``: in-process callers
+    only, no client sends it)."""
     mib = 1 << 20
+    transfer = TransferArgs.from_wire(args)
     try:
         return WriteOptions(
-            buffer_bytes=_bytes_option(args, "buffer_mb", 256) * mib,
-            chunk_bytes=_bytes_option(args, "chunk_mb", 32) * mib,
-            io_mode=str(args.get("io_mode", "auto")),
+            buffer_bytes=transfer.buffer_mb * mib,
+            chunk_bytes=transfer.chunk_mb * mib,
+            io_mode=transfer.io_mode,
             reuse=bool(args.get("reuse", True)),
-            check_reuse=not bool(args.get("skip_reuse_check", False)),
-            verify=bool(args.get("verify", False)),
+            check_reuse=not transfer.skip_reuse_check,
+            verify=transfer.verify,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -301,32 +287,31 @@ class Agent:
             summaries.extend(s.to_wire() for s in summarize(pool.name, regions))
             for device, nbytes in device_bytes(regions).items():
                 on_devices[device] = on_devices.get(device, 0) + nbytes
-        return {
-            "hibernate": __version__,
-            "pid": self.identity.pid,
-            "start_time": self.identity.start_time,
-            # Two containers sharing a runtime directory can each hold a pid 1 started in the same
-            # clock tick: the namespace tells their agents apart (see targets.probe_agent).
-            "pid_namespace": procinfo.pid_namespace(),
-            "uid": os.getuid(),
-            "name": self.name,
-            "kind": self.kind,
-            "state": state.value,
-            "busy": owner,
-            "guard_holders": self.guard.holders,
-            "leases": leases,
-            "pools": summaries,
-            "device_bytes": on_devices,
-            "snapshot": snapshot,
-            "default_dir": str(self.default_dir) if self.default_dir else None,
-            "sleep_driver": self.sleep_driver.name if self.sleep_driver else None,
-            "self_checkpoint": bool(self.sleep_driver and self.sleep_driver.checkpoints_itself),
-            "transfer": transfer,
-            "last_operation": last_operation,
-            "restore_refusal": refusal.message if (refusal := self._restore_refused()) else None,
-            "torch": torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
-            "graphs": [graph.to_wire() for graph in live_graphs()],  # seen since the first track/pool
-        }
+        refusal = self._restore_refused()
+        return AgentStatus(
+            version=__version__,
+            pid=self.identity.pid,
+            start_time=self.identity.start_time,
+            pid_namespace=procinfo.pid_namespace(),
+            uid=os.getuid(),
+            name=self.name,
+            runtime=self.kind,
+            state=state,
+            busy=owner,
+            guard_holders=self.guard.holders,
+            leases=leases,
+            pools=tuple(summaries),
+            device_bytes=on_devices,
+            snapshot=snapshot,
+            default_dir=str(self.default_dir) if self.default_dir else None,
+            sleep_driver=self.sleep_driver.name if self.sleep_driver else None,
+            self_checkpoint=bool(self.sleep_driver and self.sleep_driver.checkpoints_itself),
+            transfer=transfer,
+            last_operation=last_operation,
+            restore_refusal=refusal.message if refusal else None,
+            torch=torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
+            graphs=tuple(graph.to_wire() for graph in live_graphs()),  # seen since the first track/pool
+        ).to_wire()
 
     def configure(self, directory: Path | None) -> dict[str, Any]:
         """Where later sleeps spill when they are not told (a driven process's own sleeps)."""

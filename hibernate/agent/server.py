@@ -22,6 +22,7 @@ from typing import Any
 from hibernate.agent import protocol
 from hibernate.agent.controller import Agent, Session, describe_error
 from hibernate.agent.paths import crash_record_path, socket_path
+from hibernate.agent.wire import ConfigureArgs, LeaseArgs, SpillArgs, WaitArgs
 from hibernate.errors import PermissionDeniedError, ProtocolError, UsageError
 from hibernate.fsutil import ensure_private_dir
 
@@ -113,22 +114,18 @@ class _Connection:
             h.end(s)
             return h.status()
         if op == "configure":
-            directory = args.get("dir")
-            if directory is not None and (not isinstance(directory, str) or not os.path.isabs(directory)):
-                raise UsageError(f"dir must be an absolute path or null, got {directory!r}")
+            directory = ConfigureArgs.from_wire(args).directory
             return h.configure(Path(directory) if directory else None)
         if op == "lease":
-            return h.lease(s, _label(args.get("by")))
+            return h.lease(s, LeaseArgs.from_wire(args).by)
         if op == "unlease":
             return h.unlease(s)
         if op == "close_leases":
-            return h.close_leases(s, _timeout(args))
+            return h.close_leases(s, WaitArgs.from_wire(args).timeout)
         if op == "quiesce":
-            return h.quiesce(s, _timeout(args))
+            return h.quiesce(s, WaitArgs.from_wire(args).timeout)
         if op == "spill":
-            directory = args.get("dir")
-            if directory is not None and (not isinstance(directory, str) or not os.path.isabs(directory)):
-                raise UsageError(f"dir must be an absolute path, got {directory!r}")
+            directory = SpillArgs.from_wire(args).directory
             return h.spill(s, Path(directory) if directory else None, args)
         if op == "release":
             return h.release(s)
@@ -137,22 +134,6 @@ class _Connection:
         if op == "resume":
             return h.resume(s)
         raise ProtocolError(f"unknown operation {op!r}")
-
-
-def _timeout(args: dict[str, Any]) -> float:
-    timeout = args.get("timeout", 30.0)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout < 1e9:
-        raise UsageError(f"timeout must be a non-negative number, got {timeout!r}")
-    return float(timeout)
-
-
-def _label(value: Any) -> str | None:
-    """What a lease holder calls itself (``hibernate serve``): shown in status and in a busy sleep's error."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.isprintable() or not 0 < len(value) <= 64:
-        raise UsageError(f"by must be a short printable string, got {value!r}")
-    return value
 
 
 def _answers(path: Path) -> bool:
