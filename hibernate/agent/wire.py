@@ -95,6 +95,14 @@ class _Key:
     write: Callable[[Any], Any] = _same
 
 
+def _optional_tuple(value: list[Any] | None) -> tuple[Any, ...] | None:
+    return tuple(value) if value is not None else None
+
+
+def _optional_list(value: tuple[Any, ...] | None) -> list[Any] | None:
+    return list(value) if value is not None else None
+
+
 def _state_word(state: AgentState | None) -> str | None:
     return state.value if state is not None else None
 
@@ -122,7 +130,7 @@ _KEYS = (
     _Key("last_operation", "last_operation", _optional(_is_dict)),
     _Key("restore_refusal", "restore_refusal", _optional(_is_str)),
     _Key("torch", "torch", _optional(_is_dict)),
-    _Key("graphs", "graphs", _is_list_of_dicts, tuple, list),
+    _Key("graphs", "graphs", _optional(_is_list_of_dicts), _optional_tuple, _optional_list),
 )
 _KNOWN = frozenset(k.key for k in _KEYS)
 
@@ -132,8 +140,9 @@ class AgentStatus:
     """An agent's answer to ``status`` (and to ``hello``, ``begin``, ``end``, ``configure``), typed.
 
     Every field has the neutral value an agent that did not send its key
-    would mean: no leases known (``None``: an agent from before leases, which
-    no proxy can hold awake), no graphs, no pools.
+    would mean: ``None`` for what an agent of an older hibernate does not
+    report (``leases``: none known, so no proxy can hold it awake; ``torch``,
+    ``graphs``: not reported, so ``doctor`` leaves them out), no pools.
     """
 
     version: str = ""
@@ -159,7 +168,7 @@ class AgentStatus:
     last_operation: Mapping[str, Any] | None = None
     restore_refusal: str | None = None
     torch: Mapping[str, Any] | None = None
-    graphs: tuple[Mapping[str, Any], ...] = ()
+    graphs: tuple[Mapping[str, Any], ...] | None = None  # captured CUDA graphs it saw
     # What to_wire gives back beyond the fields: keys this hibernate does not know and values it
     # could not read (by key), verbatim; and the keys of fields the agent did not send.
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -197,6 +206,14 @@ class AgentStatus:
         """The state as the agent named it, for messages: a newer agent's unknown word too."""
         word = self.extra.get("state", _state_word(self.state))
         return word if isinstance(word, str) else None
+
+
+def state_of(wire: Mapping[str, Any] | None) -> AgentState | None:
+    """The state in a status as an agent sent it (None: no status, or no state this hibernate knows).
+
+    For statuses kept as sent: a vLLM flow's polls, the entries ``hibernate status`` prints.
+    """
+    return parse_state(wire.get("state")) if wire is not None else None
 
 
 # -- the requests -------------------------------------------------------------------------------

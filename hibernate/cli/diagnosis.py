@@ -388,7 +388,7 @@ class Doctor:
             self.add(
                 "agents",
                 OK,
-                ", ".join(f"process {a.pid} ({a.status.get('state')})" for a in self.agents),
+                ", ".join(f"process {a.pid} ({a.status.state_word})" for a in self.agents),
                 pids=[a.pid for a in self.agents],
             )
         else:
@@ -429,9 +429,7 @@ class Doctor:
         words what a build without storage poisoning costs; an agent that reports no
         torch (an older hibernate) is left out.
         """
-        reported = [
-            (a.pid, a.status["torch"]) for a in self.agents if isinstance(a.status.get("torch"), dict)
-        ]
+        reported = [(a.pid, a.status.torch) for a in self.agents if a.status.torch is not None]
         if not reported:
             return
         versions = {str(pid): torch.get("version") for pid, torch in reported}
@@ -458,9 +456,7 @@ class Doctor:
 
         An agent of an older hibernate does not report them and is left out.
         """
-        reported = [
-            (a.pid, a.status["graphs"]) for a in self.agents if isinstance(a.status.get("graphs"), list)
-        ]
+        reported = [(a.pid, a.status.graphs) for a in self.agents if a.status.graphs is not None]
         if not reported:
             return
         seen = [(pid, graph) for pid, graphs in reported for graph in graphs if isinstance(graph, dict)]
@@ -541,7 +537,7 @@ class Doctor:
 
         if len(self.holders) < 2:
             return
-        vllm_agents = {a.pid for a in self.agents if a.status.get("kind") == "vllm"}
+        vllm_agents = {a.pid for a in self.agents if a.status.runtime == "vllm"}
         lines = {pid: procinfo.command_line(pid) for pid in self.processes}
         vllm_pids = [pid for pid in self.processes if pid in vllm_agents or runs_vllm(lines[pid])]
         if not vllm_pids:
@@ -618,7 +614,7 @@ class Doctor:
 
         directory = self.directory
         if directory is None:
-            defaults = [a.status.get("default_dir") for a in self.agents if a.status.get("default_dir")]
+            defaults = [a.status.default_dir for a in self.agents if a.status.default_dir]
             directory = Path(defaults[0]) if defaults else None
         if directory is None:
             self.add("snapshot dir", OK, "n/a: pass --to DIR to check where snapshots would go")
@@ -638,7 +634,7 @@ class Doctor:
         else:
             self.add("snapshot dir", OK, f"{directory} is on {fstype} ({point})", fstype=fstype, mount=point)
         free = free_bytes(probe)
-        needed = sum(p["bytes"] for a in self.agents for p in a.status.get("pools", []) if p.get("keep"))
+        needed = sum(p["bytes"] for a in self.agents for p in a.status.pools if p.get("keep"))
         if needed and free < needed:
             self.add(
                 "free space",

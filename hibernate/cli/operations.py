@@ -144,10 +144,11 @@ def _interrupted(operation: str, selection: Selection, all_users: bool) -> Inter
 def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
     """A target in the state asked for is not "already there" while a command is still at work on
     it (BusyError) or one left it half-way (NeedsRecoveryError naming the recover)."""
+    from hibernate.agent.wire import AgentStatus
     from hibernate.operation.unit import unsettled
 
     for entry in entries:
-        error = unsettled(entry["pid"], entry, entry.get("interrupted"))
+        error = unsettled(entry["pid"], AgentStatus.from_wire(entry), entry.get("interrupted"))
         if error is not None:
             raise error
 
@@ -157,14 +158,15 @@ def _already_awake(selection: Selection, all_users: bool) -> WakeReport | None:
     that did nothing, every one skipped (None where one is not running). One running that a command
     is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
     from hibernate import orchestrator
+    from hibernate.agent.wire import AgentState, AgentStatus, state_of
     from hibernate.operation.reports import WakeReport
     from hibernate.operation.unit import skipped_entry
 
     entries = orchestrator.status(selection.pids, all_users=all_users)
-    if not entries or any(e.get("state") != "running" for e in entries):
+    if not entries or any(state_of(e) is not AgentState.RUNNING for e in entries):
         return None
     _refuse_unsettled(entries)
-    skipped = [skipped_entry(e["pid"], e) for e in entries]
+    skipped = [skipped_entry(e["pid"], AgentStatus.from_wire(e)) for e in entries]
     return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
 
 
@@ -173,14 +175,16 @@ def _wake_if_needed(
 ) -> WakeReport:
     """A wake that lists as skipped the targets it found running (a wake leaves those as they are)."""
     from hibernate import orchestrator
+    from hibernate.agent.wire import AgentState, AgentStatus, state_of
     from hibernate.operation.unit import skipped_entry
 
     entries = orchestrator.status(selection.pids, all_users=options.all_users)
-    _refuse_unsettled([e for e in entries if e.get("state") == "running"])
+    running = [e for e in entries if state_of(e) is AgentState.RUNNING]
+    _refuse_unsettled(running)
     report = orchestrator.wake(selection.pids, options, progress)
     woken = {p.pid for p in report.processes}
     report.skipped = [
-        skipped_entry(e["pid"], e) for e in entries if e.get("state") == "running" and e["pid"] not in woken
+        skipped_entry(e["pid"], AgentStatus.from_wire(e)) for e in running if e["pid"] not in woken
     ]
     return report
 

@@ -27,6 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from hibernate.agent.wire import AgentState, state_of
 from hibernate.errors import ExitCode, HibernateError
 from hibernate.operation.progress import ProgressSink, transfer_rate
 from hibernate.operation.reports import (
@@ -349,6 +350,7 @@ def interruption(
     whole = bool(entries)
     for e in entries:
         pid, state = e["pid"], e.get("state")
+        settled = state_of(e) in (AgentState.RUNNING, AgentState.ASLEEP)
         interrupted = e.get("interrupted") or {}
         if "resolve" in interrupted:
             parts.append(f"process {pid} was left half-way ({state})")
@@ -362,9 +364,9 @@ def interruption(
             commands.append(f"hibernate status {pid}")
         else:
             parts.append(f"process {pid} is {state}")
-            if state not in ("running", "asleep"):
+            if not settled:
                 commands.append(f"hibernate recover {pid}")
-        whole = whole and state in ("running", "asleep") and not commands
+        whole = whole and settled and not commands
     if not entries:
         return f"interrupted: the {operation} found no agent to report on", None
     message = f"interrupted: the {operation} stopped; " + "; ".join(parts)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from hibernate import procinfo
+from hibernate.agent.wire import AgentState, AgentStatus, SpillArgs, WaitArgs, parse_state
 from hibernate.errors import HibernateError, NeedsRecoveryError, WrongStateError, describe_cause
 from hibernate.flows.members import (
     Member,
@@ -38,33 +38,42 @@ from hibernate.threads import raise_first_error, run_each
 
 
 def describe_state(member: Member) -> str:
-    status = member.answers["begin"]
-    state = status.get("state")
-    if state == "asleep":
-        return already_asleep(member.pid, (status.get("snapshot") or {}).get("path"))
-    return f"process {member.pid} is {'not asleep, it is ' if state == 'running' else ''}{state}"
+    status = member.begun
+    if status.state is AgentState.ASLEEP:
+        return already_asleep(member.pid, status.snapshot_path)
+    not_asleep = "not asleep, it is " if status.state is AgentState.RUNNING else ""
+    return f"process {member.pid} is {not_asleep}{status.state_word}"
+
+
+# The state a member of a sleep is in once this command saw a request answered (else: running).
+_STATE_AFTER = {
+    "release": AgentState.ASLEEP,
+    "quiesce": AgentState.QUIESCED,
+    "spill": AgentState.SPILLED,
+    "restore": AgentState.QUIESCED,
+}
 
 
 def undo_requests(state: str | None, reached: str) -> tuple[str, ...]:
     """The requests that bring a member of an undone sleep back to running.
 
-    ``state`` is its agent's own (None where it could not be read), ``reached`` the last request
-    this command saw answered: the agent's word wins, as a request may have ended unseen.
+    ``state`` is its agent's own (an AgentState; None where it could not be read), ``reached`` the
+    last request this command saw answered: the agent's word wins, as a request may have ended unseen.
     """
-    if state is None:
-        state = {"release": "asleep", "quiesce": "quiesced", "spill": "spilled", "restore": "quiesced"}.get(
-            reached, "running"
-        )
-    return {"asleep": ("restore", "resume"), "quiesced": ("resume",), "spilled": ("resume",)}.get(state, ())
+    now = _STATE_AFTER.get(reached, AgentState.RUNNING) if state is None else parse_state(state)
+    if now is AgentState.ASLEEP:
+        return ("restore", "resume")
+    if now in (AgentState.QUIESCED, AgentState.SPILLED):
+        return ("resume",)
+    return ()
 
 
-def _state_now(member: Member) -> str | None:
+def _state_now(member: Member) -> AgentState | None:
     """Its agent's state now, asked without counting as a step it reached; None if it cannot say."""
     try:
-        state = member.client.call("status").get("state")
+        return AgentStatus.from_wire(member.client.call("status")).state
     except HibernateError:
         return None
-    return state if isinstance(state, str) else None
 
 
 class AgentsUnit(Unit):
@@ -91,7 +100,7 @@ class AgentsUnit(Unit):
         skipped: list[dict[str, object]] = []
         kept: list[list[AgentRef]] = []
         for group in self.groups:
-            if all(ref.status.get("state") == "asleep" for ref in group):
+            if all(ref.status.state is AgentState.ASLEEP for ref in group):
                 refuse_unsettled(group)
                 skipped.extend(skipped_entry(ref.pid, ref.status) for ref in group)
             else:
@@ -106,7 +115,7 @@ class AgentsUnit(Unit):
         self.members.extend(connect_all(self.refs, self.ctx.options.agent_timeout))
         if self.ctx.op != "sleep":
             return
-        not_running = [m for m in self.members if m.state != "running"]
+        not_running = [m for m in self.members if m.state is not AgentState.RUNNING]
         if not_running:
             raise WrongStateError(
                 "; ".join(describe_state(m) for m in not_running) + "; nothing was changed",
@@ -123,23 +132,23 @@ class AgentsUnit(Unit):
         options = self.ctx.options
         timeout = options.lease_wait
         for member in self.members:
-            if holds_leases(member.answers["begin"]):
+            if holds_leases(member.begun):
                 member.call(
-                    "close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout
+                    "close_leases", WaitArgs(timeout).to_wire(), idle_timeout=timeout + options.agent_timeout
                 )
 
     def quiesce(self) -> None:
         timeout = self.ctx.options.quiesce_timeout
         for member in self.members:
             member.call(
-                "quiesce", {"timeout": timeout}, idle_timeout=timeout + self.ctx.options.agent_timeout
+                "quiesce", WaitArgs(timeout).to_wire(), idle_timeout=timeout + self.ctx.options.agent_timeout
             )
 
     def spill(self) -> None:
         ledger = self.ctx.journal
         counter = ByteCounter(self.ctx.sink, "spill", lambda: ledger.during("spill"))
         share = share_staging(self.ctx.options.io.buffer_mb, len(self.members))
-        args = {"dir": str(self.ctx.spill_dir), **self.ctx.options.io.to_args(), "buffer_mb": share.buffer_mb}
+        args = SpillArgs(str(self.ctx.spill_dir), self.ctx.options.io.transfer(share.buffer_mb)).to_wire()
         timeout = self.ctx.options.agent_timeout
         spill = run_each(
             self.members,
@@ -187,7 +196,7 @@ class AgentsUnit(Unit):
 
     @property
     def sleeping(self) -> list[Member]:
-        return [m for m in self.members if m.state == "asleep"]
+        return [m for m in self.members if m.state is AgentState.ASLEEP]
 
     def has_sleeping(self) -> bool:
         return bool(self.sleeping)
@@ -203,7 +212,7 @@ class AgentsUnit(Unit):
         failures: list[tuple[Member, HibernateError]] = []
         lock = threading.Lock()
         share = share_staging(self.ctx.options.io.buffer_mb, len(sleeping))
-        args = {**self.ctx.options.io.to_args(), "buffer_mb": share.buffer_mb}
+        args = self.ctx.options.io.transfer(share.buffer_mb).to_wire()
 
         def restore(member: Member) -> None:
             try:
@@ -244,18 +253,14 @@ class AgentsUnit(Unit):
     def report(self) -> UnitReport:
         if self.ctx.op == "sleep":
             return UnitReport(
-                sleeps=[
-                    ProcessSleep.from_answers(m.pid, m.ref.status.get("name"), m.answers)
-                    for m in self.members
-                ]
+                sleeps=[ProcessSleep.from_answers(m.pid, m.ref.status.name, m.answers) for m in self.members]
             )
         return UnitReport(wakes=[_wake_entry(m) for m in self.sleeping])
 
 
 def _wake_entry(member: Member) -> ProcessWake:
-    status: dict[str, Any] = member.ref.status
-    snapshot = (status.get("snapshot") or {}).get("path")
-    return ProcessWake.from_answers(member.pid, status.get("name"), snapshot, member.answers)
+    status = member.ref.status
+    return ProcessWake.from_answers(member.pid, status.name, status.snapshot_path, member.answers)
 
 
 AgentsUnit.sleep_steps = (

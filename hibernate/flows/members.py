@@ -13,6 +13,7 @@ from typing import Any
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
 from hibernate.agent.paths import crash_record_path
+from hibernate.agent.wire import AgentState, AgentStatus
 from hibernate.errors import HibernateTimeoutError, NoSuchProcessError
 from hibernate.operation.targets import AgentRef
 from hibernate.procinfo import ProcessIdentity
@@ -101,7 +102,7 @@ def died_during_wake(ref: AgentRef) -> NoSuchProcessError:
     message says where, for a user who wants to look at what it held.
     """
     how = how_it_ended(ref) or "how it ended is known only to its parent, which has reaped it"
-    snapshot = (ref.status.get("snapshot") or {}).get("path")
+    snapshot = ref.status.snapshot_path
     where = ""
     if snapshot:
         base = Path(snapshot).parent.parent
@@ -112,14 +113,14 @@ def died_during_wake(ref: AgentRef) -> NoSuchProcessError:
     )
 
 
-def holds_leases(status: dict[str, Any]) -> bool:
+def holds_leases(status: AgentStatus) -> bool:
     """Whether an agent knows leases, from its status: one of a hibernate before them has no
     ``leases`` and no operation to close them, and no proxy can hold a lease there to wait for.
 
     A target is a long-running process: it may still run the hibernate it was started with
     after the command's was upgraded.
     """
-    return "leases" in status
+    return status.leases is not None
 
 
 @dataclass
@@ -137,9 +138,14 @@ class Member:
         return self.ref.pid
 
     @property
-    def state(self) -> Any:
+    def begun(self) -> AgentStatus:
+        """Its agent's status when the operation began (its answer to ``begin``)."""
+        return AgentStatus.from_wire(self.answers["begin"])
+
+    @property
+    def state(self) -> AgentState | None:
         """The state its agent reported when the operation began."""
-        return self.answers["begin"].get("state")
+        return self.begun.state
 
     def call(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
         started = time.perf_counter()

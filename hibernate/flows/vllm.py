@@ -52,6 +52,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.wire import AgentState, AgentStatus, ConfigureArgs, WaitArgs, state_of
 from hibernate.errors import (
     BusyError,
     HibernateError,
@@ -99,8 +100,8 @@ STATUS_TIMEOUT_S = 10.0
 # -- small pure rules --------------------------------------------------------------------
 
 
-def is_vllm(status: Mapping[str, Any]) -> bool:
-    return status.get("sleep_driver") == VLLM_KIND
+def is_vllm(status: AgentStatus) -> bool:
+    return status.sleep_driver == VLLM_KIND
 
 
 def holds_pools(status: Mapping[str, Any]) -> bool:
@@ -249,7 +250,7 @@ def locate(ctx: Context, agents: Sequence[AgentRef]) -> list[Server]:
         if identity is None:
             raise NoSuchProcessError(f"the vLLM server (pid {root}) exited")
         address = parse_url(url) if url else address_from_argv(read_argv(root), root)
-        workers = [a for a in target.agents if holds_pools(a.status)]
+        workers = [a for a in target.agents if holds_pools(a.answer)]
         http = VllmServer(address, timeout=max(ctx.options.quiesce_timeout, 0.1))
         servers.append(Server(root, identity, target, address, http, workers))
     return servers
@@ -350,7 +351,7 @@ def _check_ready(server: Server, found: Mapping[int, dict[str, Any] | None]) -> 
     if busy:
         pid, owner = busy[0]
         raise BusyError(f"process {pid} of vLLM server {server.pid} is busy: {owner} is operating on it")
-    asleep = [pid for pid, s in found.items() if s and s.get("state") != "running"]
+    asleep = [pid for pid, s in found.items() if s and state_of(s) is not AgentState.RUNNING]
     if asleep:
         raise WrongStateError(
             f"vLLM server {server.pid} is not awake: worker(s) {', '.join(map(str, asleep))} are "
@@ -403,7 +404,7 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
     its exit can take seconds after its agent stopped answering.
     """
     alive = [ref for ref in server.workers if procinfo.is_alive(ref.identity)]
-    asleep = [ref for ref in alive if (_status(ref) or {}).get("state") == "asleep"]
+    asleep = [ref for ref in alive if state_of(_status(ref)) is AgentState.ASLEEP]
     failures = []
     for ref, outcome in zip(asleep, run_each(asleep, lambda ref: wake_directly(ref, options)), strict=True):
         error = outcome.error
@@ -499,7 +500,7 @@ class VllmServerUnit(Unit):
             self.asleep_workers = [
                 ref
                 for ref in server.workers
-                if (self.last_statuses.get(ref.pid) or {}).get("state") == "asleep"
+                if state_of(self.last_statuses.get(ref.pid)) is AgentState.ASLEEP
             ]
             return
         found = statuses(server.target.agents)
@@ -599,7 +600,9 @@ class VllmServerUnit(Unit):
                 continue
             client = ref.connect(options.agent_timeout)
             self.gates.append(client)
-            client.call("close_leases", {"timeout": timeout}, idle_timeout=timeout + options.agent_timeout)
+            client.call(
+                "close_leases", WaitArgs(timeout).to_wire(), idle_timeout=timeout + options.agent_timeout
+            )
 
     def close(self) -> None:
         for client in self.gates:
@@ -610,7 +613,7 @@ class VllmServerUnit(Unit):
         """Tell each worker's agent the spill directory (--to)."""
         for ref in self.server.workers:
             with ref.connect(self.ctx.options.agent_timeout) as client:
-                client.call("configure", {"dir": str(self.ctx.spill_dir)})
+                client.call("configure", ConfigureArgs(str(self.ctx.spill_dir)).to_wire())
             self.configured[ref.pid] = (self.last_statuses.get(ref.pid) or {}).get("default_dir")
 
     def drain_requests(self) -> None:
@@ -630,7 +633,7 @@ class VllmServerUnit(Unit):
         self.seconds["sleep"] = round(time.perf_counter() - started, 6)
         after = statuses(self.server.workers)
         self.last_statuses = after
-        awake = [pid for pid, s in after.items() if (s or {}).get("state") != "asleep"]
+        awake = [pid for pid, s in after.items() if state_of(s) is not AgentState.ASLEEP]
         if awake:
             raise UnsupportedError(
                 f"vLLM server {self.server.pid} reports sleeping, but worker(s) "
@@ -687,7 +690,7 @@ class VllmServerUnit(Unit):
         for ref in server.workers:
             if ref.pid in self.configured:
                 with contextlib.suppress(HibernateError), ref.connect(STATUS_TIMEOUT_S) as client:
-                    client.call("configure", {"dir": self.configured[ref.pid]})
+                    client.call("configure", ConfigureArgs(self.configured[ref.pid]).to_wire())
         if failures:
             any_refused = any(refused_restore(s) for s in statuses(server.workers).values())
             raise NeedsRecoveryError(
@@ -746,7 +749,7 @@ class VllmServerUnit(Unit):
         # A worker vLLM did not wake (its executor never recorded that sleep): only after a failed
         # sleep whose journal is gone; scheduling has resumed, so wake it at once.
         after = statuses(server.workers)
-        leftovers = [ref for ref in server.workers if (after.get(ref.pid) or {}).get("state") == "asleep"]
+        leftovers = [ref for ref in server.workers if state_of(after.get(ref.pid)) is AgentState.ASLEEP]
         if leftovers:
             failures = _woken_directly(leftovers, options, self.woken)
             if failures:
@@ -764,7 +767,7 @@ class VllmServerUnit(Unit):
 
     def asleep_now(self) -> bool:
         now = _settle(self.server, self.ctx.options)
-        return all((now.get(w.pid) or {}).get("state") == "asleep" for w in self.server.workers)
+        return all(state_of(now.get(w.pid)) is AgentState.ASLEEP for w in self.server.workers)
 
     # -- report ---------------------------------------------------------------------------------
 

@@ -29,6 +29,11 @@ Words, each with one meaning:
 
 The JSON reports keep the key ``phases`` for the seconds of each step.
 
+An agent's status and state are read through :mod:`hibernate.agent.wire` (``AgentStatus``,
+``AgentState``), never as words. There a *kind* is only a kind of target (the registry's
+``agent``, ``vLLM``, which an agent names as its ``sleep_driver``): what the wire key ``kind``
+holds (``torch``, ``vllm``: what the program runs on) is ``AgentStatus.runtime`` in code.
+
     engine     sleep, wake, recover and status over any set of targets, as one unit
     steps      steps declared as data, and the one runner that does them
     unit       agents of one kind that move as one; what every kind must say about itself

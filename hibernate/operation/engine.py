@@ -19,6 +19,7 @@ from typing import Any
 
 from hibernate import procinfo
 from hibernate.agent.paths import runtime_dir
+from hibernate.agent.wire import AgentState
 from hibernate.checkpoint.base import StillRunningError
 from hibernate.checkpoint.group import SLEEP_RECOVERY, WAKE_RECOVERY
 from hibernate.errors import BusyError, HibernateError, StorageError, UsageError, WrongStateError
@@ -74,16 +75,18 @@ def _processes(units: Sequence[Unit]) -> list[int]:
     return list(dict.fromkeys(p for u in units for p in u.processes))
 
 
-def _pool_bytes(units: Sequence[Unit], state: str | None = "asleep") -> dict[int, dict[str, int]]:
+def _pool_bytes(
+    units: Sequence[Unit], state: AgentState | None = AgentState.ASLEEP
+) -> dict[int, dict[str, int]]:
     """Per agent (in ``state``, any if None), its pools' bytes on each CUDA device, as its status said.
 
     Of asleep agents at a wake: what their pools will map back.
     """
     return {
-        ref.pid: dict(ref.status.get("device_bytes") or {})
+        ref.pid: dict(ref.status.device_bytes)
         for unit in units
         for ref in unit.refs
-        if (state is None or ref.status.get("state") == state) and ref.status.get("device_bytes")
+        if (state is None or ref.status.state is state) and ref.status.device_bytes
     }
 
 
@@ -337,7 +340,7 @@ def recover(pids: Sequence[int], options: Options, sink: ProgressSink | None = N
         ref, info = busy[0]
         raise BusyError(f"process {ref.pid} is busy: {info['in_progress']} is operating on it")
     if not any(info for _, info in found):
-        states = ", ".join(f"{ref.pid}: {ref.status.get('state')}" for u in units for ref in u.refs)
+        states = ", ".join(f"{ref.pid}: {ref.status.state_word}" for u in units for ref in u.refs)
         return RecoverReport("none", message=f"nothing to recover ({states})")
     records = []
     for unit in units:
@@ -398,7 +401,7 @@ def status(pids: Sequence[int] | None, *, all_users: bool = False) -> list[dict[
     refs = [a for t in resolve(pids, all_users=all_users) for a in t.agents] if pids else all_agents()
     out = []
     for ref in refs:
-        entry = dict(ref.status)
+        entry = dict(ref.answer)
         entry["rss"] = procinfo.resident_bytes(ref.pid)
         entry["command"] = procinfo.command_line(ref.pid)[:200]
         entry["interrupted"] = interrupted_operation(ref)

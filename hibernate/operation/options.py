@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hibernate.agent.wire import TransferArgs
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
 from hibernate.limits import MIN_BUFFER_MB
 
@@ -20,15 +21,19 @@ class IoOptions:
     # Move tracked CUDA memory even while the process has captured CUDA graphs (--allow-moves).
     allow_moves: bool = False
 
+    def transfer(self, buffer_mb: int | None = None) -> TransferArgs:
+        """These options as a spill's or restore's arguments (``buffer_mb``: one process's share)."""
+        return TransferArgs(
+            buffer_mb=self.buffer_mb if buffer_mb is None else buffer_mb,
+            chunk_mb=self.chunk_mb,
+            io_mode=self.io_mode,
+            verify=self.verify,
+            skip_reuse_check=self.skip_reuse_check,
+            allow_moves=self.allow_moves,
+        )
+
     def to_args(self) -> dict[str, Any]:
-        return {
-            "buffer_mb": self.buffer_mb,
-            "chunk_mb": self.chunk_mb,
-            "io_mode": self.io_mode,
-            "verify": self.verify,
-            "skip_reuse_check": self.skip_reuse_check,
-            "allow_moves": self.allow_moves,
-        }
+        return self.transfer().to_wire()
 
 
 @dataclass(frozen=True)

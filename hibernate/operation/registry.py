@@ -11,10 +11,10 @@ status); an agent with none moves its own pools, the plain kind.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hibernate.agent.wire import AgentStatus
 from hibernate.errors import UnsupportedError
 
 PLAIN = "agent"  # the kind of an agent that moves its own pools (no sleep driver)
@@ -46,8 +46,8 @@ def registrations() -> list[Registration]:
     return list(_REGISTRY.values())
 
 
-def kind_of(status: Mapping[str, Any]) -> str:
-    return str(status.get("sleep_driver") or PLAIN)
+def kind_of(status: AgentStatus) -> str:
+    return status.sleep_driver or PLAIN
 
 
 def load(kind: str) -> Any:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from hibernate.agent.paths import (
     socket_name,
     sweep_stale_sockets,
 )
+from hibernate.agent.wire import AgentState, AgentStatus
 from hibernate.checkpoint.detect import holds_cuda_context
 from hibernate.errors import (
     HibernateError,
@@ -43,9 +45,16 @@ NO_AGENT_HINT = (
 
 @dataclass
 class AgentRef:
+    """An agent found for a process, and what it answered when it was found."""
+
     identity: ProcessIdentity
     socket: Path
-    status: dict[str, Any]
+    answer: Mapping[str, Any]  # its status as it sent it: what `hibernate status` prints, verbatim
+
+    @cached_property
+    def status(self) -> AgentStatus:
+        """Its status as found, typed (an agent of any hibernate version: see agent.wire)."""
+        return AgentStatus.from_wire(self.answer)
 
     @property
     def pid(self) -> int:
@@ -94,15 +103,16 @@ def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> Age
     """Ask the agent at ``sock`` who it is; None if nobody answers there."""
     try:
         with AgentClient(sock, timeout=timeout) as client:
-            status = client.call("hello")
+            answer = client.call("hello")
     except AgentConnectionLost:
         return None
-    if status.get("pid") != ident.pid or status.get("start_time") != ident.start_time:
+    ref = AgentRef(ident, sock, answer)
+    if ref.status.pid != ident.pid or ref.status.start_time != ident.start_time:
         return None  # a socket named for another process: never trusted
-    theirs, ours = status.get("pid_namespace"), procinfo.pid_namespace(ident.pid)
+    theirs, ours = ref.status.pid_namespace, procinfo.pid_namespace(ident.pid)
     if theirs is not None and ours is not None and theirs != ours:
         return None  # the same pid and start tick in another pid namespace: another process
-    return AgentRef(ident, sock, status)
+    return ref
 
 
 def find_agent(pid: int, timeout: float = 5.0) -> AgentRef | None:
@@ -243,7 +253,7 @@ def agents_elsewhere(timeout: float = 5.0) -> list[AgentRef]:
             if ident is None:
                 continue
             ref = _noted_agent(dir_fd, name, ident, timeout)
-            if ref is not None and ref.status.get("state") != "running":
+            if ref is not None and ref.status.state is not AgentState.RUNNING:
                 found.append(ref)
             else:
                 with contextlib.suppress(OSError):
@@ -311,7 +321,7 @@ def refuse_own_tree(pid: int, caller: int | None = None) -> None:
     )
 
 
-def agent_state(pid: int, start_time: int, pid_namespace: int) -> str | None:
+def agent_state(pid: int, start_time: int, pid_namespace: int) -> AgentState | None:
     """What the agent of this very process says its state is; None if it cannot be asked.
 
     For ``gc --awake``: only an agent that answers for the same pid, start
@@ -322,5 +332,4 @@ def agent_state(pid: int, start_time: int, pid_namespace: int) -> str | None:
     ref = find_agent(pid)
     if ref is None or ref.identity.start_time != start_time:
         return None
-    state = ref.status.get("state")
-    return state if isinstance(state, str) else None
+    return ref.status.state

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hibernate.agent.wire import AgentState, AgentStatus
 from hibernate.errors import BusyError, HibernateError, NeedsRecoveryError
 from hibernate.operation.ledger import Ledger, interrupted_operation
 from hibernate.operation.options import Options
@@ -70,7 +71,7 @@ class Unit(ABC):
     def asleep(self) -> bool:
         """Asleep as a whole, as its agents answered when resolved (a selector's sleep skips it)."""
         holders = self.memory_holders()
-        return bool(holders) and all(a.status.get("state") == "asleep" for a in holders)
+        return bool(holders) and all(a.status.state is AgentState.ASLEEP for a in holders)
 
     def memory_holders(self) -> list[AgentRef]:
         """The agents whose state says whether the unit sleeps."""
@@ -140,18 +141,13 @@ def already_asleep(pid: object, snapshot: object = None) -> str:
     return f"process {pid} is already asleep" + (f" (snapshot {snapshot})" if snapshot else "")
 
 
-def skipped_entry(pid: object, status: Mapping[str, Any]) -> dict[str, object]:
+def skipped_entry(pid: object, status: AgentStatus) -> dict[str, object]:
     """A process a sleep or wake left as it was, as its report lists it (from its agent's status)."""
-    return {
-        "pid": pid,
-        "name": status.get("name"),
-        "state": status.get("state"),
-        "snapshot": (status.get("snapshot") or {}).get("path"),
-    }
+    return {"pid": pid, "name": status.name, "state": status.state_word, "snapshot": status.snapshot_path}
 
 
 def unsettled(
-    pid: object, status: Mapping[str, Any], interrupted: Mapping[str, Any] | None
+    pid: object, status: AgentStatus, interrupted: Mapping[str, Any] | None
 ) -> HibernateError | None:
     """Why a target found in the state asked for is not "already there" (None where it is).
 
@@ -163,14 +159,13 @@ def unsettled(
     if interrupted and "resolve" in interrupted:
         return NeedsRecoveryError(
             f"process {pid} was left half-way by an interrupted `hibernate {interrupted.get('op')}` "
-            f"(it is {status.get('state')}); nothing was changed",
+            f"(it is {status.state_word}); nothing was changed",
             hint=f"run `{interrupted['resolve']}` to finish or undo it",
         )
-    holder = status.get("busy") or (interrupted or {}).get("in_progress")
+    holder = status.busy or (interrupted or {}).get("in_progress")
     if holder:
         return BusyError(
-            f"process {pid} is {status.get('state')}, but {holder} is still at work on it; "
-            "nothing was changed",
+            f"process {pid} is {status.state_word}, but {holder} is still at work on it; nothing was changed",
             hint=f"wait for it to end (`hibernate status {pid}` shows it), then run this again",
         )
     return None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import orchestrator, procinfo
+from hibernate.agent.wire import AgentState, state_of
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.group import HEADROOM_BYTES
 from hibernate.environ import ALLOW_MOVES_ENV, env_flag
@@ -47,7 +48,7 @@ def tracked_bytes(entries: list[dict[str, Any]]) -> int:
 
 
 def is_awake(entries: list[dict[str, Any]]) -> bool:
-    return bool(entries) and all(entry.get("state") == "running" for entry in entries)
+    return bool(entries) and all(state_of(entry) is AgentState.RUNNING for entry in entries)
 
 
 def refuse_tree_holding_proxy(name: str, pid: int, proxy: int | None = None) -> None:

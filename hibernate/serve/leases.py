@@ -27,6 +27,7 @@ from typing import Any
 
 from hibernate.agent import protocol
 from hibernate.agent.client import AgentConnectionLost
+from hibernate.agent.wire import LeaseArgs
 from hibernate.errors import HibernateError, error_from_wire
 
 HOLDER = "hibernate serve"  # what the agent calls the holder of these leases
@@ -160,7 +161,7 @@ class BackendLeases:
     async def take(self) -> Verdict:
         """A lease on every agent, or none: those granted are given back when another is refused."""
         asked = asyncio.gather(
-            *(link.call("lease", {"by": HOLDER}) for link in self.links), return_exceptions=True
+            *(link.call("lease", LeaseArgs(HOLDER).to_wire()) for link in self.links), return_exceptions=True
         )
         try:
             answers = await asyncio.shield(asked)

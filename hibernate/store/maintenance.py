@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hibernate.agent.wire import AgentState
 from hibernate.errors import HibernateError, UsageError
 from hibernate.fsutil import open_dir
 from hibernate.store.layout import MARKER_NAME, SpillRoot
 from hibernate.store.manifest import MANIFEST_NAME
 from hibernate.store.owner import Owner, liveness
 
-# The state a running owner's agent reports ("running", "asleep", ...), or None if it cannot be asked.
-AgentStateFn = Callable[[Owner], str | None]
+# The state a running owner's agent reports, or None if it cannot be asked.
+AgentStateFn = Callable[[Owner], AgentState | None]
 
 
 @dataclass
@@ -133,14 +134,14 @@ def plan_root(root: SpillRoot, *, awake: bool, agent_state: AgentStateFn | None)
     actions += [Action(root.path / n, True, f"replaced by {newest}") for n in older]
     if newest:
         state = agent_state(root.owner) if agent_state is not None else None
-        if state == "running" and awake:
+        if state is AgentState.RUNNING and awake:
             actions.append(Action(root.path / newest, True, f"{who} is awake (--awake)"))
-        elif state == "running":
+        elif state is AgentState.RUNNING:
             actions.append(Action(root.path / newest, False, f"{who} is awake; --awake reclaims it"))
         elif state is None:
             actions.append(Action(root.path / newest, False, f"{who} runs, its state is unknown"))
         else:
-            actions.append(Action(root.path / newest, False, f"{who} is {state}"))
+            actions.append(Action(root.path / newest, False, f"{who} is {state.value}"))
     return False, actions
 
 
