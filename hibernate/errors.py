@@ -5,6 +5,56 @@ public contract (README, "Exit codes"): never renumber one, only add. Errors
 also travel over the agent socket as ``{"code": "<name>", "message": ...}``
 and are rebuilt on the client side with :func:`error_from_wire`, so a failure
 inside the target reaches the user with its own code and words.
+
+The whole hierarchy, with each class's exit code; those defined elsewhere say
+where (they belong to one package's job, and are raised only there)::
+
+    HibernateError                          1  base of every expected failure
+    ├── UsageError                          2  bad arguments
+    │   └── ServerUnreachableError             flows.vllm_api: nothing answers at the address
+    ├── NoSuchProcessError                  3
+    │   (StartError, serve.starter, takes this code: a backend that never became ready)
+    ├── NothingToHibernateError             4  no agent in the process tree
+    ├── PermissionDeniedError               5
+    ├── WrongStateError                     6  already asleep, not asleep
+    │   └── HibernatingError                   guard(wait=False) while the process sleeps
+    ├── BusyError                           7
+    ├── SnapshotInvalidError                8
+    ├── StorageError                        9  I/O, no space left
+    ├── HibernateTimeoutError              10
+    │   ├── StillRunningError                  checkpoint.base: a driver call outlived its timeout
+    │   └── _LeftInFlightError                 flows.vllm: a server request still being carried out
+    ├── CudaCheckpointError                11
+    │   └── CheckpointStepError                checkpoint.base: one process, one step, its CUDA result
+    ├── UnsupportedError                   12
+    │   ├── DriverUnavailableError             checkpoint.driver: no libcuda checkpoint API
+    │   ├── BinaryUnavailableError             checkpoint.binary: no usable cuda-checkpoint
+    │   └── DevEndpointsMissingError           flows.vllm_api: a vLLM server without /sleep
+    ├── NeedsRecoveryError                 13  stopped half-way; keeps its journal entry
+    ├── ServerFailedError                  14  the target's own server refused or failed
+    │   └── ServerConnectionLostError          flows.vllm_api: closed before answering
+    ├── AddressesWouldMoveError            15  captured CUDA graphs may read what would move
+    ├── InterruptedByUserError            130  Ctrl-C
+    ├── AbortedError                        1  the client went away; everything undone
+    ├── ProtocolError                       1  a peer we do not understand
+    ├── AgentConnectionLostError            1  agent.client: the agent's process exited or was killed
+    ├── InjectedFaultError                  1  faults: a failure asked for by HIBERNATE_FAULT
+    ├── DeviceMemoryError                   1  pools.device: a CUDA runtime call failed
+    ├── StartError                          3  serve.starter (see above)
+    ├── NoRoomError                         1  serve.backends: a wake that cannot fit the GPU budget
+    └── NodeStepError                    the verdict's  sched.nodestep: the job's nodes agreed on abort
+
+Every class's name ends in ``Error``. Some once did not; their former names
+(``AgentConnectionLost``, ``ServerConnectionLost``, ``DriverUnavailable``,
+``BinaryUnavailable``, ``InjectedFault``) stay as aliases in their modules, for
+code that catches them.
+
+Internal signals, never shown as such (each is caught in the package that
+raises it and turned into one of the above, or into an answer): ``CallTimedOutError`` (threads),
+``PipelineAbortedError`` and ``DirectIORefusedError`` (store.directio),
+``CannotStartError`` (checkpoint.detached), ``UnknownSegmentsError``
+(pools.tensors), ``ApiError`` (serve.routing: an HTTP error answered to a
+client).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     HIBERNATE_FAULT="sleep.after-spill:kill"          # SIGKILL this process there
     HIBERNATE_FAULT="agent.spill:fail,wake.after-cuda:hang"
 
-Actions: ``fail`` (raise InjectedFault, the default), ``hang`` (sleep for an
+Actions: ``fail`` (raise InjectedFaultError, the default), ``hang`` (sleep for an
 hour: a step that never returns), ``kill`` (SIGKILL ourselves: a process that
 dies with no chance to clean up), ``SIG<NAME>`` (raise that signal: ``SIGBUS``
 is what touching a truncated file mapping raises; ``SIGSTOP`` holds the process there until
@@ -37,10 +37,13 @@ STORE_POINTS = ("store.write", "store.publish")
 POOL_POINTS = ("pool.pause", "pool.resume")
 
 
-class InjectedFault(HibernateError):
+class InjectedFaultError(HibernateError):
     """A failure asked for by HIBERNATE_FAULT."""
 
     wire_name = "injected-fault"
+
+
+InjectedFault = InjectedFaultError  # the former name, for code that catches it
 
 
 _reached: dict[str, int] = {}
@@ -76,4 +79,4 @@ def point(name: str) -> None:
         return  # one that let it live (SIGSTOP, once continued): it goes on from here
     if action == "hang":
         time.sleep(3600)
-    raise InjectedFault(f"fault injected at {name}")
+    raise InjectedFaultError(f"fault injected at {name}")

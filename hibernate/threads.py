@@ -68,7 +68,7 @@ class Call(Generic[T]):
         return self.outcome.value  # type: ignore[return-value]
 
 
-class CallTimedOut(Exception):
+class CallTimedOutError(Exception):
     """The call did not return within its time; it is still running in a daemon thread (``call``)."""
 
     def __init__(self, message: str, call: Call[Any]) -> None:
@@ -77,12 +77,12 @@ class CallTimedOut(Exception):
 
 
 def call_with_timeout(func: Callable[[], T], timeout: float | None, name: str = "call") -> T:
-    """``func()``, or CallTimedOut after ``timeout`` seconds (None: wait for ever)."""
+    """``func()``, or CallTimedOutError after ``timeout`` seconds (None: wait for ever)."""
     if timeout is None:
         return func()
     call = Call(func, name)
     if not call.wait(timeout):
-        raise CallTimedOut(f"{name} did not return within {timeout:g}s", call)
+        raise CallTimedOutError(f"{name} did not return within {timeout:g}s", call)
     return call.result()
 
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from hibernate.store import directio, hugepages
-from hibernate.store.directio import PipelineAborted, StagingBuffer, StagingPool
+from hibernate.store.directio import PipelineAbortedError, StagingBuffer, StagingPool
 
 MiB = 1 << 20
 
@@ -36,7 +36,7 @@ def test_a_lazy_pool_allocates_a_buffer_only_when_none_is_free() -> None:
         taken = [first] + [pool.take(abort) for _ in range(3)]
         assert len({id(b) for b in taken}) == 4 and pool.total_bytes == 4 * MiB
         abort.set()
-        with pytest.raises(PipelineAborted):
+        with pytest.raises(PipelineAbortedError):
             pool.take(abort)  # the pool is full: it waits for a buffer rather than allocating
         assert pool.total_bytes == 4 * MiB
     finally:
@@ -78,7 +78,7 @@ def test_a_failed_allocation_leaves_the_pool_able_to_allocate(monkeypatch: pytes
         pool.take(threading.Event())
     monkeypatch.setattr(directio, "StagingBuffer", real)
     abort = threading.Event()
-    timer = threading.Timer(5, abort.set)  # a take waiting for the failed one raises PipelineAborted
+    timer = threading.Timer(5, abort.set)  # a take waiting for the failed one raises PipelineAbortedError
     timer.start()
     try:
         assert pool.take(abort) is not None and pool.total_bytes == MiB

@@ -44,7 +44,7 @@ from hibernate.checkpoint.base import CheckpointStepError, CudaState, DetachedCa
 from hibernate.checkpoint.curesult import CuError
 from hibernate.checkpoint.detached import (
     CALL_PROGRAM,
-    CannotStart,
+    CannotStartError,
     Detached,
     Strays,
     helper_environment,
@@ -60,8 +60,11 @@ UNCUT_STEPS = ("checkpoint", "restore")
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)+)")
 
 
-class BinaryUnavailable(UnsupportedError):
+class BinaryUnavailableError(UnsupportedError):
     """No usable cuda-checkpoint executable."""
+
+
+BinaryUnavailable = BinaryUnavailableError  # the former name, for code that catches it
 
 
 @dataclass(frozen=True)
@@ -131,14 +134,14 @@ class BinaryCheckpointer:
     def __init__(self, path: str | os.PathLike[str] | None = None, timeouts: StepTimeouts | None = None):
         found = find(path)
         if found is None:
-            raise BinaryUnavailable(
+            raise BinaryUnavailableError(
                 "no cuda-checkpoint executable: not on PATH and neither --cuda-checkpoint nor "
                 f"${BINARY_ENV} is set",
                 hint="install it from https://github.com/NVIDIA/cuda-checkpoint (driver >= 555) "
                 "or pass --cuda-checkpoint PATH",
             )
         if not found.is_file() or not os.access(found, os.X_OK):
-            raise BinaryUnavailable(
+            raise BinaryUnavailableError(
                 f"cuda-checkpoint at {found} is not an executable file",
                 hint="pass --cuda-checkpoint with the path of the executable",
             )
@@ -151,13 +154,13 @@ class BinaryCheckpointer:
     def _probe(self) -> Capabilities:
         run = self._run(["--help"], step="help", pid=0)
         if INSUFFICIENT_DRIVER in run.output or run.returncode == 255:
-            raise BinaryUnavailable(
+            raise BinaryUnavailableError(
                 f"{self.path} says {INSUFFICIENT_DRIVER!r}: the NVIDIA driver is older than 550",
                 hint="upgrade the NVIDIA driver to 570 or newer",
             )
         capabilities = parse_help(run.output)
         if not capabilities.actions or not capabilities.get_state:
-            raise BinaryUnavailable(
+            raise BinaryUnavailableError(
                 f"{self.path} (driver {capabilities.version or 'unknown'}) has no --action/--get-state "
                 "(only --toggle): hibernate must lock every process before checkpointing any",
                 hint="upgrade the NVIDIA driver to 555 or newer (570+ recommended)",
@@ -193,8 +196,8 @@ class BinaryCheckpointer:
                 env=helper_environment(pid),
                 on_start=self.on_detach if uncut else None,
             )
-        except CannotStart as exc:
-            raise BinaryUnavailable(f"cannot run {self.path}: {exc.strerror}") from None
+        except CannotStartError as exc:
+            raise BinaryUnavailableError(f"cannot run {self.path}: {exc.strerror}") from None
         # A stray before the wait, as a Ctrl-C inside it leaves the run going: the undo's calls wait for it.
         self._strays.add(pid, run.name, run.wait, lambda: f"exit status {run.returncode}")
         if not run.wait(limit):
@@ -229,7 +232,9 @@ class BinaryCheckpointer:
                 how="cuda-checkpoint",
             )
         if run.returncode == 255 and INSUFFICIENT_DRIVER in run.output:
-            raise BinaryUnavailable(f"{self.path} says {INSUFFICIENT_DRIVER!r}: the driver is older than 550")
+            raise BinaryUnavailableError(
+                f"{self.path} says {INSUFFICIENT_DRIVER!r}: the driver is older than 550"
+            )
         if run.returncode != 0 or _failure_in_output(run):
             raise CheckpointStepError(
                 pid,

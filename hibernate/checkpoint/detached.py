@@ -50,7 +50,7 @@ from hibernate.procinfo import ProcessIdentity
 CALL_PROGRAM = Path(driver_call.__file__)
 
 
-class CannotStart(OSError):
+class CannotStartError(OSError):
     """The program itself could not be started (not what it or ``on_start`` did once it was)."""
 
 
@@ -92,7 +92,7 @@ class Detached:
             )
         except OSError as exc:
             self._close()
-            raise CannotStart(exc.errno, exc.strerror) from exc
+            raise CannotStartError(exc.errno, exc.strerror) from exc
         except BaseException:
             self._close()
             raise

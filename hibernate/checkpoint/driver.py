@@ -47,7 +47,7 @@ from hibernate.checkpoint.curesult import CuError
 from hibernate.checkpoint.detached import CALL_PROGRAM, Detached, Strays, helper_environment, still_running
 from hibernate.checkpoint.driver_call import LockArgs, UnlockArgs
 from hibernate.errors import UnsupportedError, UsageError
-from hibernate.threads import Call, CallTimedOut, call_with_timeout
+from hibernate.threads import Call, CallTimedOutError, call_with_timeout
 
 LIBCUDA_ENV = "HIBERNATE_LIBCUDA"
 DEFAULT_LIBCUDA = "libcuda.so.1"
@@ -84,8 +84,11 @@ def library_path() -> str:
     return os.environ.get(LIBCUDA_ENV) or DEFAULT_LIBCUDA
 
 
-class DriverUnavailable(UnsupportedError):
+class DriverUnavailableError(UnsupportedError):
     """libcuda cannot be loaded here, or it has no checkpoint API."""
+
+
+DriverUnavailable = DriverUnavailableError  # the former name, for code that catches it
 
 
 class DriverCheckpointer:
@@ -99,14 +102,14 @@ class DriverCheckpointer:
         try:
             self._lib = ctypes.CDLL(self.path)
         except OSError as exc:
-            raise DriverUnavailable(
+            raise DriverUnavailableError(
                 f"cannot load {self.path}: {exc}",
                 hint="install the NVIDIA driver (>= 570 for the checkpoint API)",
             ) from None
         self.version = self._driver_version()
         missing = [s for s in REQUIRED_SYMBOLS if not hasattr(self._lib, s)]
         if missing:
-            raise DriverUnavailable(
+            raise DriverUnavailableError(
                 f"{self.path} (CUDA {cuda_version_text(self.version)}) has no {missing[0]}: "
                 "the checkpoint driver API needs CUDA 12.8, driver 570 or newer",
                 hint="upgrade the NVIDIA driver, or use --checkpointer binary with cuda-checkpoint",
@@ -127,11 +130,11 @@ class DriverCheckpointer:
 
     def _driver_version(self) -> int:
         if not hasattr(self._lib, "cuDriverGetVersion"):
-            raise DriverUnavailable(f"{self.path} has no cuDriverGetVersion: not a CUDA driver library")
+            raise DriverUnavailableError(f"{self.path} has no cuDriverGetVersion: not a CUDA driver library")
         version = ctypes.c_int(0)
         result = self._lib.cuDriverGetVersion(ctypes.byref(version))
         if result != 0:
-            raise DriverUnavailable(f"cuDriverGetVersion failed: {self._error(result)}")
+            raise DriverUnavailableError(f"cuDriverGetVersion failed: {self._error(result)}")
         return version.value
 
     @property
@@ -182,7 +185,7 @@ class DriverCheckpointer:
         self._strays.settle(pid, step, function_name, self.timeouts.query)
         try:
             result = call_with_timeout(func, timeout, f"{function_name}({pid})")
-        except CallTimedOut as late:
+        except CallTimedOutError as late:
             call: Call[int] = late.call
 
             def outcome() -> str:

@@ -438,14 +438,14 @@ def _check_layout(name: str, tensor: torch.Tensor) -> None:
 DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
 
 
-class UnknownSegments(Exception):
+class UnknownSegmentsError(Exception):
     """The CUDA allocator cannot list its segments: which pool holds a storage is unknown."""
 
 
 def allocator_segments() -> list[dict[str, Any]]:
     """Every segment of torch's CUDA caching allocator, all pools (``segment_pool_id`` says which).
 
-    Raises UnknownSegments where the process replaced the caching allocator
+    Raises UnknownSegmentsError where the process replaced the caching allocator
     (``torch.cuda.memory.change_current_allocator``: RMM, a pluggable allocator),
     whose snapshot raises RuntimeError ("CUDAPluggableAllocator does not yet
     support snapshot").
@@ -458,7 +458,7 @@ def allocator_segments() -> list[dict[str, Any]]:
         except TypeError:  # a torch older than include_traces: the same segments, traces and all
             return list(torch.cuda.memory_snapshot())
     except RuntimeError as exc:
-        raise UnknownSegments(str(exc).strip()) from exc
+        raise UnknownSegmentsError(str(exc).strip()) from exc
 
 
 def pool_of(device: int, address: int, segments: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
@@ -686,7 +686,7 @@ class TensorPool:
         if self._device_storages:
             try:
                 found.extend(private_pool_warnings(self._device_storages, self._segments()))
-            except UnknownSegments as exc:
+            except UnknownSegmentsError as exc:
                 nbytes = sum(size for _, _, _, size in self._device_storages)
                 found.append(
                     f"torch's CUDA allocator cannot list its memory pools ({exc}): the process uses "
@@ -713,7 +713,7 @@ class TensorPool:
             return None
         try:
             pools = graph_pools(self._segments())
-        except UnknownSegments:
+        except UnknownSegmentsError:
             pools = []
         live = [(graph.describe(), graph.pool) for graph in self._graphs()]
         return moves_refusal(moving, graph_descriptions(live, pools))

@@ -232,21 +232,21 @@ def populate(view: memoryview, abort: threading.Event, *, huge: bool = False) ->
             return
 
 
-class PipelineAborted(Exception):
+class PipelineAbortedError(Exception):
     """Internal: another pipeline thread failed; stop quietly."""
 
 
 def take(items: queue.Queue[T], abort: threading.Event) -> T:
-    """The next item of ``items``, or PipelineAborted once another thread of the transfer failed."""
+    """The next item of ``items``, or PipelineAbortedError once another thread of the transfer failed."""
     while True:
         try:
             return items.get(timeout=0.05)
         except queue.Empty:
             if abort.is_set():
-                raise PipelineAborted() from None
+                raise PipelineAbortedError() from None
 
 
-class DirectIORefused(OSError):
+class DirectIORefusedError(OSError):
     """``--io-mode direct`` was asked for on a filesystem that refuses O_DIRECT."""
 
 
@@ -290,7 +290,7 @@ class DataFile:
 def _open(dir_fd: int, name: str, flags: int, io_mode: str) -> DataFile:
     """Open with O_DIRECT unless ``io_mode`` is buffered; EINVAL means the filesystem refuses it.
 
-    ``auto`` then falls back to buffered I/O; ``direct`` raises DirectIORefused.
+    ``auto`` then falls back to buffered I/O; ``direct`` raises DirectIORefusedError.
     """
     if io_mode != BUFFERED:
         try:
@@ -299,7 +299,7 @@ def _open(dir_fd: int, name: str, flags: int, io_mode: str) -> DataFile:
             if exc.errno != errno.EINVAL:
                 raise
             if io_mode == DIRECT:
-                raise DirectIORefused(
+                raise DirectIORefusedError(
                     errno.EINVAL, "the filesystem refuses direct I/O (O_DIRECT)", name
                 ) from exc
     return DataFile(os.open(name, flags, PRIVATE_FILE_MODE, dir_fd=dir_fd), BUFFERED)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from hibernate.store.directio import PipelineAborted
+from hibernate.store.directio import PipelineAbortedError
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 CancelledFn = Callable[[], bool]  # whether the transfer was called off
@@ -32,7 +32,7 @@ class Pipeline:
         def run() -> None:
             try:
                 work()
-            except PipelineAborted:
+            except PipelineAbortedError:
                 pass
             except BaseException as exc:
                 with self._lock:

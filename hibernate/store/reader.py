@@ -40,7 +40,7 @@ from hibernate.store import bulk
 from hibernate.store.directio import (
     DIRECT,
     DataFile,
-    DirectIORefused,
+    DirectIORefusedError,
     StagingBuffer,
     StagingPool,
     open_data_file,
@@ -283,7 +283,7 @@ class SnapshotReader:
         path = self.root.path / self.manifest.snapshot / name
         try:
             data = open_data_file(dir_fd, name, io_mode)
-        except DirectIORefused as exc:
+        except DirectIORefusedError as exc:
             raise StorageError(
                 f"the filesystem of {path} refuses direct I/O (O_DIRECT), which --io-mode direct requires",
                 hint="use --io-mode auto (it falls back to buffered I/O there) or --io-mode buffered",

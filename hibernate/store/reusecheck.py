@@ -50,7 +50,7 @@ from hibernate.store import bulk
 from hibernate.store.arena import ARENAS
 from hibernate.store.directio import (
     DataFile,
-    PipelineAborted,
+    PipelineAbortedError,
     StagingBuffer,
     StagingPool,
     open_data_file,
@@ -372,7 +372,7 @@ class ReuseCheck:
                 break
             while not self._news.wait(0.05):
                 if abort.is_set():
-                    raise PipelineAborted()
+                    raise PipelineAbortedError()
                 if self._decided.is_set():
                     break
         if covered != len(known):

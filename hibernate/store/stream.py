@@ -26,8 +26,8 @@ from hibernate.store.directio import (
     BUFFERED,
     DIRECT,
     DataFile,
-    DirectIORefused,
-    PipelineAborted,
+    DirectIORefusedError,
+    PipelineAbortedError,
     StagingPool,
     create_data_file,
     finish_write,
@@ -121,7 +121,7 @@ def io_error(
     MiB to write says so, not that it had written nothing of the whole snapshot.
     """
     target = f" ({where})" if where is not None else ""
-    if isinstance(exc, DirectIORefused):
+    if isinstance(exc, DirectIORefusedError):
         return StorageError(
             f"the filesystem of {root.path}{target} refuses direct I/O (O_DIRECT), which --io-mode direct "
             "requires; nothing was published and the process keeps its memory",
@@ -425,9 +425,9 @@ class Stream:
             try:
                 while not arena.filled.wait(0.05):
                     if abort.is_set():
-                        raise PipelineAborted()
+                        raise PipelineAbortedError()
                 if abort.is_set():
-                    raise PipelineAborted()
+                    raise PipelineAbortedError()
                 self._write_arena(arena)
             finally:
                 pool.give(arena.buffer)
