@@ -20,10 +20,13 @@ from hibernate.errors import (
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-class AgentConnectionLost(HibernateError):
+class AgentConnectionLostError(HibernateError):
     """The agent's end closed: its process exited or was killed."""
 
     wire_name = "connection-lost"
+
+
+AgentConnectionLost = AgentConnectionLostError  # the former name, for code that catches it
 
 
 class AgentClient:
@@ -40,7 +43,7 @@ class AgentClient:
             raise PermissionDeniedError(f"not allowed to connect to the agent at {path}") from exc
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             self._sock.close()
-            raise AgentConnectionLost(f"no agent is listening at {path}") from exc
+            raise AgentConnectionLostError(f"no agent is listening at {path}") from exc
         except TimeoutError as exc:
             self._sock.close()
             raise HibernateTimeoutError(f"the agent at {path} did not accept within {timeout:g}s") from exc
@@ -83,13 +86,15 @@ class AgentClient:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The agent may have refused us (wrong user) and hung up before our request
                 # arrived: its reason is then already waiting to be read.
-                raise self._refusal() or AgentConnectionLost(
+                raise self._refusal() or AgentConnectionLostError(
                     f"the agent at {self.path} went away during {op!r}"
                 ) from exc
             while True:
                 message = protocol.receive(self._sock)
                 if message is None:
-                    raise AgentConnectionLost(f"the agent at {self.path} closed the connection during {op!r}")
+                    raise AgentConnectionLostError(
+                        f"the agent at {self.path} closed the connection during {op!r}"
+                    )
                 if message.get("id") not in (request_id, 0):
                     continue  # a late reply to a request this client gave up on
                 kind = message.get("type")
@@ -102,11 +107,11 @@ class AgentClient:
                 if kind == "result":
                     result = message.get("result")
                     return result if isinstance(result, dict) else {}
-                raise AgentConnectionLost(f"unexpected reply from the agent at {self.path}: {message!r}")
+                raise AgentConnectionLostError(f"unexpected reply from the agent at {self.path}: {message!r}")
         except TimeoutError as exc:
             waited = idle_timeout if idle_timeout is not None else self.timeout
             raise HibernateTimeoutError(
                 f"the agent at {self.path} did not answer {op!r} within {waited:g}s"
             ) from exc
         except (ConnectionResetError, BrokenPipeError) as exc:
-            raise AgentConnectionLost(f"the agent at {self.path} went away during {op!r}") from exc
+            raise AgentConnectionLostError(f"the agent at {self.path} went away during {op!r}") from exc

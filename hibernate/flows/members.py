@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.client import AgentClient, AgentConnectionLostError
 from hibernate.agent.paths import crash_record_path
 from hibernate.agent.wire import AgentState, AgentStatus
 from hibernate.errors import HibernateTimeoutError, NoSuchProcessError
@@ -151,7 +151,7 @@ class Member:
         started = time.perf_counter()
         try:
             result = self.client.call(op, args, **kwargs)
-        except AgentConnectionLost as exc:
+        except AgentConnectionLostError as exc:
             if exits(self.ref.identity):
                 raise NoSuchProcessError(f"process {self.pid} exited during {op}") from exc
             raise

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.client import AgentClient, AgentConnectionLostError
 from hibernate.agent.wire import AgentState, AgentStatus, ConfigureArgs, WaitArgs, state_of
 from hibernate.errors import (
     BusyError,
@@ -71,7 +71,7 @@ from hibernate.flows.vllm_api import (
     START_HINT,
     InFlight,
     ServerAddress,
-    ServerConnectionLost,
+    ServerConnectionLostError,
     VllmServer,
     address_from_argv,
     flag_values,
@@ -261,7 +261,7 @@ def _status(ref: AgentRef, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any] 
     try:
         with AgentClient(ref.socket, timeout=timeout) as client:
             return client.call("status")
-    except AgentConnectionLost:
+    except AgentConnectionLostError:
         return None
 
 
@@ -288,7 +288,7 @@ class _Monitor:
                     client = AgentClient(ref.socket, timeout=STATUS_TIMEOUT_S)
                     self._clients[ref.pid] = client
                 out[ref.pid] = client.call("status")
-            except AgentConnectionLost:
+            except AgentConnectionLostError:
                 if client is not None:
                     client.close()
                 self._clients[ref.pid] = None
@@ -360,7 +360,7 @@ def _check_ready(server: Server, found: Mapping[int, dict[str, Any] | None]) -> 
         )
 
 
-class _LeftInFlight(HibernateTimeoutError):
+class _LeftInFlightError(HibernateTimeoutError):
     """The server is still carrying a request out: nothing can be undone behind its back."""
 
     keeps_journal = True  # `hibernate recover` reads the journal once the server is done
@@ -412,7 +412,7 @@ def _wake_leftovers(server: Server, options: Options) -> list[str]:
             # A worker whose server died is on its way out (its agent goes first, or it refuses a
             # restore only its server's wake could make): give it as long as a status call gets
             # before calling what it answered a failure.
-            gone = isinstance(error, (AgentConnectionLost, NoSuchProcessError)) or not server.alive()
+            gone = isinstance(error, (AgentConnectionLostError, NoSuchProcessError)) or not server.alive()
             if gone and exits(ref.identity, within=STATUS_TIMEOUT_S):
                 continue
             words = error.message if isinstance(error, HibernateError) else repr(error)
@@ -536,7 +536,7 @@ class VllmServerUnit(Unit):
         """The server's checked answer; a dropped connection of a server that died says so."""
         try:
             return self.server.http.answer(flight)
-        except ServerConnectionLost as exc:
+        except ServerConnectionLostError as exc:
             if not self.server.alive():
                 raise NoSuchProcessError(
                     f"the vLLM server (pid {self.server.pid}) exited during {flight.description}"
@@ -665,7 +665,7 @@ class VllmServerUnit(Unit):
             and server.alive()
             and any((s or {}).get("busy") for s in statuses(server.workers).values())
         ):
-            raise _LeftInFlight(
+            raise _LeftInFlightError(
                 f"{error.message}; the server is still carrying out the sleep, so nothing was undone",
                 hint=f"once it finishes, `hibernate recover {server.pid}` brings the server back "
                 f"(or `hibernate wake {server.pid}`)",

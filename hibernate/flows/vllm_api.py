@@ -63,8 +63,11 @@ class ServerUnreachableError(UsageError):
     """Nothing answers at the address (a wrong --vllm-url, or a wrong guess from the command line)."""
 
 
-class ServerConnectionLost(ServerFailedError):
+class ServerConnectionLostError(ServerFailedError):
     """The server closed the connection before answering (it may have died)."""
+
+
+ServerConnectionLost = ServerConnectionLostError  # the former name, for code that catches it
 
 
 # -- where the server listens ---------------------------------------------------------
@@ -317,14 +320,14 @@ class VllmServer:
 
         Raises ServerUnreachableError when nothing accepts the connection,
         HibernateTimeoutError when the answer does not come in time and
-        ServerConnectionLost when the connection drops before the answer.
+        ServerConnectionLostError when the connection drops before the answer.
         """
         seconds = self.timeout if timeout is True else (None if timeout is None else float(timeout))
         target = self._path(path, params or {})
         what = f"{method} {target}"
         connection = self._connection(seconds)
         if keep is not None and not keep(connection):
-            raise ServerConnectionLost(f"{what} was abandoned")
+            raise ServerConnectionLostError(f"{what} was abandoned")
         try:
             try:
                 connection.connect()
@@ -343,7 +346,7 @@ class VllmServer:
                     hint="pass the server's address with --vllm-url URL",
                 ) from None
             if keep is not None and not keep(connection):
-                raise ServerConnectionLost(f"{what} was abandoned")
+                raise ServerConnectionLostError(f"{what} was abandoned")
             try:
                 connection.request(
                     method, target, headers={"Accept": "application/json", "Content-Length": "0"}
@@ -355,7 +358,7 @@ class VllmServer:
                     f"the vLLM server at {self.url} did not answer {what} within {seconds:g}s"
                 ) from exc
             except (http.client.HTTPException, OSError) as exc:
-                raise ServerConnectionLost(
+                raise ServerConnectionLostError(
                     f"the vLLM server at {self.url} closed the connection during {what} "
                     f"({type(exc).__name__}: {exc})"
                 ) from None

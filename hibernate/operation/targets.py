@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
-from hibernate.agent.client import AgentClient, AgentConnectionLost
+from hibernate.agent.client import AgentClient, AgentConnectionLostError
 from hibernate.agent.paths import (
     live_sockets,
     parse_socket_name,
@@ -104,7 +104,7 @@ def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> Age
     try:
         with AgentClient(sock, timeout=timeout) as client:
             answer = client.call("hello")
-    except AgentConnectionLost:
+    except AgentConnectionLostError:
         return None
     ref = AgentRef(ident, sock, answer)
     if ref.status.pid != ident.pid or ref.status.start_time != ident.start_time:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate.agent import protocol
-from hibernate.agent.client import AgentConnectionLost
+from hibernate.agent.client import AgentConnectionLostError
 from hibernate.agent.wire import LeaseArgs
 from hibernate.errors import HibernateError, error_from_wire
 
@@ -51,7 +51,7 @@ class AgentLink:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), ANSWER_SECONDS)
         except (OSError, TimeoutError) as exc:
-            raise AgentConnectionLost(f"no agent answers at {path}: {exc}") from None
+            raise AgentConnectionLostError(f"no agent answers at {path}: {exc}") from None
         return cls(path, reader, writer)
 
     @property
@@ -72,8 +72,8 @@ class AgentLink:
         try:
             return await asyncio.wait_for(answer, ANSWER_SECONDS)
         except TimeoutError:
-            self._fail(AgentConnectionLost(f"the agent at {self.path} did not answer {op!r} in time"))
-            raise self._lost or AgentConnectionLost(str(self.path)) from None
+            self._fail(AgentConnectionLostError(f"the agent at {self.path} did not answer {op!r} in time"))
+            raise self._lost or AgentConnectionLostError(str(self.path)) from None
         finally:
             self._waiting.pop(request_id, None)
 
@@ -89,7 +89,7 @@ class AgentLink:
                 message = protocol.decode(await self._reader.readexactly(length))
                 self._deliver(message)
         except (OSError, asyncio.IncompleteReadError) as exc:
-            self._fail(AgentConnectionLost(f"the agent at {self.path} went away ({exc})"))
+            self._fail(AgentConnectionLostError(f"the agent at {self.path} went away ({exc})"))
         except HibernateError as exc:
             self._fail(exc)
 
@@ -115,7 +115,7 @@ class AgentLink:
         self._writer.close()
 
     def close(self) -> None:
-        self._fail(AgentConnectionLost(f"closed by the proxy ({self.path})"))
+        self._fail(AgentConnectionLostError(f"closed by the proxy ({self.path})"))
         self._replies.cancel()
 
 
@@ -199,7 +199,7 @@ def refusal(answers: Sequence[object]) -> Verdict:
     """The verdict of a set of agents' answers when not all granted: gone first (an error), then
     busy (an operation under way somewhere), then asleep."""
     for answer in answers:
-        if isinstance(answer, (AgentConnectionLost, OSError)):
+        if isinstance(answer, (AgentConnectionLostError, OSError)):
             return Verdict(False, "gone", str(answer))
         if isinstance(answer, BaseException):
             words = answer.message if isinstance(answer, HibernateError) else repr(answer)
