@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -112,6 +113,40 @@ def test_a_newer_agents_unknown_keys_and_state_are_kept_without_error() -> None:
     assert status.extra == {"state": "hibernating", "pid_namespace": "ns:7", "future": {"a": 1}}
     wire = status.to_wire()
     assert wire == newer and list(wire) == list(newer)
+
+
+def test_an_agent_whose_pid_namespace_is_no_number_is_not_taken_for_the_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Identity decides which process is acted on: a namespace that cannot be read is not guessed
+    at as "the same", whatever the rest of the answer says."""
+    from hibernate import procinfo
+    from hibernate.operation import targets
+
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    hello = {**TODAY_AGENT_STATUS, "pid": ident.pid, "start_time": ident.start_time}
+
+    class Answering:
+        answer: ClassVar[dict[str, Any]] = {}
+
+        def __init__(self, path: Path, timeout: float) -> None:
+            pass
+
+        def __enter__(self) -> Answering:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def call(self, op: str) -> dict[str, Any]:
+            return self.answer
+
+    monkeypatch.setattr(targets, "AgentClient", Answering)
+    Answering.answer = {**hello, "pid_namespace": procinfo.pid_namespace()}
+    assert targets.probe_agent(ident, Path("agent.sock")) is not None
+    Answering.answer = {**hello, "pid_namespace": "ns:7"}
+    assert targets.probe_agent(ident, Path("agent.sock")) is None
 
 
 def test_an_empty_status_reads_as_all_neutral_and_gives_back_nothing() -> None:
