@@ -13,9 +13,10 @@ import pytest
 
 from hibernate.errors import ExitCode, NoSuchProcessError, UsageError
 from hibernate.serve import starter
-from hibernate.serve.backends import STATES, Fleet, State
+from hibernate.serve.backends import Fleet
 from hibernate.serve.config import build_config
 from hibernate.serve.control import Inspection
+from hibernate.serve.decisions import STATES, State
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import ApiError
 from tests.conftest import run_cli

@@ -20,18 +20,7 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate.errors import UsageError
-from hibernate.serve.backends import (
-    STATES,
-    Candidate,
-    Fleet,
-    NoRoomError,
-    Outcome,
-    State,
-    idle_due,
-    joined_reasons,
-    parse_keep_alive,
-    plan_start,
-)
+from hibernate.serve.backends import Fleet, NoRoomError, Outcome, joined_reasons
 from hibernate.serve.config import (
     DEFAULT_PROBES,
     PROBE_ANSWER,
@@ -40,8 +29,16 @@ from hibernate.serve.config import (
     TOKEN_ENV,
     build_config,
 )
+from hibernate.serve.decisions import STATES, Candidate, State, idle_due, plan_start
 from hibernate.serve.metrics import OPERATIONS, OUTCOMES, Recorder
-from hibernate.serve.proxy import Proxy, authorize, backend_for, error_response, keep_alive_of
+from hibernate.serve.proxy import (
+    Proxy,
+    authorize,
+    backend_for,
+    error_response,
+    keep_alive_of,
+    parse_keep_alive,
+)
 from hibernate.serve.routing import ApiError, without_keep_alive
 from hibernate.serve.server import JsonFormat, TextFormat, shutdown_words
 from hibernate.serve.starter import child_environment, tail

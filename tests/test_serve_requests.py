@@ -16,9 +16,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
-from hibernate.serve.backends import STATES, Fleet
+from hibernate.serve.backends import Fleet
 from hibernate.serve.bodies import decode_body
 from hibernate.serve.config import build_config
+from hibernate.serve.decisions import STATES
 from hibernate.serve.httplog import HTTP_LOG, LINES, WINDOW, LineBudget
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.proxy import Proxy, forwarded_headers

@@ -17,9 +17,9 @@ import pytest
 
 from hibernate.errors import ExitCode, PermissionDeniedError, ProtocolError, UsageError
 from hibernate.procinfo import describe_user
-from hibernate.serve.backends import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.config import BackendSpec, build_config, parse_listen, parse_size
 from hibernate.serve.control import BackendControl, refuse_other_user, refuse_tree_holding_proxy
+from hibernate.serve.decisions import Candidate, State, idle_due, plan_room, plan_room_measured
 from hibernate.serve.discovery import (
     Listener,
     Server,

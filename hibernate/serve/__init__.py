@@ -2,7 +2,8 @@
 
     config.py      flags and serve.toml, parsed and checked (pure)
     routing.py     path prefix or ``model`` field -> backend (pure)
-    backends.py    each backend's state and transitions; idle and budget decisions (pure parts)
+    decisions.py   which backend to put to sleep, and when: past its idle time, or to fit the budget (pure)
+    backends.py    each backend's state and the transitions that change it, acting on those decisions
     control.py     what serve does to a backend: the engine of ``hibernate sleep/wake/recover/status``
     discovery.py   the process behind a backend's address (the listening socket a connection reaches)
     leases.py      a forwarded request holds its backend awake: leases on its agents, over open links

@@ -17,7 +17,10 @@ the state the engine left it (a failed wake: asleep, recoverable), read back
 from its agents, and the next request tries again.
 
 The decisions (which backend is idle, which to put to sleep to make room) are
-small pure functions over :class:`Candidate` snapshots, tested on their own.
+small pure functions over :class:`Candidate` readings, in :mod:`.decisions`;
+this module acts on them. What starts a backend's command and waits for it to
+be ready is :mod:`.starter`; what a request's keep-alive asks is read by
+:mod:`.proxy`.
 """
 
 from __future__ import annotations
@@ -25,22 +28,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from hibernate import procinfo
 from hibernate.errors import BusyError, HibernateError, NoSuchProcessError
 from hibernate.serve import starter
-from hibernate.serve.config import MAX_SECONDS, BackendSpec
+from hibernate.serve.config import BackendSpec
 from hibernate.serve.control import BackendControl, Inspection
+from hibernate.serve.decisions import (
+    Candidate,
+    Room,
+    State,
+    idle_due,
+    plan_room,
+    plan_room_measured,
+    plan_start,
+)
 from hibernate.serve.leases import BackendLeases, Verdict
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.routing import ApiError
@@ -57,49 +66,6 @@ RETRY_FAILED_SECONDS = 10
 EXIT_WAIT_SECONDS = 1.0  # for a started process whose agent vanished to finish exiting
 
 
-class State(str, Enum):
-    AWAKE = "awake"
-    ASLEEP = "asleep"
-    WAKING = "waking"
-    SLEEPING = "sleeping"
-    FAILED = "failed"  # not found, or in a state the engine could not settle: retried on the next request
-    STOPPED = "stopped"  # a backend with a command, not running: the next request starts it
-    STARTING = "starting"
-
-
-STATES = tuple(s.value for s in State)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """What a decision needs to know of one backend, at one instant."""
-
-    name: str
-    state: State
-    tracked_bytes: int
-    last_used: float
-    in_flight: int
-    gpu: Mapping[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
-    idle: float | None = None  # its own idle time, if it has one
-
-
-def idle_due(backends: Sequence[Candidate], now: float, idle: float | None) -> list[str]:
-    """Awake backends with nothing in flight and no request for their idle time (their own, else
-    ``idle``; neither: never)."""
-    due = []
-    for b in backends:
-        limit = b.idle if b.idle is not None else idle
-        if (
-            limit is not None
-            and limit != math.inf
-            and b.state is State.AWAKE
-            and b.in_flight == 0
-            and now - b.last_used >= limit
-        ):
-            due.append(b.name)
-    return due
-
-
 def joined_reasons(first: str, then: str) -> str:
     """Why a transition failed, then why reading the backend back failed too: once if they say the same."""
     if then == first or then in first:
@@ -107,98 +73,6 @@ def joined_reasons(first: str, then: str) -> str:
     if first in then:
         return then
     return f"{first}; then: {then}"
-
-
-# A keep-alive given as text: seconds, or a duration with its unit (``-1``, ``30``, ``2.5``, ``5m``, ``1h``).
-KEEP_ALIVE_TEXT = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([smh]?)")
-UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
-
-
-def parse_keep_alive(value: object) -> float | None:
-    """A request's keep-alive (Ollama's ``keep_alive``): how long its backend stays awake after it, in
-    seconds; 0 puts it to sleep as soon as this request ends, a negative value keeps it awake (no idle
-    sleep) until a request says otherwise. A finite number, or a string of digits with an optional unit
-    (``30s``, ``5m``, ``1h``), at most a day (as every time in serve.toml). None when ``value`` is none
-    of these."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        try:
-            number = float(value)
-        except OverflowError:  # an integer beyond any float
-            return None
-    elif isinstance(value, str):
-        match = KEEP_ALIVE_TEXT.fullmatch(value.strip().lower())
-        if match is None:
-            return None
-        number = float(match[1]) * UNIT_SECONDS[match[2]]
-    else:
-        return None
-    if not math.isfinite(number) or number > MAX_SECONDS:
-        return None
-    return math.inf if number < 0 else number + 0.0  # -0 is 0: sleep after this request
-
-
-@dataclass(frozen=True)
-class Room:
-    """What making room for a wake calls for next: ``action`` is fits, evict, wait (for a sleep under way
-    or a request in flight to end) or never (the backend alone is over the budget)."""
-
-    action: str
-    victim: str | None = None
-
-
-def plan_room(need: int, budget: int, others: Sequence[Candidate]) -> Room:
-    """The next step to fit ``need`` bytes in ``budget``, the other backends as they are.
-
-    Awake, waking and sleeping backends hold their memory; the least recently
-    used awake one with nothing in flight is put to sleep first. One with
-    requests in flight is never chosen: the wake waits for it instead.
-    """
-    if need > budget:
-        return Room("never")
-    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
-    if sum(o.tracked_bytes for o in held) + need <= budget:
-        return Room("fits")
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
-    return Room("wait")
-
-
-def plan_start(others: Sequence[Candidate]) -> Room:
-    """Room for a server about to start, under a GPU budget: all of it. What it will take is not known
-    before it runs (a server that starts takes what memory it finds), so every other backend holding
-    memory is put to sleep first, the least recently used first; one with requests in flight is waited
-    for. Another backend starting holds nothing yet: starts run one at a time, so any other is queued
-    behind this one (it makes its own room when its turn comes)."""
-    held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
-    if not held:
-        return Room("fits")
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
-    return Room("wait")
-
-
-def plan_room_measured(need: Mapping[str, int], free: Mapping[str, int], others: Sequence[Candidate]) -> Room:
-    """:func:`plan_room` for ``--gpu-budget auto``: the next step to free ``need`` bytes on each GPU.
-
-    Only backends seen holding memory on a GPU that lacks room are candidates;
-    with none, the memory is held by something else: it will never fit.
-    """
-    short = {uuid for uuid, nbytes in need.items() if free.get(uuid, 0) < nbytes}
-    if not short:
-        return Room("fits")
-    held = [
-        o
-        for o in others
-        if o.state in (State.AWAKE, State.WAKING, State.SLEEPING) and any(o.gpu.get(u, 0) for u in short)
-    ]
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
-    return Room("wait") if held else Room("never")
 
 
 @dataclass

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
+import re
 import time
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet, parse_keep_alive
+from hibernate.serve.backends import RETRY_BUSY_SECONDS, RETRY_FULL_SECONDS, Fleet
 from hibernate.serve.bodies import CONTENT_ENCODING, codings, decode_body, with_model
 from hibernate.serve.config import (
     MAX_SECONDS,
@@ -97,6 +99,36 @@ def backend_for(name: str, backends: tuple[BackendSpec, ...]) -> BackendSpec:
         if name in spec.model_names:
             return spec
     raise ApiError(404, f"no backend or model named {name!r}", "NotFoundError")
+
+
+# A keep-alive given as text: seconds, or a duration with its unit (``-1``, ``30``, ``2.5``, ``5m``, ``1h``).
+KEEP_ALIVE_TEXT = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)([smh]?)")
+UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_keep_alive(value: object) -> float | None:
+    """A request's keep-alive (Ollama's ``keep_alive``): how long its backend stays awake after it, in
+    seconds; 0 puts it to sleep as soon as this request ends, a negative value keeps it awake (no idle
+    sleep) until a request says otherwise. A finite number, or a string of digits with an optional unit
+    (``30s``, ``5m``, ``1h``), at most a day (as every time in serve.toml). None when ``value`` is none
+    of these."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
+            return None
+    elif isinstance(value, str):
+        match = KEEP_ALIVE_TEXT.fullmatch(value.strip().lower())
+        if match is None:
+            return None
+        number = float(match[1]) * UNIT_SECONDS[match[2]]
+    else:
+        return None
+    if not math.isfinite(number) or number > MAX_SECONDS:
+        return None
+    return math.inf if number < 0 else number + 0.0  # -0 is 0: sleep after this request
 
 
 def keep_alive_of(header: str | None, field: object) -> float | None:

@@ -27,9 +27,10 @@ from aiohttp import web
 from hibernate.errors import HibernateError, UsageError
 from hibernate.operation import targets
 from hibernate.serve import starter
-from hibernate.serve.backends import STATES, Fleet
+from hibernate.serve.backends import Fleet
 from hibernate.serve.config import ServeConfig, with_ports
 from hibernate.serve.control import BackendControl, refuse_tree_holding_proxy
+from hibernate.serve.decisions import STATES
 from hibernate.serve.httplog import HTTP_LOG
 from hibernate.serve.metrics import Recorder
 from hibernate.serve.proxy import Proxy
