@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -382,7 +383,8 @@ def wait_for(predicate: object, timeout: float, what: str, cluster: SlurmCluster
     while not predicate():  # type: ignore[operator]
         for process in cluster.daemons:
             if process.poll() is not None:
-                raise RuntimeError(f"{process.args[0]} exited ({process.returncode}):\n{cluster.logs_tail()}")
+                command = cast(list[str], process.args)  # popen() starts each daemon from a list of str
+                raise RuntimeError(f"{command[0]} exited ({process.returncode}):\n{cluster.logs_tail()}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}:\n{cluster.logs_tail()}")
         time.sleep(0.1)

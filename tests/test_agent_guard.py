@@ -98,7 +98,7 @@ def test_a_waiting_sleep_stops_new_holders_but_not_reentry() -> None:
     assert nested_ok.is_set() and guard.closed
 
 
-def test_sleeping_from_inside_the_guard_is_refused(fresh_agent, work_dir: Path) -> None:
+def test_sleeping_from_inside_the_guard_is_refused(fresh_agent: None, work_dir: Path) -> None:
     weights = hibernate.track(torch.ones(1024), name="w")
     with hibernate.guard(), pytest.raises(UsageError, match=r"inside hibernate\.guard"):
         hibernate.sleep(work_dir)
@@ -106,7 +106,7 @@ def test_sleeping_from_inside_the_guard_is_refused(fresh_agent, work_dir: Path) 
     assert torch.equal(weights, torch.ones(1024))
 
 
-def test_guard_blocks_until_wake(fresh_agent, work_dir: Path) -> None:
+def test_guard_blocks_until_wake(fresh_agent: None, work_dir: Path) -> None:
     weights = hibernate.track(torch.arange(4096, dtype=torch.float32), name="w")
     hibernate.sleep(work_dir)
     assert hibernate.state() == "asleep"
@@ -127,7 +127,7 @@ def test_guard_blocks_until_wake(fresh_agent, work_dir: Path) -> None:
     assert seen == [float(torch.arange(4096, dtype=torch.float32).sum())]
 
 
-def test_in_process_sleep_waits_for_a_holder(fresh_agent, work_dir: Path) -> None:
+def test_in_process_sleep_waits_for_a_holder(fresh_agent: None, work_dir: Path) -> None:
     weights = hibernate.track(torch.full((1024,), 7.0), name="w")
     started = threading.Event()
 

@@ -75,7 +75,7 @@ def test_malformed_requests_are_refused(message: dict, problem: str) -> None:
         protocol.parse_request(message)
 
 
-def test_oversized_frames_are_refused_before_reading(served) -> None:
+def test_oversized_frames_are_refused_before_reading(served: tuple[Agent, AgentServer]) -> None:
     _, server = served
     with raw_connect(server) as sock:
         sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE_BYTES + 1))
@@ -87,7 +87,7 @@ def test_oversized_frames_are_refused_before_reading(served) -> None:
         protocol.encode({"blob": "x" * (protocol.MAX_MESSAGE_BYTES + 1)})
 
 
-def test_wrong_version_is_answered_then_closed(served) -> None:
+def test_wrong_version_is_answered_then_closed(served: tuple[Agent, AgentServer]) -> None:
     _, server = served
     with raw_connect(server) as sock:
         protocol.send(sock, {"v": 99, "id": 1, "op": "hello"})
@@ -97,7 +97,7 @@ def test_wrong_version_is_answered_then_closed(served) -> None:
         assert protocol.receive(sock) is None
 
 
-def test_hello_reports_identity_pools_and_state(served) -> None:
+def test_hello_reports_identity_pools_and_state(served: tuple[Agent, AgentServer]) -> None:
     agent, server = served
     with AgentClient(server.path) as client:
         status = client.call("hello")
@@ -109,7 +109,9 @@ def test_hello_reports_identity_pools_and_state(served) -> None:
     ]
 
 
-def test_operations_need_a_session_and_sessions_exclude_each_other(served, work_dir: Path) -> None:
+def test_operations_need_a_session_and_sessions_exclude_each_other(
+    served: tuple[Agent, AgentServer], work_dir: Path
+) -> None:
     _, server = served
     with AgentClient(server.path) as first, AgentClient(server.path) as second:
         with pytest.raises(BusyError, match="begin a session first"):
@@ -135,7 +137,12 @@ def test_a_command_right_after_one_that_exited_waits_for_its_session_to_be_wound
 
     exited = Session("hibernate (pid 1, uid 0)", cancelled=gone)
     agent.begin(exited)
-    winding_up = threading.Thread(target=lambda: (asked.wait(60), agent.disconnect(exited)))
+
+    def wind_up() -> None:
+        asked.wait(60)
+        agent.disconnect(exited)
+
+    winding_up = threading.Thread(target=wind_up)
     winding_up.start()
     try:
         agent.begin(Session("hibernate (pid 2, uid 0)"))
@@ -157,7 +164,9 @@ def test_an_owner_whose_client_is_alive_is_busy_at_once_and_a_gone_one_only_for_
         stuck.begin(Session("hibernate (pid 4, uid 0)"))
 
 
-def test_a_vanished_client_rolls_back_a_half_done_sleep(served, work_dir: Path) -> None:
+def test_a_vanished_client_rolls_back_a_half_done_sleep(
+    served: tuple[Agent, AgentServer], work_dir: Path
+) -> None:
     agent, server = served
     client = AgentClient(server.path)
     client.call("begin")
@@ -172,7 +181,7 @@ def test_a_vanished_client_rolls_back_a_half_done_sleep(served, work_dir: Path) 
         again.call("begin")  # ownership was released too
 
 
-def test_asleep_outlives_its_client(served, work_dir: Path) -> None:
+def test_asleep_outlives_its_client(served: tuple[Agent, AgentServer], work_dir: Path) -> None:
     agent, server = served
     with AgentClient(server.path) as client:
         for op, args in (("begin", {}), ("quiesce", {}), ("spill", {"dir": str(work_dir)}), ("release", {})):
@@ -186,7 +195,7 @@ def test_asleep_outlives_its_client(served, work_dir: Path) -> None:
     assert agent.state.value == "running"
 
 
-def test_unknown_op_is_an_error_not_a_crash(served) -> None:
+def test_unknown_op_is_an_error_not_a_crash(served: tuple[Agent, AgentServer]) -> None:
     _, server = served
     with AgentClient(server.path) as client:
         with pytest.raises(ProtocolError, match="unknown operation 'explode'"):
@@ -196,7 +205,7 @@ def test_unknown_op_is_an_error_not_a_crash(served) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(garbage=st.binary(min_size=0, max_size=512))
-def test_garbage_never_crashes_the_agent(served, garbage: bytes) -> None:
+def test_garbage_never_crashes_the_agent(served: tuple[Agent, AgentServer], garbage: bytes) -> None:
     _, server = served
     with raw_connect(server) as sock, contextlib.suppress(ConnectionResetError, BrokenPipeError):
         sock.sendall(garbage)
@@ -215,7 +224,9 @@ def test_garbage_never_crashes_the_agent(served, garbage: bytes) -> None:
         max_leaves=20,
     )
 )
-def test_well_framed_nonsense_is_answered_with_an_error(served, document: object) -> None:
+def test_well_framed_nonsense_is_answered_with_an_error(
+    served: tuple[Agent, AgentServer], document: object
+) -> None:
     _, server = served
     body = json.dumps(document).encode()
     with raw_connect(server) as sock:
@@ -224,7 +235,9 @@ def test_well_framed_nonsense_is_answered_with_an_error(served, document: object
     assert reply is not None and reply["type"] in ("error", "result")
 
 
-def test_runtime_directory_and_socket_are_private(served, runtime_dir: Path) -> None:
+def test_runtime_directory_and_socket_are_private(
+    served: tuple[Agent, AgentServer], runtime_dir: Path
+) -> None:
     _, server = served
     assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(server.path.stat().st_mode) & 0o077 == 0
@@ -247,7 +260,7 @@ def test_stale_sockets_are_removed_never_trusted(runtime_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not is_root(), reason="needs a second user")
-def test_peer_credentials_refuse_another_user(served, runtime_dir: Path) -> None:
+def test_peer_credentials_refuse_another_user(served: tuple[Agent, AgentServer], runtime_dir: Path) -> None:
     _, server = served
     # Even if the directory were opened up by mistake, the peer check still refuses.
     os.chmod(runtime_dir, 0o755)
@@ -279,7 +292,7 @@ def test_peer_credentials_refuse_another_user(served, runtime_dir: Path) -> None
 
 
 def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_over(
-    served, runtime_dir: Path
+    served: tuple[Agent, AgentServer], runtime_dir: Path
 ) -> None:
     """Two containers sharing a runtime directory can each hold a pid 1 started in the same clock
     tick. The second agent must not take the first's socket: the first's commands would reach it."""
@@ -293,7 +306,7 @@ def test_an_agent_with_the_same_pid_and_start_time_does_not_take_a_live_socket_o
 
 
 def test_an_agent_of_another_pid_namespace_is_not_taken_for_the_target(
-    served, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Agent, AgentServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same pid and start tick in another pid namespace is another process: never acted on."""
     from hibernate.operation import targets

@@ -184,7 +184,7 @@ def test_missing_checkpointers_and_old_drivers_are_refused_before_anything_chang
 
 
 def test_neither_checkpointer_with_a_cuda_holder_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("HIBERNATE_LIBCUDA", str(tmp_path / "libcuda.so.1"))
     monkeypatch.delenv("HIBERNATE_CUDA_CHECKPOINT", raising=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ def make(kind: str, timeouts: StepTimeouts | None = None) -> Checkpointer:
 
 
 @pytest.fixture
-def tree(world: World, start_tree: Callable[..., Tree], runtime_dir) -> Tree:
+def tree(world: World, start_tree: Callable[..., Tree], runtime_dir: Path) -> Tree:
     target = start_tree(children=2)
     for pid in target.pids:
         world.register(pid, nbytes=2 * GIB)
@@ -240,7 +241,7 @@ def test_wake_checks_free_gpu_memory_before_restoring(
 
 
 def test_restore_out_of_memory_without_nvml_needs_recovery(
-    world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+    world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     asleep(world, tree, checkpointer_kind)
     monkeypatch.setenv("HIBERNATE_LIBNVML", str(tmp_path / "absent.so"))
@@ -304,7 +305,7 @@ def test_survey_never_takes_the_caller_itself(world: World, checkpointer_kind: s
     assert survey([os.getpid()], make(checkpointer_kind)).holders == []
 
 
-def test_records_of_dead_processes_are_dropped(world: World, runtime_dir) -> None:
+def test_records_of_dead_processes_are_dropped(world: World, runtime_dir: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     ghost = ProcessIdentity(dead.pid, 1)

@@ -46,7 +46,12 @@ def code_of(excinfo: pytest.ExceptionInfo[CheckpointStepError]) -> int | None:
 def test_full_cycle_and_its_transitions(world: World, checkpointer_kind: str, sleeper: int) -> None:
     world.register(sleeper, nbytes=3 * GIB)
     cp = make(checkpointer_kind)
-    free = lambda: nvml.snapshot().gpus[0].free  # noqa: E731
+
+    def free() -> int:
+        snapshot = nvml.snapshot()
+        assert snapshot is not None
+        return snapshot.gpus[0].free
+
     assert cp.state(sleeper) is CudaState.RUNNING
     on_gpu = free()
     cp.lock(sleeper, 1000)
@@ -277,7 +282,7 @@ def test_auto_prefers_the_binary_below_the_validated_driver_api(
     assert isinstance(current, DriverCheckpointer) and passed_over == []
 
 
-def test_missing_binary_and_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_missing_binary_and_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HIBERNATE_LIBCUDA", str(tmp_path / "nowhere" / "libcuda.so.1"))
     monkeypatch.delenv("HIBERNATE_CUDA_CHECKPOINT", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))

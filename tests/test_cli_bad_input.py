@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def reached_points(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[
     return lambda: trace.read_text().split()
 
 
-def assert_untouched(demo, cli, reference: str) -> None:
+def assert_untouched(demo: Any, cli: Callable[..., Any], reference: str) -> None:
     """The target still runs, awake, and computes exactly what it did before."""
     assert demo.alive()
     status = cli("status", str(demo.pid), "--json").json()["agents"][0]
@@ -36,13 +37,15 @@ def assert_untouched(demo, cli, reference: str) -> None:
     assert demo.infer()["digest"] == reference
 
 
-def test_nonexistent_pid(cli, runtime_dir: Path) -> None:
+def test_nonexistent_pid(cli: Callable[..., Any], runtime_dir: Path) -> None:
     result = cli("sleep", "4194303", "--to", "/tmp/never-used")
     assert result.returncode == ExitCode.NO_SUCH_PROCESS
     assert "no process with pid 4194303" in result.stderr
 
 
-def test_pid_without_agent_says_what_to_do(cli, runtime_dir: Path, work_dir: Path) -> None:
+def test_pid_without_agent_says_what_to_do(
+    cli: Callable[..., Any], runtime_dir: Path, work_dir: Path
+) -> None:
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         result = cli("sleep", str(plain.pid), "--to", str(work_dir))
@@ -56,7 +59,9 @@ def test_pid_without_agent_says_what_to_do(cli, runtime_dir: Path, work_dir: Pat
 
 
 @pytest.mark.slow
-def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> None:
+def test_another_users_process_is_refused(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     if is_root():
         demo = start_demo(size_mb=16)
         reference = demo.infer()["digest"]
@@ -71,7 +76,9 @@ def test_another_users_process_is_refused(start_demo, cli, work_dir: Path) -> No
 
 
 @pytest.mark.slow
-def test_sleep_of_a_sleeping_process(start_demo, cli, work_dir: Path) -> None:
+def test_sleep_of_a_sleeping_process(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
     again = cli("sleep", str(demo.pid), "--to", str(work_dir))
@@ -81,7 +88,7 @@ def test_sleep_of_a_sleeping_process(start_demo, cli, work_dir: Path) -> None:
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 
-def test_wake_of_an_awake_process(start_demo, cli) -> None:
+def test_wake_of_an_awake_process(start_demo: Callable[..., Any], cli: Callable[..., Any]) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
     result = cli("wake", str(demo.pid))
@@ -90,7 +97,7 @@ def test_wake_of_an_awake_process(start_demo, cli) -> None:
     assert_untouched(demo, cli, reference)
 
 
-def test_to_is_a_file(start_demo, cli, work_dir: Path) -> None:
+def test_to_is_a_file(start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
     a_file = work_dir / "a-file"
@@ -103,7 +110,7 @@ def test_to_is_a_file(start_demo, cli, work_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_to_not_writable(start_demo, cli, work_dir: Path) -> None:
+def test_to_not_writable(start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path) -> None:
     # As root every directory is writable, so both the target and the CLI run as nobody.
     uid = NOBODY if is_root() else None
     demo = start_demo(size_mb=16, uid=uid)
@@ -120,7 +127,9 @@ def test_to_not_writable(start_demo, cli, work_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not is_root(), reason="mounting a small filesystem needs root")
-def test_to_on_a_full_filesystem(start_demo, cli, work_dir: Path) -> None:
+def test_to_on_a_full_filesystem(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=32)
     reference = demo.infer()["digest"]
     small = work_dir / "small"
@@ -138,7 +147,11 @@ def test_to_on_a_full_filesystem(start_demo, cli, work_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_two_sleeps_at_once_one_wins_the_other_is_busy(
-    start_demo, cli, work_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     trace = reached_points(monkeypatch, tmp_path)
     demo = start_demo(size_mb=16)
@@ -160,7 +173,9 @@ def test_two_sleeps_at_once_one_wins_the_other_is_busy(
     assert demo.infer()["digest"] == reference
 
 
-def test_guard_held_past_timeout_leaves_target_untouched(start_demo, cli, work_dir: Path) -> None:
+def test_guard_held_past_timeout_leaves_target_untouched(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
     demo.hold(60)
@@ -173,7 +188,12 @@ def test_guard_held_past_timeout_leaves_target_untouched(start_demo, cli, work_d
 
 
 def test_target_dying_in_the_middle_of_a_sleep(
-    start_demo, cli, work_dir: Path, runtime_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    runtime_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     trace = reached_points(monkeypatch, tmp_path)
     demo = start_demo(size_mb=16)
@@ -194,7 +214,7 @@ def test_target_dying_in_the_middle_of_a_sleep(
     assert not list(runtime_dir.glob("agent-*.sock"))
 
 
-def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
+def test_bad_options_are_usage_errors(cli: Callable[..., Any], runtime_dir: Path) -> None:
     assert run_cli("sleep").returncode == ExitCode.USAGE
     assert run_cli("sleep", "not-a-pid", "--to", "/tmp/x").returncode == ExitCode.USAGE
     result = run_cli("sleep", "1", "--to", "/tmp/x", "--io-mode", "sideways")
@@ -205,7 +225,9 @@ def test_bad_options_are_usage_errors(cli, runtime_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cli, work_dir: Path) -> None:
+def test_numbers_out_of_range_are_usage_errors_that_say_the_range(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     """inf, 1e10, NaN, negatives, a TiB of staging: refused at once (exit 2), never a traceback."""
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
@@ -240,7 +262,7 @@ def test_numbers_out_of_range_are_usage_errors_that_say_the_range(start_demo, cl
     assert_untouched(demo, cli, reference)
 
 
-def test_run_refuses_a_bad_timeout_before_starting_the_job(cli, work_dir: Path) -> None:
+def test_run_refuses_a_bad_timeout_before_starting_the_job(cli: Callable[..., Any], work_dir: Path) -> None:
     started = work_dir / "started"
     job = [sys.executable, "-c", f"open({str(started)!r}, 'w').close()"]
     result = cli("run", "--timeout", "inf", "--to", str(work_dir), "--", *job)
@@ -249,7 +271,9 @@ def test_run_refuses_a_bad_timeout_before_starting_the_job(cli, work_dir: Path) 
     assert not started.exists()
 
 
-def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, cli, work_dir: Path) -> None:
+def test_an_empty_to_is_refused_not_taken_for_the_current_directory(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
     result = cli("sleep", str(demo.pid), "--to", "", cwd=work_dir)
@@ -260,7 +284,9 @@ def test_an_empty_to_is_refused_not_taken_for_the_current_directory(start_demo, 
 
 
 @pytest.mark.slow
-def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, work_dir: Path) -> None:
+def test_sleep_all_skips_targets_already_asleep_and_says_so(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     """As ``wake --all`` skips those awake; pids named one by one are still refused (above)."""
     first, second = start_demo(size_mb=16), start_demo(size_mb=16)
     reference = second.infer()["digest"]
@@ -287,7 +313,7 @@ def test_sleep_all_skips_targets_already_asleep_and_says_so(start_demo, cli, wor
 
 
 def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line_by_every_command(
-    start_demo, cli, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     """A --to (or gc's DIR) no directory could have: exit 2 and one line (a JSON document under --json),
     from sleep, gc, doctor and run alike, before anything is touched; not ENAMETOOLONG's traceback."""
@@ -322,7 +348,9 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_in_one_line_by_ever
     assert_untouched(demo, cli, reference)
 
 
-def test_a_runtime_directory_with_a_name_too_long_is_refused_in_one_line(cli, tmp_path: Path) -> None:
+def test_a_runtime_directory_with_a_name_too_long_is_refused_in_one_line(
+    cli: Callable[..., Any], tmp_path: Path
+) -> None:
     """ls, status, recover: the runtime directory the environment names is checked as a --to is."""
     env = {"HIBERNATE_RUNTIME_DIR": str(tmp_path / ("r" * 300))}
     words = "the runtime directory (HIBERNATE_RUNTIME_DIR) has a name of 300 bytes"

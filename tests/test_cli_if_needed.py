@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,15 @@ def valid(name: str, result: Any) -> dict[str, Any]:
     return document
 
 
-def state_of(cli, pid: int) -> str:
+def state_of(cli: Callable[..., Any], pid: int) -> str:
     state: str = cli("status", str(pid), "--json").json()["agents"][0]["state"]
     return state
 
 
 @pytest.mark.slow
-def test_a_wake_of_a_running_process_succeeds_with_if_needed_and_says_so(start_demo, cli) -> None:
+def test_a_wake_of_a_running_process_succeeds_with_if_needed_and_says_so(
+    start_demo: Callable[..., Any], cli: Callable[..., Any]
+) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
     assert cli("wake", str(demo.pid)).returncode == ExitCode.WRONG_STATE  # unchanged without the flag
@@ -57,7 +60,9 @@ def test_a_wake_of_a_running_process_succeeds_with_if_needed_and_says_so(start_d
 
 
 @pytest.mark.slow
-def test_a_sleep_of_a_sleeping_process_succeeds_with_if_needed(start_demo, cli, work_dir: Path) -> None:
+def test_a_sleep_of_a_sleeping_process_succeeds_with_if_needed(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(work_dir), "-q").returncode == 0
     snapshot = cli("status", str(demo.pid), "--json").json()["agents"][0]["snapshot"]["path"]
@@ -74,7 +79,7 @@ def test_a_sleep_of_a_sleeping_process_succeeds_with_if_needed(start_demo, cli, 
 
 @pytest.mark.slow
 def test_if_needed_acts_on_the_others_and_lists_the_one_already_there(
-    start_demo, cli, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     asleep, awake = start_demo(size_mb=16), start_demo(size_mb=16)
     assert cli("sleep", str(asleep.pid), "--to", str(work_dir), "-q").returncode == 0
@@ -99,7 +104,9 @@ def refused(result: Any, code: ExitCode, wire: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_target_left_half_way_is_never_already_there(start_demo, cli, work_dir: Path) -> None:
+def test_a_target_left_half_way_is_never_already_there(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     """A sleep killed after its release leaves the agent asleep, the rest (the CUDA stage) undone:
     --if-needed must name the recover, not call it skipped; a selector must not skip it either."""
     half, other = start_demo(size_mb=16), start_demo(size_mb=16)
@@ -132,7 +139,7 @@ def test_a_target_left_half_way_is_never_already_there(start_demo, cli, work_dir
 
 @pytest.mark.slow
 def test_a_target_another_command_is_still_putting_to_sleep_is_busy(
-    start_demo, cli, work_dir: Path, tmp_path: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
     demo = start_demo(size_mb=16)
     trace = tmp_path / "points"
@@ -165,7 +172,9 @@ def test_a_target_another_command_is_still_putting_to_sleep_is_busy(
     assert cli("recover", str(demo.pid), "-q").returncode == 0
 
 
-def test_if_needed_does_not_hide_a_target_that_cannot_be_acted_on(cli, runtime_dir: Path) -> None:
+def test_if_needed_does_not_hide_a_target_that_cannot_be_acted_on(
+    cli: Callable[..., Any], runtime_dir: Path
+) -> None:
     result = cli("wake", "4194303", "--if-needed", "--json")
     assert result.returncode == ExitCode.NO_SUCH_PROCESS
     assert result.json()["error"]["code"] == "no-such-process"

@@ -10,7 +10,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,7 +82,7 @@ def test_a_pip_install_puts_the_slurm_scripts_on_path_and_says_where_they_are(tm
         assert (directory / script.name).read_bytes() == script.read_bytes()
 
 
-def test_a_source_checkout_names_its_own_scripts(cli) -> None:
+def test_a_source_checkout_names_its_own_scripts(cli: Callable[..., Any]) -> None:
     printed = cli("slurm-scripts")
     assert printed.returncode == 0, printed.stderr
     assert (Path(printed.stdout.strip()) / "hibernate-job").read_bytes() == (

@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -16,11 +18,12 @@ from hibernate import faults
 from hibernate.cli.render import interruption
 from hibernate.errors import ExitCode, describe_cause
 from hibernate.flows.agents import undo_requests
+from hibernate.operation.reports import SleepReport
 from tests.conftest import REPO, wait_until
 
 
 def test_targets_back_as_they_were_are_said_to_have_lost_nothing() -> None:
-    entries = [{"pid": 7, "state": "running", "busy": None, "interrupted": None}]
+    entries: list[dict[str, Any]] = [{"pid": 7, "state": "running", "busy": None, "interrupted": None}]
     assert interruption("sleep", entries) == (
         "interrupted: the sleep stopped; process 7 is running, nothing was lost",
         None,
@@ -87,7 +90,7 @@ def test_a_ctrl_c_whose_undo_failed_is_reported_as_the_interruption(monkeypatch:
         lambda pids, all_users: [{"pid": 9, "state": "asleep", "busy": None, "interrupted": left}],
     )
 
-    def operate(progress: object) -> None:
+    def operate(progress: object) -> SleepReport:
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt as cause:
@@ -95,7 +98,7 @@ def test_a_ctrl_c_whose_undo_failed_is_reported_as_the_interruption(monkeypatch:
 
     with pytest.raises(InterruptedByUserError) as raised:
         _operate_and_report(
-            operate,  # type: ignore[arg-type]
+            operate,
             print,
             SimpleNamespace(pids=[9]),  # type: ignore[arg-type]
             False,
@@ -137,7 +140,7 @@ def interrupted_cli(args: list[str], point: str, trace: Path) -> subprocess.Comp
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_sleep_says_the_process_runs_and_nothing_was_lost(
-    start_demo, cli, work_dir: Path, tmp_path: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, tmp_path: Path
 ) -> None:
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
@@ -178,7 +181,7 @@ def sigint_pending(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_agent_releases_waits_for_the_release_then_undoes_the_sleep(
-    start_demo, cli, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     """A Ctrl-C with a request in flight: the command waits for the agent's answer (its release
     ends), then undoes the whole sleep, so the target runs with its weights, and says so."""
@@ -219,7 +222,9 @@ def connections_to(socket_path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_ctrl_c_outside_an_operation_still_prints_its_error_document(start_demo, runtime_dir: Path) -> None:
+def test_ctrl_c_outside_an_operation_still_prints_its_error_document(
+    start_demo: Callable[..., Any], runtime_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     (socket_path,) = runtime_dir.rglob("*.sock")
     listening = connections_to(socket_path)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,11 @@ def test_the_error_schema_knows_every_exit_code() -> None:
 
 @pytest.mark.slow
 def test_sleep_and_wake_with_cuda_have_a_timing_per_phase_and_per_step(
-    world: World, start_demo, cli, work_dir: Path, checkpointer_kind: str
+    world: World,
+    start_demo: Callable[..., Any],
+    cli: Callable[..., Any],
+    work_dir: Path,
+    checkpointer_kind: str,
 ) -> None:
     demo = start_demo(size_mb=16)
     world.register(demo.pid, nbytes=2 * GIB)
@@ -85,7 +90,9 @@ def test_sleep_and_wake_with_cuda_have_a_timing_per_phase_and_per_step(
     assert set(woken["cuda"]["processes"][0]["steps"]) == {"restore", "unlock"}
 
 
-def test_sleep_and_wake_without_cuda_and_with_a_selector(start_demo, cli, work_dir: Path) -> None:
+def test_sleep_and_wake_without_cuda_and_with_a_selector(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demos = [start_demo(size_mb=16), start_demo(size_mb=16)]
     asleep = valid("sleep", cli("sleep", "--all", "--to", str(work_dir), "--json"))
     assert asleep["cuda"] == {"status": "none (skipped)", "processes": []}
@@ -96,7 +103,7 @@ def test_sleep_and_wake_without_cuda_and_with_a_selector(start_demo, cli, work_d
 
 @pytest.mark.slow
 def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
-    start_demo, cli, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     first, second = start_demo(size_mb=16), start_demo(size_mb=16)
     assert cli("sleep", str(first.pid), "--to", str(work_dir), "-q").returncode == 0
@@ -108,7 +115,9 @@ def test_sleep_all_lists_the_targets_it_skipped_because_they_already_sleep(
     valid("wake", cli("wake", "--all", "--json"))
 
 
-def test_doctor_on_this_machine_and_with_a_target(world: World, start_demo, cli, work_dir: Path) -> None:
+def test_doctor_on_this_machine_and_with_a_target(
+    world: World, start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     world.register(demo.pid)
     report = valid("doctor", cli("doctor", str(demo.pid), "--to", str(work_dir), "--json"))
@@ -129,7 +138,9 @@ def test_doctor_on_this_machine_and_with_a_target(world: World, start_demo, cli,
         (["gc", "/no/such/dir"], None),
     ],
 )
-def test_failures_print_the_error_document(cli, runtime_dir: Path, args: list[str], code: int | None) -> None:
+def test_failures_print_the_error_document(
+    cli: Callable[..., Any], runtime_dir: Path, args: list[str], code: int | None
+) -> None:
     result = cli(*args, "--json")
     assert result.returncode != 0 and (code is None or result.returncode == code)
     document = json.loads(result.stdout)
@@ -137,14 +148,16 @@ def test_failures_print_the_error_document(cli, runtime_dir: Path, args: list[st
     assert document["error"]["exit_code"] == result.returncode
 
 
-def test_recover_with_nothing_to_recover(start_demo, cli) -> None:
+def test_recover_with_nothing_to_recover(start_demo: Callable[..., Any], cli: Callable[..., Any]) -> None:
     demo = start_demo(size_mb=16)
     document = valid("recover", cli("recover", str(demo.pid), "--json"))
     assert document["action"] == "none" and "nothing to recover" in document["message"]
 
 
 @pytest.mark.slow
-def test_recover_of_a_sleep_whose_command_was_killed(start_demo, cli, work_dir: Path) -> None:
+def test_recover_of_a_sleep_whose_command_was_killed(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     killed = cli(
         "sleep", str(demo.pid), "--to", str(work_dir), env={"HIBERNATE_FAULT": "sleep.after-release:kill"}
@@ -157,7 +170,7 @@ def test_recover_of_a_sleep_whose_command_was_killed(start_demo, cli, work_dir: 
     assert valid("wake", cli("wake", str(demo.pid), "--json"))["processes"][0]["pid"] == demo.pid
 
 
-def test_run_refuses_json_in_words_and_as_the_error_document(cli, work_dir: Path) -> None:
+def test_run_refuses_json_in_words_and_as_the_error_document(cli: Callable[..., Any], work_dir: Path) -> None:
     result = cli("run", "--to", str(work_dir), "--json", "--", sys.executable, "-c", "print('job output')")
     assert result.returncode == ExitCode.USAGE
     document = json.loads(result.stdout)
@@ -165,7 +178,9 @@ def test_run_refuses_json_in_words_and_as_the_error_document(cli, work_dir: Path
     assert "run has no --json: the job owns stdout" in document["error"]["message"]
 
 
-def test_node_step_reports_validate_on_commit_and_on_abort(start_demo, cli, work_dir: Path) -> None:
+def test_node_step_reports_validate_on_commit_and_on_abort(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     barrier = work_dir / "barrier"
     barrier.mkdir()

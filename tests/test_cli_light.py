@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,17 +82,19 @@ def test_serve_help_loads_nothing_of_its_extra() -> None:
     assert run_probe("serve", "--help") == "HEAVY:"
 
 
-def test_ls_does_not_import_torch(runtime_dir) -> None:
+def test_ls_does_not_import_torch(runtime_dir: Path) -> None:
     assert run_probe("ls") == "HEAVY:"
 
 
-def test_status_of_a_live_agent_loads_neither_torch_nor_the_in_process_side(start_demo) -> None:
+def test_status_of_a_live_agent_loads_neither_torch_nor_the_in_process_side(
+    start_demo: Callable[..., Any],
+) -> None:
     demo = start_demo(size_mb=8)
     assert run_probe("status", str(demo.pid), "--json", line=-2) == "IN-PROCESS:"
     assert run_probe("status", str(demo.pid), "--json") == "HEAVY:"
 
 
-def test_a_sleep_checks_its_numbers_without_loading_the_in_process_side(tmp_path) -> None:
+def test_a_sleep_checks_its_numbers_without_loading_the_in_process_side(tmp_path: Path) -> None:
     # pid 999999999 is above any pid_max: the command ends after its option checks ran.
     args = ("sleep", "999999999", "--to", str(tmp_path), "--buffer-mb", "64", "--timeout", "5")
     assert run_probe(*args, line=-2) == "IN-PROCESS:"

@@ -11,7 +11,9 @@ rate is the report's own figure: the same bytes over the same seconds
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +46,9 @@ def last_rate(lines: list[str], prefix: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_bar_ends_on_the_report_s_rate(start_demo, cli, work_dir: Path) -> None:
+def test_the_bar_ends_on_the_report_s_rate(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     """Piped, the bar prints plain lines on stderr: its last rate is the one the report prints,
     for one process (its own line) and for several (the report's total line)."""
     one, two = start_demo(size_mb=16), start_demo(size_mb=16)

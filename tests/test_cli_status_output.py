@@ -7,13 +7,15 @@ path, which is what someone piping `status` most often looks for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hibernate.cli.render import AGENT_COLUMNS, LIST_COLUMNS, WIDE_COLUMNS, agent_lines, plain_columns
 
-AGENT = {
+AGENT: dict[str, Any] = {
     "pid": 4242, "uid": 0, "name": "proc-4242", "kind": "torch", "state": "asleep", "busy": None,
     "pools": [{"bytes": 3 << 30, "keep": True}, {"bytes": 1 << 30, "keep": False}],
     "snapshot": {"path": "/scratch/" + "deep/" * 30 + "proc-4242/snap-000001"},
@@ -67,7 +69,9 @@ def test_ls_and_status_show_the_user_by_name_as_ps_does_else_by_number() -> None
 
 
 @pytest.mark.slow
-def test_piped_status_prints_whole_lines_and_ls_lists_the_commands(start_demo, cli, work_dir: Path) -> None:
+def test_piped_status_prints_whole_lines_and_ls_lists_the_commands(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     deep = work_dir / ("a-directory-with-a-rather-long-name-" * 3)
     demo = start_demo(size_mb=16)
     assert cli("sleep", str(demo.pid), "--to", str(deep), "-q").returncode == 0

@@ -14,12 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.test_serve import HttpDemo, completion, fetch, start_http_demo
 
 __all__ = ["start_http_demo"]  # a fixture, used by name
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def events(body: bytes) -> list[bytes]:
@@ -86,7 +87,7 @@ def test_a_streamed_chat_is_openai_chunks_the_sdk_joins_into_the_message_and_its
     assert chunks[-1]["digest"] == digest
 
     client = OpenAI(base_url=demo.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    pieces = list(client.chat.completions.create(model="demo", messages=MESSAGES, stream=True))  # type: ignore[arg-type]
+    pieces = list(client.chat.completions.create(model="demo", messages=MESSAGES, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in pieces) == content
     assert pieces[-1].choices[0].finish_reason == "length"
     assert (pieces[-1].model_extra or {}).get("digest") == digest

@@ -288,18 +288,18 @@ def problems(markdown: str, name: str, cli: Cli) -> list[str]:
                     found.append(f"{place}: `scripts/{name} ... {option}`: it has no option {option}")
         if not piece.span or not text.startswith("-"):
             continue
-        option = OPTION.match(text)
-        if option is None:
+        named = OPTION.match(text)
+        if named is None:
             continue
         if piece.table_head and piece.section:
             allowed = frozenset().union(*(cli.options.get(c, frozenset()) for c in piece.section))
-            if option.group(1) not in allowed:
+            if named.group(1) not in allowed:
                 commands = " or ".join(f"hibernate {c}" for c in sorted(piece.section))
                 what = f"in the options of {commands}, which has no such option"
-                found.append(f"{place}: `{option.group(1)}` {what}")
-        elif option.group(1) not in anywhere:
+                found.append(f"{place}: `{named.group(1)}` {what}")
+        elif named.group(1) not in anywhere:
             what = "an option of no hibernate command, script or program named"
-            found.append(f"{place}: `{option.group(1)}`: {what}")
+            found.append(f"{place}: `{named.group(1)}`: {what}")
     return found
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,9 @@ def kept_bytes(report: dict) -> int:
 
 
 @pytest.mark.slow
-def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir: Path) -> None:
+def test_sleep_gives_back_memory_and_wake_is_bit_exact(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=256)
     reference = demo.infer()
     rss_awake = demo.rss()
@@ -44,7 +48,9 @@ def test_sleep_gives_back_memory_and_wake_is_bit_exact(start_demo, cli, work_dir
 
 
 @pytest.mark.slow
-def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir: Path) -> None:
+def test_twenty_cycles_stay_bit_exact_without_growing(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=48)
     reference = demo.infer()["digest"]
     fds, rss, disk = [], [], []
@@ -74,7 +80,9 @@ def test_twenty_cycles_stay_bit_exact_without_growing(start_demo, cli, work_dir:
 
 
 @pytest.mark.slow
-def test_infer_during_sleep_waits_for_wake(start_demo, cli, work_dir: Path) -> None:
+def test_infer_during_sleep_waits_for_wake(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     import threading
 
     demo = start_demo(size_mb=16)
@@ -89,7 +97,9 @@ def test_infer_during_sleep_waits_for_wake(start_demo, cli, work_dir: Path) -> N
     assert answers and answers[0]["digest"] == reference
 
 
-def test_status_and_ls_show_the_agent_and_its_snapshot(start_demo, cli, work_dir: Path) -> None:
+def test_status_and_ls_show_the_agent_and_its_snapshot(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     listed = cli("ls", "--json").json()["agents"]
     assert [a["pid"] for a in listed] == [demo.pid]
@@ -105,7 +115,9 @@ def test_status_and_ls_show_the_agent_and_its_snapshot(start_demo, cli, work_dir
     assert "asleep" in human.stdout and str(demo.pid) in human.stdout
 
 
-def test_second_sleep_of_unchanged_model_writes_no_data(start_demo, cli, work_dir: Path) -> None:
+def test_second_sleep_of_unchanged_model_writes_no_data(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=32)
     first = cli("sleep", str(demo.pid), "--to", str(work_dir), "--json").json()["processes"][0]
     assert cli("wake", str(demo.pid), "-q").returncode == 0
@@ -116,7 +128,9 @@ def test_second_sleep_of_unchanged_model_writes_no_data(start_demo, cli, work_di
     assert cli("wake", str(demo.pid), "-q").returncode == 0
 
 
-def test_relative_to_directory_is_created_private(start_demo, cli, work_dir: Path) -> None:
+def test_relative_to_directory_is_created_private(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     result = cli("sleep", str(demo.pid), "--to", "snaps/today", "--json", cwd=work_dir)
     assert result.returncode == 0, result.stderr
@@ -170,7 +184,9 @@ def test_one_staging_budget_is_shared_by_the_processes_moving_together(
 
 
 @pytest.mark.slow
-def test_processes_sleeping_together_stage_within_one_budget(start_demo, cli, work_dir: Path) -> None:
+def test_processes_sleeping_together_stage_within_one_budget(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demos = [start_demo(size_mb=64) for _ in range(3)]
     references = [demo.infer()["digest"] for demo in demos]
     pids = [str(demo.pid) for demo in demos]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -366,7 +367,7 @@ def test_pool_of_finds_the_segment_holding_an_address(address: int, pool: tuple[
 
 
 def test_the_warnings_and_resident_bytes_reach_the_sleep_report() -> None:
-    phases = {
+    phases: dict[str, dict[str, Any]] = {
         "spill": {"seconds": 1.0, "warnings": ["w/x lives in the private memory pool (1, 0)"]},
         "release": {"released_bytes": 4096, "resident_bytes": 100},
     }

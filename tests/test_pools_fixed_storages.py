@@ -13,7 +13,9 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +53,7 @@ def pattern(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def test_a_numpy_shared_tensor_sleeps_frees_its_pages_and_wakes_bit_exact_at_the_same_address(
-    fresh_agent, work_dir: Path
+    fresh_agent: None, work_dir: Path
 ) -> None:
     tensor = pattern(64 * MIB, seed=1).view(torch.float32)
     array = tensor.numpy()  # from here torch cannot resize (free) this storage
@@ -77,7 +79,7 @@ def test_a_numpy_shared_tensor_sleeps_frees_its_pages_and_wakes_bit_exact_at_the
 
 
 def test_a_from_blob_tensor_keeps_the_neighbours_of_its_partial_edge_pages(
-    fresh_agent, work_dir: Path
+    fresh_agent: None, work_dir: Path
 ) -> None:
     """torch.frombuffer is from_blob's Python face: memory owned by someone else, at an odd offset here."""
     size, offset = 8 * MIB, 100
@@ -103,7 +105,7 @@ def test_a_from_blob_tensor_keeps_the_neighbours_of_its_partial_edge_pages(
 
 
 def test_private_mappings_anonymous_or_of_a_file_come_back_and_dropped_ones_come_back_zero(
-    fresh_agent, work_dir: Path, tmp_path: Path
+    fresh_agent: None, work_dir: Path, tmp_path: Path
 ) -> None:
     anonymous = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE)
     kept = torch.frombuffer(anonymous, dtype=torch.uint8)
@@ -131,7 +133,9 @@ def test_private_mappings_anonymous_or_of_a_file_come_back_and_dropped_ones_come
     anonymous.close()
 
 
-def test_shared_mappings_are_left_in_place_and_named(fresh_agent, work_dir: Path, tmp_path: Path) -> None:
+def test_shared_mappings_are_left_in_place_and_named(
+    fresh_agent: None, work_dir: Path, tmp_path: Path
+) -> None:
     file = tmp_path / "weights.bin"
     file.write_bytes(bytes(2 * MIB))
     on_file = torch.from_file(str(file), shared=True, size=2 * MIB, dtype=torch.uint8)
@@ -211,7 +215,7 @@ signal.pause()
 
 
 def test_the_cli_reports_what_was_left_in_memory_and_the_resident_edges(
-    cli, runtime_dir: Path, work_dir: Path, tmp_path: Path
+    cli: Callable[..., Any], runtime_dir: Path, work_dir: Path, tmp_path: Path
 ) -> None:
     ready = tmp_path / "ready"
     target = subprocess.Popen(
@@ -250,7 +254,9 @@ def test_madv_dontneed_frees_nothing_of_shared_memory_which_is_why_it_is_left_in
     private.close()
 
 
-def test_a_dropped_tensor_sharing_numpy_memory_with_a_kept_one_is_kept(fresh_agent, work_dir: Path) -> None:
+def test_a_dropped_tensor_sharing_numpy_memory_with_a_kept_one_is_kept(
+    fresh_agent: None, work_dir: Path
+) -> None:
     """Two storages over one numpy array: zero-filling the dropped one on wake would wipe the kept bytes."""
     whole = pattern(1 << 20, seed=5)
     array = whole.numpy()
@@ -290,7 +296,7 @@ def mlocked(size: int) -> tuple[ctypes.Array[ctypes.c_uint8], int]:
     return buffer, address
 
 
-def test_locked_memory_is_left_in_place_and_named(fresh_agent, work_dir: Path) -> None:
+def test_locked_memory_is_left_in_place_and_named(fresh_agent: None, work_dir: Path) -> None:
     buffer, address = mlocked(64 * 1024)
     tensor = torch.frombuffer(buffer, dtype=torch.uint8)
     tensor.fill_(3)
@@ -324,7 +330,7 @@ def test_parse_maps_reads_smaps_vmflags() -> None:
 
 
 def test_pages_locked_after_the_enumeration_fail_the_sleep_which_rolls_back(
-    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+    fresh_agent: None, work_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     buffer, _ = mlocked(64 * 1024)
     tensor = torch.frombuffer(buffer, dtype=torch.uint8)

@@ -7,6 +7,7 @@ snapshot would list them on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,10 @@ def test_a_device_whose_free_memory_cannot_be_read_is_not_a_shortfall() -> None:
 
 
 def on_device(
-    cudart_path: Path, tensors: list[torch.Tensor], segments: list[dict[str, Any]], covered: list[Span] = ()
+    cudart_path: Path,
+    tensors: list[torch.Tensor],
+    segments: list[dict[str, Any]],
+    covered: Sequence[Span] = (),
 ) -> TensorPool:
     """A tensor pool whose ``tensors`` are device storages on cuda:1 (copied through the stand-in
     CUDA runtime) and whose allocator lists ``segments``."""

@@ -66,7 +66,7 @@ def cycle(work_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_comes_back_bit_exact(fresh_agent, work_dir: Path, dtype: torch.dtype) -> None:
+def test_every_dtype_comes_back_bit_exact(fresh_agent: None, work_dir: Path, dtype: torch.dtype) -> None:
     tensor = random_tensor(dtype, (37, 129), seed=1)
     expected = tensor.clone()
     hibernate.track(tensor, name="t")
@@ -76,7 +76,7 @@ def test_every_dtype_comes_back_bit_exact(fresh_agent, work_dir: Path, dtype: to
     assert same_bytes(tensor, expected)
 
 
-def test_zero_sized_non_contiguous_and_shared_storages(fresh_agent, work_dir: Path) -> None:
+def test_zero_sized_non_contiguous_and_shared_storages(fresh_agent: None, work_dir: Path) -> None:
     base = random_tensor(torch.float32, (64, 48), seed=2)
     transposed = base.t()  # non-contiguous view of the same storage
     strided = base[::3, 5:]  # another view, with an offset
@@ -91,12 +91,11 @@ def test_zero_sized_non_contiguous_and_shared_storages(fresh_agent, work_dir: Pa
     assert strided.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-def test_module_with_tied_weights_buffers_and_gradients(fresh_agent, work_dir: Path) -> None:
+def test_module_with_tied_weights_buffers_and_gradients(fresh_agent: None, work_dir: Path) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100), torch.nn.BatchNorm1d(100)
-    )
-    model[1].weight = model[0].weight  # tied input and output embeddings, as in most LMs
+    embedding, linear = torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100)
+    model = torch.nn.Sequential(embedding, linear, torch.nn.BatchNorm1d(100))
+    linear.weight = embedding.weight  # tied input and output embeddings, as in most LMs
     loss = model(torch.arange(10)).sum()
     loss.backward()
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
@@ -107,11 +106,11 @@ def test_module_with_tied_weights_buffers_and_gradients(fresh_agent, work_dir: P
         assert same_bytes(value, snapshot[name]), name
     for name, param in model.named_parameters():
         if name in grads:
-            assert same_bytes(param.grad, grads[name]), name
-    assert model[1].weight.data_ptr() == model[0].weight.data_ptr()
+            assert param.grad is not None and same_bytes(param.grad, grads[name]), name
+    assert linear.weight.data_ptr() == embedding.weight.data_ptr()
 
 
-def test_optimizer_state_comes_back(fresh_agent, work_dir: Path) -> None:
+def test_optimizer_state_comes_back(fresh_agent: None, work_dir: Path) -> None:
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 32)).sum().backward()
@@ -127,7 +126,7 @@ def test_optimizer_state_comes_back(fresh_agent, work_dir: Path) -> None:
             assert same_bytes(live[key], value)
 
 
-def test_dropped_tags_come_back_zero_filled(fresh_agent, work_dir: Path) -> None:
+def test_dropped_tags_come_back_zero_filled(fresh_agent: None, work_dir: Path) -> None:
     weights = random_tensor(torch.bfloat16, (256, 256), seed=4)
     cache = torch.full((8, 1024), 3.0)
     expected = weights.clone()
@@ -141,7 +140,7 @@ def test_dropped_tags_come_back_zero_filled(fresh_agent, work_dir: Path) -> None
     assert torch.count_nonzero(cache) == 0
 
 
-def test_a_storage_shared_with_a_kept_tensor_is_kept(fresh_agent, work_dir: Path) -> None:
+def test_a_storage_shared_with_a_kept_tensor_is_kept(fresh_agent: None, work_dir: Path) -> None:
     shared = torch.arange(1000, dtype=torch.int64)
     hibernate.track(shared[:10], tag="kv_cache", keep=False, name="scratch")
     hibernate.track(shared, name="weights")
@@ -149,7 +148,7 @@ def test_a_storage_shared_with_a_kept_tensor_is_kept(fresh_agent, work_dir: Path
     assert torch.equal(shared, torch.arange(1000, dtype=torch.int64))
 
 
-def test_replaced_parameters_are_hibernated_as_they_are_now(fresh_agent, work_dir: Path) -> None:
+def test_replaced_parameters_are_hibernated_as_they_are_now(fresh_agent: None, work_dir: Path) -> None:
     model = torch.nn.Linear(8, 8)
     hibernate.track(model)
     model.weight = torch.nn.Parameter(torch.full((8, 8), 5.0))
@@ -157,7 +156,7 @@ def test_replaced_parameters_are_hibernated_as_they_are_now(fresh_agent, work_di
     assert torch.equal(model.weight, torch.full((8, 8), 5.0))
 
 
-def test_untrack_stops_hibernating(fresh_agent, work_dir: Path) -> None:
+def test_untrack_stops_hibernating(fresh_agent: None, work_dir: Path) -> None:
     kept, dropped_from_tracking = torch.ones(100), torch.ones(100)
     hibernate.track(kept, name="kept")
     hibernate.track(dropped_from_tracking, name="gone")
@@ -175,12 +174,12 @@ def test_untrack_stops_hibernating(fresh_agent, work_dir: Path) -> None:
         (torch.empty(3, device="meta"), "is on meta"),
     ],
 )
-def test_untrackable_objects_are_refused_clearly(fresh_agent, bad, message: str) -> None:
+def test_untrackable_objects_are_refused_clearly(fresh_agent: None, bad: object, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         hibernate.track(bad)
 
 
-def test_bad_tag_is_refused(fresh_agent) -> None:
+def test_bad_tag_is_refused(fresh_agent: None) -> None:
     with pytest.raises(UsageError, match="tag"):
         hibernate.track(torch.ones(1), tag="a/b")
 
@@ -210,7 +209,7 @@ def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
 
 
 def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
-    fresh_agent, work_dir: Path, monkeypatch: pytest.MonkeyPatch, manifest_reads: list[str]
+    fresh_agent: None, work_dir: Path, monkeypatch: pytest.MonkeyPatch, manifest_reads: list[str]
 ) -> None:
     """The agent keeps what reuse needs of the manifest its wake parsed: the next sleep parses nothing."""
     from hibernate.store.reader import SnapshotReader
@@ -252,8 +251,17 @@ def test_a_cpu_sleep_and_wake_never_ask_whether_cuda_is_available(
     from hibernate.store.writer import write_snapshot
 
     asked: list[str] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: asked.append("device_count") or 0)
+
+    def is_available() -> bool:
+        asked.append("is_available")
+        return False
+
+    def device_count() -> int:
+        asked.append("device_count")
+        return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
     weights = {"w": torch.arange(4096, dtype=torch.float32)}
     reference = weights["w"].clone()
     pool = TensorPool()

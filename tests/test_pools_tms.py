@@ -111,7 +111,7 @@ def wake() -> dict[str, Any]:
 class Pooled:
     """A small model and state in two kept tags, at sizes that are not multiples of anything."""
 
-    model: torch.nn.Module
+    model: torch.nn.Sequential
     big: torch.Tensor
     state: torch.Tensor
 
@@ -433,7 +433,9 @@ def test_pooled_and_tracked_tensors_sleep_together_and_a_pooled_one_only_once(
     assert counts[(TORCH_MEMORY_SAVER, "weights")][0] == 2
     assert report["spill"]["total_bytes"] == sizes + plain_bytes
     assert all(t.untyped_storage().nbytes() == 0 for t in plain.values())
-    assert made.model[0].weight.untyped_storage().nbytes() > 0, "a pooled storage is never resized"
+    first = made.model[0]
+    assert isinstance(first, torch.nn.Linear)
+    assert first.weight.untyped_storage().nbytes() > 0, "a pooled storage is never resized"
 
     wake()
     assert_same(made.tensors(), {k: v for k, v in before.items() if k not in plain})
@@ -496,6 +498,7 @@ def test_memory_a_graph_writes_is_never_handed_to_a_later_pool_allocation_of_its
         inputs = torch.randn(4, 300)
     with cuda_graphs.patched_torch_cuda(), torch.no_grad():
         graph = torch.cuda.CUDAGraph()
+        assert isinstance(graph, cuda_graphs.CUDAGraph)  # torch.cuda's, patched: the stand-in
         with hibernate.cuda_graph(graph, tag="scratch"):
             out = made.model(inputs) * 2  # the linear layer's result is freed inside the capture
         graph.replay()

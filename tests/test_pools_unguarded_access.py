@@ -167,7 +167,7 @@ def test_cli_sleep_unguarded_access_raises_and_wake_is_bit_exact(
 # -- in this process: only tracked objects are touched, and those raise ----------------------------
 
 
-def test_asleep_tensor_answers_metadata_and_refuses_data(fresh_agent, work_dir: Path) -> None:
+def test_asleep_tensor_answers_metadata_and_refuses_data(fresh_agent: None, work_dir: Path) -> None:
     module = torch.nn.Linear(4, 3)
     module.weight.grad = torch.ones(3, 4)
     hibernate.track(module, name="m")
@@ -192,7 +192,7 @@ def test_asleep_tensor_answers_metadata_and_refuses_data(fresh_agent, work_dir: 
     repr(weight)
 
 
-def test_guarded_code_waits_and_then_works(fresh_agent, work_dir: Path) -> None:
+def test_guarded_code_waits_and_then_works(fresh_agent: None, work_dir: Path) -> None:
     tensor = torch.arange(10.0)
     hibernate.track(tensor, name="t")
     hibernate.sleep(work_dir)

@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ def owner_and_mode(path: Path) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("swapped", ["locks", "journal"])
 def test_a_symlink_swapped_in_for_the_users_directory_is_refused_and_not_followed(
-    start_demo, cli, runtime_dir: Path, work_dir: Path, swapped: str
+    start_demo: Callable[..., Any], cli: Callable[..., Any], runtime_dir: Path, work_dir: Path, swapped: str
 ) -> None:
     """Root refuses (exit 5) a symlink where the user's ``locks/`` or ``journal/`` should be.
 
@@ -203,7 +203,7 @@ def test_root_gives_what_it_creates_for_a_user_to_that_user(tmp_path: Path) -> N
 @needs_root
 @pytest.mark.slow
 def test_after_root_slept_and_woke_a_users_process_the_user_can_too(
-    start_demo, cli, runtime_dir: Path, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], runtime_dir: Path, work_dir: Path
 ) -> None:
     """Root's lock file and directories belong to the process's user, so the user's own
     ``hibernate sleep``/``wake`` of the same process work afterwards (on main: exit 1)."""
@@ -229,7 +229,7 @@ def test_after_root_slept_and_woke_a_users_process_the_user_can_too(
 @needs_root
 @pytest.mark.slow
 def test_a_journal_entry_root_leaves_belongs_to_the_user_who_can_recover(
-    start_demo, cli, runtime_dir: Path, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], runtime_dir: Path, work_dir: Path
 ) -> None:
     """Root's command killed after the spill leaves a journal entry owned by the process's user,
     and the user's own ``hibernate recover`` resolves it."""
@@ -383,7 +383,7 @@ def digest(demo: dict[str, Any]) -> str:
 @needs_root
 @pytest.mark.slow
 def test_a_root_tree_holding_two_users_agents_needs_all_users(
-    launch, second_user: int, cli, runtime_dir: Path, work_dir: Path
+    launch: Callable[..., Any], second_user: int, cli: Callable[..., Any], runtime_dir: Path, work_dir: Path
 ) -> None:
     """``hibernate sleep ROOT_PID`` reaching agents of two users is refused (exit 2, hint --all-users)
     with nothing quiesced; with ``--all-users`` the same command sleeps and wakes both."""
@@ -414,7 +414,7 @@ def test_a_root_tree_holding_two_users_agents_needs_all_users(
 @needs_root
 @pytest.mark.slow
 def test_a_root_tree_holding_one_users_agents_needs_no_flag(
-    launch, cli, runtime_dir: Path, work_dir: Path
+    launch: Callable[..., Any], cli: Callable[..., Any], runtime_dir: Path, work_dir: Path
 ) -> None:
     """Root acting on one user's process through a root launcher (the common case) works as before."""
     launcher = launch([NOBODY])

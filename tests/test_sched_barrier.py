@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,9 @@ def test_racing_deciders_all_see_one_verdict(tmp_path: Path) -> None:
         (lambda d: (d.mkdir(), (d / "node0.ok").write_text("{}")), "already reported"),
     ],
 )
-def test_a_missing_or_used_barrier_is_refused_before_anything_is_done(tmp_path: Path, setup, message) -> None:
+def test_a_missing_or_used_barrier_is_refused_before_anything_is_done(
+    tmp_path: Path, setup: Callable[[Path], object], message: str
+) -> None:
     directory = tmp_path / "barrier"
     setup(directory)
     step = Step()
@@ -275,7 +278,8 @@ def test_an_interrupted_node_aborts_the_job_and_undoes_its_sleep(tmp_path: Path)
     with pytest.raises(KeyboardInterrupt):
         run_step("sleep", barrier, step.act, step.undo, deadline=10.0, timeout=10.0)
     assert step.calls == ["act", "undo"]
-    assert barrier.decision() is not None and barrier.decision().verdict == ABORT
+    decision = barrier.decision()
+    assert decision is not None and decision.verdict == ABORT
 
 
 def test_a_barrier_made_on_another_node_a_moment_ago_is_waited_for(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,19 +14,19 @@ from hibernate.errors import ExitCode
 from tests.conftest import REPO, spill_root_of
 
 
-def test_gc_quiet_prints_nothing_when_it_succeeds(cli, work_dir: Path) -> None:
+def test_gc_quiet_prints_nothing_when_it_succeeds(cli: Callable[..., Any], work_dir: Path) -> None:
     loud = cli("gc", str(work_dir))
     quiet = cli("gc", str(work_dir), "--quiet")
     assert loud.returncode == quiet.returncode == 0
     assert "total freed" in loud.stdout and quiet.stdout == ""
 
 
-def test_gc_quiet_still_reports_a_failure(cli, work_dir: Path) -> None:
+def test_gc_quiet_still_reports_a_failure(cli: Callable[..., Any], work_dir: Path) -> None:
     result = cli("gc", str(work_dir / "missing"), "-q")
     assert result.returncode != 0 and "error" in result.stderr
 
 
-def test_doctor_quiet_shows_only_what_is_not_ok(cli) -> None:
+def test_doctor_quiet_shows_only_what_is_not_ok(cli: Callable[..., Any]) -> None:
     bare = {"HIBERNATE_LIBCUDA": "/nonexistent/libcuda.so.1", "HIBERNATE_CUDA_CHECKPOINT": "/nonexistent"}
     full = cli("doctor", env=bare)
     quiet = cli("doctor", "--quiet", env=bare)
@@ -61,14 +63,18 @@ def test_doctor_quiet_shows_only_what_is_not_ok(cli) -> None:
         ),
     ],
 )
-def test_node_step_refuses_bad_input_before_touching_anything(cli, args: list[str], words: str) -> None:
+def test_node_step_refuses_bad_input_before_touching_anything(
+    cli: Callable[..., Any], args: list[str], words: str
+) -> None:
     env = {"SLURM_STEP_NUM_NODES": "", "SLURM_NNODES": "", "SLURM_NODEID": ""}
     result = cli("node-step", *args, env=env)
     assert result.returncode == ExitCode.USAGE, result.stderr
     assert words in result.stderr
 
 
-def test_node_step_takes_its_place_from_srun_s_environment(cli, start_demo, tmp_path: Path) -> None:
+def test_node_step_takes_its_place_from_srun_s_environment(
+    cli: Callable[..., Any], start_demo: Callable[..., Any], tmp_path: Path
+) -> None:
     demo = start_demo(size_mb=16)
     env = {"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-07"}
     result = cli(
@@ -95,7 +101,9 @@ def test_scheduler_paths_do_not_import_torch(args: list[str]) -> None:
     assert result.stdout.strip().splitlines()[-1] == "HEAVY []", result.stderr
 
 
-def test_node_step_takes_the_cuda_flags_a_job_forwards(cli, start_demo, tmp_path: Path) -> None:
+def test_node_step_takes_the_cuda_flags_a_job_forwards(
+    cli: Callable[..., Any], start_demo: Callable[..., Any], tmp_path: Path
+) -> None:
     # hibernate-job forwards what follows `--` to every node's node-step: --no-cuda and --force too.
     demo = start_demo(size_mb=16)
     env = {"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-07"}
@@ -110,7 +118,7 @@ def test_node_step_takes_the_cuda_flags_a_job_forwards(cli, start_demo, tmp_path
 
 @pytest.mark.parametrize("how", ["flag", "environment"])
 def test_a_node_steps_re_sleep_skips_the_reuse_check_as_sleep_does(
-    cli, start_demo, tmp_path: Path, how: str
+    cli: Callable[..., Any], start_demo: Callable[..., Any], tmp_path: Path, how: str
 ) -> None:
     demo = start_demo(size_mb=16)
     env = {"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-07"}

@@ -91,7 +91,9 @@ def test_sinfo_lists_two_nodes(slurm_cluster: SlurmCluster) -> None:
 
 
 @pytest.mark.slow
-def test_every_node_sleeps_and_wakes_as_one(cluster, work_dir: Path) -> None:
+def test_every_node_sleeps_and_wakes_as_one(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path
+) -> None:
     slurm, job_id, demos, bystander = cluster
     asleep = hibernate_job(slurm, job_id, "sleep", "--to", str(work_dir), "--json")
     assert asleep.returncode == 0, asleep.stderr + asleep.stdout
@@ -119,7 +121,9 @@ def test_every_node_sleeps_and_wakes_as_one(cluster, work_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> None:
+def test_one_failing_node_leaves_every_node_awake(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path
+) -> None:
     slurm, job_id, demos, _ = cluster
     # node1's program is in a long step (longer than a loaded machine takes to start the node steps):
     # its sleep times out after 1 s
@@ -143,7 +147,9 @@ def test_one_failing_node_leaves_every_node_awake(cluster, work_dir: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_node_late_past_the_barrier_timeout_wakes_with_the_others(cluster, work_dir: Path) -> None:
+def test_a_node_late_past_the_barrier_timeout_wakes_with_the_others(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path
+) -> None:
     slurm, job_id, demos, _ = cluster
     barriers = slurm.scratch / ".hibernate"  # hibernate-job's default: in the job's submit directory
     earlier = set(barriers.glob("*/decision"))
@@ -174,7 +180,9 @@ def broken_hibernate(slurm: SlurmCluster, node_index: int, how: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_node_that_dies_times_out_and_the_others_wake(cluster, work_dir: Path) -> None:
+def test_a_node_that_dies_times_out_and_the_others_wake(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path
+) -> None:
     slurm, job_id, demos, _ = cluster
     dying = broken_hibernate(slurm, 1, "kill -9 $$")
     result = hibernate_job(
@@ -192,7 +200,9 @@ def test_the_script_refuses_to_run_outside_a_job(slurm_cluster: SlurmCluster, wo
 
 
 @pytest.mark.slow
-def test_from_outside_the_job_it_attaches_with_jobid(cluster, work_dir: Path) -> None:
+def test_from_outside_the_job_it_attaches_with_jobid(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path
+) -> None:
     slurm, job_id, demos, _ = cluster
     outside = {**slurm.outside_env(), "HIBERNATE_BARRIER_DIR": str(slurm.scratch / "barriers")}
     command = [HIBERNATE_JOB, "sleep", "--job", str(job_id), "--to", str(work_dir), "-q"]
@@ -205,7 +215,9 @@ def test_from_outside_the_job_it_attaches_with_jobid(cluster, work_dir: Path) ->
     assert_serving(demos)
 
 
-def test_a_second_wake_agrees_that_everything_is_awake(cluster) -> None:
+def test_a_second_wake_agrees_that_everything_is_awake(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo],
+) -> None:
     slurm, job_id, _, _ = cluster
     result = hibernate_job(slurm, job_id, "wake", "--json")
     assert result.returncode == 0, result.stderr
@@ -215,7 +227,9 @@ def test_a_second_wake_agrees_that_everything_is_awake(cluster) -> None:
 
 
 @pytest.mark.slow
-def test_without_overlap_a_step_waits_for_the_running_one(cluster) -> None:
+def test_without_overlap_a_step_waits_for_the_running_one(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo],
+) -> None:
     """The demos' step holds the job's CPUs: a second step waits for them unless it passes --overlap."""
     slurm, job_id, _, _ = cluster
     step = ["srun", f"--jobid={job_id}", "--nodes=1", "--ntasks=1", "--immediate=3", "true"]
@@ -231,7 +245,7 @@ def test_without_overlap_a_step_waits_for_the_running_one(cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("site", [{"SLURM_KILL_BAD_EXIT": "1"}, {"SLURM_WAIT": "1"}])
 def test_a_strict_site_configuration_does_not_cut_the_agreement_short(
-    cluster, work_dir: Path, site: dict[str, str]
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], work_dir: Path, site: dict[str, str]
 ) -> None:
     """With KillOnBadExit or a short WaitTime (here through srun's environment, which a site's profile
     may set), srun would end the nodes still waiting at the barrier (asleep) once node0 exits; the
@@ -252,7 +266,9 @@ def test_a_strict_site_configuration_does_not_cut_the_agreement_short(
     "site, status",
     [({"SLURM_KILL_BAD_EXIT": "1"}, 128 + signal.SIGTERM), ({"SLURM_WAIT": "1"}, 128 + signal.SIGKILL)],
 )
-def test_srun_applies_the_site_configuration(cluster, site: dict[str, str], status: int) -> None:
+def test_srun_applies_the_site_configuration(
+    cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo], site: dict[str, str], status: int
+) -> None:
     """Without the script's flags srun does cut a step short (so the test above can fail): with
     KillOnBadExit it sends the other tasks SIGTERM, after WaitTime SIGKILL."""
     slurm, job_id, _, _ = cluster
@@ -265,7 +281,7 @@ def test_srun_applies_the_site_configuration(cluster, site: dict[str, str], stat
     assert result.returncode == status and "Terminating" in result.stderr, result.stderr
 
 
-def test_environment_of_a_node_step(cluster) -> None:
+def test_environment_of_a_node_step(cluster: tuple[SlurmCluster, int, list[JobDemo], JobDemo]) -> None:
     """What srun gives every task (the node-step reads these), and what a step attached from outside
     the job lacks: SLURM_JOB_NUM_NODES (hibernate-job asks scontrol then), and SLURM_JOB_NODELIST
     names the step's nodes, not the job's (hibernate-job unsets it before its own srun)."""

@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,7 @@ from tests.conftest import REPO, wait_until
 from tests.slurm_cluster import JobDemo, SlurmCluster, agent_state, ready_demos
 
 
-def wait_for_state(cli, pid: int, state: str, timeout: float = 60) -> None:
+def wait_for_state(cli: Callable[..., Any], pid: int, state: str, timeout: float = 60) -> None:
     def reached() -> bool:
         result = cli("status", str(pid), "--json")
         return result.returncode == 0 and result.json()["agents"][0]["state"] == state
@@ -39,7 +41,9 @@ def signal_pending(pid: int, sig: int) -> bool:
 
 
 @pytest.mark.slow
-def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path, runtime_dir: Path) -> None:
+def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(
+    cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
+) -> None:
     from hibernate.demo import request
 
     control, ready = work_dir / "demo.sock", work_dir / "ready.json"
@@ -96,17 +100,19 @@ def test_run_hibernates_on_usr1_and_wakes_on_hibernate_wake(cli, work_dir: Path,
     assert f"asleep: pid {child}" in log
 
 
-def test_run_passes_on_the_childs_exit_status(cli) -> None:
+def test_run_passes_on_the_childs_exit_status(cli: Callable[..., Any]) -> None:
     result = cli("run", "--to", "/tmp/unused", "--", sys.executable, "-c", "raise SystemExit(7)")
     assert result.returncode == 7
 
 
-def test_run_without_a_command_is_a_usage_error(cli) -> None:
+def test_run_without_a_command_is_a_usage_error(cli: Callable[..., Any]) -> None:
     assert cli("run", "--to", "/tmp/unused").returncode == ExitCode.USAGE
 
 
 @pytest.mark.slow
-def test_the_agent_sleeps_on_its_own_signal(start_demo, cli, work_dir: Path) -> None:
+def test_the_agent_sleeps_on_its_own_signal(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     snap = work_dir / "snap"
     demo = start_demo(
         size_mb=16,
@@ -143,7 +149,7 @@ def test_unknown_signal_names_are_refused() -> None:
     [("--on-signal", "KILL"), ("--on-signal", "STOP"), ("--wake-signal", "SIGKILL"), ("--on-signal", "SEGV")],
 )
 def test_run_refuses_a_signal_that_cannot_trigger_before_starting_the_job(
-    cli, work_dir: Path, flag: str, name: str
+    cli: Callable[..., Any], work_dir: Path, flag: str, name: str
 ) -> None:
     started = work_dir / "started"
     result = cli("run", flag, name, "--to", str(work_dir / "snap"), "--", "touch", str(started))

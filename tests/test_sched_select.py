@@ -282,7 +282,7 @@ def node() -> Iterator[Node]:
 
 
 @pytest.fixture
-def cgroups(node) -> Iterator[Path]:
+def cgroups(node: Node) -> Iterator[Path]:
     """A cgroup root this test arranges (the node's own is left alone)."""
     root = Path(tempfile.mkdtemp(prefix="hb-cg-", dir="/tmp"))
     yield root
@@ -299,7 +299,7 @@ def selected(result: Any) -> list[int]:
     return sorted(agent["pid"] for agent in result.json()["agents"])
 
 
-def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> None:
+def test_job_selects_the_processes_in_the_jobs_cgroups(node: Node, cgroups: Path) -> None:
     a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid])
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_1", "user", "task_0", procs=[b.pid])
@@ -314,7 +314,7 @@ def test_job_selects_the_processes_in_the_jobs_cgroups(node, cgroups: Path) -> N
     )
 
 
-def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> None:
+def test_job_selects_through_a_v1_hierarchy_of_threads(node: Node, cgroups: Path) -> None:
     a = node.demos[0]
     threads = sorted(int(t) for t in os.listdir(f"/proc/{a.pid}/task"))
     assert len(threads) > 1  # torch and the agent run threads
@@ -323,7 +323,7 @@ def test_job_selects_through_a_v1_hierarchy_of_threads(node, cgroups: Path) -> N
 
 
 @pytest.mark.slow
-def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path) -> None:
+def test_job_falls_back_to_the_environment_without_a_cgroup(node: Node, cgroups: Path) -> None:
     (tagged,) = node.start_demos(1, env={"SLURM_JOB_ID": "777"})
     result = hibernate(node, cgroups, "status", "--job", "777", "--json")
     assert selected(result) == [tagged.pid]
@@ -331,7 +331,7 @@ def test_job_falls_back_to_the_environment_without_a_cgroup(node, cgroups: Path)
     tagged.stop()
 
 
-def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path) -> None:
+def test_cgroup_selects_a_directory_and_everything_below_it(node: Node, cgroups: Path) -> None:
     a, b, c = node.demos[:3]
     make_cgroup(cgroups, "work", "left", procs=[a.pid])
     make_cgroup(cgroups, "work", "right", "deep", procs=[b.pid])
@@ -344,7 +344,7 @@ def test_cgroup_selects_a_directory_and_everything_below_it(node, cgroups: Path)
 
 
 @pytest.mark.slow
-def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgroups: Path) -> None:
+def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node: Node, cgroups: Path) -> None:
     demos = node.demos[:3]
     result = hibernate(node, cgroups, "status", "--all", "--json")
     assert selected(result) == sorted(d.pid for d in demos)
@@ -368,7 +368,7 @@ def test_all_selects_every_agent_of_this_node_and_combines_with_pids(node, cgrou
     ],
 )
 def test_selectors_that_find_nothing_say_so_with_a_distinct_code(
-    node, cgroups: Path, args: list[str], code: ExitCode, words: str
+    node: Node, cgroups: Path, args: list[str], code: ExitCode, words: str
 ) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -398,7 +398,7 @@ def test_no_targets_at_all_is_a_usage_error(cgroups: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path) -> None:
+def test_a_job_sleeps_and_wakes_as_one_unit(node: Node, cgroups: Path, work_dir: Path) -> None:
     a, b, c = node.demos[:3]
     reference = {d.pid: d.infer()["digest"] for d in (a, b)}
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid])
@@ -414,7 +414,9 @@ def test_a_job_sleeps_and_wakes_as_one_unit(node, cgroups: Path, work_dir: Path)
 
 
 @pytest.mark.slow
-def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(node, cgroups: Path, work_dir: Path) -> None:
+def test_when_one_target_of_a_job_fails_the_whole_job_is_undone(
+    node: Node, cgroups: Path, work_dir: Path
+) -> None:
     a, b, c = node.demos[:3]
     make_cgroup(cgroups, *V2_SCOPE, "job_4200", "step_0", "user", "task_0", procs=[a.pid, b.pid, c.pid])
     b.hold(60)  # b is in a long step (longer than a loaded machine takes to start the CLI): --timeout 1

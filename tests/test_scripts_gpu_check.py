@@ -33,7 +33,7 @@ GIB = 1 << 30
 POOL_CHECKS = ("pools_wrote", "pools_read_back", "pools_zeroed", "dropped_zeroed")
 
 
-def load_script() -> ModuleType:
+def load_script() -> Any:  # the script's module: its names are known only once it has run
     loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
     spec = importlib.util.spec_from_loader("gpu_check", loader)
     assert spec is not None

@@ -6,7 +6,9 @@ import ast
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +23,9 @@ def modes_under(path: Path) -> dict[str, int]:
     return found
 
 
-def test_everything_hibernate_creates_is_private(start_demo, cli, work_dir: Path, runtime_dir: Path) -> None:
+def test_everything_hibernate_creates_is_private(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path, runtime_dir: Path
+) -> None:
     demo = start_demo(size_mb=16)
     snapshots = work_dir / "snaps"
     assert cli("sleep", str(demo.pid), "--to", str(snapshots), "-q").returncode == 0
@@ -38,7 +42,9 @@ def test_everything_hibernate_creates_is_private(start_demo, cli, work_dir: Path
     assert any(p.suffix == ".bin" for p in snapshots.rglob("*")), "the walk saw the data files"
 
 
-def test_a_planted_symlink_for_a_process_directory_is_refused(start_demo, cli, work_dir: Path) -> None:
+def test_a_planted_symlink_for_a_process_directory_is_refused(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     """The root's name cannot be known before its first sleep, so the link is planted after it."""
     demo = start_demo(size_mb=16)
     reference = demo.infer()["digest"]
@@ -120,7 +126,7 @@ def _names_anyone_can_compute(pid: int) -> list[str]:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to create directories as another user")
 def test_another_user_cannot_claim_a_processs_directory_in_a_shared_to_in_advance(
-    start_demo, cli, work_dir: Path
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:
     nobody = 65534
     shared = work_dir / "shared"

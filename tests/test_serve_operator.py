@@ -189,7 +189,8 @@ def test_keep_alive_is_seconds_or_a_duration_zero_sleeps_at_once_negative_never(
         0.0, 0.0, 30.0, 30.0, 300.0, 3600.0, 2.5,
     ]  # fmt: skip
     assert parse_keep_alive(-1) == math.inf and parse_keep_alive("-1") == math.inf
-    assert [parse_keep_alive(v) for v in ("soon", True, None, [], "nan")] == [None] * 5
+    not_durations: tuple[object, ...] = ("soon", True, None, [], "nan")
+    assert [parse_keep_alive(v) for v in not_durations] == [None] * 5
     assert keep_alive_of("0", 300) == 0.0  # the header first
     assert keep_alive_of(None, "5m") == 300.0 and keep_alive_of(None, None) is None
     with pytest.raises(ApiError, match="keep_alive must be a number of seconds"):
@@ -212,7 +213,7 @@ def test_keep_alive_refuses_what_only_looks_like_a_duration_and_more_than_a_day(
     assert parse_keep_alive("24h") == parse_keep_alive(86400) == 86400.0
     for zero in ("-0", -0.0, "-0.0s"):  # zero whatever its sign: sleep after this request
         seconds = parse_keep_alive(zero)
-        assert seconds == 0 and math.copysign(1, seconds) == 1, zero  # type: ignore[arg-type]
+        assert seconds == 0 and math.copysign(1, seconds) == 1, zero
     assert parse_keep_alive(" 1.5H ") == 5400.0 and parse_keep_alive("-2m") == math.inf
     with pytest.raises(ApiError, match="at most 86400 seconds"):
         keep_alive_of("48h", None)

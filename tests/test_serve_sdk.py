@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from hibernate import orchestrator
 from tests.conftest import wait_until
@@ -40,7 +41,7 @@ from tests.test_serve import (
 __all__ = ["start_http_demo", "start_proxy"]  # fixtures, used by name
 
 TOKEN = "a-long-enough-token-0123456789"
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 async def _exchange(
@@ -68,9 +69,9 @@ def ask(client: OpenAI, model: str, kind: str, stream: bool) -> str:
     """What the model answers, through the SDK: a chat's message or a completion's text, whole."""
     if kind == "chat":
         if stream:
-            chunks = client.chat.completions.create(model=model, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+            chunks = client.chat.completions.create(model=model, messages=MESSAGES, stream=True)
             return "".join(c.choices[0].delta.content or "" for c in chunks)
-        chat = client.chat.completions.create(model=model, messages=MESSAGES)  # type: ignore[arg-type]
+        chat = client.chat.completions.create(model=model, messages=MESSAGES)
         return chat.choices[0].message.content or ""
     if stream:
         pieces = client.completions.create(model=model, prompt="hello", stream=True)

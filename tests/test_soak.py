@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +27,9 @@ def thread_count(pid: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.soak
-def test_soak_cycles_stay_exact_and_flat(start_demo, cli, work_dir: Path) -> None:
+def test_soak_cycles_stay_exact_and_flat(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
     demo = start_demo(size_mb=64)
     reference = demo.infer()["digest"]
     samples: dict[str, list[int]] = {"rss": [], "fds": [], "threads": [], "disk": []}

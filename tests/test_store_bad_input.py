@@ -25,7 +25,7 @@ from hibernate.pools.tensors import TensorPool
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import WrittenRecords, body_checksum
 from hibernate.store.options import WriteOptions
-from hibernate.store.reader import SnapshotReader
+from hibernate.store.reader import SnapshotReader, _Described
 from hibernate.store.writer import check_regions, write_snapshot
 from tests.test_store_roundtrip import BytesRegion
 
@@ -618,7 +618,9 @@ def test_meta_nested_past_the_limit_is_refused_by_a_wake_as_the_writer_refuses_i
     parsed = parse_manifest(manifest.encode()).records[0]
     live = Discard(record._replace(meta={"inner": 1}))
     with pytest.raises(SnapshotInvalidError, match=r"record 0 \('weight'\): meta is nested too deeply"):
-        _describe_mismatch(parsed, live, "manifest.json: record 0")
+        _describe_mismatch(
+            _Described(parsed.key, parsed.tag, parsed.nbytes, parsed.meta), live, "manifest.json: record 0"
+        )
     with pytest.raises(UnsupportedError, match="nested too deeply"):
         check_regions([BytesRegion("weight", "weights", bytes(4096), meta=deep)])
 

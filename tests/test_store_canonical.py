@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hibernate.store.manifest import PlainMeta, _canonical, _fast_canonical, meta_text
 
-texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
+texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
 plain_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), texts),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),

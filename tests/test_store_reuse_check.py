@@ -297,11 +297,11 @@ def test_whatever_the_disk_lost_a_re_sleep_reads_back_as_the_memory_is(
         for region, change in zip(regions, changed, strict=False):
             if change:
                 region.data[: min(64, region.nbytes)] = rng.randbytes(min(64, region.nbytes))
-        reuse._unchanged = lambda root, previous, name: True  # type: ignore[assignment]
+        reuse._unchanged = lambda root, previous, name: True
         try:
             again = sleep(root, regions, options)
         finally:
-            reuse._unchanged = unchanged  # type: ignore[assignment]
+            reuse._unchanged = unchanged
         assert again.written_bytes + again.reused_bytes == again.total_bytes
         assert again.staging_bytes <= buffer
         assert read_back(root, again.snapshot, regions) == [r.data for r in regions]

@@ -386,8 +386,8 @@ def test_tracked_tensors_round_trip_through_storage_regions(
     groups: dict[str, dict[str, torch.Tensor]], chunk: int
 ) -> None:
     pool = TensorPool()
-    for tag, tensors in groups.items():
-        pool.track(tensors, tag=tag, keep=True, name=tag)
+    for tag, tagged in groups.items():
+        pool.track(tagged, tag=tag, keep=True, name=tag)
     regions = list(pool.regions())
     tensors = [t for g in groups.values() for t in g.values()]
     expected = [(storage_bytes(t), t.shape, t.stride(), t.storage_offset(), t.dtype) for t in tensors]

@@ -32,14 +32,6 @@ from hibernate.errors import (
     UnsupportedError,
     UsageError,
 )
-from hibernate.flows.vllm import (
-    SilenceWatch,
-    check_drain,
-    check_level,
-    holds_pools,
-    progress,
-    signature,
-)
 from hibernate.flows.vllm_api import (
     DevEndpointsMissingError,
     ServerAddress,
@@ -50,6 +42,14 @@ from hibernate.flows.vllm_api import (
     flag_values,
     parse_url,
     query_string,
+)
+from hibernate.flows.vllm_rules import (
+    SilenceWatch,
+    check_drain,
+    check_level,
+    holds_pools,
+    progress,
+    signature,
 )
 from hibernate.integrations.self_checkpoint import (
     HelperProcess,
@@ -285,7 +285,7 @@ def test_levels_and_drains_are_checked_with_what_each_means() -> None:
 
 def test_the_cli_accepts_exactly_the_levels_the_workers_know() -> None:
     """The CLI's rule (light, no store) and the workers' tag rules (in-process) name the same levels."""
-    from hibernate.flows.vllm import LEVELS
+    from hibernate.flows.vllm_rules import LEVELS
     from hibernate.pools.vllm import SLEEP_LEVELS
 
     assert LEVELS == SLEEP_LEVELS
@@ -345,7 +345,11 @@ def test_the_watcher_waits_until_the_caller_has_returned_and_can_be_called_off()
         inside.set()
         leave.wait(10)
 
-    worker = threading.Thread(target=lambda: (caller(), finish.wait(10)))
+    def work() -> None:
+        caller()
+        finish.wait(10)
+
+    worker = threading.Thread(target=work)
     worker.start()
     inside.wait(10)
     returned: list[bool] = []

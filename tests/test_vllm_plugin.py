@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import vllm.plugins
@@ -21,7 +22,7 @@ from tests.standins.vllm_cumem import MODULE_NAME, make_module
 from tests.standins.vllm_memory import HostReservations, StandInCuMemAllocator
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = SimpleNamespace(sleep_mode_backend="hibernate")  # what create_backend reads of ModelConfig
+CONFIG: Any = SimpleNamespace(sleep_mode_backend="hibernate")  # what create_backend reads of ModelConfig
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.device_allocator import DEFERRABLE_TAGS
@@ -170,13 +171,14 @@ def test_the_reuse_check_is_skipped_through_the_environment() -> None:
     ],
 )
 def test_an_io_option_is_refused_for_a_vllm_server_whose_workers_it_cannot_reach(
-    io: dict[str, bool], refusal: str, hint: str
+    io: dict[str, Any], refusal: str, hint: str
 ) -> None:
     import os
 
     from hibernate import orchestrator, procinfo
-    from hibernate.flows.vllm import Server, VllmServerUnit
+    from hibernate.flows.vllm import VllmServerUnit
     from hibernate.flows.vllm_api import VllmServer, parse_url
+    from hibernate.flows.vllm_processes import Server
     from hibernate.operation.targets import Target
     from hibernate.operation.unit import Context
 

@@ -103,7 +103,9 @@ class Worker:
 
         vllm.plugins.load_general_plugins()
         self.cudart = sys.modules[MODULE_NAME].libcudart
-        self.backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend="hibernate"))
+        # What create_backend reads of vLLM's ModelConfig.
+        config: Any = SimpleNamespace(sleep_mode_backend="hibernate")
+        self.backend = SleepModeBackendFactory.create_backend(config)
 
     def sleep(self, level: int) -> None:
         """vLLM's Worker.sleep: the backend's suspend, vLLM's own communicator suspend if asked, then

@@ -36,6 +36,7 @@ allocates anything (tests only):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -44,7 +45,7 @@ import traceback
 from typing import Any
 
 CUDART_ENV = "HIBERNATE_STANDIN_CUDART"  # the stand-in CUDA runtime's shared library
-_held: list[object] = []  # what must live as long as the process
+_held: list[contextlib.AbstractContextManager[None]] = []  # what must live as long as the process
 
 
 def install() -> None:
