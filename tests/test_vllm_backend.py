@@ -28,11 +28,11 @@ from hibernate.errors import (
     UnsupportedError,
     UsageError,
 )
-from hibernate.integrations.vllm import (
+from hibernate.integrations.vllm import HibernateBackend
+from hibernate.integrations.vllm_distributed import (
     MISSING_DISTRIBUTED_CHECKPOINT,
     PREPARED_REFUSAL,
     VOTE_BYTES,
-    HibernateBackend,
     peer_timeout,
     vote_outcome,
     vote_table,

@@ -34,7 +34,7 @@ from hibernate.agent.client import AgentClient
 from hibernate.checkpoint.nccl import VLLM_SAFE
 from hibernate.errors import ExitCode
 from hibernate.flows.vllm import VllmServerUnit
-from hibernate.integrations.vllm import PREPARED_REFUSAL
+from hibernate.integrations.vllm_distributed import PREPARED_REFUSAL
 from hibernate.operation import targets
 from hibernate.operation.engine import sleep_points, wake_points
 from tests.conftest import free_port, spill_root_of, wait_until

@@ -40,9 +40,10 @@ calls the first at the end of ``suspend`` and the second in ``resume`` right
 after the CUDA state is back, where every worker is inside the same call
 (with ``--enable-nccl-comm-suspend`` vLLM's own sleep and wake do it, and the
 backend leaves it to them). The workers vote, with a bounded wait, wherever
-one's failure must stop the others (see :class:`DistributedCheckpoint`);
-while the workspaces are down the agent refuses a client's restore, since
-only vLLM's wake rebuilds them. A world wider than one engine (data
+one's failure must stop the others (the vote and the rules of that state are
+:mod:`.vllm_distributed`; the backend's hooks that call them are here); while
+the workspaces are down the agent refuses a client's restore, since only
+vLLM's wake rebuilds them. A world wider than one engine (data
 parallelism) is refused. An older vLLM has neither function: the sleep says
 so in its warnings and goes on.
 
@@ -62,10 +63,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeState
@@ -83,6 +81,22 @@ from hibernate.errors import (
 )
 from hibernate.integrations import VLLM_KIND
 from hibernate.integrations.self_checkpoint import Helper, HelperProcess, SelfCheckpointer
+from hibernate.integrations.vllm_distributed import (
+    MISSING_DISTRIBUTED_CHECKPOINT,
+    PREPARED_HINT,
+    PREPARED_REFUSAL,
+    RESTART_HINT,
+    DistributedCheckpoint,
+    comm_suspend_of,
+    describe_failed,
+    distributed_checkpoint,
+    engine_size,
+    failure_words,
+    loaded_parallel_state,
+    multi_engine_refusal,
+    peer_timeout,
+    world_size_of,
+)
 from hibernate.pools.device import DeviceMemory
 from hibernate.pools.vllm import (
     CUMEM_MODULE,
@@ -107,11 +121,6 @@ BUFFER_ENV = "HIBERNATE_BUFFER_MB"
 CHUNK_ENV = "HIBERNATE_CHUNK_MB"
 VERIFY_ENV = "HIBERNATE_VERIFY"  # 1: read each snapshot back before its memory is released
 QUIESCE_TIMEOUT_S = 30.0
-PEER_TIMEOUT_ENV = "HIBERNATE_VLLM_PEER_TIMEOUT_S"
-# A peer still spilling is waited for this long at the vote after the spill: long enough for
-# hundreds of GB on a slow disk, short enough that a hung peer does not hold the others forever.
-DEFAULT_PEER_TIMEOUT_S = 600.0
-PARALLEL_STATE_MODULE = "vllm.distributed.parallel_state"
 DEFAULT_DEFERRABLE_TAGS = ("weights", "kv_cache")
 
 _DRIVER_HINT = (
@@ -184,176 +193,6 @@ def self_checkpoint_requested(environ: Mapping[str, str], *, strict: bool = True
         return False
 
 
-@dataclass(frozen=True)
-class DistributedCheckpoint:
-    """vLLM's own preparation of its communicators for a process checkpoint, and their rebuilding.
-
-    ``vote`` lets every worker of the world learn, at the points where one
-    worker's failure must stop the others (before any releases its memory,
-    before any tears down what the others use, before any rebuilds it), what
-    failed where: each gives its own failure (None if it went well) and all get
-    every failing worker's, by rank (empty if none failed). It waits for the
-    peers at most the peer timeout, then raises. None where this vLLM cannot
-    vote (it lacks the CPU-group all-reduce it is made of).
-
-    ``tear_down`` is False where vLLM's own ``--enable-nccl-comm-suspend`` takes
-    the workspaces down and up again around the backend's calls (a second
-    prepare of the same workspaces is not something vLLM does itself).
-    """
-
-    prepare: Callable[[], None]
-    restore: Callable[[], None]
-    vote: Callable[[str | None], dict[int, str]] | None = None
-    tear_down: bool = True
-
-
-VOTE_BYTES = 240  # of each worker's failure, carried by a vote
-
-
-def vote_table(rank: int, size: int, failure: str | None) -> list[list[int]]:
-    """This worker's row of a vote (a flag, then its failure's UTF-8 bytes), zeros for the others."""
-    table = [[0] * (VOTE_BYTES + 1) for _ in range(size)]
-    if failure is not None:
-        words = failure.encode()[:VOTE_BYTES]
-        table[rank][0] = 1
-        table[rank][1 : 1 + len(words)] = list(words)
-    return table
-
-
-def vote_outcome(summed: list[list[int]]) -> dict[int, str]:
-    """The failing workers of a summed vote table (each row was written by its own worker only)."""
-    return {
-        rank: bytes(b for b in row[1:] if b).decode(errors="replace")
-        for rank, row in enumerate(summed)
-        if row[0]
-    }
-
-
-def _voting(
-    parallel_state: ModuleType | None, timeout_s: float
-) -> Callable[[str | None], dict[int, str]] | None:
-    """``vote`` over vLLM's world group: one bounded all-reduce of a table with a row per worker.
-
-    vLLM's ``GroupCoordinator.cpu_all_reduce_`` waits without limit (the CPU
-    group's timeout is unset by default), so the module's own
-    ``cpu_all_reduce_(tensor, group, timeout)`` is called with the peer timeout.
-    """
-    group = getattr(parallel_state, "_WORLD", None)
-    reduce = getattr(parallel_state, "cpu_all_reduce_", None)
-    cpu_group = getattr(group, "cpu_group", None)
-    rank, size = getattr(group, "rank_in_group", None), getattr(group, "world_size", None)
-    if not callable(reduce) or cpu_group is None or rank is None or size is None:
-        return None
-
-    def vote(failure: str | None) -> dict[int, str]:
-        import torch  # loaded in every vLLM worker
-
-        table = torch.tensor(vote_table(int(rank), int(size), failure), dtype=torch.int64)
-        return vote_outcome(reduce(table, cpu_group, timedelta(seconds=timeout_s)).tolist())
-
-    return vote
-
-
-def distributed_checkpoint(
-    parallel_state: ModuleType | None, timeout_s: float, *, comm_suspend: bool = False
-) -> DistributedCheckpoint | None:
-    """vLLM's ``checkpoint_prepare/restore_distributed_state``, or None where this vLLM lacks them."""
-    prepare = getattr(parallel_state, "checkpoint_prepare_distributed_state", None)
-    restore = getattr(parallel_state, "checkpoint_restore_distributed_state", None)
-    if not callable(prepare) or not callable(restore):
-        return None
-    return DistributedCheckpoint(prepare, restore, _voting(parallel_state, timeout_s), not comm_suspend)
-
-
-def engine_size(parallel_state: ModuleType | None) -> int | None:
-    """How many workers one engine has: its tensor x pipeline x prefill-context parallel groups
-    (``world_size`` of vLLM's ``_TP``, ``_PP``, ``_PCP``); None where the first two are not set up."""
-    size = 1
-    for name in ("_TP", "_PP", "_PCP"):
-        group_size = getattr(getattr(parallel_state, name, None), "world_size", None)
-        if group_size is None and name != "_PCP":  # (_PCP is newer than the others)
-            return None
-        size *= int(group_size or 1)
-    return size
-
-
-def multi_engine_refusal(world_size: int, one_engine: int) -> str | None:
-    """Why a sleep is refused when vLLM's world spans more than one engine (data parallelism)."""
-    if world_size <= one_engine:
-        return None
-    return (
-        f"this worker's world spans {world_size} workers while its engine has {one_engine} (data "
-        "parallelism, or a torchrun world of several engines): the workers of every engine would wait "
-        "for each other at this sleep, and an engine asked to sleep alone would wait for the others; "
-        "nothing was changed"
-    )
-
-
-def comm_suspend_of(worker: Any) -> bool:
-    """Whether vLLM's ``Worker`` (the caller of suspend) runs with ``--enable-nccl-comm-suspend``."""
-    model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
-    return bool(getattr(model_config, "enable_nccl_comm_suspend", False))
-
-
-def peer_timeout(environ: Mapping[str, str]) -> float:
-    """``HIBERNATE_VLLM_PEER_TIMEOUT_S``: how long a worker waits for its peers at a vote."""
-    raw = environ.get(PEER_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PEER_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < 10**9:  # (nan and inf too)
-        raise UsageError(f"{PEER_TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
-    return seconds
-
-
-def world_size_from(group_size: int | None, torch_size: int | None, environ: Mapping[str, str]) -> int:
-    """How many workers share communicators: vLLM's world group, else torch.distributed's, else
-    ``$WORLD_SIZE``, else one."""
-    for size in (group_size, torch_size):
-        if size is not None:
-            return size
-    raw = environ.get("WORLD_SIZE", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
-
-
-RESTART_HINT = "restart the vLLM server"
-PREPARED_REFUSAL = (
-    "this vLLM worker's communicators across GPUs are torn down for its sleep, and only the server's own "
-    "wake rebuilds them (with every worker together) before its memory comes back; brought back from "
-    "outside, the worker would serve without them"
-)
-PREPARED_HINT = (
-    "POST /wake_up to the server if it reports is_sleeping: true (`hibernate wake PID` does); "
-    "else restart the vLLM server"
-)
-
-
-def _words(exc: BaseException | None) -> str | None:
-    """An exception in one line, for a vote (None: no failure)."""
-    if exc is None:
-        return None
-    return f"{type(exc).__name__}: {exc.message if isinstance(exc, HibernateError) else exc}"
-
-
-def _describe(failed: Mapping[int, str], verb: str = "") -> str:
-    """The first failing worker of a vote, in words (``failed`` is never empty here)."""
-    rank = min(failed)
-    more = len(failed) - 1
-    return f"worker rank {rank}{f' {verb}' if verb else ''} ({failed[rank]})" + (
-        f", and {more} more" if more else ""
-    )
-
-
-MISSING_DISTRIBUTED_CHECKPOINT = (
-    "this vLLM has no checkpoint_prepare_distributed_state (vLLM 0.33 or newer has it): its all-reduce "
-    "workspaces in memory shared across GPUs stay in place, and a CUDA checkpoint of this worker may fail "
-    "or hang unless the server runs with --disable-custom-all-reduce"
-)
-
-
 # -- this process ------------------------------------------------------------------
 
 
@@ -363,22 +202,6 @@ def _torch_rank() -> int | None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     return None
-
-
-def _parallel_state() -> ModuleType | None:
-    """vLLM's parallel_state if this process loaded it (every worker did); never imports vLLM."""
-    return sys.modules.get(PARALLEL_STATE_MODULE)
-
-
-def _world_size(parallel_state: ModuleType | None, environ: Mapping[str, str]) -> int:
-    group = getattr(parallel_state, "_WORLD", None)
-    group_size = getattr(group, "world_size", None)
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    torch_size = None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        torch_size = int(dist.get_world_size())
-    return world_size_from(int(group_size) if group_size is not None else None, torch_size, environ)
 
 
 def _adopt(agent: Agent, *, with_pool: bool = True) -> Agent:
@@ -485,7 +308,7 @@ class HibernateBackend(SleepModeBackend):
         agent: Agent | None = None,
         environ: Mapping[str, str] | None = None,
         helper: Callable[[], Helper] | None = None,
-        parallel_state: Callable[[], Any] = _parallel_state,
+        parallel_state: Callable[[], Any] = loaded_parallel_state,
     ) -> None:
         super().__init__()
         self._environ: Mapping[str, str] = os.environ if environ is None else environ
@@ -566,7 +389,7 @@ class HibernateBackend(SleepModeBackend):
                 slept = True
             except BaseException as exc:
                 if distributed is not None:  # the others must not wait for this worker, and learn why
-                    self._vote(distributed, _words(exc), "whether every sleep succeeded")
+                    self._vote(distributed, failure_words(exc), "whether every sleep succeeded")
                 raise
             if distributed is not None:
                 self._prepare_distributed(distributed)
@@ -640,7 +463,7 @@ class HibernateBackend(SleepModeBackend):
         if self._prepared is not None:  # prepared at an earlier suspend and not restored since
             return None
         module = self._parallel_state()
-        world = _world_size(module, self._environ)
+        world = world_size_of(module, self._environ)
         if world < 2:
             return None
         one_engine = engine_size(module)
@@ -664,10 +487,10 @@ class HibernateBackend(SleepModeBackend):
         except Exception as exc:
             refused = exc
         if distributed is not None:
-            failed = self._vote(distributed, _words(refused), "whether every worker can sleep")
+            failed = self._vote(distributed, failure_words(refused), "whether every worker can sleep")
             if refused is None and failed:
                 raise AbortedError(
-                    f"{_describe(failed, 'cannot sleep')}; so no worker slept: nothing was released"
+                    f"{describe_failed(failed, 'cannot sleep')}; so no worker slept: nothing was released"
                 )
         if refused is not None:
             raise refused
@@ -723,7 +546,7 @@ class HibernateBackend(SleepModeBackend):
         """
         failed = self._vote(distributed, None, "whether every sleep succeeded", undo=True)
         if failed:
-            cause = _describe(failed, "could not sleep")
+            cause = describe_failed(failed, "could not sleep")
             self._undo_sleep(cause, AbortedError(cause))
             raise AbortedError(
                 f"{cause}; so this worker's sleep was undone too, its communicators across GPUs left as "
@@ -735,10 +558,12 @@ class HibernateBackend(SleepModeBackend):
                 distributed.prepare()
             except Exception as exc:
                 error = exc
-            failed = self._vote(distributed, _words(error), "whether every prepare succeeded", undo=True)
+            failed = self._vote(
+                distributed, failure_words(error), "whether every prepare succeeded", undo=True
+            )
             if failed:
                 self._distributed_lost = (
-                    f"vLLM's checkpoint_prepare_distributed_state failed on {_describe(failed)}: the "
+                    f"vLLM's checkpoint_prepare_distributed_state failed on {describe_failed(failed)}: the "
                     "communicators across GPUs may be torn down on some workers and not on others, and "
                     "rebuilding them is a collective they cannot all enter"
                 )
@@ -763,12 +588,12 @@ class HibernateBackend(SleepModeBackend):
             self._cuda_running()
         except Exception as exc:
             error = exc
-        failed = self._vote(distributed, _words(error), "whether every CUDA state is back")
+        failed = self._vote(distributed, failure_words(error), "whether every CUDA state is back")
         if error is not None:
             raise error
         if failed:
             raise CudaCheckpointError(
-                f"{_describe(failed, 'could not get its CUDA state back')}; so no worker rebuilt its "
+                f"{describe_failed(failed, 'could not get its CUDA state back')}; so no worker rebuilt its "
                 "communicators or brought its memory back: the server stays asleep",
                 hint="see the server's log; wake it again once the cause is fixed",
             )
