@@ -18,7 +18,7 @@ Both sides (standard library only):
     client      talking to an agent from outside its process (the CLI, the engine, serve)
     triggers    which signals may put a process to sleep or wake it, and the variables carrying them
 
-Importing this package loads nothing: ``tests/test_engine.py`` checks that the
+Importing this package loads nothing: ``tests/test_layers.py`` checks that the
 in-target modules import nothing from the CLI side, and ``tests/test_cli_light.py``
 that the CLI never loads the in-target ones.
 """

@@ -8,7 +8,7 @@ Instead its pages are handed back with ``madvise(MADV_DONTNEED)`` while the
 address range stays mapped, and its bytes are written back in place on wake.
 
 What ``MADV_DONTNEED`` does depends on the mapping (madvise(2); each case is
-pinned by a test in tests/test_tensor_fixed.py, run on Linux 6.18):
+pinned by a test in tests/test_pools_fixed_storages.py, run on Linux 6.18):
 
 * private anonymous memory (malloc, numpy's own buffers): the pages are freed;
   the next touch maps fresh zero pages;
