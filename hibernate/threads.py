@@ -28,7 +28,9 @@ K = TypeVar("K")
 
 
 @dataclass
-class Outcome(Generic[T]):
+class CallResult(Generic[T]):
+    """How one call ended: what it returned or raised, and how long it took (``run_each``, per item)."""
+
     value: T | None = None
     error: BaseException | None = None
     seconds: float = 0.0
@@ -39,7 +41,7 @@ class Call(Generic[T]):
 
     def __init__(self, func: Callable[[], T], name: str) -> None:
         self.name = name
-        self.outcome: Outcome[T] = Outcome()
+        self.outcome: CallResult[T] = CallResult()
         self._done = threading.Event()
         self._started = time.perf_counter()
 
@@ -86,7 +88,9 @@ def call_with_timeout(func: Callable[[], T], timeout: float | None, name: str = 
     return call.result()
 
 
-def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None = None) -> list[Outcome[T]]:
+def run_each(
+    items: Sequence[K], work: Callable[[K], T], *, at_once: int | None = None
+) -> list[CallResult[T]]:
     """Run ``work(item)`` for every item, ``at_once`` at a time (default: all), and wait for all.
 
     The outcomes are in the order of ``items``, each with its own value or error and seconds;
@@ -98,7 +102,7 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
     A single item runs in a worker thread too: in the caller's own thread an interrupt would cut
     it mid-call (an agent request whose answer never arrives while the agent goes on with it).
     """
-    outcomes: list[Outcome[T]] = [Outcome() for _ in items]
+    outcomes: list[CallResult[T]] = [CallResult() for _ in items]
     pending = iter(range(len(items)))
     take = threading.Lock()
     interrupted = threading.Event()
@@ -145,7 +149,7 @@ def run_each(items: Sequence[K], work: Callable[[K], T], *, at_once: int | None 
     return outcomes
 
 
-def raise_first_error(outcomes: Iterable[Outcome[T]]) -> None:
+def raise_first_error(outcomes: Iterable[CallResult[T]]) -> None:
     """Raise the first error among ``outcomes`` (in their order), if any: all have finished by then."""
     for outcome in outcomes:
         if outcome.error is not None:

@@ -20,7 +20,7 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from hibernate.errors import UsageError
-from hibernate.serve.backends import Fleet, NoRoomError, Outcome, joined_reasons
+from hibernate.serve.backends import Fleet, NoRoomError, TransitionOutcome, joined_reasons
 from hibernate.serve.config import (
     DEFAULT_PROBES,
     PROBE_ANSWER,
@@ -322,8 +322,8 @@ def test_every_503_says_when_to_retry() -> None:
     assert "Retry-After" not in error_response(ApiError(404, "no", "NotFoundError")).headers
     proxy, fleet, _ = proxy_of(backend(command="x", probes={"/ready": "forward_or_503"}))
 
-    async def start_fails(backend: Any) -> Outcome:
-        return Outcome(False, "its command exited with status 3")
+    async def start_fails(backend: Any) -> TransitionOutcome:
+        return TransitionOutcome(False, "its command exited with status 3")
 
     fleet._start = start_fails  # type: ignore[method-assign]
     fleet.backends["q"].state = State.STOPPED

@@ -76,7 +76,9 @@ def joined_reasons(first: str, then: str) -> str:
 
 
 @dataclass
-class Outcome:
+class TransitionOutcome:
+    """How one transition of a backend (a start, wake or sleep) ended, as the requests waiting read it."""
+
     ok: bool
     reason: str | None = None
     busy: bool = False  # another sleep or wake was under way: nothing was done, try again once it ends
@@ -92,7 +94,7 @@ class Backend:
     last_used: float = 0.0
     tracked_bytes: int = 0
     reason: str | None = None  # why the last transition failed, if it did
-    transition: asyncio.Task[Outcome] | None = None
+    transition: asyncio.Task[TransitionOutcome] | None = None
     gpu: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
     leases: BackendLeases | None = None  # links to its agents, opened by the first request
     linking: asyncio.Lock = field(default_factory=asyncio.Lock)  # one opening of the links at a time
@@ -254,7 +256,7 @@ class Fleet:
         backend.last_used = time.monotonic()
         return backend
 
-    async def sleep_now(self, name: str) -> Outcome:
+    async def sleep_now(self, name: str) -> TransitionOutcome:
         """Put ``name`` to sleep now, whatever its idle time, once any transition under way has ended.
         Requests in flight through the proxy hold it awake: the sleep waits for them briefly, then gives
         up (busy). A backend not awake is left as it is."""
@@ -262,7 +264,7 @@ class Fleet:
         while backend.transition is not None and not backend.transition.done():
             await asyncio.shield(backend.transition)
         if backend.state is not State.AWAKE:
-            return Outcome(True)
+            return TransitionOutcome(True)
         return await self._begin(backend, State.SLEEPING, self._sleep(backend, "asked"))
 
     def patience(self, backend: Backend) -> float:
@@ -443,19 +445,19 @@ class Fleet:
         self.recorder.state(backend.name, state.value)
         self.recorder.tracked(backend.name, backend.tracked_bytes)
 
-    def _begin(self, backend: Backend, state: State, work: Any) -> asyncio.Task[Outcome]:
+    def _begin(self, backend: Backend, state: State, work: Any) -> asyncio.Task[TransitionOutcome]:
         self._set(backend, state, backend.reason)
         backend.transition = asyncio.ensure_future(self._ended(backend, state, work))
         return backend.transition
 
-    async def _ended(self, backend: Backend, state: State, work: Any) -> Outcome:
+    async def _ended(self, backend: Backend, state: State, work: Any) -> TransitionOutcome:
         """``work``'s outcome, whatever becomes of it. Each transition settles its own failures; one
         that escapes it all the same (from reading the state back after a failure, say) still ends the
         transition as a failure: the backend is never left starting, waking or sleeping, where every
         request for it would wait on a transition that is over. Stopped if its command can be started
         again, else failed (looked for again by the next request)."""
         try:
-            outcome: Outcome = await work
+            outcome: TransitionOutcome = await work
             return outcome
         except Exception as exc:
             reason = as_error(exc).message
@@ -465,9 +467,11 @@ class Fleet:
                     backend.pid = None
                 self._set(backend, settled, reason=reason)
             log.warning("%s: %s failed: %s", backend.name, state.value, reason)
-            return Outcome(False, reason)
+            return TransitionOutcome(False, reason)
 
-    async def _settle(self, backend: Backend, error: HibernateError, op: str, started: float) -> Outcome:
+    async def _settle(
+        self, backend: Backend, error: HibernateError, op: str, started: float
+    ) -> TransitionOutcome:
         """After a failed ``op``: the state the engine left, read from the backend's agents."""
         seconds = time.monotonic() - started
         if isinstance(error, BusyError) and op == "wake":
@@ -476,7 +480,7 @@ class Fleet:
             self._set(
                 backend, State.ASLEEP if backend.pid is not None else State.FAILED, reason=error.message
             )
-            return Outcome(False, error.message, busy=True)
+            return TransitionOutcome(False, error.message, busy=True)
         self.recorder.failed(backend.name, op)
         try:
             found: Inspection = await asyncio.to_thread(self.control.adopt, backend.spec, backend.pid)
@@ -486,12 +490,12 @@ class Fleet:
                 backend.last_used = time.monotonic()
             self._set(backend, State.AWAKE if op == "sleep" else State.ASLEEP, reason=error.message)
             log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, error.message)
-            return Outcome(False, error.message, busy=True)
+            return TransitionOutcome(False, error.message, busy=True)
         except HibernateError as exc:
             backend.pid = None  # gone, or not ours any more: the next request looks for it again
             self._set(backend, State.FAILED, reason=joined_reasons(error.message, exc.message))
             log.warning("%s: %s failed after %.2f s: %s", backend.name, op, seconds, backend.reason)
-            return Outcome(False, backend.reason)
+            return TransitionOutcome(False, backend.reason)
         backend.pid = found.pid
         if op == "sleep":
             backend.last_used = time.monotonic()  # an idle sleep that failed is tried again an --idle later
@@ -505,9 +509,9 @@ class Fleet:
             error.message,
         )
         # A wake that failed because the backend was already awake (woken from outside) is no failure.
-        return Outcome(op == "wake" and found.awake, error.message)
+        return TransitionOutcome(op == "wake" and found.awake, error.message)
 
-    async def _wake(self, backend: Backend) -> Outcome:
+    async def _wake(self, backend: Backend) -> TransitionOutcome:
         started = time.monotonic()
         try:
             async with self._room:
@@ -516,7 +520,7 @@ class Fleet:
                     backend.pid, backend.tracked_bytes = found.pid, found.tracked_bytes
                     if found.awake:
                         self._set(backend, State.AWAKE)
-                        return Outcome(True)
+                        return TransitionOutcome(True)
                 await self._make_room(backend, started + self.wake_timeout)
                 begun = time.monotonic()
                 restored = await asyncio.to_thread(self.control.wake, backend.pid)
@@ -528,9 +532,9 @@ class Fleet:
         await self._measure(backend)
         self.recorder.transition(backend.name, "wake", seconds, restored=restored)
         log.info("%s: asleep -> awake (wake %.2f s, %d bytes restored)", backend.name, seconds, restored)
-        return Outcome(True)
+        return TransitionOutcome(True)
 
-    async def _start(self, backend: Backend) -> Outcome:
+    async def _start(self, backend: Backend) -> TransitionOutcome:
         """Run the backend's command and wait for it to be ready, one start at a time; under a GPU
         budget every other backend holding memory is put to sleep first. A server found listening on
         its address meanwhile (started by hand) is adopted instead."""
@@ -558,7 +562,7 @@ class Fleet:
                 message,
                 where,
             )
-            return Outcome(False, reason)
+            return TransitionOutcome(False, reason)
         seconds = time.monotonic() - started
         backend.pid, backend.tracked_bytes = found.pid, found.tracked_bytes
         backend.last_used = time.monotonic()
@@ -569,7 +573,7 @@ class Fleet:
             "%s: stopped -> %s (started pid %d in %.2f s, log %s)",
             backend.name, backend.state.value, found.pid, seconds, backend.log,
         )  # fmt: skip
-        return Outcome(True)
+        return TransitionOutcome(True)
 
     async def _run_command(self, backend: Backend) -> Inspection:
         spec = backend.spec
@@ -658,7 +662,7 @@ class Fleet:
             if not outcome.ok:
                 return
 
-    async def _sleep(self, backend: Backend, why: str) -> Outcome:
+    async def _sleep(self, backend: Backend, why: str) -> TransitionOutcome:
         started = time.monotonic()
         try:
             if backend.pid is None:
@@ -673,11 +677,11 @@ class Fleet:
             "%s: awake -> asleep (sleep, %s, %.2f s, %d bytes spilled: %d written, %d reused)",
             backend.name, why, seconds, written + reused, written, reused,
         )  # fmt: skip
-        return Outcome(True)
+        return TransitionOutcome(True)
 
     # -- idle -------------------------------------------------------------------------
 
-    def sleep_idle(self, now: float) -> list[asyncio.Task[Outcome]]:
+    def sleep_idle(self, now: float) -> list[asyncio.Task[TransitionOutcome]]:
         """Start the sleep of every backend idle past its idle time; the tasks started."""
         started = []
         for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle):
