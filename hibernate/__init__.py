@@ -261,22 +261,16 @@ def sleep(
     wake; default ``$HIBERNATE_ALLOW_MOVES``); without it such a sleep raises
     AddressesWouldMoveError.
     """
-    import os
-
     from hibernate.agent.local import local_agent
-    from hibernate.environ import ALLOW_MOVES_ENV, SKIP_REUSE_CHECK_ENV, env_flag
+    from hibernate.environ import ALLOW_MOVES_ENV, SKIP_REUSE_CHECK_ENV, flag_or_env
 
     _refuse_if_off("sleep")
     directory = Path(to).expanduser().absolute()
-    if skip_reuse_check is None:
-        skip_reuse_check = env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
-    if allow_moves is None:
-        allow_moves = env_flag(os.environ, ALLOW_MOVES_ENV)
     args = {
         "buffer_mb": buffer_mb,
         "verify": verify,
-        "skip_reuse_check": skip_reuse_check,
-        "allow_moves": allow_moves,
+        "skip_reuse_check": flag_or_env(skip_reuse_check, SKIP_REUSE_CHECK_ENV),
+        "allow_moves": flag_or_env(allow_moves, ALLOW_MOVES_ENV),
     }
     return local_agent().sleep_here(directory, timeout, args)
 

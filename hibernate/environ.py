@@ -7,6 +7,7 @@ the CLI and inside a vLLM worker alike.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from hibernate.errors import UsageError
@@ -28,3 +29,12 @@ def env_flag(environ: Mapping[str, str], name: str) -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise UsageError(f"{name}={environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
+
+
+def flag_or_env(given: bool | None, name: str) -> bool:
+    """A yes/no setting as its caller gave it, else (None: not given) its variable ``name``.
+
+    The one rule for the defaults of ``--skip-reuse-check`` and ``--allow-moves`` (the CLI, serve)
+    and of hibernate.sleep()'s arguments of those names.
+    """
+    return env_flag(os.environ, name) if given is None else given

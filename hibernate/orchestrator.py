@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hibernate.flows  # noqa: F401  (registers the built-in kinds of target)
 from hibernate.operation.engine import prepare_directory, recover, sleep, status, wake
-from hibernate.operation.options import IoOptions, Options
+from hibernate.operation.options import IoOptions, Options, options_from_flags
 from hibernate.operation.progress import ProgressSink
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 
@@ -20,6 +20,7 @@ __all__ = [
     "RecoverReport",
     "SleepReport",
     "WakeReport",
+    "options_from_flags",
     "prepare_directory",
     "recover",
     "sleep",

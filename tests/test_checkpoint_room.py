@@ -171,7 +171,7 @@ def test_unknown_free_memory_is_refused_unless_forced(
 
 
 def test_device_map_must_be_well_formed() -> None:
-    from hibernate.cli.options import options_from_flags, parse_device_map
+    from hibernate.operation.options import options_from_flags, parse_device_map
 
     assert parse_device_map("0=1, GPU-a=GPU-b") == {"0": "1", "GPU-a": "GPU-b"}
     for bad in ("0", "0=", "=1", "0=1,0=2"):

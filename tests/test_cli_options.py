@@ -13,7 +13,7 @@ import pytest
 
 from hibernate import orchestrator
 from hibernate.checkpoint.base import StepTimeouts
-from hibernate.cli.options import options_from_flags
+from hibernate.operation.options import options_from_flags
 from hibernate.errors import UsageError
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from hibernate import orchestrator
 from hibernate.checkpoint import detect
-from hibernate.cli.options import options_from_flags
+from hibernate.operation.options import options_from_flags
 from hibernate.errors import ExitCode, UsageError
 from hibernate.operation.cuda import CudaStage
 from tests.standins.world import GIB, World

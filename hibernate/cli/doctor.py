@@ -7,7 +7,6 @@ function named ``doctor`` would shadow this module as an attribute of the packag
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -15,11 +14,11 @@ import typer
 from hibernate.cli.options import (
     CheckpointerOption,
     CudaCheckpointOption,
+    DoctorSnapshotDirOption,
     JsonOption,
-    cuda_options,
     handles_errors,
-    parse_directory,
     parse_pid,
+    quiet_option,
 )
 from hibernate.errors import ExitCode
 
@@ -35,27 +34,18 @@ def examine(
             show_default=False,
         ),
     ] = None,
-    to: Annotated[
-        Path | None,
-        typer.Option(
-            "--to",
-            parser=parse_directory,
-            metavar="DIR",
-            help="Where snapshots would go (default: the agent's default directory, if any).",
-        ),
-    ] = None,
+    to: DoctorSnapshotDirOption = None,
     checkpointer: CheckpointerOption = "auto",
     cuda_checkpoint: CudaCheckpointOption = None,
     as_json: JsonOption = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="Only the checks that are not ok (nothing when all are).")
-    ] = False,
+    quiet: Annotated[bool, quiet_option("Only the checks that are not ok (nothing when all are).")] = False,
 ) -> None:
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
     from hibernate.cli import diagnosis, render
+    from hibernate.operation.options import cuda_options
 
     cuda = cuda_options(checkpointer, cuda_checkpoint)
-    report = diagnosis.run(pid, to, cuda["checkpointer_kind"], cuda["cuda_checkpoint"])
+    report = diagnosis.run(pid, to, cuda.checkpointer_kind, cuda.cuda_checkpoint)
     if as_json:
         render.print_json(report)
     else:

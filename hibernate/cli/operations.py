@@ -32,22 +32,19 @@ from hibernate.cli.options import (
     OptionalPidsArgument,
     QuietOption,
     SkipReuseCheckOption,
+    SnapshotDirOption,
     TimeoutOption,
     VllmUrlOption,
-    allow_moves_by_default,
     by_selector,
     handles_errors,
-    options_from_flags,
-    parse_directory,
+    or_env,
     parse_pid,
+    quiet_option,
     select_targets,
-    skip_reuse_check_by_default,
-    spans_users,
     with_selection,
 )
 
 if TYPE_CHECKING:  # for annotations only: the commands import these when they run
-    from hibernate import orchestrator
     from hibernate.errors import InterruptedByUserError
     from hibernate.operation.progress import ProgressSink
     from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
@@ -65,16 +62,9 @@ def _operate_and_report(
     *,
     operation: str,
     all_users: bool,
-    already: Callable[[], Report | None] | None = None,
 ) -> None:
     """The ending sleep, wake and recover share: run ``operate`` under a progress display, then
     print its report as JSON (with how the targets were selected) or as ``show``'s lines.
-
-    ``already`` (``wake --if-needed``) turns a refusal for the wrong state into success where every
-    target now is in the state asked for: its report, with nothing done and every one skipped (a
-    sleep's is the engine's own: ``Options.nothing_left_ok``).
-    The states are read after the refusal, so a target another command moved meanwhile is judged
-    as it is, not as it was.
 
     A Ctrl-C (``operation`` names what it stopped) is reported with the state each target was
     left in (the undo of a sleep's steps has run by then), as the one error of the command; so is
@@ -83,16 +73,11 @@ def _operate_and_report(
     One ending, so the three commands cannot drift apart in what --json and --quiet print.
     """
     from hibernate.cli import render
-    from hibernate.errors import NeedsRecoveryError, WrongStateError
+    from hibernate.errors import NeedsRecoveryError
 
     with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
         try:
             report = operate(progress)
-        except WrongStateError:
-            satisfied = already() if already is not None else None
-            if satisfied is None:
-                raise
-            report = satisfied
         except KeyboardInterrupt:
             raise _interrupted(operation, selection, all_users) from None
         except NeedsRecoveryError as exc:
@@ -141,54 +126,6 @@ def _interrupted(operation: str, selection: Selection, all_users: bool) -> Inter
     return InterruptedByUserError(message, hint=hint)
 
 
-def _refuse_unsettled(entries: list[dict[str, Any]]) -> None:
-    """A target in the state asked for is not "already there" while a command is still at work on
-    it (BusyError) or one left it half-way (NeedsRecoveryError naming the recover)."""
-    from hibernate.agent.wire import AgentStatus
-    from hibernate.operation.unit import unsettled
-
-    for entry in entries:
-        error = unsettled(entry["pid"], AgentStatus.from_wire(entry), entry.get("interrupted"))
-        if error is not None:
-            raise error
-
-
-def _already_awake(selection: Selection, all_users: bool) -> WakeReport | None:
-    """``wake --if-needed`` of targets that all run already, read after the wake refused them: a wake
-    that did nothing, every one skipped (None where one is not running). One running that a command
-    is still at work on, or left half-way, is refused (``_refuse_unsettled``)."""
-    from hibernate import orchestrator
-    from hibernate.agent.wire import AgentState, AgentStatus, state_of
-    from hibernate.operation.reports import WakeReport
-    from hibernate.operation.unit import skipped_entry
-
-    entries = orchestrator.status(selection.pids, all_users=all_users)
-    if not entries or any(state_of(e) is not AgentState.RUNNING for e in entries):
-        return None
-    _refuse_unsettled(entries)
-    skipped = [skipped_entry(e["pid"], AgentStatus.from_wire(e)) for e in entries]
-    return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
-
-
-def _wake_if_needed(
-    selection: Selection, options: orchestrator.Options, progress: ProgressSink
-) -> WakeReport:
-    """A wake that lists as skipped the targets it found running (a wake leaves those as they are)."""
-    from hibernate import orchestrator
-    from hibernate.agent.wire import AgentState, AgentStatus, state_of
-    from hibernate.operation.unit import skipped_entry
-
-    entries = orchestrator.status(selection.pids, all_users=options.all_users)
-    running = [e for e in entries if state_of(e) is AgentState.RUNNING]
-    _refuse_unsettled(running)
-    report = orchestrator.wake(selection.pids, options, progress)
-    woken = {p.pid for p in report.processes}
-    report.skipped = [
-        skipped_entry(e["pid"], AgentStatus.from_wire(e)) for e in running if e["pid"] not in woken
-    ]
-    return report
-
-
 def _show_agents(
     selection: Selection | None,
     show: Callable[[list[dict[str, Any]]], None],
@@ -220,15 +157,7 @@ NoHeadersOption = Annotated[
 
 @handles_errors
 def sleep(
-    to: Annotated[
-        Path,
-        typer.Option(
-            "--to",
-            parser=parse_directory,
-            metavar="DIR",
-            help="Directory for the snapshots (created 0700 if missing).",
-        ),
-    ],
+    to: SnapshotDirOption,
     pids: OptionalPidsArgument = None,
     every: AllOption = False,
     job: JobOption = None,
@@ -277,16 +206,18 @@ def sleep(
 
     For a vLLM server (any pid of it) the server's own /sleep stops its scheduler and spills the workers.
     """
+    from dataclasses import replace
+
     from hibernate import orchestrator
     from hibernate.cli import render
 
-    options = options_from_flags(
+    options = orchestrator.options_from_flags(
         timeout=timeout,
         buffer_mb=buffer_mb,
         io_mode=io_mode,
         verify=verify,
-        skip_reuse_check=skip_reuse_check or skip_reuse_check_by_default(),
-        allow_moves=allow_moves or allow_moves_by_default(),
+        skip_reuse_check=or_env(skip_reuse_check),
+        allow_moves=or_env(allow_moves),
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         no_cuda=no_cuda,
@@ -298,10 +229,10 @@ def sleep(
         all_users=all_users,
         job=job,
         cgroup=cgroup,
+        if_needed=if_needed,
     )
-    selection = select_targets(pids, every, job, cgroup, sleeping=True)
-    options.skip_asleep = if_needed or by_selector(selection)  # as a wake skips those awake
-    options.nothing_left_ok = if_needed
+    selection = select_targets(pids, every, job, cgroup, sleeping=True)  # after the flags' checks
+    options = replace(options, skip_asleep=if_needed or by_selector(selection))  # as a wake skips those awake
     _operate_and_report(
         partial(orchestrator.sleep, selection.pids, to, options),
         render.sleep_report,
@@ -346,7 +277,7 @@ def wake(
     from hibernate import orchestrator
     from hibernate.cli import render
 
-    options = options_from_flags(
+    options = orchestrator.options_from_flags(
         timeout=timeout,
         buffer_mb=buffer_mb,
         io_mode=io_mode,
@@ -359,19 +290,17 @@ def wake(
         all_users=all_users,
         job=job,
         cgroup=cgroup,
+        if_needed=if_needed,
     )
     selection = select_targets(pids, every, job, cgroup)
     _operate_and_report(
-        partial(_wake_if_needed, selection, options)
-        if if_needed
-        else partial(orchestrator.wake, selection.pids, options),
+        partial(orchestrator.wake, selection.pids, options),
         render.wake_report,
         selection,
         as_json,
         quiet,
         operation="wake",
         all_users=options.all_users,
-        already=partial(_already_awake, selection, options.all_users) if if_needed else None,
     )
 
 
@@ -397,7 +326,7 @@ def recover(
     from hibernate import orchestrator
     from hibernate.cli import render
 
-    options = options_from_flags(
+    options = orchestrator.options_from_flags(
         checkpointer=checkpointer,
         cuda_checkpoint=cuda_checkpoint,
         force=force,
@@ -451,6 +380,7 @@ def status(
     operation with the command that resolves it.
     """
     from hibernate.cli import render
+    from hibernate.operation.options import spans_users
 
     selection = select_targets(pids, every, job, cgroup) if (pids or every or job or cgroup) else None
     _show_agents(
@@ -482,7 +412,7 @@ def gc(
     ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted, and why.")] = False,
     as_json: JsonOption = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No output unless something fails.")] = False,
+    quiet: Annotated[bool, quiet_option("No output unless something fails.")] = False,
 ) -> None:
     """Delete unfinished snapshots and those of processes that are gone; never a sleeping one's."""
     from hibernate.cli import render

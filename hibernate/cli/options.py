@@ -1,15 +1,18 @@
-"""Every flag the commands share, defined once, and the one mapping from flags to the orchestrator's Options.
+"""Every flag the commands share, defined once: its name, placeholder, check and help.
 
 A flag that two commands take is one alias here, so its name, help and
-default cannot drift apart between commands; the checks a flag's value gets
-(``--io-mode``, ``--checkpointer``, ``--device-map``, an empty ``--to``) live
-beside it, so every command refuses a bad value with the same words and exit
-code before anything is touched. A flag only one command has stays with that
-command.
+default cannot drift apart between commands; where commands word its help
+for their own use, one factory declares it (``to_option``: each command's
+``--to`` variant is named here beside it; ``quiet_option``). The checks of a flag's text (an
+empty ``--to``, a pid) live beside it; the checks of the values an operation
+is built from (``--io-mode``, ``--checkpointer``, ``--device-map``) live in the
+one constructor of its Options, ``operation.options.options_from_flags``, so
+every command refuses a bad value with the same words and exit code before
+anything is touched. A flag only one command has stays with that command.
 
 Light on purpose: typer and the standard library at import; what the checks
-need (the orchestrator, the selectors, the checkpointer kinds) is imported
-when a command runs, never for ``--help``.
+need (the selectors, the path limits) is imported when a command runs, never
+for ``--help``.
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ import typer
 from hibernate.errors import HibernateError, UsageError
 
 if TYPE_CHECKING:  # for annotations only: the commands import it when they run, --help never does
-    from hibernate import orchestrator
     from hibernate.sched.selectors import Selection
 
+
+def quiet_option(help: str) -> Any:  # typer's OptionInfo
+    """``-q``/``--quiet`` as every command declares it: what it leaves out is the command's own help."""
+    return typer.Option("--quiet", "-q", help=help)
+
+
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress, only errors.")]
+QuietOption = Annotated[bool, quiet_option("No progress, only errors.")]
 BufferOption = Annotated[
     int,
     typer.Option(
@@ -202,6 +210,27 @@ def parse_directory(value: str) -> Path:
     return Path(value)
 
 
+def to_option(help: str) -> Any:  # typer's OptionInfo
+    """``--to DIR`` as every command that takes one declares it: one name, placeholder and check
+    (``parse_directory``; ``check_paths`` then refuses a path no directory could have). Only the
+    help line is the command's; required where its variant's type has no None (and the command
+    gives it no default)."""
+    return typer.Option("--to", parser=parse_directory, metavar="DIR", help=help, show_default=False)
+
+
+# The variants, one per command (the same flag, each command's help line).
+SnapshotDirOption = Annotated[Path, to_option("Directory for the snapshots (created 0700 if missing).")]
+RunSnapshotDirOption = Annotated[Path, to_option("Directory for the snapshots.")]
+NodeSnapshotDirOption = Annotated[
+    Path | None, to_option("Snapshot directory (sleep); this node's go to DIR/<node name>.")
+]
+DoctorSnapshotDirOption = Annotated[
+    Path | None, to_option("Where snapshots would go (default: the agent's default directory, if any).")
+]
+ServeSnapshotDirOption = Annotated[
+    Path | None, to_option("Directory for the snapshots of sleeping backends (created 0700 if missing).")
+]
+
 # How an error names a command's path parameter, where that is not ``--`` and its name.
 PATH_LABELS = {"directory": "DIR"}
 
@@ -260,36 +289,6 @@ def handles_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def cuda_options(
-    kind: str, binary: Path | None, lock_timeout: float | None = None, no_cuda: bool = False
-) -> dict[str, Any]:
-    """Options fields for the CUDA stage, checked here so bad input fails before anything is touched."""
-    from hibernate.checkpoint.base import StepTimeouts
-    from hibernate.checkpoint.selection import KINDS, NONE
-
-    if no_cuda:
-        if kind not in ("auto", NONE):
-            raise UsageError(
-                f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}"
-            )
-        kind = NONE
-    if kind not in KINDS:
-        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary is not None and kind in ("driver", "none"):
-        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
-    timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
-    return {
-        "checkpointer_kind": kind,
-        "cuda_checkpoint": str(binary) if binary is not None else None,
-        "cuda_timeouts": timeouts,
-    }
-
-
-def _kind_options(**given: Any) -> dict[str, Any]:
-    """Options of one kind of target (a vLLM server's --level, --drain, --vllm-url), only those given."""
-    return {name: value for name, value in given.items() if value is not None}
-
-
 def select_targets(
     pids: list[int] | None, every: bool, job: str | None, cgroup: str | None, *, sleeping: bool = False
 ) -> Selection:
@@ -304,11 +303,6 @@ def by_selector(selection: Selection) -> bool:
     return any(source["selector"] != "pids" for source in selection.sources)
 
 
-def spans_users(all_users: bool, job: str | None, cgroup: str | None) -> bool:
-    """Whether agents of several users may be acted on: asked for, or named exactly by a selector."""
-    return all_users or job is not None or cgroup is not None
-
-
 def with_selection(document: dict[str, Any], selection: Selection) -> dict[str, Any]:
     """Add how the targets were selected to a JSON document, when selectors were used."""
     if by_selector(selection):
@@ -316,102 +310,8 @@ def with_selection(document: dict[str, Any], selection: Selection) -> dict[str, 
     return document
 
 
-def skip_reuse_check_by_default() -> bool:
-    """``$HIBERNATE_SKIP_REUSE_CHECK``: the default of ``--skip-reuse-check`` (a yes/no, else refused)."""
-    import os
-
-    from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
-
-    return env_flag(os.environ, SKIP_REUSE_CHECK_ENV)
-
-
-def allow_moves_by_default() -> bool:
-    """``$HIBERNATE_ALLOW_MOVES``: the default of ``--allow-moves`` (a yes/no, else refused)."""
-    import os
-
-    from hibernate.environ import ALLOW_MOVES_ENV, env_flag
-
-    return env_flag(os.environ, ALLOW_MOVES_ENV)
-
-
-def _io_mode(value: str) -> str:
-    """``--io-mode``, checked here: the store takes any value but direct or buffered for auto, silently."""
-    if value not in ("auto", "direct", "buffered"):
-        raise UsageError(f"--io-mode must be auto, direct or buffered, not {value!r}")
-    return value
-
-
-def options_from_flags(
-    *,
-    timeout: float | None = None,
-    buffer_mb: int | None = None,
-    io_mode: str = "auto",
-    verify: bool = False,
-    skip_reuse_check: bool = False,
-    allow_moves: bool = False,
-    checkpointer: str = "auto",
-    cuda_checkpoint: Path | None = None,
-    no_cuda: bool = False,
-    force: bool = False,
-    device_map: str | None = None,
-    lock_timeout: float | None = None,
-    level: int | None = None,
-    drain: str | None = None,
-    vllm_url: str | None = None,
-    all_users: bool = False,
-    job: str | None = None,
-    cgroup: str | None = None,
-) -> orchestrator.Options:
-    """The orchestrator's Options from a command's flags; what a command has no flag for stays default.
-
-    One constructor, so every command maps ``--timeout``, ``--buffer-mb``, ``--io-mode``, the CUDA
-    and vLLM flags and the user scope the same way, and refuses a bad value with the same words, in
-    the same order (``--io-mode`` before ``--checkpointer``), before anything is touched.
-
-    ``timeout`` (``--timeout``) bounds the quiesce; an agent is allowed at least 5 s to answer even
-    with ``--timeout 0``. None (a command without ``--timeout``) keeps the Options defaults, as does
-    a None ``buffer_mb``. ``lock_timeout`` bounds cuda-checkpoint's lock (a sleep's), None for its
-    default. ``job`` or ``cgroup`` imply ``all_users``, as their selection names the processes exactly.
-    """
-    from hibernate import orchestrator
-
-    options = orchestrator.Options(
-        io=orchestrator.IoOptions(
-            io_mode=_io_mode(io_mode),
-            verify=verify,
-            skip_reuse_check=skip_reuse_check,
-            allow_moves=allow_moves,
-        ),
-        kind_options=_kind_options(level=level, drain=drain, vllm_url=vllm_url),
-        all_users=spans_users(all_users, job, cgroup),
-        **cuda_options(checkpointer, cuda_checkpoint, lock_timeout=lock_timeout, no_cuda=no_cuda),
-    )
-    if timeout is not None:
-        options.quiesce_timeout = timeout
-        options.agent_timeout = max(timeout, 5.0)
-    if buffer_mb is not None:
-        options.io.buffer_mb = buffer_mb
-    options.force = force
-    if device_map is not None:
-        if options.checkpointer_kind == "none":
-            raise UsageError(
-                "--device-map restores CUDA state onto other GPUs; --checkpointer none restores none"
-            )
-        options.device_map = parse_device_map(device_map)
-    return options
-
-
-def parse_device_map(text: str) -> dict[str, str]:
-    """``OLD=NEW[,OLD=NEW...]`` (GPU UUIDs or indices) -> {old: new}; a malformed map is refused."""
-    pairs: dict[str, str] = {}
-    for item in text.split(","):
-        old, sep, new = (part.strip() for part in item.partition("="))
-        if not sep or not old or not new:
-            raise UsageError(
-                f"--device-map: {item.strip()!r} is not OLD=NEW",
-                hint="e.g. --device-map 0=1, or GPU-aaaa...=GPU-bbbb... (several: comma-separated)",
-            )
-        if old in pairs:
-            raise UsageError(f"--device-map: GPU {old} is mapped twice")
-        pairs[old] = new
-    return pairs
+def or_env(flag: bool) -> bool | None:
+    """A yes/no flag whose default is an environment variable's (``--skip-reuse-check``,
+    ``--allow-moves``), as ``options_from_flags`` takes it: True where given, else None (the
+    variable decides: ``environ.flag_or_env``)."""
+    return True if flag else None

@@ -27,15 +27,14 @@ from hibernate.cli.options import (
     JobOption,
     JsonOption,
     NoCudaOption,
+    NodeSnapshotDirOption,
     OptionalPidsArgument,
     QuietOption,
+    RunSnapshotDirOption,
     SkipReuseCheckOption,
     TimeoutOption,
-    allow_moves_by_default,
     handles_errors,
-    options_from_flags,
-    parse_directory,
-    skip_reuse_check_by_default,
+    or_env,
 )
 from hibernate.errors import UsageError
 
@@ -45,9 +44,7 @@ def run(
     command: Annotated[
         list[str], typer.Argument(metavar="COMMAND", help="The job to run, after --.", show_default=False)
     ],
-    to: Annotated[
-        Path, typer.Option("--to", parser=parse_directory, metavar="DIR", help="Directory for the snapshots.")
-    ],
+    to: RunSnapshotDirOption,
     on_signal: Annotated[
         str, typer.Option("--on-signal", metavar="SIGNAL", help="Signal that puts the job to sleep.")
     ] = "USR1",
@@ -65,6 +62,7 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", hidden=True)] = False,
 ) -> None:
     """Run a job and hibernate it on a scheduler's warning signal (Slurm --signal=B:USR1@120)."""
+    from hibernate import orchestrator
     from hibernate.sched import runner
 
     if as_json:  # refused in words (and as the error document a script asking for JSON can read)
@@ -73,7 +71,7 @@ def run(
             hint="for the state of the job's processes, `hibernate status --json` (from another shell)",
         )
 
-    options = options_from_flags(
+    options = orchestrator.options_from_flags(
         timeout=timeout,
         buffer_mb=buffer_mb,
         checkpointer=checkpointer,
@@ -99,16 +97,7 @@ def node_step(
     every: AllOption = False,
     job: JobOption = None,
     cgroup: CgroupOption = None,
-    to: Annotated[
-        Path | None,
-        typer.Option(
-            "--to",
-            parser=parse_directory,
-            metavar="DIR",
-            help="Snapshot directory (sleep); this node's go to DIR/<node name>.",
-            show_default=False,
-        ),
-    ] = None,
+    to: NodeSnapshotDirOption = None,
     nodes: Annotated[
         int | None,
         typer.Option(
@@ -164,6 +153,7 @@ def node_step(
 
     The nodes agree through the barrier directory: every node ends asleep, or every node ends awake.
     """
+    from hibernate import orchestrator
     from hibernate.cli import render
     from hibernate.sched import nodestep
 
@@ -180,7 +170,7 @@ def node_step(
         node=node,
         barrier_timeout=barrier_timeout,
         allow_empty=allow_empty,
-        options=lambda: options_from_flags(
+        options=lambda: orchestrator.options_from_flags(
             timeout=timeout,
             buffer_mb=buffer_mb,
             io_mode=io_mode,
@@ -189,8 +179,8 @@ def node_step(
             no_cuda=no_cuda,
             force=force,
             lock_timeout=timeout if operation == "sleep" else None,
-            skip_reuse_check=operation == "sleep" and (skip_reuse_check or skip_reuse_check_by_default()),
-            allow_moves=allow_moves or allow_moves_by_default(),
+            skip_reuse_check=or_env(skip_reuse_check) if operation == "sleep" else False,
+            allow_moves=or_env(allow_moves),
             job=job,
             cgroup=cgroup,
         ),

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from hibernate.cli.options import handles_errors, parse_directory
+from hibernate.cli.options import ServeSnapshotDirOption, handles_errors, quiet_option
 
 SERVE_EXTRA_HINT = "pip install 'hibernate[serve]' (aiohttp and prometheus-client)"
 
@@ -30,14 +30,7 @@ def run_proxy(
             show_default=False,
         ),
     ] = None,
-    to: Annotated[
-        str | None,
-        typer.Option(
-            "--to",
-            metavar="DIR",
-            help="Directory for the snapshots of sleeping backends (created 0700 if missing).",
-        ),
-    ] = None,
+    to: ServeSnapshotDirOption = None,
     backend: Annotated[
         list[str] | None,
         typer.Option(
@@ -112,7 +105,7 @@ def run_proxy(
     log_format: Annotated[
         str, typer.Option("--log-format", metavar="[text|json]", help="How log lines are written.")
     ] = "text",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings and errors only.")] = False,
+    quiet: Annotated[bool, quiet_option("Log warnings and errors only.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every request (debug).")] = False,
 ) -> None:
     """Serve HTTP in front of model servers: sleep them when idle, wake them on the first request."""
@@ -131,7 +124,7 @@ def run_proxy(
     document = serve_config.load_toml(config) if config is not None else None
     settings = serve_config.build_config(
         listen=listen,
-        to=parse_directory(to) if to is not None else None,
+        to=to,
         backend_flags=backend or [],
         idle=idle,
         wake_timeout=wake_timeout,

@@ -34,7 +34,7 @@ from hibernate.operation.recovery import Action, UnitRecord, decide
 from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
 from hibernate.operation.steps import Step, fault_points, run_steps
 from hibernate.operation.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
-from hibernate.operation.unit import Context, Unit, already_asleep
+from hibernate.operation.unit import Context, Unit, already_asleep, refuse_unsettled, skipped_entry
 
 # A --to DIR root creates for the agents of several users: each makes its own 0700 directory in it.
 SHARED_DIR_MODE = 0o1777
@@ -265,7 +265,7 @@ def sleep(
         for unit in units:
             skipped.extend(unit.skip_asleep())
         units = [u for u in units if u.refs]
-        if not units and options.nothing_left_ok:
+        if not units and options.if_needed:
             return SleepReport(
                 directory=str(directory.absolute()),
                 seconds=time.perf_counter() - started,
@@ -302,15 +302,51 @@ def sleep(
 
 def wake(pids: Sequence[int], options: Options, sink: ProgressSink | None = None) -> WakeReport:
     """Bring every target back, deciding from the real states: this also finishes or undoes
-    whatever an interrupted sleep or wake left behind."""
-    return _wake(pids, options, sink or ProgressSink(), recovering=False)
+    whatever an interrupted sleep or wake left behind.
+
+    With ``options.if_needed`` the targets found running are listed as skipped (a wake leaves them
+    as they are), and a wake that finds nothing to do because every target runs ends with that
+    report instead of refusing; a running one that a command is still at work on, or left
+    half-way, is refused all the same (``unit.refuse_unsettled``), as a sleep's are.
+    """
+    try:
+        return _wake(pids, options, sink or ProgressSink(), recovering=False)
+    except WrongStateError:
+        awake = _already_awake(pids, options) if options.if_needed else None
+        if awake is None:
+            raise
+        return awake
+
+
+def _settled_running(targets: Sequence[Target]) -> list[AgentRef]:
+    """The agents of ``targets`` found running, each settled (else refused: ``refuse_unsettled``)."""
+    running = [ref for target in targets for ref in target.agents if ref.status.state is AgentState.RUNNING]
+    refuse_unsettled(running)
+    return running
+
+
+def _already_awake(pids: Sequence[int], options: Options) -> WakeReport | None:
+    """``wake --if-needed`` of targets that all run already, read after the wake refused them: a wake
+    that did nothing, every one skipped (None where one is not running).
+
+    The states are read again, after the refusal, so a target another command moved meanwhile is
+    judged as it is, not as it was.
+    """
+    refs = [ref for target in resolve(pids, all_users=options.all_users) for ref in target.agents]
+    if not refs or any(ref.status.state is not AgentState.RUNNING for ref in refs):
+        return None
+    refuse_unsettled(refs)
+    skipped = [skipped_entry(ref.pid, ref.status) for ref in refs]
+    return WakeReport(0.0, [], {"status": "running (nothing to restore)", "processes": []}, skipped=skipped)
 
 
 def _wake(pids: Sequence[int], options: Options, sink: ProgressSink, *, recovering: bool) -> WakeReport:
     started = time.perf_counter()
     sink.step("connect")
     ctx = Context("wake", options, sink, recovering=recovering)
-    units = plan_units(ctx, resolve(pids, all_users=options.all_users))
+    targets = resolve(pids, all_users=options.all_users)
+    running = _settled_running(targets) if options.if_needed else []
+    units = plan_units(ctx, targets)
     for unit in units:
         unit.check()
     operation = Operation(ctx, units)
@@ -320,11 +356,14 @@ def _wake(pids: Sequence[int], options: Options, sink: ProgressSink, *, recoveri
             raise WrongStateError("nothing to wake: " + "; ".join(u.describe_state() for u in units))
         run_steps(operation.steps((), lambda unit: unit.wake_steps), operation.ledger, sink)
     reports = [u.report() for u in units]
+    woken = [p for r in reports for p in r.wakes]
+    woken_pids = {p.pid for p in woken}
     return WakeReport(
         seconds=time.perf_counter() - started,
-        processes=[p for r in reports for p in r.wakes],
+        processes=woken,
         cuda=operation.cuda_report,
         units=reports,
+        skipped=[skipped_entry(ref.pid, ref.status) for ref in running if ref.pid not in woken_pids],
     )
 
 

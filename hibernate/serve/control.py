@@ -14,7 +14,6 @@ from hibernate import orchestrator, procinfo
 from hibernate.agent.wire import AgentState, state_of
 from hibernate.checkpoint import nvml, records
 from hibernate.checkpoint.group import HEADROOM_BYTES
-from hibernate.environ import ALLOW_MOVES_ENV, env_flag
 from hibernate.errors import HibernateError, NoSuchProcessError, PermissionDeniedError, UsageError
 from hibernate.flows.members import holds_leases
 from hibernate.operation import targets
@@ -87,13 +86,13 @@ class BackendControl:
         self.directory = directory
         self.sleep_timeout = sleep_timeout
 
-    def options(self) -> orchestrator.Options:
-        """A sleep's or wake's options; ``HIBERNATE_ALLOW_MOVES`` in serve's environment as ``--allow-moves``
-        (for backends that capture their CUDA graphs again after each wake)."""
-        options = orchestrator.Options(quiesce_timeout=self.sleep_timeout)
-        options.agent_timeout = max(self.sleep_timeout, 5.0)
-        options.io.allow_moves = env_flag(os.environ, ALLOW_MOVES_ENV)
-        return options
+    def options(self, lease_timeout: float | None = None) -> orchestrator.Options:
+        """A sleep's or wake's options: serve's sleep timeout as ``--timeout``, and
+        ``HIBERNATE_ALLOW_MOVES`` in serve's environment as ``--allow-moves`` (for backends that
+        capture their CUDA graphs again after each wake)."""
+        return orchestrator.options_from_flags(
+            timeout=self.sleep_timeout, lease_timeout=lease_timeout, allow_moves=None
+        )
 
     def find(self, spec: BackendSpec) -> int:
         if spec.pid is not None:
@@ -135,8 +134,7 @@ class BackendControl:
         The proxy's sleeps (idle, or making room) are its own choice: requests in flight through
         another proxy mean the backend is in use, so they are waited for briefly, not --timeout.
         """
-        options = self.options()
-        options.lease_timeout = min(self.sleep_timeout, LEASE_WAIT_SECONDS)
+        options = self.options(lease_timeout=min(self.sleep_timeout, LEASE_WAIT_SECONDS))
         report = orchestrator.sleep([pid], self.directory, options)
         written = sum(int(p.written_bytes) for p in report.processes)
         reused = sum(int(p.reused_bytes) for p in report.processes)
