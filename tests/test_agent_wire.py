@@ -260,7 +260,7 @@ READERS = (
     "hibernate/serve/leases.py",
     "hibernate/cli/render.py",
     "hibernate/cli/operations.py",
-    "hibernate/cli/diagnosis.py",
+    "hibernate/doctor",
     "hibernate/store/maintenance.py",
 )
 NOT_AGENT_STATES = {

@@ -17,7 +17,8 @@ from hibernate.checkpoint.driver import uuid_bytes
 from hibernate.checkpoint.driver_call import CheckpointArgs, GpuPair, LockArgs, RestoreArgs, UnlockArgs
 from hibernate.checkpoint.group import Plan, check_sleepable, classify, memory_shortfalls, recovery_plan
 from hibernate.checkpoint.nccl import nccl_traps
-from hibernate.cli.diagnosis import mount_for, ptrace_verdict
+from hibernate.doctor.disk import mount_for
+from hibernate.doctor.machine import ptrace_verdict
 from hibernate.errors import (
     BusyError,
     CudaCheckpointError,

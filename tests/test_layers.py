@@ -25,6 +25,7 @@ ABOVE_THE_ENGINE = (
     "hibernate.flows",
     "hibernate.integrations",
     "hibernate.cli",
+    "hibernate.doctor",
     "hibernate.sched",
     "hibernate.serve",
 )
@@ -156,6 +157,7 @@ IN_THE_TARGET = (
 )
 OUTSIDE_THE_TARGET = (
     "hibernate.cli",
+    "hibernate.doctor",
     "hibernate.orchestrator",
     "hibernate.operation",
     "hibernate.flows",

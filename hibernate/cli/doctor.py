@@ -1,6 +1,6 @@
-"""``hibernate doctor [PID]``: the command; its checks are :mod:`hibernate.cli.diagnosis`.
+"""``hibernate doctor [PID]``: the command; its checks are :mod:`hibernate.doctor`.
 
-The checks stay in a module of their own, imported when the command runs, so
+The checks are a package of their own, imported when the command runs, so
 that ``--help`` does not load them. The command function is ``examine``: a
 function named ``doctor`` would shadow this module as an attribute of the package.
 """
@@ -41,11 +41,12 @@ def examine(
     quiet: Annotated[bool, quiet_option("Only the checks that are not ok (nothing when all are).")] = False,
 ) -> None:
     """What this machine (and target) can and cannot do, each with a fix. Exit 12 if any check fails."""
-    from hibernate.cli import diagnosis, render
+    from hibernate import doctor
+    from hibernate.cli import render
     from hibernate.operation.options import cuda_options
 
     cuda = cuda_options(checkpointer, cuda_checkpoint)
-    report = diagnosis.run(pid, to, cuda.checkpointer_kind, cuda.cuda_checkpoint)
+    report = doctor.run(pid, to, cuda.checkpointer_kind, cuda.cuda_checkpoint)
     if as_json:
         render.print_json(report)
     else:

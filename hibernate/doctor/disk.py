@@ -1,0 +1,106 @@
+"""The check of where snapshots would go: its filesystem (RAM or disk), its free space against what
+the target keeps, and whether it takes direct I/O."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from hibernate.doctor.checks import FAIL, OK, WARN, Examination
+from hibernate.fsutil import free_bytes
+from hibernate.units import human_bytes
+
+RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+def mount_for(path: str, mounts: Sequence[tuple[str, str]]) -> tuple[str, str]:
+    """(mount point, filesystem type) of the mount holding ``path``: the longest matching mount point."""
+    best = ("/", "unknown")
+    for point, fstype in mounts:
+        inside = path == point or path.startswith(point.rstrip("/") + "/") or point == "/"
+        if inside and len(point) >= len(best[0]):
+            best = (point, fstype)
+    return best
+
+
+def _mounts() -> list[tuple[str, str]]:
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3:
+            out.append((parts[1].replace("\\040", " "), parts[2]))
+    return out
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+class DiskChecks(Examination):
+    """Where the snapshots would go (``--to``, else the agent's default directory)."""
+
+    def check_directory(self) -> None:
+        from hibernate.store.directio import direct_io_supported
+
+        directory = self.directory
+        if directory is None:
+            defaults = [a.status.default_dir for a in self.agents if a.status.default_dir]
+            directory = Path(defaults[0]) if defaults else None
+        if directory is None:
+            self.add("snapshot dir", OK, "n/a: pass --to DIR to check where snapshots would go")
+            return
+        directory = Path(directory).expanduser().absolute()
+        probe = _existing(directory)
+        point, fstype = mount_for(str(probe.resolve()), _mounts())
+        if fstype in RAM_FILESYSTEMS:
+            self.add(
+                "snapshot dir",
+                WARN,
+                f"{directory} is on {fstype} ({point}): it is RAM, a sleep there moves memory, frees none",
+                "choose a directory on a disk (NVMe best)",
+                fstype=fstype,
+                mount=point,
+            )
+        else:
+            self.add("snapshot dir", OK, f"{directory} is on {fstype} ({point})", fstype=fstype, mount=point)
+        free = free_bytes(probe)
+        needed = sum(p["bytes"] for a in self.agents for p in a.status.pools if p.get("keep"))
+        if needed and free < needed:
+            self.add(
+                "free space",
+                FAIL,
+                f"{human_bytes(free)} free at {probe}; the target keeps {human_bytes(needed)}",
+                "free space or choose another --to",
+                free_bytes=free,
+                needed_bytes=needed,
+            )
+        else:
+            what = f"; the target keeps {human_bytes(needed)}" if needed else ""
+            self.add(
+                "free space",
+                OK,
+                f"{human_bytes(free)} free at {probe}{what}",
+                free_bytes=free,
+                needed_bytes=needed,
+            )
+        if not os.access(probe, os.W_OK | os.X_OK):
+            self.add(
+                "direct I/O", WARN, f"cannot probe: {probe} is not writable by you", "choose another --to"
+            )
+        elif direct_io_supported(probe):
+            self.add("direct I/O", OK, f"{fstype} accepts O_DIRECT: snapshots bypass the page cache")
+        else:
+            self.add(
+                "direct I/O",
+                WARN,
+                f"{fstype} refuses O_DIRECT: buffered I/O (slower, and it passes through the page cache)",
+                "a local disk filesystem (ext4, xfs) takes direct I/O",
+            )
