@@ -84,7 +84,7 @@ class Control:
 
 
 def fleet_of(control: Control, **table: Any) -> Fleet:
-    return Fleet(specs(**table), control, Recorder(STATES), idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    return Fleet(specs(**table), control, Recorder(STATES), idle_limit=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
 
 
 def refused_wake(fleet: Fleet) -> ApiError:

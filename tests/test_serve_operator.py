@@ -165,7 +165,7 @@ def test_a_start_that_finds_no_room_in_time_names_its_start_timeout() -> None:
             ]
         }
     ).backends
-    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=1 << 30)  # type: ignore[arg-type]
+    fleet = Fleet(specs, None, Recorder(STATES), idle_limit=None, wake_timeout=300.0, budget=1 << 30)  # type: ignore[arg-type]
     busy = fleet.backends["b"]
     busy.state, busy.in_flight = State.AWAKE, 1  # holds memory, and cannot be put to sleep now
     with pytest.raises(NoRoomError, match=r"stayed busy past its start_timeout 8s$"):
@@ -223,7 +223,7 @@ def test_a_request_that_is_not_served_leaves_the_keep_alive_as_it_was() -> None:
     from hibernate.serve.backends import Fleet
 
     specs = config(backend_flags=["q=http://127.0.0.1:8001"]).backends
-    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=1.0, budget=None)  # type: ignore[arg-type]
+    fleet = Fleet(specs, None, Recorder(STATES), idle_limit=None, wake_timeout=1.0, budget=None)  # type: ignore[arg-type]
 
     async def refused(backend: Any) -> Any:
         raise ApiError(503, "busy", "ServiceUnavailableError")
@@ -255,8 +255,8 @@ def test_a_body_with_keep_alive_is_written_back_as_valid_compact_json_or_refused
 
 
 def test_a_backend_kept_alive_forever_is_not_idle_and_zero_is_idle_at_once() -> None:
-    forever = Candidate("a", State.AWAKE, 0, 0.0, 0, idle=math.inf)
-    at_once = Candidate("b", State.AWAKE, 0, 100.0, 0, idle=0.0)
+    forever = Candidate("a", State.AWAKE, 0, 0.0, 0, idle_limit=math.inf)
+    at_once = Candidate("b", State.AWAKE, 0, 100.0, 0, idle_limit=0.0)
     assert idle_due([forever, at_once], 100.0, 1.0) == ["b"]
 
 
@@ -310,7 +310,7 @@ def proxy_of(document: dict[str, Any], **given: Any) -> tuple[Proxy, Fleet, Reco
     reached: every answer below is the proxy's own)."""
     settings = config(document=document, **given)
     recorder = Recorder(STATES)
-    fleet = Fleet(settings.backends, None, recorder, idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    fleet = Fleet(settings.backends, None, recorder, idle_limit=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
     return Proxy(settings, fleet, recorder, None), fleet, recorder  # type: ignore[arg-type]
 
 
@@ -431,7 +431,7 @@ def test_a_request_for_a_model_started_on_demand_waits_for_its_start_timeout_if_
             ]
         }
     ).backends
-    fleet = Fleet(specs, None, Recorder(STATES), idle=None, wake_timeout=300.0, budget=None)  # type: ignore[arg-type]
+    fleet = Fleet(specs, None, Recorder(STATES), idle_limit=None, wake_timeout=300.0, budget=None)  # type: ignore[arg-type]
     assert [fleet.patience(b) for b in fleet.backends.values()] == [900.0, 300.0, 300.0]
 
 
@@ -481,7 +481,7 @@ def fleet_of_a_started_model(process: subprocess.Popen[bytes]) -> Any:
     specs = config(
         document={"backend": [{"name": "a", "url": "http://127.0.0.1:8001", "command": "x"}]}
     ).backends
-    fleet = Fleet(specs, AgentGone(), Recorder(STATES), idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    fleet = Fleet(specs, AgentGone(), Recorder(STATES), idle_limit=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
     backend = fleet.backends["a"]
     backend.state, backend.pid, backend.process = State.AWAKE, process.pid, process
     return fleet

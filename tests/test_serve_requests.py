@@ -33,7 +33,7 @@ def proxy_of(**document: Any) -> Proxy:
         gpu_budget=None, document=document,
     )  # fmt: skip
     recorder = Recorder(STATES)
-    fleet = Fleet(settings.backends, None, recorder, idle=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
+    fleet = Fleet(settings.backends, None, recorder, idle_limit=None, wake_timeout=5.0, budget=None)  # type: ignore[arg-type]
     proxy = Proxy(settings, fleet, recorder, None)  # type: ignore[arg-type]
     proxy.ready.set()
     return proxy

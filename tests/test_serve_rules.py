@@ -52,7 +52,7 @@ def config(**given: Any) -> Any:
 def test_flags_build_a_config_that_listens_on_localhost_by_default() -> None:
     settings = config(idle=300.0, gpu_budget="1.5GiB")
     assert (settings.host, settings.port, settings.is_local) == ("127.0.0.1", 8000, True)
-    assert settings.idle == 300.0 and settings.gpu_budget == 3 << 29 and not settings.measure_gpu
+    assert settings.idle_limit == 300.0 and settings.gpu_budget == 3 << 29 and not settings.measure_gpu
     named = config(backend_flags=["Qwen/Qwen3-8B=http://127.0.0.1:8001"]).backends[0]
     assert (named.name, named.model_names) == ("Qwen/Qwen3-8B", ("Qwen/Qwen3-8B",))  # vLLM's default name
     measured = config(gpu_budget="auto")
@@ -251,14 +251,14 @@ def test_idle_means_awake_nothing_in_flight_and_quiet_for_long_enough() -> None:
         candidate("asleep", State.ASLEEP, used=0.0),
         candidate("waking", State.WAKING, used=0.0),
     ]
-    assert idle_due(backends, now=100.0, idle=10.0) == ["quiet"]
-    assert idle_due(backends, now=100.0, idle=None) == []  # no --idle: never
+    assert idle_due(backends, now=100.0, idle_limit=10.0) == ["quiet"]
+    assert idle_due(backends, now=100.0, idle_limit=None) == []  # no --idle: never
     own = [
-        Candidate("patient", State.AWAKE, 10, 0.0, 0, idle=200.0),
-        Candidate("eager", State.AWAKE, 10, 95.0, 0, idle=1.0),
+        Candidate("patient", State.AWAKE, 10, 0.0, 0, idle_limit=200.0),
+        Candidate("eager", State.AWAKE, 10, 95.0, 0, idle_limit=1.0),
     ]
-    assert idle_due(own, now=100.0, idle=10.0) == ["eager"]  # a backend's own idle time wins
-    assert idle_due(own, now=100.0, idle=None) == ["eager"]
+    assert idle_due(own, now=100.0, idle_limit=10.0) == ["eager"]  # a backend's own idle time wins
+    assert idle_due(own, now=100.0, idle_limit=None) == ["eager"]
 
 
 def test_room_is_made_from_the_least_recently_used_idle_backend() -> None:

@@ -98,13 +98,15 @@ class Backend:
     gpu: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
     leases: BackendLeases | None = None  # links to its agents, opened by the first request
     linking: asyncio.Lock = field(default_factory=asyncio.Lock)  # one opening of the links at a time
-    keep_alive: float | None = None  # the last request's keep-alive, in place of its idle time
+    keep_alive: float | None = None  # the last request's keep-alive, in place of its idle limit
     process: subprocess.Popen[bytes] | None = None  # started by the proxy (its command)
     log: Path | None = None  # where that process writes
 
     @property
-    def idle(self) -> float | None:
-        return self.keep_alive if self.keep_alive is not None else self.spec.idle
+    def idle_limit(self) -> float | None:
+        """How long it may go unused before it is put to sleep: the last request's keep-alive, else its
+        own limit; None: the proxy's."""
+        return self.keep_alive if self.keep_alive is not None else self.spec.idle_limit
 
     @property
     def name(self) -> str:
@@ -118,7 +120,7 @@ class Backend:
             self.last_used,
             self.in_flight,
             self.gpu,
-            self.idle,
+            self.idle_limit,
         )
 
     def view(self, now: float) -> dict[str, Any]:
@@ -146,7 +148,7 @@ class Fleet:
         control: BackendControl,
         recorder: Recorder,
         *,
-        idle: float | None,
+        idle_limit: float | None,
         wake_timeout: float,
         budget: int | None,
         measure_gpu: bool = False,
@@ -154,7 +156,7 @@ class Fleet:
         self.backends = {spec.name: Backend(spec) for spec in specs}
         self.control = control
         self.recorder = recorder
-        self.idle = idle
+        self.idle_limit = idle_limit
         self.wake_timeout = wake_timeout
         self.budget = budget
         self.measure_gpu = measure_gpu
@@ -208,7 +210,7 @@ class Fleet:
         counted in flight until the block ends (a streamed answer: until its last byte).
 
         ``keep_alive`` (seconds; 0: sleep once this request ends; inf: no idle sleep) takes the place
-        of the backend's idle time until the next request, which sets its own (or none: the idle time
+        of the backend's idle limit until the next request, which sets its own (or none: the idle limit
         configured)."""
         backend = self.backends[name]
         backend.last_used = time.monotonic()  # no idle sleep of ours begins while it takes its leases
@@ -257,7 +259,7 @@ class Fleet:
         return backend
 
     async def sleep_now(self, name: str) -> TransitionOutcome:
-        """Put ``name`` to sleep now, whatever its idle time, once any transition under way has ended.
+        """Put ``name`` to sleep now, whatever its idle limit, once any transition under way has ended.
         Requests in flight through the proxy hold it awake: the sleep waits for them briefly, then gives
         up (busy). A backend not awake is left as it is."""
         backend = self.backends[name]
@@ -682,9 +684,9 @@ class Fleet:
     # -- idle -------------------------------------------------------------------------
 
     def sleep_idle(self, now: float) -> list[asyncio.Task[TransitionOutcome]]:
-        """Start the sleep of every backend idle past its idle time; the tasks started."""
+        """Start the sleep of every backend unused past its idle limit; the tasks started."""
         started = []
-        for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle):
+        for name in idle_due([b.candidate() for b in self.backends.values()], now, self.idle_limit):
             backend = self.backends[name]
             why = "keep-alive 0" if backend.keep_alive == 0 else "idle"  # the log says which asked for it
             started.append(self._begin(backend, State.SLEEPING, self._sleep(backend, why)))
@@ -694,8 +696,9 @@ class Fleet:
         """Forever: put idle backends to sleep (looking a few times per ``--idle`` period), and every
         ``refresh`` seconds read back the real state of those at rest (a ``hibernate sleep`` or
         ``wake`` run by hand behind the proxy's back)."""
-        idles = [t for t in (self.idle, *(b.spec.idle for b in self.backends.values())) if t is not None]
-        tick = min(1.0, min(idles) / 4) if idles else 1.0  # a request's keep-alive can be short too
+        configured = (self.idle_limit, *(b.spec.idle_limit for b in self.backends.values()))
+        limits = [t for t in configured if t is not None]
+        tick = min(1.0, min(limits) / 4) if limits else 1.0  # a request's keep-alive can be short too
         last_refresh = time.monotonic()
         while True:
             await asyncio.sleep(tick)

@@ -83,7 +83,7 @@ class BackendSpec:
     models: tuple[str, ...] = ()
     prefix: str | None = None
     pid: int | None = None
-    idle: float | None = None  # its own --idle (serve.toml), else the proxy's
+    idle_limit: float | None = None  # its own idle limit (``idle`` in serve.toml), else the proxy's
     probes: tuple[tuple[str, str], ...] = DEFAULT_PROBES  # path (under its prefix) -> PROBE_* action
     # Started on demand: by the first request for it when nothing listens on its address.
     command: tuple[str, ...] = ()
@@ -138,7 +138,7 @@ class ServeConfig:
     port: int
     to: Path
     backends: tuple[BackendSpec, ...]
-    idle: float | None = None  # None: never put to sleep for being idle
+    idle_limit: float | None = None  # --idle: unused this long, a backend is put to sleep (None: never)
     wake_timeout: float = 300.0
     sleep_timeout: float = 120.0  # the --timeout of each sleep (drain and quiesce)
     gpu_budget: int | None = None  # bytes of tracked memory that may be awake at once
@@ -554,7 +554,7 @@ def build_config(
         port=port,
         to=Path(directory),
         backends=check_backends(backends),
-        idle=check_seconds(idle_value, idle_label) if idle_value is not None else None,
+        idle_limit=check_seconds(idle_value, idle_label) if idle_value is not None else None,
         wake_timeout=check_seconds(*given(wake_timeout, "--wake-timeout", "wake_timeout", 300.0)),
         sleep_timeout=check_seconds(*given(None, "", "sleep_timeout", 120.0)),
         gpu_budget=parse_size(budget, budget_label) if budget not in (None, AUTO) else None,

@@ -3,7 +3,7 @@
 A backend's state (:class:`State`) is the one word the proxy keeps for it; a
 :class:`Candidate` is what a decision reads of one backend at one instant. Two
 decisions are made from them: which awake backends have gone unused past their
-idle time (:func:`idle_due`), and what a wake or a start needs done to fit the
+idle limit (:func:`idle_due`), and what a wake or a start needs done to fit the
 GPU budget (:func:`plan_room`, :func:`plan_room_measured`, :func:`plan_start`).
 They live apart from :mod:`.backends`, which acts on them, so that they are
 tested on their own, without a proxy, an agent or an event loop.
@@ -43,15 +43,15 @@ class Candidate:
     last_used: float
     in_flight: int
     gpu: Mapping[str, int] = field(default_factory=dict)  # GPU UUID -> bytes, as last seen awake
-    idle: float | None = None  # its own idle time, if it has one
+    idle_limit: float | None = None  # its own idle limit, if it has one (a keep-alive's, or serve.toml's)
 
 
-def idle_due(backends: Sequence[Candidate], now: float, idle: float | None) -> list[str]:
-    """Awake backends with nothing in flight and no request for their idle time (their own, else
-    ``idle``; neither: never)."""
+def idle_due(backends: Sequence[Candidate], now: float, idle_limit: float | None) -> list[str]:
+    """Awake backends with nothing in flight and no request for their idle limit (their own, else
+    ``idle_limit``, the proxy's; neither: never)."""
     due = []
     for b in backends:
-        limit = b.idle if b.idle is not None else idle
+        limit = b.idle_limit if b.idle_limit is not None else idle_limit
         if (
             limit is not None
             and limit != math.inf
@@ -84,9 +84,9 @@ def plan_room(need: int, budget: int, others: Sequence[Candidate]) -> Room:
     held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
     if sum(o.tracked_bytes for o in held) + need <= budget:
         return Room("fits")
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    sleep_candidates = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if sleep_candidates:
+        return Room("evict", min(sleep_candidates, key=lambda o: o.last_used).name)
     return Room("wait")
 
 
@@ -99,9 +99,9 @@ def plan_start(others: Sequence[Candidate]) -> Room:
     held = [o for o in others if o.state in (State.AWAKE, State.WAKING, State.SLEEPING)]
     if not held:
         return Room("fits")
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    sleep_candidates = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if sleep_candidates:
+        return Room("evict", min(sleep_candidates, key=lambda o: o.last_used).name)
     return Room("wait")
 
 
@@ -119,7 +119,7 @@ def plan_room_measured(need: Mapping[str, int], free: Mapping[str, int], others:
         for o in others
         if o.state in (State.AWAKE, State.WAKING, State.SLEEPING) and any(o.gpu.get(u, 0) for u in short)
     ]
-    idle = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
-    if idle:
-        return Room("evict", min(idle, key=lambda o: o.last_used).name)
+    sleep_candidates = [o for o in held if o.state is State.AWAKE and o.in_flight == 0]
+    if sleep_candidates:
+        return Room("evict", min(sleep_candidates, key=lambda o: o.last_used).name)
     return Room("wait") if held else Room("never")

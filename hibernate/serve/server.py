@@ -125,7 +125,7 @@ async def serve(config: ServeConfig) -> None:
         config.backends,
         control,
         recorder,
-        idle=config.idle,
+        idle_limit=config.idle_limit,
         wake_timeout=config.wake_timeout,
         budget=config.gpu_budget,
         measure_gpu=config.measure_gpu,
@@ -144,7 +144,7 @@ async def serve(config: ServeConfig) -> None:
         logger=HTTP_LOG,  # a request it cannot serve: one line, never a traceback (httplog)
     )
     await runner.setup()
-    idle: asyncio.Future[None] | None = None
+    watching: asyncio.Future[None] | None = None  # the idle sleeps and the reading back of states
     started: subprocess.Popen[bytes] | None = None
     try:
         await listen(runner, config)
@@ -165,12 +165,12 @@ async def serve(config: ServeConfig) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        idle = asyncio.ensure_future(fleet.watch())
+        watching = asyncio.ensure_future(fleet.watch())
         await stop.wait()
         log.info("stopping: no new requests; those in flight have %gs to finish", limits.shutdown_timeout)
     finally:
-        if idle is not None:
-            idle.cancel()
+        if watching is not None:
+            watching.cancel()
         fleet.stop_starting()  # before the requests in flight are waited for: some wait for a start
         await runner.cleanup()
         await fleet.drain(limits.shutdown_timeout)
@@ -180,7 +180,7 @@ async def serve(config: ServeConfig) -> None:
         )
         await asyncio.to_thread(starter.stop, started, limits.shutdown_timeout)
         stopped += await fleet.stop_started(limits.shutdown_timeout)
-        if idle is not None:
+        if watching is not None:
             names = {name for name, _ in stopped}
             left = [(b.name, b.state.value) for b in fleet.backends.values() if b.name not in names]
             log.info("%s", shutdown_words(stopped, left))
