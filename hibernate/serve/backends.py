@@ -7,7 +7,7 @@ A request for a backend that is not awake starts its wake, or joins the one
 under way: one wake per transition, however many requests wait. The state
 kept here is what the proxy last saw, not the truth: a request is forwarded
 only once it holds a lease on every agent of the backend (:mod:`leases`),
-which the agents grant only while the process runs and which keeps it running
+which the agents grant only while the process is awake and which keeps it awake
 until given back. A refused lease says what the backend really is: asleep
 (put to sleep by another proxy or by hand: woken now), or in the middle of
 someone else's sleep or wake (waited for, then looked at again). A transition
@@ -303,7 +303,7 @@ class Fleet:
         return running
 
     async def _hold(self, backend: Backend) -> BackendLeases:
-        """The backend's leases, taken: at once if it runs, else after waking it or waiting for someone
+        """The backend's leases, taken: at once if it is awake, else after waking it or waiting for someone
         else's sleep or wake to end, within --wake-timeout (else a 503 that says why)."""
         if backend.state is State.AWAKE:
             verdict, leases = await self._take(backend)

@@ -4,7 +4,7 @@ For each backend the proxy keeps a connection open to every agent of its
 process tree. Before it forwards a request it takes a lease on each of them
 (one round trip, to all agents at once); once the answer has gone out it gives
 them back without waiting for the reply. A granted lease is the backend's real
-state, read at that instant: running, and kept so until given back, whoever
+state, read at that instant: awake, and kept so until given back, whoever
 else wants it asleep (another proxy, ``hibernate sleep`` by hand). A refusal
 says why: asleep (wake it), or an operation under way (wait for its end).
 
