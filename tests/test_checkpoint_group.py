@@ -324,7 +324,7 @@ def test_an_undo_that_would_run_out_of_gpu_memory_restores_nothing(
     world: World, tree: Tree, checkpointer_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU filled up between the checkpoint and the undo: no restore is attempted (it would wedge)."""
-    full = nvml.Snapshot(
+    full = nvml.DeviceReading(
         "test",
         [
             nvml.Gpu(
@@ -346,7 +346,7 @@ def test_a_process_nvml_cannot_see_is_unknown_not_free(
     world: World, tree: Tree, checkpointer_kind: str
 ) -> None:
     """In another pid namespace NVML lists no usage for the pid: the wake must not take that for zero."""
-    blind = nvml.Snapshot("test", [nvml.Gpu(0, "GPU-x", "x", 80 * GIB, 80 * GIB, 0, True, False, 0, {})])
+    blind = nvml.DeviceReading("test", [nvml.Gpu(0, "GPU-x", "x", 80 * GIB, 80 * GIB, 0, True, False, 0, {})])
     group = GroupCheckpoint(make(checkpointer_kind), gpus=lambda: blind)
     report = group.sleep(holders_of(tree, group.checkpointer))
     assert [p["gpus"] for p in report["processes"]] == [None, None, None]

@@ -92,9 +92,9 @@ def tree(world: World, start_tree: Callable[..., Tree], runtime_dir: Any) -> Tre
 
 def nvml_without_pids() -> Any:
     """NVML as inside a container: each GPU's used memory is read, the process list is empty."""
-    snapshot = nvml.snapshot()
+    snapshot = nvml.read_gpus()
     assert snapshot is not None
-    return nvml.Snapshot(
+    return nvml.DeviceReading(
         snapshot.driver_version, [dataclasses.replace(g, processes={}) for g in snapshot.gpus]
     )
 

@@ -48,7 +48,7 @@ def test_full_cycle_and_its_transitions(world: World, checkpointer_kind: str, sl
     cp = make(checkpointer_kind)
 
     def free() -> int:
-        snapshot = nvml.snapshot()
+        snapshot = nvml.read_gpus()
         assert snapshot is not None
         return snapshot.gpus[0].free
 

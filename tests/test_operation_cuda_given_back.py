@@ -28,8 +28,8 @@ def gpu(index: int, used: int, processes: dict[int, int]) -> nvml.Gpu:
 
 
 def test_given_back_per_gpu_and_per_listed_process() -> None:
-    before = nvml.Snapshot("d", [gpu(0, 30 * GIB, {7: 20 * GIB, 99: 10 * GIB}), gpu(1, 5 * GIB, {})])
-    after = nvml.Snapshot("d", [gpu(0, 11 * GIB, {99: 10 * GIB}), gpu(1, 6 * GIB, {})])
+    before = nvml.DeviceReading("d", [gpu(0, 30 * GIB, {7: 20 * GIB, 99: 10 * GIB}), gpu(1, 5 * GIB, {})])
+    after = nvml.DeviceReading("d", [gpu(0, 11 * GIB, {99: 10 * GIB}), gpu(1, 6 * GIB, {})])
     first, second = nvml.given_back(before, after, [7, 8], {"GPU-0": 18 * GIB})
     assert first == {
         "index": 0,

@@ -158,11 +158,11 @@ def memory_shortfalls(
     ]
 
 
-def room_check(needs: room.Needs, unknown: Sequence[int], snapshot: Any) -> dict[str, Any]:
-    """``needs`` (pid -> GPU UUID -> bytes) against each GPU's free memory in ``snapshot`` (None: no NVML)."""
+def room_check(needs: room.Needs, unknown: Sequence[int], reading: Any) -> dict[str, Any]:
+    """``needs`` (pid -> GPU UUID -> bytes) against each GPU's free memory in ``reading`` (None: no NVML)."""
     unknown = list(dict.fromkeys(unknown))
     needed = {pid: usage for pid, usage in needs.items() if usage}
-    if snapshot is None:
+    if reading is None:
         return {
             "checked": False,
             "reason": "NVML is not available",
@@ -170,7 +170,7 @@ def room_check(needs: room.Needs, unknown: Sequence[int], snapshot: Any) -> dict
             "shortfalls": [],
             "unknown": unknown,
         }
-    free = {gpu.uuid: gpu.free for gpu in snapshot.gpus}
+    free = {gpu.uuid: gpu.free for gpu in reading.gpus}
     return {
         "checked": True,
         "free": free,
@@ -208,8 +208,8 @@ def refuse_without_room(memory: Mapping[str, Any], force: bool) -> None:
     )
 
 
-def _used(snapshot: Any) -> dict[str, int]:
-    return {gpu.uuid: gpu.used for gpu in snapshot.gpus} if snapshot is not None else {}
+def _used(reading: Any) -> dict[str, int]:
+    return {gpu.uuid: gpu.used for gpu in reading.gpus} if reading is not None else {}
 
 
 def classify(error: CheckpointStepError, suffix: str = "") -> HibernateError:
@@ -371,7 +371,7 @@ class GroupCheckpoint:
 
         self.checkpointer = checkpointer
         self.timeouts = timeouts or StepTimeouts()
-        self.read_gpus = gpus or nvml.snapshot
+        self.read_gpus = gpus or nvml.read_gpus
         self.remember = remember
         self.after_step = after_step or (lambda step: None)
         self.force = force
@@ -419,19 +419,19 @@ class GroupCheckpoint:
                 self._unreadable[pid] = str(getattr(outcome.error, "message", outcome.error))
         return states
 
-    def _snapshot(self) -> Any:
+    def _read_gpus_now(self) -> Any:
         """The GPUs now, or None: a broken NVML must not stop a sleep or wake, it only informs them."""
         try:
             return self.read_gpus()
         except Exception:
             return None
 
-    def _usage(self, snapshot: Any, pids: Sequence[int]) -> dict[int, dict[str, int] | None]:
-        if snapshot is None:
+    def _usage(self, reading: Any, pids: Sequence[int]) -> dict[int, dict[str, int] | None]:
+        if reading is None:
             return {pid: None for pid in pids}
         # A CUDA process holds at least its context: nothing listed means NVML cannot see it (another
         # pid namespace), not that it needs nothing.
-        return {pid: snapshot.usage_of(pid) or None for pid in pids}
+        return {pid: reading.usage_of(pid) or None for pid in pids}
 
     def _report(
         self, status: str, tracked: Mapping[int, _Tracked], started: float, **extra: Any
@@ -450,7 +450,7 @@ class GroupCheckpoint:
         """Lock every holder, then checkpoint every holder; on failure undo and raise."""
         started = time.perf_counter()
         tracked = {h.pid: _Tracked(h, h.state) for h in holders}
-        before = self._snapshot()
+        before = self._read_gpus_now()
         self._used_before = _used(before)
         usage = self._usage(before, list(tracked))
         for pid, entry in tracked.items():
@@ -483,7 +483,7 @@ class GroupCheckpoint:
 
     def _remember(self, tracked: Mapping[int, _Tracked], pids: Sequence[int]) -> None:
         """Measure what the checkpoint gave back per GPU, and keep it, per process, for the wake's check."""
-        self.drop = room.device_drop(self._used_before, _used(self._snapshot()))
+        self.drop = room.device_drop(self._used_before, _used(self._read_gpus_now()))
         if self.remember:
             for pid in pids:
                 entry = tracked[pid]
@@ -559,7 +559,7 @@ class GroupCheckpoint:
         cuda, unknown = room.cuda_needs(found)
         pool_needs, pool_unknown = self.pools
         needs = room.remap(room.combine(cuda, pool_needs), self.gpu_map)
-        return room_check(needs, [*unknown, *pool_unknown], self._snapshot())
+        return room_check(needs, [*unknown, *pool_unknown], self._read_gpus_now())
 
     def wake(self, holders: Sequence[Holder]) -> dict[str, Any]:
         """Restore every checkpointed holder, then unlock every locked one, from their real states."""

@@ -70,7 +70,7 @@ class Gpu:
 
 
 @dataclass
-class Snapshot:
+class DeviceReading:
     """One reading of every GPU."""
 
     driver_version: str | None
@@ -153,7 +153,7 @@ def _processes(lib: ctypes.CDLL, handle: ctypes.c_void_p) -> dict[int, int]:
     }
 
 
-def snapshot() -> Snapshot | None:
+def read_gpus() -> DeviceReading | None:
     """Every GPU's state now, or None when NVML is not there or does not start."""
     with _lock:
         lib = _load()
@@ -167,7 +167,7 @@ def snapshot() -> Snapshot | None:
             count = ctypes.c_uint(0)
             get_count = getattr(lib, "nvmlDeviceGetCount_v2", None) or lib.nvmlDeviceGetCount
             if get_count(ctypes.byref(count)) != NVML_SUCCESS:
-                return Snapshot(driver, [])
+                return DeviceReading(driver, [])
             get_handle = getattr(lib, "nvmlDeviceGetHandleByIndex_v2", None) or lib.nvmlDeviceGetHandleByIndex
             gpus = []
             for index in range(count.value):
@@ -192,14 +192,14 @@ def snapshot() -> Snapshot | None:
                         processes=_processes(lib, handle),
                     )
                 )
-            return Snapshot(driver, gpus)
+            return DeviceReading(driver, gpus)
         finally:
             if hasattr(lib, "nvmlShutdown"):
                 lib.nvmlShutdown()
 
 
 def given_back(
-    before: Snapshot, after: Snapshot, pids: list[int], tracked: dict[str, int] | None
+    before: DeviceReading, after: DeviceReading, pids: list[int], tracked: dict[str, int] | None
 ) -> list[dict[str, Any]]:
     """Per GPU, what a sleep really gave back: ``used`` before and after, beside the bytes it tracked.
 

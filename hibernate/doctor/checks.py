@@ -46,7 +46,7 @@ class Examination:
         self.binary_path = binary_path
         self.driver = driver.probe()
         self.binary = binary.probe(binary_path)
-        self.gpus = nvml.snapshot()
+        self.gpus = nvml.read_gpus()
         self.checks: list[Check] = []
         self.checkpointer: Any = None
         self.processes: list[int] = []

@@ -182,14 +182,14 @@ class CudaStage:
 
     def read_gpus_before(self) -> None:
         """Read every GPU before the sleep changes anything (NVML; nothing where it cannot be read)."""
-        self._gpus_before = nvml.snapshot()
+        self._gpus_before = nvml.read_gpus()
 
     def given_back(
         self, processes: Sequence[int], pool_bytes: Mapping[int, Mapping[str, int]]
     ) -> list[dict[str, Any]] | None:
         """Per GPU, ``used`` before and after the sleep beside the pools' bytes there; None without NVML."""
         before = self._gpus_before
-        after = nvml.snapshot() if before is not None else None
+        after = nvml.read_gpus() if before is not None else None
         if before is None or after is None:
             return None
         needs, unplaced = self._placed(pool_bytes, after)
@@ -311,8 +311,8 @@ class CudaStage:
         """``--device-map`` as GPU UUIDs, refused unless it covers every GPU a checkpointed holder was on."""
         if not self.options.device_map:
             return None
-        snapshot = nvml.snapshot()
-        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)] if snapshot else None
+        reading = nvml.read_gpus()
+        uuids = [gpu.uuid for gpu in sorted(reading.gpus, key=lambda gpu: gpu.index)] if reading else None
         gpu_map = room.resolve_device_map(self.options.device_map, uuids)
         on = {
             h.pid: room.gpus_of(records.load(h.identity))
@@ -340,17 +340,17 @@ class CudaStage:
         """What each process's pools will map back per GPU UUID, and the processes that cannot be placed."""
         if not any(pool_bytes.values()):
             return {}, []
-        return self._placed(pool_bytes, nvml.snapshot())
+        return self._placed(pool_bytes, nvml.read_gpus())
 
     @staticmethod
-    def _placed(pool_bytes: Mapping[int, Mapping[str, int]], snapshot: Any) -> tuple[Any, list[int]]:
+    def _placed(pool_bytes: Mapping[int, Mapping[str, int]], reading: Any) -> tuple[Any, list[int]]:
         """Pool bytes per process and GPU UUID (placed through CUDA_VISIBLE_DEVICES), and the unplaced."""
         wanted = {pid: dict(devices) for pid, devices in pool_bytes.items() if devices}
         if not wanted:
             return {}, []
-        if snapshot is None:
+        if reading is None:
             return {}, list(wanted)
-        uuids = [gpu.uuid for gpu in sorted(snapshot.gpus, key=lambda gpu: gpu.index)]
+        uuids = [gpu.uuid for gpu in sorted(reading.gpus, key=lambda gpu: gpu.index)]
         return room.pool_needs(wanted, {pid: procinfo.environment(pid) for pid in wanted}, uuids)
 
     def _check_pools(self, pools: tuple[Any, list[int]], report: dict[str, Any]) -> dict[str, Any]:
@@ -358,7 +358,7 @@ class CudaStage:
         needs, unknown = pools
         if not needs and not unknown:
             return report
-        memory = room_check(needs, unknown, nvml.snapshot())
+        memory = room_check(needs, unknown, nvml.read_gpus())
         refuse_without_room(memory, self.options.force)
         report["memory"] = memory
         return report

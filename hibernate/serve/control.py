@@ -32,11 +32,11 @@ class Inspection:
     recovered: str | None = None  # what a recovery did first, if one was needed
 
 
-def gpu_usage(snapshot: nvml.Snapshot, pids: set[int]) -> dict[str, int]:
+def gpu_usage(reading: nvml.DeviceReading, pids: set[int]) -> dict[str, int]:
     """GPU UUID -> bytes the processes ``pids`` hold there, from one NVML reading."""
     usage: dict[str, int] = {}
     for pid in pids:
-        for uuid, nbytes in snapshot.usage_of(pid).items():
+        for uuid, nbytes in reading.usage_of(pid).items():
             usage[uuid] = usage.get(uuid, 0) + nbytes
     return usage
 
@@ -147,7 +147,7 @@ class BackendControl:
 
     def gpu_usage(self, pid: int) -> dict[str, int]:
         """What the backend's process tree holds on each GPU now (NVML; empty without it)."""
-        reading = nvml.snapshot()
+        reading = nvml.read_gpus()
         if reading is None:
             return {}
         return gpu_usage(reading, {pid, *procinfo.descendants(pid)})
@@ -167,7 +167,7 @@ class BackendControl:
 
     def gpu_free(self) -> dict[str, int]:
         """Free bytes of each GPU now (NVML; empty without it)."""
-        reading = nvml.snapshot()
+        reading = nvml.read_gpus()
         return {gpu.uuid: gpu.free for gpu in reading.gpus} if reading is not None else {}
 
     def status(self, pid: int | None) -> list[dict[str, Any]]:
