@@ -29,6 +29,28 @@ Words, each with one meaning:
 
 The JSON reports keep the key ``phases`` for the seconds of each step.
 
+The same rule over the whole package: a word names one thing in code, whatever
+older words the wire, the JSON documents, the flags or serve.toml keep.
+
+    kind         a kind of target (:mod:`.registry`: ``agent``, ``vLLM``), named by an agent's
+                 ``sleep_driver``; never what the program runs on
+    runtime      what a target's program runs on (``torch``, ``vllm``): the wire key ``kind``
+                 (the agent's own ``Agent.kind`` still); a *runtime directory* is another thing:
+                 where agents' sockets and journals live (:mod:`hibernate.agent.paths`)
+    snapshot     memory written to disk: ``snap-N`` under a spill root, with its manifest; never a
+                 reading of the GPUs (a ``DeviceReading``, :func:`hibernate.checkpoint.nvml.read_gpus`)
+    spill root   one process's directory of snapshots (:mod:`hibernate.store.layout`), under the
+                 ``--to`` directory
+    directory    where a request's snapshots go: the wire key ``dir``
+    awake        a target (or a serve backend) whose memory is on the GPU; an agent's state says
+                 ``running`` (``AgentState.RUNNING``, the wire's word), serve's states ``awake``
+    running      a process that exists (started, not exited); for awake, only in ``AgentState``
+    idle limit   how long serve lets a backend go unused before it puts it to sleep (``--idle``, a
+                 backend's ``idle``, a request's keep-alive in its place): ``idle_limit``
+    sleep candidates  the awake backends with nothing in flight that serve may put to sleep
+    transition outcome  how one of serve's starts, wakes or sleeps ended (``TransitionOutcome``)
+    call result  how one call run by :mod:`hibernate.threads` ended: value or error, and seconds
+
 An agent's status and state are read through :mod:`hibernate.agent.wire` (``AgentStatus``,
 ``AgentState``), never as words. There a *kind* is only a kind of target (the registry's
 ``agent``, ``vLLM``, which an agent names as its ``sleep_driver``): what the wire key ``kind``
