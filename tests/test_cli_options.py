@@ -13,8 +13,8 @@ import pytest
 
 from hibernate import orchestrator
 from hibernate.checkpoint.base import StepTimeouts
-from hibernate.operation.options import options_from_flags
 from hibernate.errors import UsageError
+from hibernate.operation.options import options_from_flags
 
 
 def test_no_flags_are_the_orchestrator_s_defaults() -> None:

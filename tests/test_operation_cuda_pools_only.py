@@ -14,9 +14,9 @@ import pytest
 
 from hibernate import orchestrator
 from hibernate.checkpoint import detect
-from hibernate.operation.options import options_from_flags
 from hibernate.errors import ExitCode, UsageError
 from hibernate.operation.cuda import CudaStage
+from hibernate.operation.options import options_from_flags
 from tests.standins.world import GIB, World
 
 EVERY_STEP = ("init", "state", "lock", "checkpoint", "restore", "unlock", "restore-tid")
