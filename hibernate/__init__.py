@@ -194,7 +194,7 @@ def _pool_provider(tag: str, keep: bool) -> tuple[Any, Any]:
     existing = agent.pool(pool.name)
     if existing is not None and existing is not pool:
         raise UsageError(
-            f"this process's {pool.name} allocations are already hibernated by {agent.kind} "
+            f"this process's {pool.name} allocations are already hibernated by {agent.runtime} "
             "(in a vLLM worker, vLLM's sleep mode does it): hibernate.pool() cannot take them too",
             hint="allocate through vLLM's own pools there, or set HIBERNATE_POOL_PROVIDER=torch_memory_saver",
         )

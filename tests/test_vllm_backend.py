@@ -100,7 +100,7 @@ def make_world(
     allocator = StandInCuMemAllocator(reservations)
     contents = populate(allocator, LAYOUT)
     memory = HostDeviceMemory(reservations)
-    agent = Agent(procinfo.identity(os.getpid()), name=AGENT_NAME, kind="test")  # type: ignore[arg-type]
+    agent = Agent(procinfo.identity(os.getpid()), name=AGENT_NAME, runtime="test")  # type: ignore[arg-type]
     env = {"HIBERNATE_DIR": str(spill_dir), **STAGING, **(environ or {})}
     backend = HibernateBackend(
         allocator=allocator,

@@ -64,7 +64,7 @@ def test_loading_the_plugins_again_and_again_is_harmless(clean_vllm: None) -> No
     register()
     assert SleepModeBackendFactory.get_backend_class("hibernate") is HibernateBackend
     agent = local_agent()
-    assert agent.kind == "vllm" and agent.status()["sleep_driver"] == "vLLM"
+    assert agent.runtime == "vllm" and agent.status()["sleep_driver"] == "vLLM"
     assert isinstance(agent.pool(CuMemPool.name), CuMemPool)
     assert [p.name for p in agent._pools] == [CuMemPool.name]
 
@@ -121,7 +121,7 @@ def test_without_its_control_socket_the_process_still_gets_an_agent_for_the_back
     monkeypatch.setattr(hibernate.agent.server, "AgentServer", unbindable)
     with caplog.at_level(logging.WARNING, logger="vllm.hibernate"):
         agent = integration._process_agent()
-    assert agent.kind == "vllm" and isinstance(agent.pool(CuMemPool.name), CuMemPool)
+    assert agent.runtime == "vllm" and isinstance(agent.pool(CuMemPool.name), CuMemPool)
     assert "control socket not started" in caplog.text
 
 

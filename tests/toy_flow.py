@@ -107,7 +107,7 @@ def serve(ready: Path) -> int:
     from hibernate.agent.controller import SleepDriver
     from hibernate.agent.local import local_agent
 
-    agent = local_agent(name="toy", kind="toy")
+    agent = local_agent(name="toy", runtime="toy")
     agent.sleep_driver = SleepDriver(KIND, "hibernate sleep PID, with the toy flow registered")
     ready.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid()}))
     os.replace(ready.with_suffix(".tmp"), ready)

@@ -75,11 +75,11 @@ class AgentClient:
         args: dict[str, Any] | None = None,
         *,
         progress: ProgressFn | None = None,
-        idle_timeout: float | None = None,
+        silence_timeout: float | None = None,
     ) -> dict[str, Any]:
-        """Send one request and wait for its result; ``idle_timeout`` bounds silence, not length."""
+        """Send one request and wait for its result; ``silence_timeout`` bounds silence, not length."""
         request_id = next(self._ids)
-        self._sock.settimeout(idle_timeout if idle_timeout is not None else self.timeout)
+        self._sock.settimeout(silence_timeout if silence_timeout is not None else self.timeout)
         try:
             try:
                 protocol.send(self._sock, protocol.request(request_id, op, args))
@@ -109,7 +109,7 @@ class AgentClient:
                     return result if isinstance(result, dict) else {}
                 raise AgentConnectionLostError(f"unexpected reply from the agent at {self.path}: {message!r}")
         except TimeoutError as exc:
-            waited = idle_timeout if idle_timeout is not None else self.timeout
+            waited = silence_timeout if silence_timeout is not None else self.timeout
             raise HibernateTimeoutError(
                 f"the agent at {self.path} did not answer {op!r} within {waited:g}s"
             ) from exc

@@ -215,11 +215,11 @@ def _draw_token() -> str:
 
 
 class Agent:
-    def __init__(self, identity: ProcessIdentity, name: str | None = None, kind: str = "torch") -> None:
+    def __init__(self, identity: ProcessIdentity, name: str | None = None, runtime: str = "torch") -> None:
         self.identity = identity
         self.name = name or f"proc-{identity.pid}"
         self.owner = Owner.current()
-        self.kind = kind
+        self.runtime = runtime  # what the program runs on ("torch", "vllm"): the status's "kind"
         self.guard = Guard()
         self.leases = Leases()
         self.token = secrets.token_hex(8)
@@ -295,7 +295,7 @@ class Agent:
             pid_namespace=procinfo.pid_namespace(),
             uid=os.getuid(),
             name=self.name,
-            runtime=self.kind,
+            runtime=self.runtime,
             state=state,
             busy=owner,
             guard_holders=self.guard.holders,

@@ -42,7 +42,7 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def local_agent(*, name: str | None = None, kind: str = "torch", serve: bool | None = None) -> Agent:
+def local_agent(*, name: str | None = None, runtime: str = "torch", serve: bool | None = None) -> Agent:
     """This process's agent, created (and its socket opened, unless ``HIBERNATE_AGENT=0``) on first call.
 
     Opening the socket is tried once: where it fails, the agent stays unserved
@@ -54,7 +54,7 @@ def local_agent(*, name: str | None = None, kind: str = "torch", serve: bool | N
             ident = procinfo.identity(os.getpid())
             if ident is None:
                 raise HibernateError("cannot read this process's identity from /proc")
-            _agent = Agent(ident, name=name, kind=kind)
+            _agent = Agent(ident, name=name, runtime=runtime)
         if serve is None:
             serve = os.environ.get("HIBERNATE_AGENT", "1") != "0"
         if serve and _server is None and _unserved is None:

@@ -134,14 +134,18 @@ class AgentsUnit(Unit):
         for member in self.members:
             if holds_leases(member.begun):
                 member.call(
-                    "close_leases", WaitArgs(timeout).to_wire(), idle_timeout=timeout + options.agent_timeout
+                    "close_leases",
+                    WaitArgs(timeout).to_wire(),
+                    silence_timeout=timeout + options.agent_timeout,
                 )
 
     def quiesce(self) -> None:
         timeout = self.ctx.options.quiesce_timeout
         for member in self.members:
             member.call(
-                "quiesce", WaitArgs(timeout).to_wire(), idle_timeout=timeout + self.ctx.options.agent_timeout
+                "quiesce",
+                WaitArgs(timeout).to_wire(),
+                silence_timeout=timeout + self.ctx.options.agent_timeout,
             )
 
     def spill(self) -> None:
@@ -152,7 +156,7 @@ class AgentsUnit(Unit):
         timeout = self.ctx.options.agent_timeout
         spill = run_each(
             self.members,
-            lambda m: m.call("spill", args, progress=counter.for_member(m.pid), idle_timeout=timeout),
+            lambda m: m.call("spill", args, progress=counter.for_member(m.pid), silence_timeout=timeout),
             at_once=share.at_once,
         )
         raise_first_error(spill)
@@ -220,7 +224,7 @@ class AgentsUnit(Unit):
                     "restore",
                     args,
                     progress=counter.for_member(member.pid),
-                    idle_timeout=self.ctx.options.agent_timeout,
+                    silence_timeout=self.ctx.options.agent_timeout,
                 )
             except HibernateError as exc:
                 with lock:

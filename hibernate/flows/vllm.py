@@ -265,7 +265,7 @@ class VllmServerUnit(Unit):
             client = ref.connect(options.agent_timeout)
             self.gates.append(client)
             client.call(
-                "close_leases", WaitArgs(timeout).to_wire(), idle_timeout=timeout + options.agent_timeout
+                "close_leases", WaitArgs(timeout).to_wire(), silence_timeout=timeout + options.agent_timeout
             )
 
     def close(self) -> None:

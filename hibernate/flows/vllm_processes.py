@@ -186,7 +186,7 @@ def wake_directly(ref: AgentRef, options: Options) -> dict[str, Any]:
     """
     with ref.connect(options.agent_timeout) as client:
         client.call("begin")
-        restore = client.call("restore", options.io.to_args(), idle_timeout=options.agent_timeout)
+        restore = client.call("restore", options.io.to_args(), silence_timeout=options.agent_timeout)
         resume = client.call("resume")
     return {"restore": restore, "resume": resume}
 

@@ -114,7 +114,7 @@ from hibernate.pools.vllm import (
 log = logging.getLogger("vllm.hibernate")
 
 BACKEND_NAME = "hibernate"
-AGENT_RUNTIME = "vllm"  # what this agent says it runs on (the wire key `kind`; Agent.kind in the agent)
+AGENT_RUNTIME = "vllm"  # what this agent says it runs on (the wire key `kind`; Agent.runtime in the agent)
 DIR_ENV = "HIBERNATE_DIR"
 SELF_CHECKPOINT_ENV = "HIBERNATE_SELF_CHECKPOINT"
 BUFFER_ENV = "HIBERNATE_BUFFER_MB"
@@ -206,7 +206,7 @@ def _torch_rank() -> int | None:
 
 def _adopt(agent: Agent, *, with_pool: bool = True) -> Agent:
     """Mark an agent as a vLLM process's and (by default) give it this process's CuMemAllocator pool."""
-    agent.kind = AGENT_RUNTIME
+    agent.runtime = AGENT_RUNTIME
     agent.sleep_driver = (
         VLLM_SELF_CHECKPOINT_DRIVER if self_checkpoint_requested(os.environ, strict=False) else VLLM_DRIVER
     )
@@ -221,7 +221,7 @@ def _process_agent() -> Agent:
     Without its socket (agent.local.unserved_reason) the backend still works,
     driven by vLLM's own sleep and wake; only hibernate's commands are blind to it.
     """
-    agent = local_agent(name=worker_name(None, os.getpid()), kind=AGENT_RUNTIME)
+    agent = local_agent(name=worker_name(None, os.getpid()), runtime=AGENT_RUNTIME)
     unserved = unserved_reason()
     if unserved is not None:
         log.warning(

@@ -34,8 +34,8 @@ older words the wire, the JSON documents, the flags or serve.toml keep.
 
     kind         a kind of target (:mod:`.registry`: ``agent``, ``vLLM``), named by an agent's
                  ``sleep_driver``; never what the program runs on
-    runtime      what a target's program runs on (``torch``, ``vllm``): the wire key ``kind``
-                 (the agent's own ``Agent.kind`` still); a *runtime directory* is another thing:
+    runtime      what a target's program runs on (``torch``, ``vllm``): the wire key ``kind``,
+                 ``Agent.runtime`` in the agent; a *runtime directory* is another thing:
                  where agents' sockets and journals live (:mod:`hibernate.agent.paths`)
     snapshot     memory written to disk: ``snap-N`` under a spill root, with its manifest; never a
                  reading of the GPUs (a ``DeviceReading``, :func:`hibernate.checkpoint.nvml.read_gpus`)
@@ -50,6 +50,9 @@ older words the wire, the JSON documents, the flags or serve.toml keep.
     sleep candidates  the awake backends with nothing in flight that serve may put to sleep
     transition outcome  how one of serve's starts, wakes or sleeps ended (``TransitionOutcome``)
     call result  how one call run by :mod:`hibernate.threads` ended: value or error, and seconds
+    silence timeout  how long a client waits for an agent's next message, not for its whole answer
+                 (``AgentClient.call``); serve's ``[limits] idle_timeout`` closes a client's
+                 connection that sends no whole request
 
 An agent's status and state are read through :mod:`hibernate.agent.wire` (``AgentStatus``,
 ``AgentState``), never as words. There a *kind* is only a kind of target (the registry's

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hibernate.store.layout import SpillRoot, punch_unused
 from hibernate.store.manifest import ALIGNMENT, ChunkColumns, ChunkRef, FileIdentity, Manifest
-from hibernate.store.reusecheck import Outcome
+from hibernate.store.reusecheck import CheckFindings
 from hibernate.units import human_bytes
 
 REUSED_PREFIX = "reused-"
@@ -197,7 +197,7 @@ def previous_snapshot(root: SpillRoot, known: ReuseSource | None) -> ReuseSource
     return ReuseSource.of(latest) if latest is not None else None
 
 
-def rewritten_warnings(outcome: Outcome, origins: Mapping[str, str], previous: Path) -> list[str]:
+def rewritten_warnings(outcome: CheckFindings, origins: Mapping[str, str], previous: Path) -> list[str]:
     """One warning per file of the previous snapshot whose reused chunks the disk no longer held."""
     lost: dict[str, list[int]] = {}
     for ref in outcome.failed:

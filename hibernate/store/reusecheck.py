@@ -189,7 +189,7 @@ def reads_of(plan: Plan, positions: Sequence[int], request_bytes: int) -> list[R
 
 
 @dataclass
-class Outcome:
+class CheckFindings:
     """What the check found: the reused chunks the disk no longer holds, and what it read."""
 
     failed: list[ChunkRef] = field(default_factory=list)
@@ -228,7 +228,7 @@ class ReuseCheck:
         self._files: dict[str, DataFile | OSError] = {}
         self._pool: StagingPool | None = None
         self._lock = threading.Lock()
-        self.outcome = Outcome()
+        self.outcome = CheckFindings()
 
     def start(self, pipeline: Pipeline, budget: int, request_bytes: int) -> None:
         """Start reading and checking in ``pipeline``'s threads, with ``budget`` bytes of staging.

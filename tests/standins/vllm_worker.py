@@ -178,7 +178,7 @@ class Worker:
                 report = {
                     "pid": os.getpid(),
                     "agent_pid": agent.identity.pid,
-                    "kind": agent.kind,
+                    "kind": agent.runtime,
                     "socket": server_path(),
                     "pools": [p["pool"] for p in agent.status()["pools"]],
                 }
