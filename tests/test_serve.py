@@ -475,7 +475,9 @@ def test_a_wake_that_fails_answers_503_leaves_the_backend_asleep_and_the_next_re
 
     for _ in range(2):  # each request tries again, and fails again while the snapshot is damaged
         status, body = proxy.post(completion("demo"))
-        assert status == 503, body
+        # Seen once in a loaded full run: a 200 at once. What the proxy and the demo say then tells
+        # a wake that missed the damage from a request that never needed one.
+        assert status == 503, (body, body == before[1], demo.state(), proxy.log.read_text()[-4000:])
         error = json.loads(body)["error"]
         assert error["message"].startswith("backend demo could not be woken: ") and error["code"] == 503
         assert "checksum mismatch; the data on disk is corrupted" in error["message"], error["message"]
