@@ -59,6 +59,26 @@ def free_port() -> int:
     raise AssertionError(f"no free TCP port found between 10000 and {low}")
 
 
+def flip_a_bit_in_a_chunk(data_file: Path) -> None:
+    """Damage a snapshot's data file where its manifest says a chunk lies (a third into the largest).
+
+    Not at a fixed offset of the file: where the writer's threads place each chunk depends on which
+    stages first, and between chunks lie bytes no chunk refers to (a duplicate's staged copy, the
+    padding of a packed run), whose damage a wake rightly never sees.
+    """
+    chunks = json.loads((data_file.parent / "manifest.json").read_text())["chunks"]
+    here = [
+        (length, offset)
+        for name, offset, length in zip(chunks["file"], chunks["offset"], chunks["length"], strict=True)
+        if name == data_file.name
+    ]
+    assert here, f"no chunk of the manifest lies in {data_file}"
+    length, offset = max(here)
+    data = bytearray(data_file.read_bytes())
+    data[offset + length // 3] ^= 0x01
+    data_file.write_bytes(data)
+
+
 def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:
     """Where process ``pid`` (of this pid namespace) keeps its snapshots under ``base``.
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import ExitCode
-from tests.conftest import REPO
+from tests.conftest import REPO, flip_a_bit_in_a_chunk
 
 
 def sleep_json(cli: Any, pid: int, directory: Path) -> dict[str, Any]:
@@ -32,14 +32,8 @@ def state(cli: Any, pid: int) -> str:
     return value
 
 
-def flip_a_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    path.write_bytes(data)
-
-
 DAMAGE = {
-    "bit-flip": (flip_a_bit, r"checksum mismatch; the data on disk is corrupted"),
+    "bit-flip": (flip_a_bit_in_a_chunk, r"checksum mismatch; the data on disk is corrupted"),
     "truncated": (lambda p: os.truncate(p, p.stat().st_size // 2), r"is truncated: \d+ bytes, but"),
     "missing": (lambda p: p.unlink(), r"is missing \(needed by"),
 }
