@@ -195,6 +195,18 @@ class AgentStatus:
         wire.update(self.extra)
         return wire
 
+    def names_process(self, pid: int, start_time: int, pid_namespace: int | None) -> bool:
+        """Whether this is the answer of process ``pid`` started at ``start_time`` in ``pid_namespace``.
+
+        A socket named for another process is never trusted; the same pid and start tick in another
+        pid namespace is another process (two containers sharing a runtime directory). A namespace
+        the agent did not send (an older hibernate) or that cannot be read here matches; one it sent
+        that is no number never does.
+        """
+        if self.pid != pid or self.start_time != start_time or "pid_namespace" in self.extra:
+            return False
+        return self.pid_namespace is None or pid_namespace is None or self.pid_namespace == pid_namespace
+
     @property
     def snapshot_path(self) -> str | None:
         """Where the newest snapshot of the process is, if it has one."""

@@ -29,6 +29,16 @@ KINDS = ("auto", "driver", "binary", NONE)
 VALIDATED_DRIVER_API = 13000  # cuDriverGetVersion of driver 580; below it ``auto`` prefers the binary
 
 
+def check_choice(kind: str, binary_path: object = None) -> None:
+    """Refuse (UsageError) a ``--checkpointer`` that is none of KINDS, or a ``--cuda-checkpoint``
+    binary with a kind that uses none; every command checks its flags here before anything is
+    touched."""
+    if kind not in KINDS:
+        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
+    if binary_path and kind in ("driver", NONE):
+        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
+
+
 def choose(
     kind: str = "auto",
     binary_path: str | os.PathLike[str] | None = None,
@@ -43,10 +53,7 @@ def choose(
     from hibernate.checkpoint.binary import BinaryCheckpointer
     from hibernate.checkpoint.driver import DriverCheckpointer
 
-    if kind not in KINDS:
-        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary_path and kind in ("driver", "none"):
-        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
+    check_choice(kind, binary_path)
     if kind == NONE:
         return None, ["--checkpointer none: CUDA state is left on the GPU"]
     reasons: list[str] = []

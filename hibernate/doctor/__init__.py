@@ -60,11 +60,10 @@ def run(
 ) -> dict[str, Any]:
     """Every check for this machine (and ``pid``'s process tree when given)."""
     from hibernate import procinfo
-    from hibernate.checkpoint.selection import KINDS
-    from hibernate.errors import NoSuchProcessError, UsageError
+    from hibernate.checkpoint.selection import check_choice
+    from hibernate.errors import NoSuchProcessError
 
-    if kind not in KINDS:
-        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
+    check_choice(kind, binary_path)
     if pid is not None and procinfo.identity(pid) is None:
         raise NoSuchProcessError(f"no process with pid {pid}")
     return Doctor(pid, directory, kind, binary_path).run()

@@ -1,9 +1,5 @@
-"""What every check of ``hibernate doctor`` is, and what the checks share while they run.
-
-Every check answers ``ok``, ``warn`` (works, with a cost or a risk worth
-knowing) or ``fail`` (a sleep would be refused or would fail), and says how to
-fix what is not ok.
-"""
+"""What every check of ``hibernate doctor`` is (a name, ``ok``/``warn``/``fail``, its fix; the
+package docstring says what each word means), and what the checks share while they run."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,9 @@ class Member:
     def pid(self) -> int:
         return self.ref.pid
 
-    @property
+    @cached_property
     def begun(self) -> AgentStatus:
-        """Its agent's status when the operation began (its answer to ``begin``)."""
+        """Its agent's status when the operation began (its answer to ``begin``, asked once)."""
         return AgentStatus.from_wire(self.answers["begin"])
 
     @property

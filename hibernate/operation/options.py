@@ -17,7 +17,7 @@ from typing import Any
 
 from hibernate.agent.wire import TransferArgs
 from hibernate.checkpoint.base import Checkpointer, StepTimeouts
-from hibernate.checkpoint.selection import KINDS, NONE
+from hibernate.checkpoint.selection import NONE, check_choice
 from hibernate.environ import ALLOW_MOVES_ENV, SKIP_REUSE_CHECK_ENV, flag_or_env
 from hibernate.errors import UsageError
 from hibernate.limits import MIN_BUFFER_MB
@@ -29,29 +29,17 @@ IO_MODES = ("auto", "direct", "buffered")
 
 
 @dataclass(frozen=True)
-class IoOptions:
-    buffer_mb: int = 256
-    chunk_mb: int = 32
-    io_mode: str = "auto"
-    verify: bool = False  # read each snapshot back before its memory is released
-    # Reuse the previous snapshot's chunks without reading them back first (--skip-reuse-check).
-    skip_reuse_check: bool = False
-    # Move tracked CUDA memory even while the process has captured CUDA graphs (--allow-moves).
-    allow_moves: bool = False
+class IoOptions(TransferArgs):
+    """How the bytes of a sleep or wake move (``--buffer-mb``, ``--io-mode``, ``--verify``, ...):
+    the transfer arguments every agent is sent, with ``buffer_mb`` the whole command's staging
+    budget until :meth:`transfer` gives each process its share."""
 
     def transfer(self, buffer_mb: int | None = None) -> TransferArgs:
         """These options as a spill's or restore's arguments (``buffer_mb``: one process's share)."""
-        return TransferArgs(
-            buffer_mb=self.buffer_mb if buffer_mb is None else buffer_mb,
-            chunk_mb=self.chunk_mb,
-            io_mode=self.io_mode,
-            verify=self.verify,
-            skip_reuse_check=self.skip_reuse_check,
-            allow_moves=self.allow_moves,
-        )
+        return self if buffer_mb is None else replace(self, buffer_mb=buffer_mb)
 
     def to_args(self) -> dict[str, Any]:
-        return self.transfer().to_wire()
+        return self.to_wire()
 
 
 @dataclass(frozen=True)
@@ -209,10 +197,7 @@ def cuda_options(
                 f"--no-cuda means --checkpointer none; it cannot be used with --checkpointer {kind}"
             )
         kind = NONE
-    if kind not in KINDS:
-        raise UsageError(f"--checkpointer must be one of {', '.join(KINDS)}, not {kind!r}")
-    if binary is not None and kind in ("driver", "none"):
-        raise UsageError(f"--cuda-checkpoint names the binary; it cannot be used with --checkpointer {kind}")
+    check_choice(kind, binary)
     timeouts = StepTimeouts() if lock_timeout is None else StepTimeouts(lock=max(lock_timeout, 0.001))
     return CudaFlags(kind, str(binary) if binary is not None else None, timeouts)
 

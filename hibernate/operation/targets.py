@@ -107,13 +107,8 @@ def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> Age
     except AgentConnectionLostError:
         return None
     ref = AgentRef(ident, sock, answer)
-    if ref.status.pid != ident.pid or ref.status.start_time != ident.start_time:
-        return None  # a socket named for another process: never trusted
-    if "pid_namespace" in ref.status.extra:
-        return None  # a namespace that is no number cannot be this process's
-    theirs, ours = ref.status.pid_namespace, procinfo.pid_namespace(ident.pid)
-    if theirs is not None and ours is not None and theirs != ours:
-        return None  # the same pid and start tick in another pid namespace: another process
+    if not ref.status.names_process(ident.pid, ident.start_time, procinfo.pid_namespace(ident.pid)):
+        return None
     return ref
 
 
