@@ -216,7 +216,11 @@ def test_the_time_limit_warning_of_signal_b_usr1_puts_the_job_to_sleep(
     job_id, demo = wrapped_server_job(slurm, work_dir, "warned", "--time=2", "--signal=B:USR1@115")
     try:
         wait_until(
-            lambda: log_says(slurm, "warned", f"asleep: pid {demo.pid}"), 90, "the warning's sleep", 0.1
+            lambda: log_says(slurm, "warned", f"asleep: pid {demo.pid}"),
+            90,
+            "the warning's sleep",
+            0.1,
+            detail=lambda: (slurm.scratch / "warned.out").read_text()[-3000:],  # did the signal come?
         )
         assert list(work_dir.glob("*/snap-*/manifest.json"))
         assert slurm.run(["scancel", "--signal=USR2", "--batch", str(job_id)]).returncode == 0
