@@ -337,7 +337,10 @@ class ForkServer:
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One request; a server that does not answer in a minute fails the test that asked, rather
+        than every test after it at pytest's ten-minute limit."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(60)
             conn.connect(self.path)
             with conn.makefile("rw") as stream:
                 stream.write(json.dumps(message) + "\n")

@@ -21,13 +21,15 @@ import os
 import signal
 import socket
 import sys
-import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+# Written only by the SIGCHLD handler, read only while SIGCHLD is held. Python runs a signal handler
+# in the main thread, between two bytecodes of whatever that thread is doing: a lock shared with the
+# handler deadlocks the server the first time a child exits while the main thread holds it (a
+# status request waited on it for ten minutes). Holding the signal is the right exclusion.
 _exited: dict[int, int] = {}
-_lock = threading.Lock()
 
 
 def _reap(signum: int, frame: object) -> None:
@@ -38,8 +40,17 @@ def _reap(signum: int, frame: object) -> None:
             return
         if pid == 0:
             return
-        with _lock:
-            _exited[pid] = os.waitstatus_to_exitcode(status)
+        _exited[pid] = os.waitstatus_to_exitcode(status)
+
+
+@contextlib.contextmanager
+def _sigchld_held() -> Iterator[None]:
+    """No exit is recorded inside: SIGCHLD waits, and its handler runs when the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
 
 
 def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
@@ -104,16 +115,15 @@ def serve(path: str) -> None:
                 # exited long ago, whose exit status is kept. It is forgotten before the reaper can
                 # record the new one's (SIGCHLD is held until then), or status would call the new
                 # target dead at once.
-                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-                pid = os.fork()
-                if pid == 0:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-                    _become_target(request, listener, conn)
-                _exited.pop(pid, None)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                with _sigchld_held():
+                    pid = os.fork()
+                    if pid == 0:
+                        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                        _become_target(request, listener, conn)
+                    _exited.pop(pid, None)
                 stream.write(json.dumps({"pid": pid}) + "\n")
             elif request["op"] == "status":
-                with _lock:
+                with _sigchld_held():
                     code = _exited.get(request["pid"])
                 stream.write(json.dumps({"returncode": code}) + "\n")
 
