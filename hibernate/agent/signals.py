@@ -4,7 +4,7 @@ Slurm can warn a job before preempting it (``--signal=USR1@120``). A process
 that sets ``HIBERNATE_ON_SIGNAL=USR1`` (or passes ``on_signal`` to
 ``hibernate.track``) sleeps into ``HIBERNATE_DIR`` when that signal arrives,
 and wakes on ``HIBERNATE_WAKE_SIGNAL`` or on ``hibernate wake PID``. The work
-runs on its own thread: a signal handler runs on the main thread, which may
+runs on a thread of its own: a signal handler runs on the main thread, which may
 be inside ``hibernate.guard()``, and a sleep waits for the guard.
 
 Under ``hibernate run`` the wrapper does the sleep from outside (so the CUDA
@@ -15,9 +15,11 @@ ignores the signals, so that one sent to the whole job step does not kill it.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +33,29 @@ def _log(message: str) -> None:
     print(f"hibernate: {message}", file=sys.stderr, flush=True)
 
 
-def _in_background(work: Any, what: str) -> None:
-    def run() -> None:
-        try:
-            work()
-            _log(f"{what}: done")
-        except HibernateError as exc:
-            _log(f"{what} failed: {exc}")
+class _SignalWork:
+    """Runs what the handlers ask for, in order, on one thread of its own.
 
-    threading.Thread(target=run, name=f"hibernate-{what}", daemon=True).start()
+    A handler only puts the work on a SimpleQueue, whose put is safe there: the handler
+    interrupts the main thread wherever it is, and starting a thread takes locks that thread
+    might hold at that moment.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], str]] = queue.SimpleQueue()
+        threading.Thread(target=self._run_forever, name="hibernate-signals", daemon=True).start()
+
+    def ask(self, work: Callable[[], Any], what: str) -> None:
+        self._requests.put((work, what))
+
+    def _run_forever(self) -> None:
+        while True:
+            work, what = self._requests.get()
+            try:
+                work()
+                _log(f"{what}: done")
+            except HibernateError as exc:
+                _log(f"{what} failed: {exc}")
 
 
 def install(
@@ -67,11 +83,13 @@ def install(
 
     args = {"allow_moves": env_flag(os.environ, ALLOW_MOVES_ENV)}  # read here: a handler must not fail
 
+    worker = _SignalWork()
+
     def on_sleep(signum: int, frame: object) -> None:
-        _in_background(lambda: agent.sleep_here(target, timeout, args), "sleep on signal")
+        worker.ask(lambda: agent.sleep_here(target, timeout, args), "sleep on signal")
 
     def on_wake(signum: int, frame: object) -> None:
-        _in_background(lambda: agent.wake_here({}), "wake on signal")
+        worker.ask(lambda: agent.wake_here({}), "wake on signal")
 
     signal.signal(signals[0], on_sleep)
     if len(signals) > 1:

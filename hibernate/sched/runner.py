@@ -60,7 +60,9 @@ def run(
     if wake_sig == sleep_sig or sleep_sig in FORWARDED or wake_sig in FORWARDED:
         raise UsageError("the sleep and wake signals must differ from each other and from TERM/HUP")
     directory = Path(directory).expanduser().absolute()
-    requests: queue.Queue[str] = queue.Queue()
+    # SimpleQueue: its put is safe in a signal handler, which interrupts the main thread wherever it
+    # is, possibly inside a Queue.get that holds the lock a Queue.put would wait for.
+    requests: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def request(kind: str) -> Callable[[int, FrameType | None], None]:
         return lambda signum, frame: requests.put(kind)
