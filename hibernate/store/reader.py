@@ -8,9 +8,11 @@ are copied into the region: a corrupted weight is never handed back.
 
 Chunks are read in file order, and chunks that lie back to back in a file are
 read with one request of up to 32 MiB (or one chunk, if larger: readplan.py),
-into staging buffers allocated as needed. One thread keeps the disk busy;
-workers verify and copy meanwhile; another faults the destination memory in a
-step ahead of them.
+into staging buffers allocated as needed. Several reader threads keep that
+many requests in flight (``io_depth``: two on a local disk, eight on a
+network or FUSE filesystem, where each request waits a round trip: see
+tuning.py); workers verify and copy meanwhile; another thread faults the
+destination memory in a step ahead of them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from hibernate.store.readplan import (
     worker_groups,
 )
 from hibernate.store.regions import Region
+from hibernate.store.tuning import Tuning, choose
 
 # Regions smaller than this are not faulted in ahead of the copies (see _to_populate).
 _POPULATE_MIN_BYTES = 64 << 10
@@ -79,6 +82,7 @@ class ReadResult:
     seconds: float
     io_mode: str
     staging_bytes: int
+    tuning: Tuning | None = None  # what the read ran with (None: nothing was read)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -87,6 +91,7 @@ class ReadResult:
             "seconds": round(self.seconds, 6),
             "io_mode": self.io_mode,
             "staging_bytes": self.staging_bytes,
+            "tuning": self.tuning.to_wire() if self.tuning is not None else None,
         }
 
 
@@ -174,6 +179,7 @@ class _Transfer:
     requests: list[Request]
     pool: StagingPool
     workers: int
+    readers: int
     total: int
     progress: ProgressFn | None
     cancelled: CancelledFn | None
@@ -181,6 +187,8 @@ class _Transfer:
     loaded: queue.Queue[tuple[_Loaded, list[int]] | None] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: int = 0  # bytes verified and copied in, under ``lock``
+    next_request: int = 0  # the index of the next request a reader takes, under ``lock``
+    readers_left: int = 0  # readers still reading, under ``lock``: the last one stops the workers
     reading: threading.Event = field(default_factory=threading.Event)  # the reader has its first buffer
     # Every chunk's destination is known (see SnapshotReader._fault_in).
     placed: threading.Event = field(default_factory=threading.Event)
@@ -358,29 +366,33 @@ class SnapshotReader:
         regions: Sequence[Region],
         *,
         buffer_bytes: int = 256 << 20,
-        threads: int = 2,
+        threads: int | None = None,
+        io_depth: int | None = None,
         progress: ProgressFn | None = None,
         cancelled: CancelledFn | None = None,
         pin: PinFn | None = None,
     ) -> ReadResult:
         """Fill every region from the snapshot, verifying each chunk before it is copied in.
 
-        ``threads`` workers verify and copy while one more thread reads ahead;
-        the staging memory is at most ``buffer_bytes`` (or two of the
-        snapshot's largest chunks if that is more), and no more than the
-        snapshot needs; buffers are allocated as the reads need them. On any
-        failure the regions hold partial data: the caller releases them again.
-        Regions :meth:`check_matches` already accepted (the same sequence,
-        unchanged since) are not compared again.
+        ``threads`` workers verify and copy while ``io_depth`` more threads
+        read ahead, each with one request in flight (None: chosen from the
+        machine and the snapshot's filesystem, see tuning.py); the staging
+        memory is at most ``buffer_bytes`` (or two of the snapshot's largest
+        chunks if that is more), and no more than the snapshot needs; buffers
+        are allocated as the reads need them. On any failure the regions hold
+        partial data: the caller releases them again. Regions
+        :meth:`check_matches` already accepted (the same sequence, unchanged
+        since) are not compared again.
         """
+        tuning = choose(self.root.fd, io_depth=io_depth, workers=threads)
         with gc_paused():  # one object per chunk below: see gc_paused
-            return self._read_into(regions, buffer_bytes, threads, progress, cancelled, pin)
+            return self._read_into(regions, buffer_bytes, tuning, progress, cancelled, pin)
 
     def _read_into(
         self,
         regions: Sequence[Region],
         buffer_bytes: int,
-        threads: int,
+        tuning: Tuning,
         progress: ProgressFn | None,
         cancelled: CancelledFn | None,
         pin: PinFn | None,
@@ -388,11 +400,14 @@ class SnapshotReader:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes)
+        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes, tuning.io_depth + tuning.workers)
         self._regions_of, self._region_offsets = destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
-        transfer = _Transfer(regions, plan.requests, pool, max(1, threads), total, progress, cancelled)
+        readers = max(1, min(tuning.io_depth, len(plan.requests)))
+        transfer = _Transfer(
+            regions, plan.requests, pool, tuning.workers, readers, total, progress, cancelled
+        )
         try:
             self._run(transfer)
         finally:
@@ -405,23 +420,35 @@ class SnapshotReader:
             seconds=time.perf_counter() - started,
             io_mode=DIRECT if modes <= {DIRECT} else "buffered",
             staging_bytes=staging,
+            tuning=tuning,
         )
 
     def _run(self, transfer: _Transfer) -> None:
-        """One thread faults memory in, one reads, the workers verify and copy; a failure stops all."""
+        """One thread faults memory in, readers read, the workers verify and copy; a failure stops all."""
         pipeline = transfer.pipeline
+        transfer.readers_left = transfer.readers
         pipeline.start("fault-in", lambda: self._fault_in(transfer))
-        pipeline.start("read", lambda: self._read_requests(transfer))
+        for n in range(transfer.readers):
+            pipeline.start(f"read-{n}", lambda: self._read_requests(transfer))
         for n in range(transfer.workers):
             pipeline.start(f"verify-{n}", lambda: self._verify_loaded(transfer))
         pipeline.join()
 
+    def _take_request(self, transfer: _Transfer) -> Request | None:
+        """The next request in file order, for one of the readers; None once all are taken."""
+        with transfer.lock:
+            if transfer.next_request >= len(transfer.requests):
+                return None
+            transfer.next_request += 1
+            return transfer.requests[transfer.next_request - 1]
+
     def _read_requests(self, transfer: _Transfer) -> None:
-        """Read each request into a staging buffer, in order, and hand its chunks to the workers in groups."""
+        """Read requests into staging buffers, the next not yet taken each time, and hand each one's
+        chunks to the workers in groups; the last reader to finish stops the workers."""
         lengths = self.manifest.columns.chunks.lengths
         pool, loaded, cancelled = transfer.pool, transfer.loaded, transfer.cancelled
         try:
-            for request in transfer.requests:
+            while (request := self._take_request(transfer)) is not None:
                 if cancelled is not None and cancelled():
                     raise AbortedError("the wake was called off before it finished")
                 buffer = pool.take(transfer.pipeline.abort)
@@ -437,8 +464,12 @@ class SnapshotReader:
                     loaded.put((batch, group))
         finally:
             transfer.reading.set()  # also when there was nothing to read, or the first take failed
-            for _ in range(transfer.workers):
-                loaded.put(None)
+            with transfer.lock:
+                transfer.readers_left -= 1
+                last = transfer.readers_left == 0
+            if last:
+                for _ in range(transfer.workers):
+                    loaded.put(None)
 
     def _verify_loaded(self, transfer: _Transfer) -> None:
         """Verify and copy in the groups the reader hands over, once every chunk's destination is
@@ -472,9 +503,9 @@ class SnapshotReader:
 
         The destinations (asked of every region: 0.05-0.07 s at 100,000
         tensors) are worked out here while the first reads are in flight,
-        not before them. The reader allocates its first buffer; one more for each worker
-        (each holds at most one while the reader fills the next) is
-        allocated here once the reader has its own: faulting huge pages
+        not before them. The first reader allocates its first buffer; one more for each
+        worker and each other reader (each holds at most one at a time) is
+        allocated here once that reader has its own: faulting huge pages
         in took up to 0.3 s for three buffers, time the disk idled when
         the reader allocated them itself, and faulting them in alongside
         the reader's first one delayed it (0.17 s instead of 0.09).
@@ -486,7 +517,7 @@ class SnapshotReader:
         while not transfer.reading.wait(0.05):
             if abort.is_set():
                 return
-        transfer.pool.prefill(transfer.workers)
+        transfer.pool.prefill(transfer.workers + transfer.readers - 1)
         views = _to_populate(transfer.requests, transfer.regions, self._regions_of)
         huge = huge_pages_pay_off(sum(len(view) for view in views))
         for view in views:

@@ -1,0 +1,84 @@
+"""A transfer's requests in flight and threads, chosen from the machine and the filesystem."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hibernate.store import tuning
+from hibernate.store.layout import SpillRoot
+from hibernate.store.reader import SnapshotReader
+from hibernate.store.readplan import read_request_bytes
+from hibernate.store.tuning import LOCAL, MEMORY, NETWORK
+from tests.test_store_roundtrip import BytesRegion, small_options, write
+
+
+@pytest.fixture
+def tmp_fd(tmp_path: Path) -> Iterator[int]:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 2), (2, 2), (4, 2), (8, 4), (16, 8), (128, 8)])
+def test_workers_are_half_the_cores_within_two_and_eight(cores: int, workers: int) -> None:
+    assert tuning.default_workers(cores) == workers
+
+
+def test_a_network_filesystem_gets_eight_requests_in_flight_a_local_disk_two_memory_one_per_worker() -> None:
+    assert tuning.default_io_depth(NETWORK, 2) == 8
+    assert tuning.default_io_depth(LOCAL, 8) == 2
+    assert tuning.default_io_depth(MEMORY, 6) == 6
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_tmpfs_is_memory() -> None:
+    fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        name, kind = tuning.filesystem_of(fd)
+    finally:
+        os.close(fd)
+    assert (name, kind) == ("tmpfs", MEMORY)
+
+
+def test_what_is_given_is_used_and_the_rest_chosen(tmp_fd: int) -> None:
+    chosen = tuning.choose(tmp_fd, io_depth=5, cores=16)
+    assert (chosen.io_depth, chosen.workers) == (5, 8)
+    assert tuning.choose(tmp_fd, workers=3, io_depth=1).workers == 3
+    assert tuning.choose(tmp_fd, io_depth=10_000).io_depth == tuning.MAX_IO_DEPTH
+
+
+def test_a_report_names_the_choice(tmp_fd: int) -> None:
+    wire = tuning.choose(tmp_fd, io_depth=3, workers=2).to_wire()
+    assert wire["io_depth"] == 3 and wire["workers"] == 2
+    assert wire["kind"] in (LOCAL, NETWORK, MEMORY) and wire["filesystem"]
+
+
+def test_read_requests_shrink_so_every_holder_can_hold_one() -> None:
+    arena = 128 << 20  # two arenas: 256 MiB of staging
+    assert read_request_bytes(arena, 4096, holders=4) == 32 << 20  # a local disk: as before
+    assert read_request_bytes(arena, 4096, holders=10) == (256 << 20) // 10 // 4096 * 4096
+    assert read_request_bytes(arena, 64 << 20, holders=10) == 64 << 20  # never below the largest chunk
+
+
+@pytest.mark.parametrize(("io_depth", "workers"), [(1, 1), (2, 2), (8, 3)])
+def test_a_snapshot_reads_back_whole_with_any_number_of_requests_in_flight(
+    tmp_path: Path, io_depth: int, workers: int
+) -> None:
+    rng = random.Random(io_depth)
+    regions = [
+        BytesRegion(f"r{i}", "weights", rng.randbytes(rng.randrange(1, 40_000)), host=i % 3 != 0)
+        for i in range(60)
+    ]
+    written = write(tmp_path / "root", regions, small_options(chunk=8192, buffer=64 * 1024))
+    blanks = [region.blank() for region in regions]
+    with SpillRoot(tmp_path / "root") as root, SnapshotReader(root, written.snapshot) as reader:
+        result = reader.read_into(blanks, buffer_bytes=64 * 1024, io_depth=io_depth, threads=workers)
+    assert [bytes(b.data) for b in blanks] == [bytes(r.data) for r in regions]
+    assert result.tuning is not None
+    assert (result.tuning.io_depth, result.tuning.workers) == (io_depth, workers)
+    assert result.to_wire()["tuning"]["io_depth"] == io_depth
