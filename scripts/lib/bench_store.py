@@ -496,45 +496,48 @@ def torch_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float
     return write, read
 
 
-def safetensors_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """save_file + fsync, then load_file and materialise the tensors.
+def safetensors_save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """safetensors' save_file + fsync: what a user of safetensors waits for.
 
-    safetensors' save_file finds the tensors' memory through numpy; without
-    numpy (as in this project's venv) the same writer, serialize_file, is
-    handed the pointers directly: the bytes written and the code writing them
-    are the same.
+    save_file finds the tensors' memory through numpy; without numpy the same
+    writer, serialize_file, is handed the pointers directly: the bytes written
+    and the code writing them are the same (save_file's Python per tensor is not).
     """
     import importlib.util
 
     from safetensors import TensorSpec, serialize_file
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    def save() -> None:
-        if importlib.util.find_spec("numpy") is not None:
-            save_file(tensors, str(path))
-        else:
-            specs = {
-                name: TensorSpec(
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    shape=list(t.shape),
-                    data_ptr=t.data_ptr(),
-                    data_len=t.nbytes,
-                )
-                for name, t in tensors.items()
-            }
-            serialize_file(specs, str(path))
-        fsync_path(path)
+    if importlib.util.find_spec("numpy") is not None:
+        save_file(tensors, str(path))
+    else:
+        specs = {
+            name: TensorSpec(
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=list(t.shape),
+                data_ptr=t.data_ptr(),
+                data_len=t.nbytes,
+            )
+            for name, t in tensors.items()
+        }
+        serialize_file(specs, str(path))
+    fsync_path(path)
 
-    write = timed(save)
+
+def safetensors_load(path: Path) -> dict[str, torch.Tensor]:
+    """load_file, the tensors materialised: load_file's tensors are views of a file mapping
+    (page cache); a loaded model holds its weights in its own memory, as a wake leaves them."""
+    from safetensors.torch import load_file
+
+    return {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
+
+
+def safetensors_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """save_file + fsync, then load_file and materialise the tensors (safetensors_save, safetensors_load)."""
+    write = timed(lambda: safetensors_save(path, tensors))
     evict(path)
     loaded: list[dict[str, torch.Tensor]] = []
-
-    def load() -> None:
-        # Materialised: load_file's tensors are views of a file mapping (page cache); a
-        # loaded model holds its weights in its own memory, as a wake leaves them.
-        loaded.append({name: tensor.clone() for name, tensor in load_file(str(path)).items()})
-
-    read = timed(load)
+    read = timed(lambda: loaded.append(safetensors_load(path)))
     assert digest(loaded[0]) == digest(tensors), "safetensors returned different bytes"
     loaded.clear()
     path.unlink()
