@@ -82,3 +82,53 @@ def test_a_snapshot_reads_back_whole_with_any_number_of_requests_in_flight(
     assert result.tuning is not None
     assert (result.tuning.io_depth, result.tuning.workers) == (io_depth, workers)
     assert result.to_wire()["tuning"]["io_depth"] == io_depth
+
+
+@pytest.mark.parametrize("writers", [1, 4])
+def test_each_writer_appends_to_a_data_file_of_its_own_and_the_snapshot_reads_back(
+    tmp_path: Path, writers: int
+) -> None:
+    rng = random.Random(writers)
+    regions = [BytesRegion(f"r{i}", "weights", rng.randbytes(rng.randrange(1, 30_000))) for i in range(80)]
+    options = small_options(chunk=8192, buffer=64 * 1024, io_threads=writers, stage_threads=2)
+    written = write(tmp_path / "root", regions, options)
+    assert written.tuning is not None and written.tuning.io_depth == writers
+    assert written.to_wire()["tuning"]["io_depth"] == writers
+    files = set(written.manifest.columns.chunks.files)
+    assert 1 <= len(files) <= writers, files  # a file per writer that wrote (segments of 1 GiB)
+    blanks = [region.blank() for region in regions]
+    with SpillRoot(tmp_path / "root") as root, SnapshotReader(root, written.snapshot) as reader:
+        reader.read_into(blanks, buffer_bytes=64 * 1024)
+    assert [bytes(b.data) for b in blanks] == [bytes(r.data) for r in regions]
+
+
+def test_writers_are_as_many_as_the_staging_holds_arenas_of_the_largest_chunk() -> None:
+    from hibernate.store.arena import arenas_for
+
+    assert arenas_for(1, 256 << 20, 32 << 20) == 2
+    assert arenas_for(8, 256 << 20, 4096) == 9
+    assert arenas_for(8, 256 << 20, 32 << 20) == 8  # 8 arenas of 32 MiB: 7 writers and one filling
+    assert arenas_for(8, 64 << 20, 64 << 20) == 2  # never fewer than two
+
+
+def test_a_writer_appends_to_its_own_file_and_another_writer_starts_the_next(tmp_path: Path) -> None:
+    from hibernate.store.stream import Segments
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    segments = Segments(SpillRoot.__new__(SpillRoot), fd, "tmp", small_options(segment_bytes=3 * 4096))
+    try:
+        places = [
+            segments.allocate(4096, lane=0)[1:],
+            segments.allocate(4096, lane=1)[1:],
+            segments.allocate(4096, lane=0)[1:],
+            segments.allocate(8192, lane=0)[1:],  # past the segment's size: a new file
+        ]
+    finally:
+        segments.close()
+        os.close(fd)
+    assert places == [
+        ("data-000.bin", 0),
+        ("data-001.bin", 0),
+        ("data-000.bin", 4096),
+        ("data-002.bin", 0),
+    ]

@@ -25,26 +25,38 @@ from dataclasses import dataclass, field
 from hibernate.store.directio import StagingBuffer, StagingPool
 from hibernate.store.manifest import ALIGNMENT, align_up
 
-ARENAS = 2  # staging is split in two arenas: one is written while the other is filled
+# Staging is split in two arenas at least: one is written while the other is filled (more where
+# several writers keep requests in flight: arenas_for).
+ARENAS = 2
 MAX_REQUEST_BYTES = 128 << 20  # one I/O request; requests cost a fixed latency, so fewer is faster
 # Where a packed chunk may start within its run (see Packer.reserve): a cache line, so the
 # copies and checksums of a wake read whole lines; it costs 32 bytes a chunk on average.
 PACKED_ALIGNMENT = 64
 
 
-def arena_bytes(buffer_bytes: int) -> int:
-    """The size of one staging arena (and of the largest I/O request) for ``buffer_bytes`` of staging."""
-    return max(ALIGNMENT, min(MAX_REQUEST_BYTES, buffer_bytes // ARENAS // ALIGNMENT * ALIGNMENT))
+def arena_bytes(buffer_bytes: int, arenas: int = ARENAS) -> int:
+    """The size of one of ``arenas`` staging arenas (and of the largest I/O request) for
+    ``buffer_bytes`` of staging."""
+    return max(ALIGNMENT, min(MAX_REQUEST_BYTES, buffer_bytes // arenas // ALIGNMENT * ALIGNMENT))
 
 
-def arena_bytes_for(buffer_bytes: int, data_bytes: int, largest_chunk: int) -> int:
-    """An arena size for moving ``data_bytes``: no more staging than the data needs.
+def arena_bytes_for(buffer_bytes: int, data_bytes: int, largest_chunk: int, arenas: int = ARENAS) -> int:
+    """An arena size for moving ``data_bytes`` through ``arenas`` arenas: no more staging than the
+    data needs.
 
     Staging is faulted in before the I/O starts, so a small snapshot should
     not pay for 256 MiB of it; an arena still holds the largest chunk.
     """
-    needed = align_up(-(-data_bytes // ARENAS))
-    return max(align_up(largest_chunk), min(arena_bytes(buffer_bytes), needed))
+    needed = align_up(-(-data_bytes // arenas))
+    return max(align_up(largest_chunk), min(arena_bytes(buffer_bytes, arenas), needed))
+
+
+def arenas_for(writers: int, buffer_bytes: int, largest_chunk: int) -> int:
+    """How many arenas a spill with ``writers`` requests in flight splits its staging into: one
+    being filled and one for each writer (two at least), as many as ``buffer_bytes`` holds
+    arenas of the largest chunk."""
+    fit = buffer_bytes // max(ALIGNMENT, align_up(largest_chunk))
+    return max(ARENAS, min(writers + 1, fit))
 
 
 @dataclass(slots=True)

@@ -13,14 +13,17 @@ MIN_BUFFER_BYTES = 4 * ARENAS * ALIGNMENT
 
 @dataclass(frozen=True)
 class WriteOptions:
-    """How a snapshot is written; the defaults are what the benchmark tuned on a 2-core machine."""
+    """How a snapshot is written; sizes are what the benchmark tuned, threads follow the machine."""
 
     buffer_bytes: int = 256 << 20  # all staging memory together
     chunk_bytes: int = 32 << 20  # unit of checksum and reuse; capped at one arena
     segment_bytes: int = 1 << 30  # start a new data file past this size
     io_mode: str = "auto"  # auto | direct | buffered
-    stage_threads: int = 2  # copy + checksum workers (and in-place hashing of unchanged chunks)
-    io_threads: int = 1  # writers; ext4 serialises appending direct writes, so more did not help
+    # Copy + checksum workers (and in-place hashing of unchanged chunks), and writers (requests in
+    # flight, each to a data file of its own); None: chosen from the machine and the filesystem
+    # (store.tuning).
+    stage_threads: int | None = None
+    io_threads: int | None = None
     reuse: bool = True  # refer to unchanged chunks of the previous snapshot
     # Read every reused chunk back and check it before anything is released (see reusecheck);
     # False trusts the previous snapshot's files as the last wake left them (--skip-reuse-check).
@@ -36,7 +39,9 @@ class WriteOptions:
             raise ValueError(f"buffer_bytes must be at least {MIN_BUFFER_BYTES} bytes")
         if self.segment_bytes < ALIGNMENT:
             raise ValueError("segment_bytes must be at least 4 KiB")
-        if self.stage_threads < 1 or self.io_threads < 1:
+        if (self.stage_threads is not None and self.stage_threads < 1) or (
+            self.io_threads is not None and self.io_threads < 1
+        ):
             raise ValueError("stage_threads and io_threads must be at least 1")
 
     @property

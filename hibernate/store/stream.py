@@ -14,14 +14,16 @@ may run beside the stream in the same pipeline; a second pass
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 from hibernate.errors import AbortedError, StorageError
 from hibernate.store import bulk
-from hibernate.store.arena import ARENAS, Arena, Packer, Slot, arena_bytes_for
+from hibernate.store.arena import Arena, Packer, Slot, arena_bytes_for, arenas_for
 from hibernate.store.directio import (
     BUFFERED,
     DIRECT,
@@ -39,6 +41,7 @@ from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up, checksum
 from hibernate.store.options import WriteOptions
 from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
 from hibernate.store.regions import Region
+from hibernate.store.tuning import Tuning
 
 _BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see Stream._take_tasks)
 _BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
@@ -53,8 +56,21 @@ def _segment_name(index: int) -> str:
     return f"data-{index:03d}.bin"
 
 
+@dataclass
+class _Lane:
+    """The data file one writer appends to, and where its next bytes go."""
+
+    file: DataFile
+    name: str
+    offset: int = 0
+
+
 class Segments:
-    """Data files of the snapshot being written, appended to in order."""
+    """Data files of the snapshot being written, each appended to in order by one writer.
+
+    Each writer (``lane``) appends to a file of its own: ext4 serialises
+    direct writes that extend a file, so writers sharing one would take turns.
+    """
 
     def __init__(self, root: SpillRoot, dir_fd: int, tmp_name: str, options: WriteOptions):
         self._root = root
@@ -65,19 +81,21 @@ class Segments:
         self._lock = threading.Lock()
         self.files: list[DataFile] = []
         self.names: list[str] = []  # of the files, in the manifest; each holds chunks written to it
-        self._offset = 0
+        self._lanes: dict[int, _Lane] = {}
 
-    def allocate(self, nbytes: int) -> tuple[DataFile, str, int]:
-        """Where the next ``nbytes`` go: (file, its name in the manifest, offset)."""
+    def allocate(self, nbytes: int, lane: int = 0) -> tuple[DataFile, str, int]:
+        """Where writer ``lane``'s next ``nbytes`` go: (file, its name in the manifest, offset)."""
         with self._lock:
-            if not self.files or (self._offset and self._offset + nbytes > self._segment_bytes):
+            current = self._lanes.get(lane)
+            if current is None or (current.offset and current.offset + nbytes > self._segment_bytes):
                 name = _segment_name(len(self.files))
-                self.files.append(create_data_file(self._dir_fd, name, self._io_mode))
+                current = _Lane(create_data_file(self._dir_fd, name, self._io_mode), name)
+                self.files.append(current.file)
                 self.names.append(name)
-                self._offset = 0
-            offset = self._offset
-            self._offset += nbytes
-            return self.files[-1], self.names[-1], offset
+                self._lanes[lane] = current
+            offset = current.offset
+            current.offset += nbytes
+            return current.file, current.name, offset
 
     def next_path(self) -> Path:
         """Where the data file being created lies (for messages when creating it fails)."""
@@ -158,12 +176,14 @@ class Stream:
         segments: Segments,
         reusable: dict[tuple[str, int], ChunkRef],
         options: WriteOptions,
+        tuning: Tuning,
         total: int,
         progress: ProgressFn | None,
         cancelled: CancelledFn | None,
         root: SpillRoot,
     ) -> None:
         chunk = options.effective_chunk_bytes
+        self.tuning = tuning
         self._regions = regions
         self._segments = segments
         self._previous = reusable
@@ -204,11 +224,15 @@ class Stream:
         first failure of either stops both.
         """
         padded = [align_up(self._tasks[task][2]) for task in self._queue]
-        arena = arena_bytes_for(budget, sum(padded), max(padded, default=ALIGNMENT))
-        pool = StagingPool(ARENAS * arena, arena, pin)
+        largest = max(padded, default=ALIGNMENT)
+        arenas = arenas_for(self.tuning.io_depth, budget, largest)
+        writers = max(1, min(self.tuning.io_depth, arenas - 1))
+        stagers = self.tuning.workers
+        arena = arena_bytes_for(budget, sum(padded), largest, arenas)
+        pool = StagingPool(arenas * arena, arena, pin)
         pipeline = Pipeline()
         packer = Packer(pool, pipeline.abort)
-        remaining = [self._options.stage_threads]
+        remaining = [stagers]
 
         def stage_then_close() -> None:
             """The last stager to finish passes on the last arena and stops the writers."""
@@ -220,14 +244,14 @@ class Stream:
                     last = remaining[0] == 0
                 if last:
                     self.decided.set()
-                    packer.close(self._options.io_threads)
+                    packer.close(writers)
 
         try:
             if beside is not None:
                 beside(pipeline)
-            for n in range(self._options.io_threads):
-                pipeline.start(f"write-{n}", lambda: self._write(packer, pool, pipeline.abort))
-            for n in range(self._options.stage_threads):
+            for n in range(writers):
+                pipeline.start(f"write-{n}", functools.partial(self._write, packer, pool, pipeline.abort, n))
+            for n in range(stagers):
                 pipeline.start(f"stage-{n}", stage_then_close)
             pipeline.join()
         finally:
@@ -417,7 +441,7 @@ class Stream:
         slot.live = not self._reuse(slot.task, (digest, slot.length), claim=True)
         return slot.live
 
-    def _write(self, packer: Packer, pool: StagingPool, abort: threading.Event) -> None:
+    def _write(self, packer: Packer, pool: StagingPool, abort: threading.Event, lane: int) -> None:
         while True:
             arena = take(packer.sealed, abort)
             if arena is None:
@@ -428,11 +452,11 @@ class Stream:
                         raise PipelineAbortedError()
                 if abort.is_set():
                     raise PipelineAbortedError()
-                self._write_arena(arena)
+                self._write_arena(arena, lane)
             finally:
                 pool.give(arena.buffer)
 
-    def _write_arena(self, arena: Arena) -> None:
+    def _write_arena(self, arena: Arena, lane: int) -> None:
         live = [slot for slot in arena.slots if slot.live]
         if not live:
             return
@@ -440,7 +464,7 @@ class Stream:
         size = sum(end - start for start, end in spans)
         views = [arena.buffer.view[start:end] for start, end in spans]
         try:
-            file, name, offset = self._segments.allocate(size)
+            file, name, offset = self._segments.allocate(size, lane)
         except OSError as exc:
             raise self.io_error(exc, self._segments.next_path(), size) from exc
         try:

@@ -78,6 +78,7 @@ from hibernate.store.reuse import (
 )
 from hibernate.store.reusecheck import ReuseCheck, plan_staging
 from hibernate.store.stream import Segments, Stream
+from hibernate.store.tuning import Tuning, choose
 
 # Each region's key, tag and meta, in order: what a snapshot's records hold of a region but its chunks.
 Described = tuple[list[str], list[str], list[Mapping[str, Any]]]
@@ -103,6 +104,7 @@ class WriteResult:
     rewritten_bytes: int = 0
     reuse_read_bytes: int = 0  # read back from the previous snapshot's files to check what is reused
     reused_unread_bytes: int = 0  # reused without being read back (the check was skipped)
+    tuning: Tuning | None = None  # what the writes ran with
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -119,6 +121,7 @@ class WriteResult:
             "rewritten_bytes": self.rewritten_bytes,
             "reuse_read_bytes": self.reuse_read_bytes,
             "reused_unread_bytes": self.reused_unread_bytes,
+            "tuning": self.tuning.to_wire() if self.tuning is not None else None,
         }
 
 
@@ -237,7 +240,10 @@ def _write_locked(
                 # A first sleep stages all it writes: the regions' descriptions (20 MiB at 100,000
                 # tensors) would add to its peak memory, so they are dropped now, taken again after.
                 described = None
-            stream = Stream(regions, sizes, segments, reusable, options, total, progress, cancelled, root)
+            tuning = choose(tmp_fd, io_depth=options.io_threads, workers=options.stage_threads, writing=True)
+            stream = Stream(
+                regions, sizes, segments, reusable, options, tuning, total, progress, cancelled, root
+            )
             if reusable and options.check_reuse:
                 check = ReuseCheck(
                     tmp_fd,
@@ -325,6 +331,7 @@ def _write_locked(
         rewritten_bytes=stream.rewritten,
         reuse_read_bytes=check.outcome.read_bytes if check is not None else 0,
         reused_unread_bytes=unread,
+        tuning=stream.tuning,
     )
 
 
