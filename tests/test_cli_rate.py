@@ -56,10 +56,12 @@ def test_the_bar_ends_on_the_report_s_rate(
     assert slept.returncode == 0, slept.stderr
     bar, report = slept.stderr.splitlines(), slept.stdout.splitlines()
     assert last_rate(bar, "spill: ") == last_rate(report, "  kept "), (bar, report)
+    assert re.search(r"GB/s \(\w+ I/O, \d+ requests? in flight, \d+ workers\)", slept.stdout), report
     woken = cli("wake", str(one.pid))
     assert woken.returncode == 0, woken.stderr
     bar, report = woken.stderr.splitlines(), woken.stdout.splitlines()
     assert last_rate(bar, "restore: ") == last_rate(report, "  restored "), (bar, report)
+    assert re.search(r"GB/s \(\w+ I/O, \d+ requests? in flight, \d+ workers\)", woken.stdout), report
 
     both = cli("sleep", str(one.pid), str(two.pid), "--to", str(work_dir))
     assert both.returncode == 0, both.stderr
@@ -79,3 +81,12 @@ def test_the_total_of_processes_moved_at_once_is_all_their_bytes_over_the_longes
     processes = [ProcessSleep.from_answers(1, "p", one), ProcessSleep.from_answers(2, "q", other)]
     assert total_rate(processes) == (6 * GB, 3.0)
     assert total_rate(processes[:1]) is None
+
+
+def test_a_report_keeps_the_tuning_its_agent_reports_and_an_older_agent_s_has_none() -> None:
+    tuning = {"io_depth": 8, "workers": 2, "filesystem": "fuse", "kind": "network"}
+    spill = {"written_bytes": GB, "reused_bytes": 0, "seconds": 1.0, "tuning": tuning}
+    assert ProcessSleep.from_answers(1, "p", {"spill": spill}).tuning == tuning
+    restore = {"total_bytes": GB, "seconds": 1.0, "tuning": tuning}
+    assert ProcessWake.from_answers(1, "p", None, {"restore": restore}).tuning == tuning
+    assert ProcessWake.from_answers(1, "p", None, {"restore": {"total_bytes": GB}}).tuning is None

@@ -193,6 +193,15 @@ def _reuse_check(read: int, rewritten: int) -> str:
     return line
 
 
+def _how(io_mode: Any, tuning: dict[str, Any] | None) -> str:
+    """How a transfer ran: ``direct I/O, 8 requests in flight, 2 workers`` (the I/O mode alone from an
+    agent that does not report its tuning)."""
+    if not tuning:
+        return f"{io_mode} I/O"
+    depth, workers = tuning.get("io_depth"), tuning.get("workers")
+    return f"{io_mode} I/O, {depth} request{'s' if depth != 1 else ''} in flight, {workers} workers"
+
+
 def sleep_report(report: SleepReport) -> None:
     for p in report.processes:
         out.print(f"asleep: pid {p.pid} ({p.name}) in {p.phases.get('spill', 0):.2f}s of spill", markup=False)
@@ -200,7 +209,7 @@ def sleep_report(report: SleepReport) -> None:
         wrote = f"wrote {human_bytes(p.written_bytes)}" if p.written_bytes else "nothing new to write"
         _line(
             "kept",
-            f"{human_bytes(p.total_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O): {wrote}, "
+            f"{human_bytes(p.total_bytes)} at {p.gb_per_s:.2f} GB/s ({_how(p.io_mode, p.tuning)}): {wrote}, "
             f"reused {human_bytes(p.reused_bytes)}",
         )
         if p.reuse_read_bytes or p.rewritten_bytes:
@@ -274,7 +283,7 @@ def wake_report(report: WakeReport) -> None:
         _line("snapshot", str(p.snapshot))
         _line(
             "restored",
-            f"{human_bytes(p.restored_bytes)} at {p.gb_per_s:.2f} GB/s ({p.io_mode} I/O), "
+            f"{human_bytes(p.restored_bytes)} at {p.gb_per_s:.2f} GB/s ({_how(p.io_mode, p.tuning)}), "
             f"verified; {human_bytes(p.zeroed_bytes)} zero-filled",
         )
         _line("memory", _rss_change(p.rss_before, p.rss_after))

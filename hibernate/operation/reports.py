@@ -9,6 +9,12 @@ from typing import Any
 from hibernate.operation.progress import side_by_side, transfer_rate
 
 
+def _tuning(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """A transfer's tuning as its agent reported it; None from an agent that does not say."""
+    tuning = answer.get("tuning")
+    return dict(tuning) if isinstance(tuning, dict) else None
+
+
 def _io_seconds(answer: dict[str, Any]) -> float | None:
     """The store's own transfer time within a spill or restore; None where the agent did not say."""
     value = answer.get("io_seconds")
@@ -55,6 +61,8 @@ class ProcessSleep:
     reuse_read_bytes: int = 0
     rewritten_bytes: int = 0
     reused_unread_bytes: int = 0
+    # What the spill's writes ran with (store.tuning): requests in flight, threads, the filesystem.
+    tuning: dict[str, Any] | None = None
 
     @classmethod
     def from_answers(cls, pid: int, name: Any, answers: dict[str, dict[str, Any]]) -> ProcessSleep:
@@ -90,6 +98,7 @@ class ProcessSleep:
             rss_after=release.get("rss_after"),
             pools=spill.get("pools", []),
             phases=_step_seconds(answers),
+            tuning=_tuning(spill),
         )
 
     def moved(self) -> tuple[int, float]:
@@ -117,6 +126,7 @@ class ProcessWake:
     rss_after: Any
     phases: dict[str, float]  # seconds of each step ("phases" in the JSON reports)
     warnings: list[str] = field(default_factory=list)  # what the wake met and went past, and why
+    tuning: dict[str, Any] | None = None  # what the restore's reads ran with (see ProcessSleep)
 
     @classmethod
     def from_answers(
@@ -140,6 +150,7 @@ class ProcessWake:
             rss_after=restore.get("rss_after"),
             phases=_step_seconds(answers),
             warnings=list(restore.get("warnings", [])),
+            tuning=_tuning(restore),
         )
 
     def moved(self) -> tuple[int, float]:
