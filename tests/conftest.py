@@ -25,8 +25,8 @@ from hibernate.checkpoint.nccl import NCCL_SAFE
 from tests.demo_control import DemoControl
 
 # Every plugin, registered once for the whole suite: the reaper (tests/reaper.py: no process the suite
-# starts outlives it), then the fixtures (stand-ins of hardware, a private Slurm).
-pytest_plugins = ["tests.reaper", "tests.standins.fixtures", "tests.slurm_cluster"]
+# starts outlives it), then the fixtures (stand-ins of hardware, a private Slurm, a latency-bound filesystem).
+pytest_plugins = ["tests.reaper", "tests.standins.fixtures", "tests.slurm_cluster", "tests.latencyfs_fixture"]
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
