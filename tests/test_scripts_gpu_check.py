@@ -714,6 +714,27 @@ def test_the_ceiling_sets_each_wake_beside_the_pinned_copy() -> None:
     unmeasured = ceiling_speeds({"skipped": "dry run: no GPU"}, entry(1.0, 2.0), entry(1.0, 1.0), None)
     assert unmeasured["page_cache_restore_gb_per_s"] == 2.0
     assert unmeasured["page_cache_restore_of_host_to_device"] is None
+    assert unmeasured["goals"]["memory_restore_of_host_to_device"]["met"] is None
+
+
+def test_the_ceiling_judges_its_goals_and_names_each_wake_s_tuning_and_wall_time() -> None:
+    ceiling_speeds = load_script().ceiling_speeds
+    tuning = {"io_depth": 2, "workers": 8, "filesystem": "ext4", "kind": "local"}
+
+    def entry(restore: float, of_read: float | None = None) -> dict[str, Any]:
+        return {
+            "sleep": {"report": {"processes": [{"gb_per_s": 1.0}]}, "wall_seconds": 3.0},
+            "wake": {"report": {"processes": [{"gb_per_s": restore, "tuning": tuning}]}, "wall_seconds": 2.0},
+            "speeds": {"restore_of_disk_read": of_read},
+        }
+
+    speeds = ceiling_speeds({"gb_per_s": 50.0}, entry(20.0), entry(5.0, 0.95), entry(30.0))
+    assert speeds["goals"]["memory_restore_of_host_to_device"] == {"value": 0.6, "goal": 0.5, "met": True}
+    assert speeds["goals"]["disk_restore_of_disk_read"] == {"value": 0.95, "goal": 0.9, "met": True}
+    assert speeds["disk_restore_tuning"] == tuning and speeds["disk_wake_wall_seconds"] == 2.0
+    slow = ceiling_speeds({"gb_per_s": 50.0}, entry(20.0), entry(5.0, 0.5), None)
+    assert slow["goals"]["memory_restore_of_host_to_device"]["met"] is False  # 0.4 of the copy
+    assert slow["goals"]["disk_restore_of_disk_read"]["met"] is False
 
 
 def test_a_snapshot_is_read_into_the_page_cache_or_dropped_from_it_as_its_wake_needs(tmp_path: Path) -> None:
