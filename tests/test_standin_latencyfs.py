@@ -192,6 +192,19 @@ def test_reads_of_eight_threads_are_served_in_parallel(latency_fs: Server) -> No
     assert stats["largest_read"] <= MiB and stats["threads"] >= 2, stats
 
 
+def test_more_than_libfuses_default_of_ten_requests_are_served_at_once(latency_fs: Server) -> None:
+    path = latency_fs.mountpoint / "shared.bin"
+    write_file(path, pattern(16 * MiB, 8))
+    latency_fs.reset()
+    with busy_readers(path, threads=16):
+        wait_until(
+            lambda: latency_fs.stats()["in_flight_max_read"] > 10,
+            timeout=120,
+            what="more than ten read requests served at once",
+            detail=latency_fs.stats,
+        )
+
+
 def test_without_fopen_direct_io_one_large_read_is_split_in_parallel(tmp_path: Path) -> None:
     """``--direct-io none``: the kernel's asynchronous direct I/O sends one read call's requests together."""
     reason = unavailable()

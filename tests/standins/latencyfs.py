@@ -5,7 +5,8 @@ pays a round trip, so that only requests in flight at once bring throughput. It
 passes every operation through to a backing directory, and sleeps a fixed delay
 (``--delay-ms``, 2 ms by default) before serving each read and each write
 request. Requests are served on many threads at once (libfuse's multithreaded
-loop, which adds threads while all are busy), and are at most 1 MiB
+loop, which adds threads while all are busy, up to ``--threads``, 64: libfuse's
+own default is 10), and are at most 1 MiB
 (``max_read``/``max_write``). Metadata requests (lookups, getattr, create,
 rename, fsync, ...) pay no delay.
 
@@ -13,8 +14,7 @@ rename, fsync, ...) pay no delay.
 
 runs in the foreground, prints ``ready`` (and creates ``--ready-file``) once the
 mount serves requests, and unmounts and exits on SIGTERM or SIGINT, or when the
-mount is taken away (``fusermount3 -u MOUNTPOINT``). libfuse 3.14 prints
-"Ignoring invalid max threads value" at start: its default, harmless.
+mount is taken away (``fusermount3 -u MOUNTPOINT``).
 
 Built on mfusepy (ctypes over Debian's libfuse3, ``libfuse3-3``; ``fuse3`` brings
 ``fusermount3``): one pure-Python file, where pyfuse3 needs a C build against
@@ -570,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         default="odirect",
         help="FOPEN_DIRECT_IO for the files opened with O_DIRECT (odirect, the default), every file, or none",
     )
+    parser.add_argument("--threads", type=int, default=64, help="most requests served at once (64)")
     parser.add_argument("--ready-file", type=Path, help="created once the mount serves requests")
     parser.add_argument("--debug", action="store_true", help="libfuse's request log on stderr")
     args = parser.parse_args(argv)
@@ -597,6 +598,10 @@ def main(argv: list[str] | None = None) -> int:
             fsname="latencyfs",
             subtype="latencyfs",
             max_read=MAX_REQUEST,
+            # libfuse 3.14 serves at most 10 requests at once unless told; its max_idle_threads, left
+            # unset, is passed on as -1 and refused with a message ("Ignoring invalid max threads").
+            max_threads=args.threads,
+            max_idle_threads=args.threads,
             default_permissions=True,
             allow_other=os.getuid() == 0,
         )
