@@ -208,6 +208,61 @@ def test_a_tensor_pools_meta_is_plain_as_it_vouches() -> None:
         assert _is_plain(dict(meta)), meta
 
 
+def test_a_pools_contents_are_those_of_its_regions() -> None:
+    """``contents`` (what status shows of a running process) counts what ``regions`` would build,
+    without building it: storages shared, kept over dropped, nested names, device storages, a
+    storage torch cannot resize (which it leaves to the regions), and names as regions give them."""
+    from hibernate.pools.base import Contents
+    from hibernate.pools.tensors import TensorPool
+
+    base = torch.arange(64, dtype=torch.float32)
+    on_device = torch.ones(8, dtype=torch.bfloat16)
+    pool = TensorPool(device_of=lambda s: 1 if s._cdata == on_device.untyped_storage()._cdata else None)
+    pool.track({"a": base, "b": [base[4:], torch.zeros(3)], "c": {"x.": on_device}}, "weights", True, "d")
+    pool.track([base[:8], torch.ones(5)], "cache", False, "kv")
+    model = torch.nn.Linear(4, 3)
+    model.weight.grad = torch.zeros(3, 4)
+    pool.track(model, "model", True, None)
+    regions = pool.regions()
+    assert pool.contents() == Contents.of("torch", regions)
+    assert pool.contents().device_bytes == {"cuda:1": 16}
+    assert [r.key for r in regions] == [
+        "weights/d.a",
+        "weights/d.b.1",
+        "weights/d.c.x",
+        "cache/kv.1",
+        "model/weight",
+        "model/weight.grad",
+        "model/bias",
+    ]
+    assert [v["name"] for v in regions[0].meta["views"]] == ["d.a", "d.b.0", "kv.0"]
+
+    shared = bytearray(4096)  # a storage torch cannot resize: placed by its mapping
+    pool.track(torch.frombuffer(shared, dtype=torch.uint8), "fixed", True, "f")
+    assert pool.contents() == Contents.of("torch", pool.regions())
+
+
+def test_begin_answers_without_the_pools_the_hello_told(fresh_agent: None) -> None:
+    """A command's begin is answered without walking every tracked tensor again: its pools and
+    device bytes are absent, which every reader of a status takes as unknown."""
+    from hibernate.agent import local
+    from hibernate.agent.controller import Session
+    from hibernate.agent.wire import AgentStatus
+
+    hibernate.track({"w": torch.ones(4)}, tag="weights")
+    agent = local.local_agent(serve=False)
+    session = Session("hibernate (pid 1, uid 0)")
+    agent.begin(session)
+    try:
+        brief = AgentStatus.from_wire(agent.status(contents=False))
+        full = AgentStatus.from_wire(agent.status())
+    finally:
+        agent.end(session)
+    assert {"pools", "device_bytes"} <= brief.absent and brief.pools == ()
+    assert full.pools and full.pools[0]["count"] == 1 and not full.absent
+    assert brief.state is full.state and brief.pid == full.pid
+
+
 def test_a_sleep_after_a_wake_reuses_the_manifest_that_wake_read(
     fresh_agent: None, work_dir: Path, monkeypatch: pytest.MonkeyPatch, manifest_reads: list[str]
 ) -> None:

@@ -61,7 +61,7 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.pools.base import Pool, SpillableRegion, device_bytes, summarize
+from hibernate.pools.base import Contents, Pool, SpillableRegion, device_bytes, summarize
 from hibernate.pools.capture import live_graphs
 from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
@@ -271,7 +271,10 @@ class Agent:
         with self._mutex:
             return self._state
 
-    def status(self) -> dict[str, Any]:
+    def status(self, contents: bool = True) -> dict[str, Any]:
+        """The agent's status; without ``contents``, its pools and their bytes on each device are left
+        out (absent keys, as an older agent's: every reader takes them as unknown), which spares a
+        walk of every tracked tensor where the asker does not read them."""
         with self._mutex:
             pools = list(self._pools)
             sleeping = self._sleep
@@ -283,9 +286,18 @@ class Agent:
         leases = self.leases.summary()
         summaries: list[dict[str, Any]] = []
         on_devices: dict[str, int] = {}
-        for pool, regions in sleeping.regions if sleeping else [(p, p.regions()) for p in pools]:
-            summaries.extend(s.to_wire() for s in summarize(pool.name, regions))
-            for device, nbytes in device_bytes(regions).items():
+        # Asleep: the regions the sleep enumerated; running: each pool as it is now, counted
+        # without building its regions (a sleep builds them once, when it starts).
+        counted = (
+            []
+            if not contents
+            else [Contents.of(pool.name, regions) for pool, regions in sleeping.regions]
+            if sleeping
+            else [pool.contents() for pool in pools]
+        )
+        for content in counted:
+            summaries.extend(s.to_wire() for s in content.summaries)
+            for device, nbytes in content.device_bytes.items():
                 on_devices[device] = on_devices.get(device, 0) + nbytes
         refusal = self._restore_refused()
         return AgentStatus(
@@ -311,6 +323,7 @@ class Agent:
             restore_refusal=refusal.message if refusal else None,
             torch=torch_in_process(),  # version, CUDA, and what its build costs (doctor's "torch" check)
             graphs=tuple(graph.to_wire() for graph in live_graphs()),  # seen since the first track/pool
+            absent=frozenset() if contents else frozenset({"pools", "device_bytes"}),
         ).to_wire()
 
     def configure(self, directory: Path | None) -> dict[str, Any]:

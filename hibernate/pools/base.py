@@ -107,6 +107,10 @@ class Pool(Protocol):
         """
         ...
 
+    def contents(self) -> Contents:
+        """What ``Contents.of(name, regions())`` says now: what ``status`` shows of a running process."""
+        ...
+
     def warnings(self) -> list[str]:
         """What the newest ``regions()`` found that a sleep will not free, in words for its report."""
         ...
@@ -160,3 +164,16 @@ def device_bytes(regions: Sequence[SpillableRegion]) -> dict[str, int]:
         if name.startswith("cuda:"):
             total[name] = total.get(name, 0) + region.nbytes
     return total
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a status shows of a pool: its regions by tag (``summarize``) and its bytes on each CUDA
+    device (``device_bytes``)."""
+
+    summaries: list[PoolSummary]
+    device_bytes: dict[str, int]
+
+    @classmethod
+    def of(cls, pool_name: str, regions: Sequence[SpillableRegion]) -> Contents:
+        return cls(summarize(pool_name, regions), device_bytes(regions))

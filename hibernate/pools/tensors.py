@@ -52,7 +52,7 @@ import torch
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.gcpause import gc_paused
 from hibernate.pools import hostpages
-from hibernate.pools.base import RegionAttributes, SpillableRegion
+from hibernate.pools.base import Contents, PoolSummary, RegionAttributes, SpillableRegion
 from hibernate.pools.capture import SeenGraph, live_graphs
 from hibernate.pools.device import (
     POISON_STORAGE,
@@ -70,6 +70,10 @@ from hibernate.store.regions import memory_at
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# Every dtype's name, asked once per tensor of every enumeration: looked up, not formatted.
+_DTYPE_NAMES = {dtype: _dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
 
 
 def _address(view: memoryview) -> int:
@@ -144,6 +148,9 @@ def _refuse_while_asleep(
 
 
 def _asleep_class(awake: type) -> type:
+    cls = _asleep_classes.get(awake)  # made once per class: no lock taken for every tensor released
+    if cls is not None:
+        return cls
     with _asleep_lock:
         cls = _asleep_classes.get(awake)
         if cls is None:
@@ -217,14 +224,15 @@ class StorageRegion(RegionAttributes):
     ) -> None:
         # Strings and ints only (see TensorPool._regions): plain by construction. A device storage is
         # named by the index its seam copies it on (the same as torch's "cuda:N" for a CUDA storage).
-        device = f"cuda:{on_device[1]}" if on_device is not None else str(storage.device)
+        where = storage.device  # a new object at each call: asked once
+        device = f"cuda:{on_device[1]}" if on_device is not None else str(where)
         meta = PlainMeta(device=device, views=views)
         super().__init__(key, tag, keep, storage.nbytes(), meta)
         self._storage = storage
-        self._device = storage.device
+        self._device = where
         self._on_device = on_device
         # Decided once: a sleep asks host_view once per chunk, and device.type alone cost 0.26 us.
-        self._in_host_memory = on_device is None and storage.device.type == "cpu"
+        self._in_host_memory = on_device is None and where.type == "cpu"
         self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
         self._storage_poisoned = False
         self.released = False
@@ -401,12 +409,15 @@ def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"{prefix}state.{index}.{name}", value
     elif isinstance(obj, torch.Tensor):
         yield prefix.rstrip("."), obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _named_tensors(_Tracked(value, tracked.tag, tracked.keep, f"{prefix}{key}."))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from _named_tensors(_Tracked(value, tracked.tag, tracked.keep, f"{prefix}{index}."))
+    elif isinstance(obj, (Mapping, list, tuple)):
+        # A tensor in it is named here, not in a call of its own: a model of many small tensors
+        # (a dict of experts' weights) paid a generator and an entry per tensor, at every enumeration.
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                yield f"{prefix}{key}".rstrip("."), value
+            else:
+                yield from _named_tensors(_Tracked(value, tracked.tag, tracked.keep, f"{prefix}{key}."))
     else:
         raise UsageError(
             f"cannot track {type(obj).__name__} at {prefix.rstrip('.') or 'top level'}: expected an "
@@ -421,18 +432,28 @@ def _check_trackable(name: str, tensor: torch.Tensor) -> None:
 
 
 def _check_layout(name: str, tensor: torch.Tensor) -> None:
-    if tensor.is_sparse or tensor.layout != torch.strided:
+    # Asked of every tracked tensor at every enumeration: each attribute read once (a sparse
+    # tensor's layout is not strided either).
+    if tensor.layout != torch.strided:
         raise UsageError(
             f"tensor {name!r} has layout {tensor.layout}; only strided tensors can be hibernated"
         )
-    if tensor.device.type not in ("cpu", "cuda"):
+    kind = tensor.device.type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
         raise UsageError(f"tensor {name!r} is on {tensor.device}; hibernate handles cpu and cuda tensors")
-    if tensor.device.type == "cuda" and not tensor.untyped_storage().resizable():
+    if not tensor.untyped_storage().resizable():
         raise UsageError(
             f"tensor {name!r} uses CUDA memory torch did not allocate (from_blob, DLPack), "
             "which hibernate cannot free",
             hint="copy it into a torch-allocated tensor before tracking it",
         )
+
+
+def _fixed_host(storage: torch.UntypedStorage) -> bool:
+    """A CPU storage torch cannot resize (numpy-shared, ``frombuffer``, a memory map)."""
+    return not storage.resizable() and storage.device.type == "cpu"
 
 
 DEFAULT_POOL = (0, 0)  # the caching allocator's own pool, the one empty_cache() empties
@@ -591,35 +612,75 @@ class TensorPool:
         with gc_paused():
             return self._regions()
 
-    def _regions(self) -> Sequence[SpillableRegion]:
+    def contents(self) -> Contents:
+        """What ``Contents.of(self.regions())`` says, without building the regions: one walk of the
+        tracked tensors, by storage (what ``status`` asks of a running process, each command twice).
+
+        Host storages torch cannot resize are placed by their mappings as regions() places them:
+        where any is tracked, the regions are built after all.
+        """
+        with gc_paused():
+            by_storage = self._storages(describe=False)
+            groups: dict[tuple[str, bool], list[int]] = {}
+            on_devices: dict[str, int] = {}
+            for owner, _, storage, _, _ in by_storage.values():
+                index = self._device_of(storage)
+                if index is None and storage.device.type == "cpu" and not storage.resizable():
+                    return Contents.of(self.name, self._regions())
+                nbytes = storage.nbytes()
+                group = groups.setdefault((owner.tag, owner.keep), [0, 0])
+                group[0] += 1
+                group[1] += nbytes
+                if index is not None:
+                    device = f"cuda:{index}"
+                    on_devices[device] = on_devices.get(device, 0) + nbytes
+        summaries = [PoolSummary(self.name, tag, keep, n, size) for (tag, keep), (n, size) in groups.items()]
+        return Contents(summaries, on_devices)
+
+    def _storages(self, describe: bool) -> dict[int, list[Any]]:
+        """The tracked tensors by storage: storage identity -> [owning entry, first name, storage,
+        views, {id: (tensor, name)}], the views and tensors only where ``describe``; a storage shared
+        with a kept tensor is kept, under that tensor's tag. Storages of ``hibernate.pool()`` are left
+        to their pool."""
         with self._lock:
             tracked = list(self._tracked.values())
-        # storage identity -> [owning entry, first name, storage, views, {id: (tensor, name)}];
-        # a storage shared with a kept tensor is kept, under that tensor's tag.
         by_storage: dict[int, list[Any]] = {}
-        in_pools = PooledAddresses(self._covered())
-        for entry in tracked:
-            for name, tensor in _named_tensors(entry):
-                _check_trackable(name, tensor)
-                storage = tensor.untyped_storage()
-                if in_pools.holds(storage):
-                    continue  # hibernated at its own address by its pool (hibernate.pool)
-                view = {
-                    "name": name,
-                    "dtype": _dtype_name(tensor.dtype),
-                    "shape": list(tensor.shape),
-                    "strides": list(tensor.stride()),
-                    "storage_offset": tensor.storage_offset(),
-                }
-                slot = by_storage.setdefault(storage._cdata, [entry, name, storage, [], {}])
-                if view not in slot[3]:
-                    slot[3].append(view)
-                slot[4].setdefault(id(tensor), (tensor, name))
-                if entry.keep and not slot[0].keep:
-                    slot[0], slot[1] = entry, name
-        fixed = [
-            slot for slot in by_storage.values() if slot[2].device.type == "cpu" and not slot[2].resizable()
-        ]
+        spans = self._covered()
+        in_pool = PooledAddresses(spans).holds if spans else None
+        dtype_names = _DTYPE_NAMES
+        # Once for the whole walk, not per tensor: a tensor asleep (tracked again while the process
+        # sleeps) answers the metadata questions below as an awake one does.
+        with torch._C.DisableTorchFunctionSubclass():
+            for entry in tracked:
+                for name, tensor in _named_tensors(entry):
+                    _check_layout(name, tensor)
+                    storage = tensor.untyped_storage()
+                    if in_pool is not None and in_pool(storage):
+                        continue  # hibernated at its own address by its pool (hibernate.pool)
+                    slot = by_storage.get(storage._cdata)
+                    if slot is None:
+                        slot = by_storage[storage._cdata] = [entry, name, storage, [], {}]
+                    elif entry.keep and not slot[0].keep:
+                        slot[0], slot[1] = entry, name
+                    if not describe:
+                        continue
+                    dtype = tensor.dtype
+                    view = {
+                        "name": name,
+                        "dtype": dtype_names.get(dtype) or _dtype_name(dtype),
+                        "shape": list(tensor.shape),
+                        "strides": list(tensor.stride()),
+                        "storage_offset": tensor.storage_offset(),
+                    }
+                    views = slot[3]
+                    if not views or view not in views:
+                        views.append(view)
+                    slot[4].setdefault(id(tensor), (tensor, name))
+        return by_storage
+
+    def _regions(self) -> Sequence[SpillableRegion]:
+        by_storage = self._storages(describe=True)
+        fixed = [slot for slot in by_storage.values() if _fixed_host(slot[2])]
         ranges = [(s[2].data_ptr(), s[2].data_ptr() + s[2].nbytes(), s[0].keep) for s in fixed]
         kept_by_overlap = {
             id(slot): keep for slot, keep in zip(fixed, hostpages.kept_with_overlaps(ranges), strict=True)
@@ -645,7 +706,7 @@ class TensorPool:
                 regions.append(StorageRegion(*args, on_device=(self.copies, index)))
                 if storage.nbytes():
                     device_storages.append((key, index, storage.data_ptr(), storage.nbytes()))
-            elif storage.device.type == "cpu" and not storage.resizable():
+            elif fixed and _fixed_host(storage):
                 mappings = hostpages.own_mappings() if mappings is None else mappings
                 start = storage.data_ptr()
                 where = hostpages.placement(start, start + storage.nbytes(), mappings)

@@ -48,7 +48,7 @@ from typing import Any
 
 from hibernate import faults
 from hibernate.errors import HibernateError, UnsupportedError, UsageError, WrongStateError
-from hibernate.pools.base import SpillableRegion
+from hibernate.pools.base import Contents, SpillableRegion
 from hibernate.pools.device import (
     CudaCopies,
     DeviceCopies,
@@ -185,6 +185,9 @@ class TmsPool:
         return [span for tag in tags for span in paused.get(tag) or self._provider.spans(tag)]
 
     # -- the Pool contract -----------------------------------------------------
+
+    def contents(self) -> Contents:
+        return Contents.of(self.name, self.regions())  # a few regions: nothing to spare
 
     def regions(self) -> Sequence[SpillableRegion]:
         with self._lock:

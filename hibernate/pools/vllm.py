@@ -42,7 +42,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 from hibernate.errors import UnsupportedError, UsageError, WrongStateError
-from hibernate.pools.base import SpillableRegion
+from hibernate.pools.base import Contents, SpillableRegion
 from hibernate.pools.device import DeviceCopies, DeviceMemory, DeviceRegion, Handle, PinFn
 from hibernate.pools.provided import VLLM_CUMEM, Span, declare_once
 from hibernate.store.regions import memory_at
@@ -234,6 +234,9 @@ class CuMemPool:
         return self._keep(tag) if self._keep is not None else keeps(tag, self.level)
 
     # -- the Pool contract -----------------------------------------------------
+
+    def contents(self) -> Contents:
+        return Contents.of(self.name, self.regions())  # a few regions: nothing to spare
 
     def regions(self) -> Sequence[SpillableRegion]:
         allocator = self.allocator
