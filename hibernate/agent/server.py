@@ -109,7 +109,9 @@ class _Connection:
             return h.status()
         if op == "begin":
             h.begin(s)
-            return h.status()
+            # Its asker reads the state, leases and snapshot of the process it now owns; the pools
+            # it was told of by the hello that found the agent.
+            return h.status(contents=False)
         if op == "end":
             h.end(s)
             return h.status()
