@@ -32,7 +32,8 @@ ratios with their lowest and highest. Before every read the page cache is
 dropped (``echo 3 > /proc/sys/vm/drop_caches``, where this user may; the header
 says whether it could) and the backing files are evicted (POSIX_FADV_DONTNEED)
 in any case. For each step the filesystem's own counts are shown: the most
-requests it served at once and the largest request.
+requests it served at once and the largest request, and the CPU time its
+server took per GiB moved (it shares the machine's cores with what it serves).
 
 Targets: a wake at 0.80x or more of the raw read with 8 requests in flight, and a
 sleep at 0.80x or more of the raw write with 8. Prints a header, a table and the
@@ -255,6 +256,7 @@ class Step:
     rates: list[float] = field(default_factory=list)  # bytes per second
     walls: list[float] = field(default_factory=list)  # seconds, for the commands
     in_flight: list[int] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)  # the filesystem's CPU seconds per GiB moved
     largest: list[int] = field(default_factory=list)
 
     def add(
@@ -266,6 +268,7 @@ class Step:
             self.walls.append(wall)
         self.in_flight.append(int(stats[f"in_flight_max_{kind}"]))
         self.largest.append(int(stats[f"largest_{kind}"]))
+        self.server_cpu.append(stats["cpu_seconds"] / (nbytes / (1 << 30)))
         return rate
 
 
@@ -274,10 +277,23 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def measured(server: Server) -> Iterator[None]:
-    """The filesystem's counts cover exactly the block's requests."""
+def measured(server: Server) -> Iterator[dict[str, Any]]:
+    """The filesystem's counts of the block's requests, and the CPU time its server took meanwhile.
+
+    The dict yielded is filled when the block ends.
+    """
+    taken: dict[str, Any] = {}
     server.reset()
-    yield
+    before = cpu_seconds(server.process.pid)
+    yield taken
+    taken.update(server.stats(), cpu_seconds=cpu_seconds(server.process.pid) - before)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` has taken (all its threads)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
@@ -319,17 +335,17 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
             print(f"repetition {rep + 1} of {args.reps} ...", file=sys.stderr, flush=True)
             swap = rep % 2 == 1
             # -- writes: the raw ones, then the sleep (or the other way round) --
-            with measured(server):
+            with measured(server) as taken:
                 seconds = raw_write([single], buffer)
-            steps["write_1"].add(nbytes, seconds, server.stats(), "write")
+            steps["write_1"].add(nbytes, seconds, taken, "write")
 
             def raw_write_8() -> float:
-                with measured(server):
+                with measured(server) as taken:
                     seconds = raw_write([mount / f"raw-{i}.bin" for i in range(IN_FLIGHT)], buffer)
-                return steps["write_8"].add(nbytes, seconds, server.stats(), "write")
+                return steps["write_8"].add(nbytes, seconds, taken, "write")
 
             def sleep(rep: int = rep) -> float:
-                with measured(server):
+                with measured(server) as taken:
                     report, wall = target.hibernate(
                         "sleep", str(target.pid), "--to", str(mount / f"snap-{rep}")
                     )
@@ -337,7 +353,7 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
                 io_modes.add(process["io_mode"])
                 reused.append(int(process["reused_bytes"]))
                 return steps["sleep"].add(
-                    int(process["written_bytes"]), process["phases"]["spill"], server.stats(), "write", wall
+                    int(process["written_bytes"]), process["phases"]["spill"], taken, "write", wall
                 )
 
             first, second = (sleep, raw_write_8) if swap else (raw_write_8, sleep)
@@ -347,24 +363,24 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
 
             # -- reads: cold, the raw ones, then the wake (or the other way round) --
             cold()
-            with measured(server):
+            with measured(server) as taken:
                 seconds = raw_read(single, buffer, threads=1)
-            steps["read_1"].add(nbytes, seconds, server.stats(), "read")
+            steps["read_1"].add(nbytes, seconds, taken, "read")
 
             def raw_read_8() -> float:
                 cold()
-                with measured(server):
+                with measured(server) as taken:
                     seconds = raw_read(single, buffer, threads=IN_FLIGHT)
-                return steps["read_8"].add(nbytes, seconds, server.stats(), "read")
+                return steps["read_8"].add(nbytes, seconds, taken, "read")
 
             def wake() -> float:
                 cold()
-                with measured(server):
+                with measured(server) as taken:
                     report, wall = target.hibernate("wake", str(target.pid))
                 process = report["processes"][0]
                 io_modes.add(process["io_mode"])
                 return steps["wake"].add(
-                    int(process["restored_bytes"]), process["phases"]["restore"], server.stats(), "read", wall
+                    int(process["restored_bytes"]), process["phases"]["restore"], taken, "read", wall
                 )
 
             first, second = (wake, raw_read_8) if swap else (raw_read_8, wake)
@@ -402,6 +418,7 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
                 "wall": spread(step.walls) if step.walls else None,
                 "in_flight_max": max(step.in_flight),
                 "largest_request": max(step.largest),
+                "server_cpu_s_per_gib": statistics.median(step.server_cpu),
             }
             for key, step in steps.items()
         },
@@ -456,7 +473,10 @@ def report(doc: dict[str, Any], json_out: Path | None) -> int:
         "write_8": f"raw write, {IN_FLIGHT} x 1 MiB in flight",
         "sleep": "sleep: spill step",
     }
-    print(f"{'step':34s} {'median':>12s} {'range':>21s}  {'in flight':>9s}  {'largest':>9s}  command wall")
+    print(
+        f"{'step':34s} {'median':>12s} {'range':>21s}  {'in flight':>9s}  {'largest':>9s}  {'fs CPU':>10s}"
+        "  command wall"
+    )
     for key, name in names.items():
         step = doc["steps"][key]
         rate = step["rate"]
@@ -464,7 +484,8 @@ def report(doc: dict[str, Any], json_out: Path | None) -> int:
         shown_wall = f"{wall['median']:.2f} s ({wall['min']:.2f}-{wall['max']:.2f})" if wall else ""
         print(
             f"{name:34s} {mbps(rate['median']):>12s} {rate['min'] / 1e6:9.0f}-{rate['max'] / 1e6:<6.0f} MB/s"
-            f"  {step['in_flight_max']:>9d}  {step['largest_request'] // 1024:>5d} KiB  {shown_wall}"
+            f"  {step['in_flight_max']:>9d}  {step['largest_request'] // 1024:>5d} KiB"
+            f"  {step['server_cpu_s_per_gib']:>4.2f} s/GiB  {shown_wall}"
         )
     print()
     failed = False
