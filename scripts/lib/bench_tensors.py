@@ -428,7 +428,7 @@ def print_report(doc: dict[str, Any], args: argparse.Namespace) -> None:
         f"{args.reps} repetitions"
     )
     if doc["whole_cache_dropped"] is None:
-        cache = "the files read dropped from the page cache before each cold read (--drop-caches: all of it)"
+        cache = "the files read dropped from the page cache before each cold read (all of it: --drop-caches)"
     elif doc["whole_cache_dropped"]:
         cache = "the whole page cache dropped before each cold read (--drop-caches)"
     else:
