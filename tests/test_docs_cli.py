@@ -68,7 +68,7 @@ def script_help() -> dict[str, list[str]]:
     for path in sorted((REPO / "scripts").iterdir()):
         if path.is_file() and "python" in path.read_text(errors="replace").partition("\n")[0]:
             commands[path.name] = [sys.executable, str(path), "--help"]
-    for name in ("bench_store", "bench_serve", "bench_tensors"):
+    for name in ("bench_store", "bench_serve", "bench_tensors", "bench_latency"):
         commands[name] = [sys.executable, str(REPO / "scripts/lib" / f"{name}.py"), "--help"]
     commands["hibernate.demo serve"] = [sys.executable, "-m", "hibernate.demo", "serve", "--help"]
     return commands
