@@ -273,10 +273,12 @@ def test_srun_applies_the_site_configuration(
     KillOnBadExit it sends the other tasks SIGTERM, after WaitTime SIGKILL."""
     slurm, job_id, _, _ = cluster
     command = ["srun", f"--jobid={job_id}", "--overlap", "-N2", "-n2", "--ntasks-per-node=1"]
+    # The other task sleeps far longer than the step may take when cut short, even on a loaded
+    # machine (a 50-second limit ran out once, in a full run with the cores busy).
     result = slurm.run(
-        [*command, "sh", "-c", '[ "$SLURM_NODEID" = 0 ] && exit 3; sleep 60'],
+        [*command, "sh", "-c", '[ "$SLURM_NODEID" = 0 ] && exit 3; sleep 900'],
         {**slurm.outside_env(), **site},
-        timeout=50,
+        timeout=240,
     )
     assert result.returncode == status and "Terminating" in result.stderr, result.stderr
 
