@@ -69,6 +69,7 @@ import ctypes
 import ctypes.util
 import errno
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -84,7 +85,7 @@ from typing import Any
 MiB = 1 << 20
 MAX_REQUEST = MiB
 CONTROL = "/.latencyfs"
-CONTROL_FH = 0xFFFF_FFFF  # no backing file descriptor has this number
+CONTROL_HANDLES = 1 << 40  # handles of the control path count from here: no file descriptor is as high
 DIRECT_IO_MODES = ("none", "odirect", "all")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -149,6 +150,9 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
 
     delay = delay_ms / 1000.0
     stats = Stats(delay_ms)
+    documents: dict[int, bytes] = {}  # what each open of the control path reads
+    handle_numbers = itertools.count()
+    handles_lock = threading.Lock()
     root_fd = os.open(backing, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def rel(path: str) -> str:
@@ -205,7 +209,7 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             if path == CONTROL:
                 return self._control_attrs()
             try:
-                if fh is not None and fh.fh != CONTROL_FH:
+                if fh is not None and fh.fh < CONTROL_HANDLES:
                     return attrs(os.fstat(fh.fh))
                 return attrs(os.stat(rel(path), dir_fd=root_fd, follow_symlinks=False))
             except OSError as exc:
@@ -312,7 +316,7 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             return 0
 
         def truncate(self, path: str, length: int, fh: Any = None) -> int:
-            if path == CONTROL or (fh is not None and fh.fh == CONTROL_FH):
+            if path == CONTROL or (fh is not None and fh.fh >= CONTROL_HANDLES):
                 return 0
             try:
                 if fh is not None:
@@ -356,7 +360,11 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
 
         def open(self, path: str, fi: Any) -> int:
             if path == CONTROL:
-                fi.fh = CONTROL_FH
+                # Each open reads the counts of one moment: a reader's reads at growing offsets
+                # must not stitch two documents together.
+                with handles_lock:
+                    fi.fh = CONTROL_HANDLES + next(handle_numbers)
+                    documents[fi.fh] = stats.document()
                 fi.direct_io = 1  # its size is not known ahead
                 return 0
             try:
@@ -378,8 +386,8 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             return 0
 
         def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
-            if fi.fh == CONTROL_FH:
-                return stats.document()[offset : offset + size]
+            if fi.fh >= CONTROL_HANDLES:
+                return documents[fi.fh][offset : offset + size]
             with stats.serving("read", size):
                 time.sleep(delay)
                 try:
@@ -390,7 +398,7 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             return data
 
         def write(self, path: str, data: bytes, offset: int, fi: Any) -> int:
-            if fi.fh == CONTROL_FH:
+            if fi.fh >= CONTROL_HANDLES:
                 if data.strip() == b"reset":
                     stats.reset()
                 return len(data)
@@ -404,7 +412,7 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             return written
 
         def fsync(self, path: str, datasync: int, fi: Any) -> int:
-            if fi.fh == CONTROL_FH:
+            if fi.fh >= CONTROL_HANDLES:
                 return 0
             try:
                 (os.fdatasync if datasync else os.fsync)(fi.fh)
@@ -431,7 +439,10 @@ def make_operations(backing: Path, delay_ms: float, direct_io: str, ready: Any) 
             return 0
 
         def release(self, path: str, fi: Any) -> int:
-            if fi.fh != CONTROL_FH:
+            if fi.fh >= CONTROL_HANDLES:
+                with handles_lock:
+                    documents.pop(fi.fh, None)
+            else:
                 os.close(fi.fh)
             return 0
 
