@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hibernate.store import tuning
+from hibernate.store.directio import BUFFERED, DataFile, ParallelReads, PipelineAbortedError
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader
 from hibernate.store.readplan import read_request_bytes
@@ -132,3 +134,46 @@ def test_a_writer_appends_to_its_own_file_and_another_writer_starts_the_next(tmp
         ("data-000.bin", 4096),
         ("data-002.bin", 0),
     ]
+
+
+def parallel_file(tmp_path: Path, data: bytes) -> DataFile:
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    return DataFile(os.open(path, os.O_RDONLY), BUFFERED)
+
+
+def test_a_request_read_as_pieces_is_the_request_read_whole(tmp_path: Path) -> None:
+    data = random.Random(1).randbytes(1 << 20)
+    file = parallel_file(tmp_path, data)
+    abort = threading.Event()
+    pieces = ParallelReads(8, abort, piece_bytes=64 << 10)
+    try:
+        into = memoryview(bytearray(600_000))
+        assert pieces.read(file, into, 8192) == 600_000 and bytes(into) == data[8192 : 8192 + 600_000]
+        past_the_end = memoryview(bytearray(300_000))  # the file ends 150,000 bytes in
+        assert pieces.read(file, past_the_end, len(data) - 150_000) == 150_000
+        assert bytes(past_the_end[:150_000]) == data[-150_000:]
+    finally:
+        pieces.close()
+        file.close()
+
+
+def test_a_failed_piece_fails_its_request_and_an_aborted_transfer_reads_nothing_more(
+    tmp_path: Path,
+) -> None:
+    file = parallel_file(tmp_path, bytes(1 << 20))
+    abort = threading.Event()
+    pieces = ParallelReads(4, abort, piece_bytes=64 << 10)
+    try:
+        directory = DataFile(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), BUFFERED)
+        try:
+            with pytest.raises(IsADirectoryError):  # every piece's read fails
+                pieces.read(directory, memoryview(bytearray(256 << 10)), 0)
+        finally:
+            directory.close()
+        abort.set()
+        with pytest.raises(PipelineAbortedError):
+            pieces.read(file, memoryview(bytearray(256 << 10)), 0)
+    finally:
+        pieces.close()
+        file.close()

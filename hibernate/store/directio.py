@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from hibernate.fsutil import PRIVATE_FILE_MODE
 from hibernate.store.hugepages import HUGE_PAGE_BYTES
+from hibernate.store.manifest import ALIGNMENT
 
 T = TypeVar("T")
 
@@ -365,6 +366,84 @@ def read_views(file: DataFile, views: Sequence[memoryview], offset: int) -> int:
     if file.mode == BUFFERED:
         os.posix_fadvise(file.fd, offset, done, os.POSIX_FADV_DONTNEED)
     return done
+
+
+class _Pieces:
+    """One request's pieces in flight: what each read, and the count of those not yet done."""
+
+    def __init__(self, count: int) -> None:
+        self.got: list[int | BaseException] = [0] * count
+        self.left = count
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def finish(self, index: int, result: int | BaseException) -> None:
+        self.got[index] = result
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.done.set()
+
+
+class ParallelReads:
+    """Read one request as pieces, ``threads`` of them in flight at once, on threads of its own.
+
+    Where each request waits a round trip (a network or FUSE filesystem), the
+    requests in flight, not their size, make the throughput; splitting each
+    read keeps that many in flight with only a few staging buffers (a chunk
+    is verified whole, so a buffer holds at least one). A piece never
+    outlives its read: :meth:`read` returns only once every piece it asked
+    for has finished or been skipped (after ``abort``), so the buffer it
+    reads into is never given back while the kernel still writes into it.
+    """
+
+    def __init__(self, threads: int, abort: threading.Event, piece_bytes: int = 4 << 20) -> None:
+        self._abort = abort
+        self._piece_bytes = piece_bytes
+        self._jobs: queue.SimpleQueue[tuple[DataFile, memoryview, int, _Pieces, int] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"hibernate-read-piece-{n}", daemon=True)
+            for n in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            file, view, offset, pieces, index = job
+            try:
+                pieces.finish(index, 0 if self._abort.is_set() else read_views(file, [view], offset))
+            except BaseException as exc:  # handed to the reader that asked, which raises it
+                pieces.finish(index, exc)
+            finally:
+                del view
+
+    def read(self, file: DataFile, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset`` as read_views does; the bytes read (short only at EOF)."""
+        step = max(ALIGNMENT, -(-len(view) // len(self._threads)) // ALIGNMENT * ALIGNMENT)
+        step = max(step, min(self._piece_bytes, len(view)))
+        starts = range(0, len(view), step)
+        pieces = _Pieces(len(starts))
+        for index, start in enumerate(starts):
+            self._jobs.put((file, view[start : start + step], offset + start, pieces, index))
+        pieces.done.wait()
+        got = 0
+        for start, result in zip(starts, pieces.got, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            got += result
+            if result < min(step, len(view) - start):
+                break  # the end of the file: nothing after it was read
+        if self._abort.is_set():
+            raise PipelineAbortedError()
+        return got
+
+    def close(self) -> None:
+        """Stop the threads once the pieces asked for are done; they end on their own."""
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 def finish_write(file: DataFile) -> None:

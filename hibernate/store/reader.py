@@ -8,11 +8,12 @@ are copied into the region: a corrupted weight is never handed back.
 
 Chunks are read in file order, and chunks that lie back to back in a file are
 read with one request of up to 32 MiB (or one chunk, if larger: readplan.py),
-into staging buffers allocated as needed. Several reader threads keep that
-many requests in flight (``io_depth``: two on a local disk, eight on a
-network or FUSE filesystem, where each request waits a round trip: see
-tuning.py); workers verify and copy meanwhile; another thread faults the
-destination memory in a step ahead of them.
+into staging buffers allocated as needed. Two reader threads keep the
+requests in flight (``io_depth``: two on a local disk; eight on a network or
+FUSE filesystem, where each request waits a round trip, as pieces of each
+reader's request: see tuning.py and directio.ParallelReads); workers verify
+and copy meanwhile; another thread faults the destination memory in a step
+ahead of them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from hibernate.store.directio import (
     DIRECT,
     DataFile,
     DirectIORefusedError,
+    ParallelReads,
     StagingBuffer,
     StagingPool,
     open_data_file,
@@ -73,6 +75,9 @@ from hibernate.store.tuning import Tuning, choose
 
 # Regions smaller than this are not faulted in ahead of the copies (see _to_populate).
 _POPULATE_MIN_BYTES = 64 << 10
+# Reader threads, each with a staging buffer: more requests in flight than this are pieces of
+# their requests (directio.ParallelReads), so deep queues need no more staging.
+_READERS = 2
 
 
 @dataclass
@@ -189,6 +194,7 @@ class _Transfer:
     done: int = 0  # bytes verified and copied in, under ``lock``
     next_request: int = 0  # the index of the next request a reader takes, under ``lock``
     readers_left: int = 0  # readers still reading, under ``lock``: the last one stops the workers
+    pieces: ParallelReads | None = None  # where more requests are in flight than readers
     reading: threading.Event = field(default_factory=threading.Event)  # the reader has its first buffer
     # Every chunk's destination is known (see SnapshotReader._fault_in).
     placed: threading.Event = field(default_factory=threading.Event)
@@ -400,16 +406,18 @@ class SnapshotReader:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes, tuning.io_depth + tuning.workers)
+        plan = plan_reads(
+            self.manifest.columns.chunks, buffer_bytes, min(tuning.io_depth, _READERS) + tuning.workers
+        )
         self._regions_of, self._region_offsets = destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
-        readers = max(1, min(tuning.io_depth, len(plan.requests)))
+        readers = max(1, min(tuning.io_depth, _READERS, len(plan.requests)))
         transfer = _Transfer(
             regions, plan.requests, pool, tuning.workers, readers, total, progress, cancelled
         )
         try:
-            self._run(transfer)
+            self._run(transfer, tuning.io_depth)
         finally:
             staging = pool.total_bytes
             pool.close()
@@ -423,16 +431,26 @@ class SnapshotReader:
             tuning=tuning,
         )
 
-    def _run(self, transfer: _Transfer) -> None:
-        """One thread faults memory in, readers read, the workers verify and copy; a failure stops all."""
+    def _run(self, transfer: _Transfer, io_depth: int) -> None:
+        """One thread faults memory in, readers read, the workers verify and copy; a failure stops all.
+
+        With more requests in flight than readers (``io_depth``), each reader's
+        request is read as pieces on threads of their own (ParallelReads).
+        """
         pipeline = transfer.pipeline
         transfer.readers_left = transfer.readers
-        pipeline.start("fault-in", lambda: self._fault_in(transfer))
-        for n in range(transfer.readers):
-            pipeline.start(f"read-{n}", lambda: self._read_requests(transfer))
-        for n in range(transfer.workers):
-            pipeline.start(f"verify-{n}", lambda: self._verify_loaded(transfer))
-        pipeline.join()
+        if io_depth > transfer.readers:
+            transfer.pieces = ParallelReads(io_depth, pipeline.abort)
+        try:
+            pipeline.start("fault-in", lambda: self._fault_in(transfer))
+            for n in range(transfer.readers):
+                pipeline.start(f"read-{n}", lambda: self._read_requests(transfer))
+            for n in range(transfer.workers):
+                pipeline.start(f"verify-{n}", lambda: self._verify_loaded(transfer))
+            pipeline.join()
+        finally:
+            if transfer.pieces is not None:
+                transfer.pieces.close()
 
     def _take_request(self, transfer: _Transfer) -> Request | None:
         """The next request in file order, for one of the readers; None once all are taken."""
@@ -454,7 +472,7 @@ class SnapshotReader:
                 buffer = pool.take(transfer.pipeline.abort)
                 transfer.reading.set()
                 try:
-                    got = self._read_request(request, buffer)
+                    got = self._read_request(request, buffer, transfer.pieces)
                 except BaseException:
                     pool.give(buffer)
                     raise
@@ -523,8 +541,10 @@ class SnapshotReader:
         for view in views:
             populate(view, abort, huge=huge)
 
-    def _read_request(self, request: Request, buffer: StagingBuffer) -> int:
+    def _read_request(self, request: Request, buffer: StagingBuffer, pieces: ParallelReads | None) -> int:
         try:
+            if pieces is not None:
+                return pieces.read(self._files[request.file], buffer.view[: request.size], request.offset)
             return read_views(self._files[request.file], [buffer.view[: request.size]], request.offset)
         except OSError as exc:
             raise StorageError(
