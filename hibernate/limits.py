@@ -30,6 +30,10 @@ MIN_BUFFER_MB = 16
 # More nodes than one job spans on any cluster we know of; a bound that keeps a typo from
 # sizing the barrier's bookkeeping.
 MAX_NODES = 65536
+# I/O requests in flight and copy/hash threads of one process's transfer (--io-depth, --io-workers):
+# far above what pays on any machine we know of (store.tuning chooses 1 to 8 of each).
+MAX_IO_DEPTH = 64
+MAX_IO_WORKERS = 64
 
 
 def physical_memory_bytes() -> int:
@@ -91,6 +95,8 @@ BOUNDS: dict[str, Bound] = {
         "--barrier-timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")
     ),
     "buffer_mb": Bound("--buffer-mb", _const(MIN_BUFFER_MB), max_buffer_mb, "MiB", _half_ram_words),
+    "io_depth": Bound("--io-depth", _const(1), _const(MAX_IO_DEPTH)),
+    "io_workers": Bound("--io-workers", _const(1), _const(MAX_IO_WORKERS)),
     "nodes": Bound("--nodes", _const(1), _const(MAX_NODES)),
     "node_index": Bound("--node-index", _const(0), _const(MAX_NODES - 1)),
 }

@@ -202,3 +202,32 @@ def test_processes_sleeping_together_stage_within_one_budget(
     restores = woken.json()["processes"]
     assert all(0 < p["staging_bytes"] <= 16 << 20 for p in restores), [p["staging_bytes"] for p in restores]
     assert [demo.infer()["digest"] for demo in demos] == references
+
+
+def test_the_io_depth_and_workers_given_are_those_a_sleep_and_a_wake_run_with(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=16)
+    reference = demo.infer()["digest"]
+    slept = cli(
+        "sleep", str(demo.pid), "--to", str(work_dir), "--io-depth", "3", "--io-workers", "1", "--json"
+    )
+    assert slept.returncode == 0, slept.stderr
+    assert {**slept.json()["processes"][0]["tuning"], "filesystem": None, "kind": None} == {
+        "io_depth": 3, "workers": 1, "filesystem": None, "kind": None,
+    }  # fmt: skip
+    woken = cli("wake", str(demo.pid), "--json", env={"HIBERNATE_IO_DEPTH": "5"})
+    assert woken.returncode == 0, woken.stderr
+    tuning = woken.json()["processes"][0]["tuning"]
+    assert tuning["io_depth"] == 5 and tuning["workers"] >= 2  # the workers chosen from the machine
+    assert demo.infer()["digest"] == reference
+
+
+def test_an_io_depth_out_of_range_is_refused_before_anything_is_touched(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=16)
+    refused = cli("sleep", str(demo.pid), "--to", str(work_dir), "--io-depth", "0")
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert "--io-depth must be between 1 and 64, not 0" in refused.stderr
+    assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "running"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hibernate.limits import MAX_IO_DEPTH
 from hibernate.store import tuning
 from hibernate.store.directio import BUFFERED, DataFile, ParallelReads, PipelineAbortedError
 from hibernate.store.layout import SpillRoot
@@ -51,7 +52,7 @@ def test_what_is_given_is_used_and_the_rest_chosen(tmp_fd: int) -> None:
     chosen = tuning.choose(tmp_fd, io_depth=5, cores=16)
     assert (chosen.io_depth, chosen.workers) == (5, 8)
     assert tuning.choose(tmp_fd, workers=3, io_depth=1).workers == 3
-    assert tuning.choose(tmp_fd, io_depth=10_000).io_depth == tuning.MAX_IO_DEPTH
+    assert tuning.choose(tmp_fd, io_depth=10_000).io_depth == MAX_IO_DEPTH
 
 
 def test_a_report_names_the_choice(tmp_fd: int) -> None:

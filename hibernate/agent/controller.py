@@ -204,6 +204,8 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
             reuse=bool(args.get("reuse", True)),
             check_reuse=not transfer.skip_reuse_check,
             verify=transfer.verify,
+            stage_threads=transfer.io_workers,
+            io_threads=transfer.io_depth,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -609,6 +611,8 @@ class Agent:
                     report = reader.read_into(
                         targets,
                         buffer_bytes=options.buffer_bytes,
+                        threads=options.stage_threads,
+                        io_depth=options.io_threads,
                         progress=self._reporter(session, "restore"),
                         cancelled=session.cancelled,
                         pin=pin,

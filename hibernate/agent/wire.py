@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, overload
 
 from hibernate.errors import UsageError
 
@@ -307,9 +307,13 @@ class TransferArgs:
     verify: bool = False  # read each snapshot back before its memory is released
     skip_reuse_check: bool = False  # reuse the previous snapshot's chunks without reading them back
     allow_moves: bool = False  # move tracked CUDA memory even while captured CUDA graphs may read it
+    # Requests in flight and copy/hash threads (--io-depth, --io-workers); None: the agent chooses
+    # from its machine and the snapshot's filesystem (store.tuning). Sent only when set.
+    io_depth: int | None = None
+    io_workers: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "buffer_mb": self.buffer_mb,
             "chunk_mb": self.chunk_mb,
             "io_mode": self.io_mode,
@@ -317,6 +321,11 @@ class TransferArgs:
             "skip_reuse_check": self.skip_reuse_check,
             "allow_moves": self.allow_moves,
         }
+        if self.io_depth is not None:
+            wire["io_depth"] = self.io_depth
+        if self.io_workers is not None:
+            wire["io_workers"] = self.io_workers
+        return wire
 
     @classmethod
     def from_wire(cls, args: Mapping[str, Any]) -> TransferArgs:
@@ -327,10 +336,16 @@ class TransferArgs:
             verify=bool(args.get("verify", False)),
             skip_reuse_check=bool(args.get("skip_reuse_check", False)),
             allow_moves=bool(args.get("allow_moves", False)),
+            io_depth=_positive(args, "io_depth", None),
+            io_workers=_positive(args, "io_workers", None),
         )
 
 
-def _positive(args: Mapping[str, Any], name: str, default: int) -> int:
+@overload
+def _positive(args: Mapping[str, Any], name: str, default: int) -> int: ...
+@overload
+def _positive(args: Mapping[str, Any], name: str, default: None) -> int | None: ...
+def _positive(args: Mapping[str, Any], name: str, default: int | None) -> int | None:
     value = args.get(name)
     if value is None:
         return default

@@ -48,6 +48,28 @@ BufferOption = Annotated[
         ),
     ),
 ]
+IoDepthOption = Annotated[
+    int | None,
+    typer.Option(
+        "--io-depth",
+        metavar="N",
+        envvar="HIBERNATE_IO_DEPTH",
+        show_default=False,
+        help="I/O requests each process keeps in flight, 1 to 64 (default: chosen from the snapshot's "
+        "filesystem: 2 reading a local disk, 1 writing it, 8 on a network or FUSE filesystem).",
+    ),
+]
+IoWorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--io-workers",
+        metavar="N",
+        envvar="HIBERNATE_IO_WORKERS",
+        show_default=False,
+        help="Threads each process copies and checksums with, 1 to 64 (default: half the cores it may "
+        "run on, 2 to 8).",
+    ),
+]
 IoModeOption = Annotated[
     str,
     typer.Option(

@@ -130,6 +130,8 @@ def options_from_flags(
     cgroup: str | None = None,
     skip_asleep: bool = False,
     if_needed: bool = False,
+    io_depth: int | None = None,
+    io_workers: int | None = None,
 ) -> Options:
     """The Options of one operation from its caller's flags; what a caller has no flag for stays default.
 
@@ -148,7 +150,12 @@ def options_from_flags(
     reuse_unchecked = flag_or_env(skip_reuse_check, SKIP_REUSE_CHECK_ENV)  # a bad variable first, as
     moves = flag_or_env(allow_moves, ALLOW_MOVES_ENV)  # when the commands read them themselves
     io = IoOptions(
-        io_mode=_io_mode(io_mode), verify=verify, skip_reuse_check=reuse_unchecked, allow_moves=moves
+        io_mode=_io_mode(io_mode),
+        verify=verify,
+        skip_reuse_check=reuse_unchecked,
+        allow_moves=moves,
+        io_depth=io_depth,
+        io_workers=io_workers,
     )
     kind_options = _kind_options(level=level, drain=drain, vllm_url=vllm_url)
     scope = spans_users(all_users, job, cgroup)

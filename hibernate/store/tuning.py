@@ -23,13 +23,11 @@ report names what was used.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from dataclasses import dataclass
 from typing import Any
 
-MAX_IO_DEPTH = 64
-MAX_WORKERS = 64
+from hibernate.limits import MAX_IO_DEPTH, MAX_IO_WORKERS
 
 LOCAL, NETWORK, MEMORY = "local", "network", "memory"
 
@@ -94,7 +92,7 @@ _fstatfs: Any = None
 def _statfs_magic(fd: int) -> int | None:
     global _fstatfs
     if _fstatfs is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already loaded
         _fstatfs = libc.fstatfs
         _fstatfs.argtypes = [ctypes.c_int, ctypes.POINTER(_StatFs)]
         _fstatfs.restype = ctypes.c_int
@@ -147,5 +145,5 @@ def choose(
     if io_depth is None:
         io_depth = default_io_depth(kind, workers, writing=writing)
     return Tuning(
-        io_depth=min(io_depth, MAX_IO_DEPTH), workers=min(workers, MAX_WORKERS), filesystem=name, kind=kind
+        io_depth=min(io_depth, MAX_IO_DEPTH), workers=min(workers, MAX_IO_WORKERS), filesystem=name, kind=kind
     )
