@@ -161,8 +161,8 @@ from hibernate.errors import ProtocolError
 _status, _dispatch = controller.Agent.status, server._Connection._dispatch
 
 
-def status(self):
-    answer = _status(self)
+def status(self, *args, **kwargs):
+    answer = _status(self, *args, **kwargs)
     del answer["leases"]
     return answer
 
