@@ -32,9 +32,9 @@ def test_workers_are_half_the_cores_within_two_and_eight(cores: int, workers: in
     assert tuning.default_workers(cores) == workers
 
 
-def test_a_network_filesystem_gets_eight_requests_in_flight_a_local_disk_two_memory_one_per_worker() -> None:
+def test_a_network_filesystem_gets_eight_requests_in_flight_a_local_disk_one_memory_one_per_worker() -> None:
     assert tuning.default_io_depth(NETWORK, 2) == 8
-    assert tuning.default_io_depth(LOCAL, 8) == 2
+    assert tuning.default_io_depth(LOCAL, 8) == 1
     assert tuning.default_io_depth(MEMORY, 6) == 6
 
 
@@ -63,7 +63,7 @@ def test_a_report_names_the_choice(tmp_fd: int) -> None:
 
 def test_read_requests_shrink_so_every_holder_can_hold_one() -> None:
     arena = 128 << 20  # two arenas: 256 MiB of staging
-    assert read_request_bytes(arena, 4096, holders=4) == 32 << 20  # a local disk: as before
+    assert read_request_bytes(arena, 4096, holders=3) == 32 << 20  # a local disk: one reader, two workers
     assert read_request_bytes(arena, 4096, holders=10) == (256 << 20) // 10 // 4096 * 4096
     assert read_request_bytes(arena, 64 << 20, holders=10) == 64 << 20  # never below the largest chunk
 

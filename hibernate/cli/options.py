@@ -56,7 +56,7 @@ IoDepthOption = Annotated[
         envvar="HIBERNATE_IO_DEPTH",
         show_default=False,
         help="I/O requests each process keeps in flight, 1 to 64 (default: chosen from the snapshot's "
-        "filesystem: 2 reading a local disk, 1 writing it, 8 on a network or FUSE filesystem).",
+        "filesystem: 1 on a local disk, 8 on a network or FUSE filesystem, one per worker on tmpfs).",
     ),
 ]
 IoWorkersOption = Annotated[

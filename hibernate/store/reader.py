@@ -8,8 +8,8 @@ are copied into the region: a corrupted weight is never handed back.
 
 Chunks are read in file order, and chunks that lie back to back in a file are
 read with one request of up to 32 MiB (or one chunk, if larger: readplan.py),
-into staging buffers allocated as needed. Two reader threads keep the
-requests in flight (``io_depth``: two on a local disk; eight on a network or
+into staging buffers allocated as needed. One or two reader threads keep the
+requests in flight (``io_depth``: one on a local disk; eight on a network or
 FUSE filesystem, where each request waits a round trip, as pieces of each
 reader's request: see tuning.py and directio.ParallelReads); workers verify
 and copy meanwhile; another thread faults the destination memory in a step

@@ -240,7 +240,7 @@ def _write_locked(
                 # A first sleep stages all it writes: the regions' descriptions (20 MiB at 100,000
                 # tensors) would add to its peak memory, so they are dropped now, taken again after.
                 described = None
-            tuning = choose(tmp_fd, io_depth=options.io_threads, workers=options.stage_threads, writing=True)
+            tuning = choose(tmp_fd, io_depth=options.io_threads, workers=options.stage_threads)
             stream = Stream(
                 regions, sizes, segments, reusable, options, tuning, total, progress, cancelled, root
             )

@@ -379,11 +379,11 @@ class Transfer:
     map_seconds: float = 0.0  # of a restore's seconds, those that brought the regions back before the read
 
 
-def tuning_of(directory: Path, *, writing: bool) -> Tuning:
-    """The threads and requests in flight a spill (``writing``) or a restore in ``directory`` runs with."""
+def tuning_of(directory: Path) -> Tuning:
+    """The threads and requests in flight a spill or a restore in ``directory`` runs with."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return choose(fd, writing=writing)
+        return choose(fd)
     finally:
         os.close(fd)
 
@@ -676,7 +676,7 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
         # read and a hash of the same bytes, the two things it does at once.
         second, unchecked = paired(hib.spill, lambda: hib.spill(check_reuse=False), swap)
         check_read = sampled(limits.read.read) * total / limits.total
-        hashed = hash_seconds(tensors, options.effective_chunk_bytes, tuning_of(work, writing=True).workers)
+        hashed = hash_seconds(tensors, options.effective_chunk_bytes, tuning_of(work).workers)
         check_limit = max(check_read, hashed)
         simple_write = sampled(limits.simple_write.write)
         raw_read, restore = paired(lambda: sampled(limits.read.read), hib.restore, swap)
@@ -858,9 +858,8 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
             "chunk_bytes": options.effective_chunk_bytes,
             "write_request_bytes": limits.write.request,
             "read_request_bytes": limits.read.request,
-            "stage_threads": tuning_of(work, writing=True).workers,
-            "io_threads": tuning_of(work, writing=True).io_depth,
-            "read_io_depth": tuning_of(work, writing=False).io_depth,
+            "stage_threads": tuning_of(work).workers,
+            "io_depth": tuning_of(work).io_depth,
         },
         "method": METHOD,
         "medians": {key: median(key) for key in SPREAD_KEYS + MEDIAN_ONLY_KEYS},
