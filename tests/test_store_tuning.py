@@ -63,7 +63,9 @@ def test_a_report_names_the_choice(tmp_fd: int) -> None:
 
 def test_read_requests_shrink_so_every_holder_can_hold_one() -> None:
     arena = 128 << 20  # two arenas: 256 MiB of staging
-    assert read_request_bytes(arena, 4096, holders=3) == 32 << 20  # a local disk: one reader, two workers
+    assert read_request_bytes(arena, 4096, holders=3) == 32 << 20  # two readers and a buffer verified
+    assert read_request_bytes(16 << 10, 4096, holders=2) == 16 << 10  # one reader: as it always was
+    assert read_request_bytes(16 << 10, 4096, holders=3) == 8 << 10
     assert read_request_bytes(arena, 4096, holders=10) == (256 << 20) // 10 // 4096 * 4096
     assert read_request_bytes(arena, 64 << 20, holders=10) == 64 << 20  # never below the largest chunk
 

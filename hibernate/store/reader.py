@@ -406,9 +406,8 @@ class SnapshotReader:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        plan = plan_reads(
-            self.manifest.columns.chunks, buffer_bytes, min(tuning.io_depth, _READERS) + tuning.workers
-        )
+        # Each reader holds a buffer, and at least one more is being verified meanwhile.
+        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes, min(tuning.io_depth, _READERS) + 1)
         self._regions_of, self._region_offsets = destinations(self.manifest.columns)
         total = self.manifest.total_bytes
         pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)

@@ -30,11 +30,11 @@ _READ_REQUEST_BYTES = 32 << 20
 _GROUP_BYTES = 4 << 20
 
 
-def read_request_bytes(arena: int, largest_chunk: int, holders: int = 4) -> int:
+def read_request_bytes(arena: int, largest_chunk: int, holders: int = 2) -> int:
     """A restore's request and staging buffer size: the writer's staging budget (two arenas of
     ``arena`` bytes) as smaller buffers allocated only when none is free (see _READ_REQUEST_BYTES),
-    small enough that each of ``holders`` threads (the requests in flight and the workers) can
-    hold one at once, never smaller than the largest chunk."""
+    small enough that ``holders`` (each reader's buffer, and one being verified) fit at once,
+    never smaller than the largest chunk."""
     shared = ARENAS * arena // max(1, holders) // ALIGNMENT * ALIGNMENT
     return max(largest_chunk, min(_READ_REQUEST_BYTES, arena, max(ALIGNMENT, shared)))
 
@@ -159,10 +159,10 @@ class ReadPlan(NamedTuple):
     request_bytes: int  # one request and one staging buffer
 
 
-def plan_reads(chunks: ChunkColumns, buffer_bytes: int, holders: int = 4) -> ReadPlan:
+def plan_reads(chunks: ChunkColumns, buffer_bytes: int, holders: int = 2) -> ReadPlan:
     """Every chunk in requests of whole pages, read in file order within ``buffer_bytes`` of staging
     (or two of the largest chunks, if more), and no more staging than the snapshot needs;
-    ``holders``: the threads that hold a buffer at once (requests in flight, and workers)."""
+    ``holders``: the buffers that must fit at once (see read_request_bytes)."""
     # Where each chunk's pages start and end (align_up written out: once per chunk), worked
     # out once for planning; reading one chunk alone takes the difference.
     firsts = [offset - offset % ALIGNMENT for offset in chunks.offsets]
