@@ -168,17 +168,6 @@ def raw_write(paths: list[Path], buffer: mmap.mmap) -> float:
 # -- the page cache ------------------------------------------------------------------------------------
 
 
-def drop_caches() -> bool:
-    """Drop the kernel's page cache (root, where /proc/sys is writable); False where it could not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as control:
-            control.write("3\n")
-    except OSError:
-        return False
-    return True
-
-
 def evict(directory: Path) -> None:
     """Drop every file under ``directory`` (the backing files) from the page cache."""
     for path in directory.rglob("*"):
@@ -322,6 +311,8 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
     buffer = aligned(nbytes)
     fill(buffer, seed=1)
     mount = server.mountpoint
+
+    from pagecache import drop_caches  # beside this script
 
     def cold() -> None:
         dropped.append(drop_caches() if args.drop_caches else False)

@@ -197,21 +197,11 @@ def hibernate_command(target: Target, *argv: str) -> dict[str, Any]:
 # -- cold reads ----------------------------------------------------------------
 
 
-def drop_caches() -> bool:
-    """Drop the whole page cache (root only); whether it could."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError:
-        return False
-    return True
-
-
 def evict_all(paths: list[Path], whole_cache: bool) -> bool:
     """Drop ``paths`` (files, or every file under directories) from the page cache; with
     ``whole_cache`` the whole page cache too. Whether the whole cache was dropped."""
     from bench_store import evict
+    from pagecache import drop_caches
 
     for path in paths:
         if path.exists():
