@@ -12,21 +12,28 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.standins.latencyfs import MountRefusedError, Server, unavailable
 
 
-@pytest.fixture
-def latency_fs(tmp_path: Path) -> Iterator[Server]:
+def mount_or_skip(backing: Path, mountpoint: Path, **options: Any) -> Server:
+    """The filesystem mounted at ``mountpoint`` over ``backing`` (``options``: the Server's); the
+    test is skipped, saying why, where it cannot be. The caller closes it."""
     reason = unavailable()
     if reason is not None:
         pytest.skip(f"latency-bound filesystem: {reason}")
     try:
-        server = Server(tmp_path / "latencyfs-backing", tmp_path / "latencyfs")
+        return Server(backing, mountpoint, **options)
     except MountRefusedError as exc:
         pytest.skip(f"latency-bound filesystem: {exc}")
+
+
+@pytest.fixture
+def latency_fs(tmp_path: Path) -> Iterator[Server]:
+    server = mount_or_skip(tmp_path / "latencyfs-backing", tmp_path / "latencyfs")
     try:
         yield server
     finally:

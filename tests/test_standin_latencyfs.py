@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import spill_root_of, wait_until
-from tests.standins.latencyfs import MAX_REQUEST, MountRefusedError, Server, mounted_at, unavailable
+from tests.latencyfs_fixture import mount_or_skip
+from tests.standins.latencyfs import MAX_REQUEST, Server, mounted_at
 
 MiB = 1 << 20
 
@@ -207,13 +208,7 @@ def test_more_than_libfuses_default_of_ten_requests_are_served_at_once(latency_f
 
 def test_without_fopen_direct_io_one_large_read_is_split_in_parallel(tmp_path: Path) -> None:
     """``--direct-io none``: the kernel's asynchronous direct I/O sends one read call's requests together."""
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"latency-bound filesystem: {reason}")
-    try:
-        server = Server(tmp_path / "backing", tmp_path / "mount", direct_io="none")
-    except MountRefusedError as exc:
-        pytest.skip(f"latency-bound filesystem: {exc}")
+    server = mount_or_skip(tmp_path / "backing", tmp_path / "mount", direct_io="none")
     with server:
         path = server.mountpoint / "big.bin"
         write_file(path, pattern(16 * MiB, 7))
@@ -231,13 +226,7 @@ def test_without_fopen_direct_io_one_large_read_is_split_in_parallel(tmp_path: P
 
 
 def test_close_unmounts_even_after_the_server_was_killed(tmp_path: Path) -> None:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(f"latency-bound filesystem: {reason}")
-    try:
-        server = Server(tmp_path / "backing", tmp_path / "mount")
-    except MountRefusedError as exc:
-        pytest.skip(f"latency-bound filesystem: {exc}")
+    server = mount_or_skip(tmp_path / "backing", tmp_path / "mount")
     try:
         assert mounted_at(server.mountpoint)
         server.process.kill()
