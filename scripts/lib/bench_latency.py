@@ -63,6 +63,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the project root: the stand-in lives under tests/
 
+from host import drop_caches, filesystem_of  # noqa: E402  (beside this script)
+
 from tests.standins.latencyfs import DIRECT_IO_MODES, MAX_REQUEST, Server, unavailable  # noqa: E402
 
 MiB = 1 << 20
@@ -312,8 +314,6 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
     fill(buffer, seed=1)
     mount = server.mountpoint
 
-    from pagecache import drop_caches  # beside this script
-
     def cold() -> None:
         dropped.append(drop_caches() if args.drop_caches else False)
         evict(server.backing)
@@ -417,19 +417,6 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
         "target": TARGET,
     }
     return report(document, args.json_out)
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the filesystem ``path`` lives on (the longest mount point that holds it)."""
-    best, kind = "", "?"
-    where = str(path.resolve())
-    with open("/proc/self/mountinfo") as mounts:
-        for line in mounts:
-            fields = line.split()
-            point = fields[4]
-            if (where == point or where.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, kind = point, fields[fields.index("-") + 1]
-    return kind
 
 
 def mbps(rate: float) -> str:

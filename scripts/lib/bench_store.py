@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 
 import torch
 import xxhash
+from host import filesystem_of  # beside this script
 
 from hibernate.operation.options import StagingShare, share_staging
 from hibernate.pools.base import Pool
@@ -555,19 +556,6 @@ def safetensors_roundtrip(path: Path, tensors: dict[str, torch.Tensor]) -> tuple
 
 
 # -- the run -------------------------------------------------------------------
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the filesystem ``path`` lives on (longest matching mount point)."""
-    best, kind = "", "?"
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            mount_point = fields[4]
-            fstype = fields[fields.index("-") + 1]
-            if str(path).startswith(mount_point.rstrip("/") + "/") and len(mount_point) >= len(best):
-                best, kind = mount_point, fstype
-    return kind
 
 
 def _holds(value: float, op: str, limit: float) -> bool:

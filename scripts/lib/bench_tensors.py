@@ -48,6 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from host import drop_caches, filesystem_of  # beside this script
+
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1 << 10
 GiB = 1 << 30
@@ -201,7 +203,6 @@ def evict_all(paths: list[Path], whole_cache: bool) -> bool:
     """Drop ``paths`` (files, or every file under directories) from the page cache; with
     ``whole_cache`` the whole page cache too. Whether the whole cache was dropped."""
     from bench_store import evict
-    from pagecache import drop_caches
 
     for path in paths:
         if path.exists():
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
         "machine": {
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
-            "filesystem": _filesystem(work),
+            "filesystem": filesystem_of(work),
             "directory": str(work.parent),
             "python": platform.python_version(),
             "load_average": os.getloadavg(),
@@ -400,12 +401,6 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(document, indent=1) + "\n")
     return 0 if document["all_pass"] else 1
-
-
-def _filesystem(path: Path) -> str:
-    from bench_store import filesystem_of
-
-    return filesystem_of(path)
 
 
 def print_report(doc: dict[str, Any], args: argparse.Namespace) -> None:
