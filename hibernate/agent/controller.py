@@ -290,13 +290,11 @@ class Agent:
         on_devices: dict[str, int] = {}
         # Asleep: the regions the sleep enumerated; running: each pool as it is now, counted
         # without building its regions (a sleep builds them once, when it starts).
-        counted = (
-            []
-            if not contents
-            else [Contents.of(pool.name, regions) for pool, regions in sleeping.regions]
-            if sleeping
-            else [pool.contents() for pool in pools]
-        )
+        counted: list[Contents] = []
+        if contents and sleeping:
+            counted = [Contents.of(pool.name, regions) for pool, regions in sleeping.regions]
+        elif contents:
+            counted = [pool.contents() for pool in pools]
         for content in counted:
             summaries.extend(s.to_wire() for s in content.summaries)
             for device, nbytes in content.device_bytes.items():

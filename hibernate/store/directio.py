@@ -413,6 +413,7 @@ class ParallelReads:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             file, view, offset, pieces, index = job
+            del job  # no slice of the staging outlives its read while this thread waits for the next
             try:
                 pieces.finish(index, 0 if self._abort.is_set() else read_views(file, [view], offset))
             except BaseException as exc:  # handed to the reader that asked, which raises it
@@ -421,9 +422,12 @@ class ParallelReads:
                 del view
 
     def read(self, file: DataFile, view: memoryview, offset: int) -> int:
-        """Fill ``view`` from ``offset`` as read_views does; the bytes read (short only at EOF)."""
-        step = max(ALIGNMENT, -(-len(view) // len(self._threads)) // ALIGNMENT * ALIGNMENT)
-        step = max(step, min(self._piece_bytes, len(view)))
+        """Fill ``view`` from ``offset`` as read_views does; the bytes read (short only at EOF).
+
+        A piece is a share of the request for each thread, whole pages, and never smaller than
+        ``piece_bytes`` (or the request) nor a page."""
+        share = -(-len(view) // len(self._threads)) // ALIGNMENT * ALIGNMENT
+        step = max(ALIGNMENT, share, min(self._piece_bytes, len(view)))
         starts = range(0, len(view), step)
         pieces = _Pieces(len(starts))
         for index, start in enumerate(starts):

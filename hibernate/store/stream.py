@@ -226,7 +226,7 @@ class Stream:
         padded = [align_up(self._tasks[task][2]) for task in self._queue]
         largest = max(padded, default=ALIGNMENT)
         arenas = arenas_for(self.tuning.io_depth, budget, largest)
-        writers = max(1, min(self.tuning.io_depth, arenas - 1))
+        writers = min(self.tuning.io_depth, arenas - 1)  # arenas_for gives two at least
         stagers = self.tuning.workers
         arena = arena_bytes_for(budget, sum(padded), largest, arenas)
         pool = StagingPool(arenas * arena, arena, pin)

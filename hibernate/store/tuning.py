@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from hibernate.limits import MAX_IO_DEPTH, MAX_IO_WORKERS
@@ -53,7 +53,7 @@ _LOCAL_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x2FC12F
 
 @dataclass(frozen=True)
 class Tuning:
-    """What one transfer runs with, and why (``chosen_for``: the filesystem it was chosen for)."""
+    """What one transfer runs with, and the filesystem it was chosen for."""
 
     io_depth: int  # requests in flight at once
     workers: int  # threads that copy and checksum (verify and copy, at a wake)
@@ -61,12 +61,7 @@ class Tuning:
     kind: str  # LOCAL, NETWORK or MEMORY: what the depth was chosen for
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "io_depth": self.io_depth,
-            "workers": self.workers,
-            "filesystem": self.filesystem,
-            "kind": self.kind,
-        }
+        return asdict(self)
 
 
 def filesystem_of(fd: int) -> tuple[str, str]:
