@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from hibernate.errors import ExitCode
 from tests.conftest import spill_root_of, wait_until
 from tests.latencyfs_fixture import mount_or_skip
 from tests.standins.latencyfs import MAX_REQUEST, Server, mounted_at
@@ -295,3 +296,20 @@ def test_in_parallel_threads_see_each_others_writes(latency_fs: Server) -> None:
         list(pool.map(lambda i: write_file(latency_fs.mountpoint / f"f{i}.bin", datas[i]), range(8)))
     for i, data in enumerate(datas):
         assert (latency_fs.mountpoint / f"f{i}.bin").read_bytes() == data
+
+
+@pytest.mark.slow
+def test_a_wake_from_a_filesystem_gone_away_is_an_io_error_and_the_process_stays_asleep(
+    latency_fs: Server, start_demo: Callable[..., Any], cli: Callable[..., Any]
+) -> None:
+    """A network filesystem's server gone (ENOTCONN, as NFS's ESTALE or EIO): exit 9 naming the
+    snapshot directory, not an internal error, and the process can be woken once it is back."""
+    demo = start_demo(size_mb=16)
+    assert cli("sleep", str(demo.pid), "--to", str(latency_fs.mountpoint / "snap"), "-q").returncode == 0
+    latency_fs.process.kill()
+    latency_fs.process.wait()
+    woken = cli("wake", str(demo.pid))
+    assert woken.returncode == ExitCode.IO_ERROR, woken.stderr
+    assert "stays asleep" in woken.stderr and "Transport endpoint is not connected" in woken.stderr
+    assert "OSError" not in woken.stderr, woken.stderr
+    assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "asleep"

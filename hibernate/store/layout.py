@@ -171,7 +171,7 @@ class SpillRoot:
             self.fd = open_dir(self.path)
         except FileNotFoundError as exc:
             raise SnapshotInvalidError(f"snapshot directory {self.path} does not exist") from exc
-        except PermissionError as exc:
+        except OSError as exc:  # denied, or a filesystem gone (ENOTCONN, ESTALE, EIO)
             raise _storage_error(exc, "open", self.path) from exc
         self._lock_fd: int | None = None
         try:
@@ -186,7 +186,7 @@ class SpillRoot:
             found = read_marker(self.fd)
         except SnapshotInvalidError as exc:
             raise SnapshotInvalidError(f"{self.path}: {exc.message}") from exc
-        except PermissionError as exc:
+        except OSError as exc:
             raise _storage_error(exc, "read", self.path / MARKER_NAME) from exc
         if found is None:
             if not create or expected is None:
