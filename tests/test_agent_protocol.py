@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hibernate import procinfo
-from hibernate.agent import protocol
+from hibernate.agent import controller, protocol
 from hibernate.agent.client import AgentClient
 from hibernate.agent.controller import Agent, Session
 from hibernate.agent.paths import live_sockets, parse_socket_name, socket_name, sweep_stale_sockets
@@ -193,6 +194,39 @@ def test_asleep_outlives_its_client(served: tuple[Agent, AgentServer], work_dir:
         client.call("restore")
         client.call("resume")
     assert agent.state.value == "running"
+
+
+def test_a_restore_says_it_is_preparing_before_its_first_byte(
+    runtime_dir: Path, work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wake of a million tensors parses its manifest and maps each storage back before it reads,
+    for seconds: it reports that work as it goes (no bytes yet, the total known), so that a client
+    bounding the agent's silence hears it. Here every step of it pulses (the interval at zero)."""
+    monkeypatch.setattr(controller, "PREPARING_PULSE_S", 0.0)
+    ident = procinfo.identity(os.getpid())
+    assert ident is not None
+    agent = Agent(ident)
+    pool = TensorPool()
+    for index in range(50):
+        pool.track(torch.full((256,), index, dtype=torch.int32), "weights", True, f"t{index}")
+    agent.add_pool(pool)
+    server = AgentServer(agent, runtime_dir)
+    events: list[dict] = []
+    try:
+        with AgentClient(server.path) as client:
+            client.call("begin")
+            client.call("quiesce")
+            client.call("spill", {"dir": str(work_dir)})
+            client.call("release")
+            client.call("restore", progress=events.append)
+            client.call("resume")
+    finally:
+        server.stop()
+    total = 50 * 256 * 4
+    preparing = list(itertools.takewhile(lambda event: event["done"] == 0, events))
+    assert preparing, events
+    assert {(event["phase"], event["total"]) for event in preparing} == {("restore", total)}
+    assert events[-1] == {"phase": "restore", "done": total, "total": total}
 
 
 def test_unknown_op_is_an_error_not_a_crash(served: tuple[Agent, AgentServer]) -> None:

@@ -90,3 +90,21 @@ def test_a_report_keeps_the_tuning_its_agent_reports_and_an_older_agent_s_has_no
     restore = {"total_bytes": GB, "seconds": 1.0, "tuning": tuning}
     assert ProcessWake.from_answers(1, "p", None, {"restore": restore}).tuning == tuning
     assert ProcessWake.from_answers(1, "p", None, {"restore": {"total_bytes": GB}}).tuning is None
+
+
+def test_inside_a_transfer_begins_at_its_first_byte_not_at_a_report_that_it_is_preparing() -> None:
+    """The ``during`` fault point of a spill or restore lands where bytes move: a report of the
+    preparation (no bytes yet) leaves it for later; a transfer with nothing to move is inside at once."""
+    from hibernate.operation.progress import ByteCounter, ProgressSink
+
+    inside: list[str] = []
+    update = ByteCounter(ProgressSink(), "restore", lambda: inside.append("during")).for_member(1)
+    update({"phase": "restore", "done": 0, "total": 4096})
+    assert inside == []
+    update({"phase": "restore", "done": 1024, "total": 4096})
+    assert inside == ["during"]
+    empty: list[str] = []
+    ByteCounter(ProgressSink(), "restore", lambda: empty.append("during")).for_member(1)(
+        {"phase": "restore", "done": 0, "total": 0}
+    )
+    assert empty == ["during"]

@@ -165,10 +165,18 @@ class _Sleep:
     # What the sleep wrote of the kept regions: the wake compares the snapshot with it (check_matches).
     written: WrittenRecords | None = None
     restored: set[int] = field(default_factory=set)  # indices into all_regions a partial restore brought back
+    _contents: list[Contents] | None = field(default=None, init=False, repr=False)
 
     @property
     def all_regions(self) -> list[SpillableRegion]:
         return [r for _, regions in self.regions for r in regions]
+
+    def contents(self) -> list[Contents]:
+        """What a status shows of the regions asleep, counted once: they do not change until the wake,
+        and each command asks ``status`` twice (a second of a million tensors each time)."""
+        if self._contents is None:
+            self._contents = [Contents.of(pool.name, regions) for pool, regions in self.regions]
+        return self._contents
 
     @property
     def kept(self) -> list[SpillableRegion]:
@@ -209,6 +217,9 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+
+
+PREPARING_PULSE_S = 0.5  # see Agent._preparing
 
 
 def _draw_token() -> str:
@@ -292,7 +303,7 @@ class Agent:
         # without building its regions (a sleep builds them once, when it starts).
         counted: list[Contents] = []
         if contents and sleeping:
-            counted = [Contents.of(pool.name, regions) for pool, regions in sleeping.regions]
+            counted = sleeping.contents()
         elif contents:
             counted = [pool.contents() for pool in pools]
         for content in counted:
@@ -592,15 +603,18 @@ class Agent:
         fill = {i for i in indices if regions[i].keep}
         # The reader walks every record; those not chosen now are read, verified and skipped.
         targets: list[Any] = [r if i in fill else Discard(r) for i, r in enumerate(regions) if r.keep]
+        preparing = self._preparing(session, "restore", sum(r.nbytes for r in targets))
         with contextlib.ExitStack() as stack:
             reader: SnapshotReader | None = None
             if fill:  # refuse what can be found wrong before any memory is touched
                 root = stack.enter_context(SpillRoot(sleeping.root, owner=self.owner))
                 reader = stack.enter_context(SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode))
+                preparing()
                 reader.check_matches(targets, written=sleeping.written)
             try:
                 for region in chosen:
                     region.reallocate()
+                    preparing()
                 if reader is not None:
                     pin = next(
                         (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
@@ -731,6 +745,25 @@ class Agent:
             self._last_operation = {"op": op, "finished_unix": time.time(), **report}
 
     # -- progress ------------------------------------------------------------
+
+    def _preparing(self, session: Session, step: str, total: int) -> Callable[[], None]:
+        """A pulse for the work before a transfer's first byte: called as that work advances, it
+        reports no bytes moved yet, at most every half second.
+
+        A wake of a million tensors parses its manifest and maps a million storages back before it
+        reads: seconds in which a client, which bounds the agent's silence, would hear nothing. The
+        pulse comes from the work itself, so an agent stuck in it still falls silent.
+        """
+        report = self._reporter(session, step)
+        last = [time.monotonic()]
+
+        def pulse() -> None:
+            now = time.monotonic()
+            if now - last[0] >= PREPARING_PULSE_S:
+                last[0] = now
+                report(0, total)
+
+        return pulse
 
     def _reporter(self, session: Session, step: str) -> Callable[[int, int], None]:
         """Progress of a transfer: kept for ``status`` (whoever drives it), sent to the session's client.

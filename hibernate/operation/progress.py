@@ -43,7 +43,11 @@ class ProgressSink:
 
 
 class ByteCounter:
-    """Sums the progress of several agents transferring at once."""
+    """Sums the progress of several agents transferring at once.
+
+    ``on_first`` runs at the first report of bytes moved (or of a transfer with none to move), not
+    at a report that the transfer is still being prepared: what follows it is inside the transfer.
+    """
 
     def __init__(self, sink: ProgressSink, label: str, on_first: Callable[[], None] = lambda: None) -> None:
         self._sink = sink
@@ -60,6 +64,7 @@ class ByteCounter:
                 self._total[pid] = int(event.get("total", 0))
                 done, total = sum(self._done.values()), sum(self._total.values())
             self._sink.transfer(self._label, done, total)
-            self._on_first()
+            if done or done >= total:
+                self._on_first()
 
         return update
