@@ -41,6 +41,7 @@ def cudart(cudart_path: Path) -> FakeCudaRT:
     for counter in ("fake_copies", "fake_copied_bytes", "fake_registered_peak"):
         lib.set_counter(counter, 0)
     lib.set_counter("fake_fail_copy_at", -1)
+    lib.set_counter("fake_fail_run_at", -1)
     lib.lib.cudaGetLastError()  # this thread's error slot, as a test before this one may have left it
     return lib
 

@@ -38,6 +38,7 @@ def cudart(cudart_path: Path) -> FakeCudaRT:
     for counter in ("fake_streams_created", "fake_copies", "fake_copied_bytes", "fake_registered_peak"):
         lib.set_counter(counter, 0)
     lib.set_counter("fake_fail_copy_at", -1)
+    lib.set_counter("fake_fail_run_at", -1)
     return lib
 
 
