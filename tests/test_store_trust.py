@@ -361,3 +361,43 @@ def test_a_retired_snapshot_and_one_never_published_are_told_apart(tmp_path: Pat
             root.read_manifest("snap-000009")
         with pytest.raises(Exception, match=r"snap-000010 does not exist \(it was deleted\)"):
             root.read_manifest("snap-000010")
+
+
+def test_a_manifest_the_process_wrote_is_known_again_unparsed_and_any_other_bytes_are_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process that wrote a snapshot wakes from it without parsing its manifest again, but only
+    while the file holds the very bytes it published: a manifest changed since is parsed and
+    checked as any reader checks it (here: refused, its checksum no longer matching)."""
+    import hibernate.store.layout as layout
+    from hibernate.errors import SnapshotInvalidError
+    from hibernate.store.manifest import MANIFEST_NAME, RememberedManifest
+
+    parsed: list[str] = []
+
+    def counted_parse(data: bytes, where: str) -> Any:
+        parsed.append(where)
+        return parse_manifest(data, where)
+
+    monkeypatch.setattr(layout, "parse_manifest", counted_parse)
+    regions = [BytesRegion(f"w/{i}", "w", os.urandom(16 * KiB)) for i in range(3)]
+    with SpillRoot(tmp_path / "proc", create=True) as root:
+        written = write_snapshot(root, regions, producer={}, options=WriteOptions(chunk_bytes=4 * KiB))
+    remembered = RememberedManifest(written.manifest_digest, written.manifest)
+    blanks = [BytesRegion(r.key, r.tag, bytes(r.nbytes)) for r in regions]
+    with (
+        SpillRoot(tmp_path / "proc", remembered=remembered) as root,
+        SnapshotReader(root, written.snapshot) as reader,
+    ):
+        assert reader.manifest is written.manifest
+        reader.read_into(blanks)
+    assert parsed == [] and [b.data for b in blanks] == [r.data for r in regions]
+
+    path = written.path / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"w/0"', b'"w/9"'))
+    with (
+        SpillRoot(tmp_path / "proc", remembered=remembered) as root,
+        pytest.raises(SnapshotInvalidError, match="checksum does not match"),
+    ):
+        SnapshotReader(root, written.snapshot)
+    assert parsed == [str(path)]

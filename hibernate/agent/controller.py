@@ -68,7 +68,7 @@ from hibernate.pools.graphs import MOVES_HINT
 from hibernate.pools.provided import no_room, shortfalls
 from hibernate.procinfo import ProcessIdentity
 from hibernate.store.layout import SpillRoot, open_spill_root_in
-from hibernate.store.manifest import WrittenRecords
+from hibernate.store.manifest import RememberedManifest, WrittenRecords
 from hibernate.store.options import WriteOptions
 from hibernate.store.owner import Owner
 from hibernate.store.reader import Discard, SnapshotReader, verify_snapshot
@@ -164,6 +164,7 @@ class _Sleep:
     snapshot: str
     # What the sleep wrote of the kept regions: the wake compares the snapshot with it (check_matches).
     written: WrittenRecords | None = None
+    remembered: RememberedManifest | None = None  # the manifest it published, known again unparsed
     restored: set[int] = field(default_factory=set)  # indices into all_regions a partial restore brought back
     _contents: list[Contents] | None = field(default=None, init=False, repr=False)
 
@@ -493,6 +494,7 @@ class Agent:
                 )
             sleeping.snapshot = result.snapshot
             sleeping.written = WrittenRecords.of(result.manifest.columns)
+            sleeping.remembered = RememberedManifest(result.manifest_digest, result.manifest)
             with self._mutex:
                 self._sleep = sleeping
                 self._last_snapshot = {
@@ -607,7 +609,9 @@ class Agent:
         with contextlib.ExitStack() as stack:
             reader: SnapshotReader | None = None
             if fill:  # refuse what can be found wrong before any memory is touched
-                root = stack.enter_context(SpillRoot(sleeping.root, owner=self.owner))
+                root = stack.enter_context(
+                    SpillRoot(sleeping.root, owner=self.owner, remembered=sleeping.remembered)
+                )
                 reader = stack.enter_context(SnapshotReader(root, sleeping.snapshot, io_mode=options.io_mode))
                 preparing()
                 reader.check_matches(targets, written=sleeping.written)

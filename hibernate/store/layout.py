@@ -54,7 +54,9 @@ from hibernate.fsutil import (
 from hibernate.store.manifest import (
     MANIFEST_NAME,
     Manifest,
+    RememberedManifest,
     check_manifest_size,
+    manifest_digest,
     snapshot_name,
     snapshot_sequence,
 )
@@ -151,7 +153,8 @@ class SpillRoot:
     ``owner`` is the process the root must belong to (default: this one); a
     root marked for anyone else is refused. ``inspect=True`` opens any marked
     root whatever its owner (gc), and ``create=True`` makes the root and its
-    marker when missing (a sleep).
+    marker when missing (a sleep). ``remembered``: a manifest the caller wrote
+    here, known again by its bytes rather than parsed (see read_manifest).
     """
 
     def __init__(
@@ -162,8 +165,10 @@ class SpillRoot:
         owner: Owner | None = None,
         owner_uid: int | None = None,
         inspect: bool = False,
+        remembered: RememberedManifest | None = None,
     ) -> None:
         self.path = Path(path)
+        self._remembered = remembered
         expected = None if inspect else (owner or Owner.current())
         if create:
             ensure_private_dir(self.path, owner_uid=owner_uid)
@@ -341,7 +346,11 @@ class SpillRoot:
             data = _read_manifest_file(snap_fd, where)
         finally:
             os.close(snap_fd)
-        manifest = parse_manifest(data, where)
+        known = self._remembered
+        if known is not None and known.manifest.snapshot == name and manifest_digest(data) == known.digest:
+            manifest = known.manifest  # the very bytes this process published: parsed, they give it
+        else:
+            manifest = parse_manifest(data, where)
         if manifest.snapshot != name:
             raise SnapshotInvalidError(f"{where}: names snapshot {manifest.snapshot!r}, not {name!r}")
         if not manifest.owner.same_process(self.owner):

@@ -306,6 +306,25 @@ class Columns:
         }
 
 
+class RememberedManifest(NamedTuple):
+    """A manifest this process wrote, and the digest of the bytes it published (manifest_digest).
+
+    The process that wrote a snapshot wakes from it: where the file still holds
+    exactly those bytes, what parsing them would give is this very manifest,
+    already checked when it was encoded, so the wake skips a parse that took
+    3 s at a million tensors (0.3 s at 100,000). Any other bytes are parsed
+    and checked as every reader does.
+    """
+
+    digest: str
+    manifest: Manifest
+
+
+def manifest_digest(data: bytes) -> str:
+    """The digest a process keeps of the manifest bytes it published (see RememberedManifest)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 class WrittenRecords(NamedTuple):
     """The records a sleep wrote, as a wake compares them: keys, tags, sizes and the meta text.
 

@@ -61,6 +61,7 @@ from hibernate.store.manifest import (
     FileIdentity,
     Manifest,
     PlainMeta,
+    manifest_digest,
     meta_text,
     snapshot_name,
 )
@@ -98,6 +99,7 @@ class WriteResult:
     staging_bytes: int
     data_files: int
     manifest: Manifest
+    manifest_digest: str  # of the published manifest's bytes (see RememberedManifest)
     warnings: list[str] = field(default_factory=list)
     # Of written_bytes, the bytes the previous snapshot held but the disk no longer gave back as
     # written (or could not read): found by the reuse check, written again from memory.
@@ -327,6 +329,7 @@ def _write_locked(
         staging_bytes=staging,
         data_files=data_files,
         manifest=manifest,
+        manifest_digest=manifest_digest(encoded),
         warnings=warnings,
         rewritten_bytes=stream.rewritten,
         reuse_read_bytes=check.outcome.read_bytes if check is not None else 0,
