@@ -108,3 +108,17 @@ def test_inside_a_transfer_begins_at_its_first_byte_not_at_a_report_that_it_is_p
         {"phase": "restore", "done": 0, "total": 0}
     )
     assert empty == ["during"]
+
+
+@pytest.mark.parametrize(
+    ("depth", "workers", "words"),
+    [
+        (8, 2, "direct I/O, 8 requests in flight, 2 workers"),
+        (1, 1, "direct I/O, 1 request in flight, 1 worker"),
+    ],
+)
+def test_how_a_transfer_ran_is_said_in_words(depth: int, workers: int, words: str) -> None:
+    from hibernate.cli.render import _how
+
+    assert _how("direct", {"io_depth": depth, "workers": workers}) == words
+    assert _how("buffered", None) == "buffered I/O"  # an agent that does not report its tuning

@@ -199,7 +199,10 @@ def _how(io_mode: Any, tuning: dict[str, Any] | None) -> str:
     if not tuning:
         return f"{io_mode} I/O"
     depth, workers = tuning.get("io_depth"), tuning.get("workers")
-    return f"{io_mode} I/O, {depth} request{'s' if depth != 1 else ''} in flight, {workers} workers"
+    return (
+        f"{io_mode} I/O, {depth} request{'s' if depth != 1 else ''} in flight, "
+        f"{workers} worker{'s' if workers != 1 else ''}"
+    )
 
 
 def sleep_report(report: SleepReport) -> None:
