@@ -313,3 +313,18 @@ def test_a_wake_from_a_filesystem_gone_away_is_an_io_error_and_the_process_stays
     assert "stays asleep" in woken.stderr and "Transport endpoint is not connected" in woken.stderr
     assert "OSError" not in woken.stderr, woken.stderr
     assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "asleep"
+
+
+def test_doctor_says_how_a_transfer_to_a_network_filesystem_would_run(
+    latency_fs: Server, cli: Callable[..., Any]
+) -> None:
+    """What the store will choose there (by statfs, as it chooses): eight requests in flight on a
+    filesystem where each is a round trip, not on the machine's own filesystem beside it."""
+    far = cli("doctor", "--to", str(latency_fs.mountpoint / "snap"), "--json").json()
+    transfer = {c["name"]: c for c in far["checks"]}["transfer"]
+    assert transfer["data"]["kind"] == "network" and transfer["data"]["io_depth"] == 8
+    assert "fuse is a network filesystem" in transfer["detail"]
+    assert "8 requests in flight" in transfer["detail"]
+    near = cli("doctor", "--to", str(latency_fs.backing), "--json").json()
+    local = {c["name"]: c for c in near["checks"]}["transfer"]
+    assert local["data"]["kind"] in ("local", "memory") and local["data"]["filesystem"] != "fuse"

@@ -1,5 +1,5 @@
-"""The check of where snapshots would go: its filesystem (RAM or disk), its free space against what
-the target keeps, and whether it takes direct I/O."""
+"""The check of where snapshots would go: its filesystem (RAM, disk or network), its free space
+against what the target keeps, whether it takes direct I/O, and how a transfer there would run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 from hibernate.doctor.checks import FAIL, OK, WARN, Examination
 from hibernate.fsutil import free_bytes
+from hibernate.store.tuning import MEMORY, Tuning, choose
 from hibernate.units import human_bytes
-
-RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 
 
 def mount_for(path: str, mounts: Sequence[tuple[str, str]]) -> tuple[str, str]:
@@ -60,7 +59,9 @@ class DiskChecks(Examination):
         directory = Path(directory).expanduser().absolute()
         probe = _existing(directory)
         point, fstype = mount_for(str(probe.resolve()), _mounts())
-        if fstype in RAM_FILESYSTEMS:
+        # What the store itself will see there (statfs), not the mount table's name for it.
+        tuning = _tuning_at(probe)
+        if tuning is not None and tuning.kind == MEMORY:
             self.add(
                 "snapshot dir",
                 WARN,
@@ -104,3 +105,32 @@ class DiskChecks(Examination):
                 f"{fstype} refuses O_DIRECT: buffered I/O (slower, and it passes through the page cache)",
                 "a local disk filesystem (ext4, xfs) takes direct I/O",
             )
+        if tuning is not None:
+            self.add(
+                "transfer",
+                OK,
+                f"{_KIND_WORDS[tuning.kind].format(name=tuning.filesystem)}: a sleep or wake there keeps "
+                f"{tuning.io_depth} request{'s' if tuning.io_depth != 1 else ''} in flight, with "
+                f"{tuning.workers} copying and hashing thread{'s' if tuning.workers != 1 else ''} for the "
+                "cores this command may use (--io-depth and --io-workers set others)",
+                **tuning.to_wire(),
+            )
+
+
+_KIND_WORDS = {
+    "local": "{name} is a local filesystem",
+    "network": "{name} is a network filesystem, each request a round trip",
+    "memory": "{name} is memory",
+}
+
+
+def _tuning_at(directory: Path) -> Tuning | None:
+    """The tuning a transfer into ``directory`` would get (tuning.choose); None where it cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return choose(fd)
+    finally:
+        os.close(fd)
