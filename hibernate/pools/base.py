@@ -96,7 +96,12 @@ class Pool(Protocol):
         ...
 
     def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
-        """A way to page-lock staging buffers for fast device copies, if this pool needs one."""
+        """A way to page-lock staging buffers for fast device copies, if this pool needs one.
+
+        A pool whose device copies run on streams returns a
+        pipeline.DeviceStaging: the store then queues a staging chunk's copies
+        and waits once for all of them, not for each.
+        """
         ...
 
     def synchronize(self) -> None:

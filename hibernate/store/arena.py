@@ -129,11 +129,14 @@ class Packer:
             return not arena.slots
         return arena.used + size <= arena.buffer.size
 
-    def reserve(self, chunks: Sequence[tuple[int, int]]) -> tuple[Arena, list[Slot]]:
+    def reserve(
+        self, chunks: Sequence[tuple[int, int]], alignment: int = PACKED_ALIGNMENT
+    ) -> tuple[Arena, list[Slot]]:
         """Places in one arena for the first of ``chunks`` (task, length), as many as fit there.
 
         The run's chunks are packed back to back (each at a multiple of
-        PACKED_ALIGNMENT), and the run ends on a page, where the next starts:
+        ``alignment``: PACKED_ALIGNMENT, or a page for chunks that each start
+        on one), and the run ends on a page, where the next starts:
         at 100,000 tensors of 2.6-74 KiB, a page per chunk made the data a
         third larger than the tensors, and a wake read all of it.
 
@@ -154,7 +157,7 @@ class Packer:
                             break
                         slots.append(Slot(task, position, length, 0))
                         arena.slots.append(slots[-1])
-                        position = align_up(position + length, PACKED_ALIGNMENT)
+                        position = align_up(position + length, alignment)
                     # Each slot pads up to the next; the last one up to the page, where the next run starts.
                     for slot, following in itertools.pairwise(slots):
                         slot.padded = following.position - slot.position

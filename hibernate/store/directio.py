@@ -26,7 +26,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from hibernate.fsutil import PRIVATE_FILE_MODE
 from hibernate.store.hugepages import HUGE_PAGE_BYTES
@@ -38,6 +38,14 @@ DIRECT = "direct"
 BUFFERED = "buffered"
 _EVICT_EVERY_BYTES = 64 << 20
 _MAX_IOVECS = 512  # well under IOV_MAX (1024) on Linux
+
+
+class Fence(Protocol):
+    """Device copies queued on staging memory, done once :meth:`wait` returned (pipeline.DeviceStaging)."""
+
+    def wait(self) -> None:
+        """Block until every copy it covers ran; raise (once) if one of them failed."""
+        ...
 
 
 class StagingBuffer:
@@ -61,6 +69,9 @@ class StagingBuffer:
 
     def __init__(self, size: int, *, huge: bool = False) -> None:
         self.size = size
+        # Device copies still reading or writing it: waited for before it is handed out again or
+        # unmapped (StagingPool.fence), under the pool's lock.
+        self.fences: list[Fence] = []
         if not huge:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
             self._map = mmap.mmap(-1, size, flags=flags)
@@ -101,7 +112,9 @@ class StagingPool:
     only a few. ``huge``: see :class:`StagingBuffer`. ``pin`` lets a device
     pool page-lock the buffers (e.g.
     cudaHostRegister) so device copies into them run at full speed; it returns
-    the matching unpin.
+    the matching unpin. A buffer given back while device copies queued on it
+    may still run carries their fence (:meth:`fence`): it is handed out again,
+    and unmapped, only once they ran.
     """
 
     def __init__(
@@ -161,10 +174,10 @@ class StagingPool:
                 self._free.put(buffer)  # usable while the next is faulted in
 
     def take(self, abort: threading.Event) -> StagingBuffer:
-        """The next free buffer (the most recently returned first)."""
+        """The next free buffer (the most recently returned first), once the device is done with it."""
         if self._lazy:
             try:
-                return self._free.get_nowait()
+                return self._settled(self._free.get_nowait())
             except queue.Empty:
                 with self._lock:
                     busy = self._reserved > len(self._all)
@@ -174,12 +187,60 @@ class StagingPool:
         elif not self._reserved:
             for buffer in self._allocate(self._count):
                 self._free.put(buffer)
-        return take(self._free, abort)
+        return self._settled(take(self._free, abort))
 
     def give(self, buffer: StagingBuffer) -> None:
         self._free.put(buffer)
 
+    def fence(self, buffer: StagingBuffer, fence: Fence | None) -> None:
+        """Device copies queued on ``buffer`` that may still run: it is handed out again, or unmapped,
+        only once ``fence`` completed.
+
+        Waited for when the buffer is needed again, not when the copies are
+        queued: the worker that queued them goes on to verify the next chunk
+        while the device copies this one. Registered as soon as the copies are
+        queued, before the buffer is given back, so that a transfer that fails
+        first still waits for them before unmapping it (see close).
+        """
+        if fence is not None:
+            with self._lock:
+                buffer.fences.append(fence)
+
+    def _settled(self, buffer: StagingBuffer) -> StagingBuffer:
+        """``buffer`` once the device copies queued on it ran (see fence)."""
+        with self._lock:
+            fences, buffer.fences = buffer.fences, []
+        for fence in fences:
+            fence.wait()
+        return buffer
+
+    def settle(self) -> None:
+        """Wait for every device copy still queued on any buffer; the first failure is raised.
+
+        The end of a transfer that went well: its last copies may still be
+        running, and a copy that failed when it ran is reported only here.
+        """
+        with self._lock:
+            buffers = list(self._all)
+        failure: BaseException | None = None
+        for buffer in buffers:
+            try:
+                self._settled(buffer)
+            except Exception as exc:  # the others are still waited for: their buffers are unmapped next
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
     def close(self) -> None:
+        """Unpin and unmap every buffer, once the device copies queued on them ran.
+
+        A buffer the device still reads or writes must stay mapped (unmapping
+        it would copy zeros into device memory or fault); a failure found
+        while waiting is not raised here, as close runs on the way out of a
+        transfer that already failed, or after settle reported it.
+        """
+        with contextlib.suppress(Exception):
+            self.settle()
         for unpin in self._unpins:
             unpin()
         for buffer in self._all:

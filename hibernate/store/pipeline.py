@@ -9,14 +9,74 @@ transfer takes, the writer's and the reader's alike, are typed here too.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
-from hibernate.store.directio import PipelineAbortedError
+from hibernate.store.directio import Fence, PipelineAbortedError
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 CancelledFn = Callable[[], bool]  # whether the transfer was called off
 PinFn = Callable[[memoryview], Callable[[], None]]  # pins a staging buffer; returns its unpin
+
+
+class Queued:
+    """What a deferral block queued (see DeviceStaging): its fence once the block ended, or None
+    where nothing it copied is still in flight."""
+
+    __slots__ = ("fence",)
+
+    def __init__(self) -> None:
+        self.fence: Fence | None = None
+
+
+Defer = Callable[[], AbstractContextManager[Queued]]
+
+
+@contextlib.contextmanager
+def copies_done_on_return() -> Iterator[Queued]:
+    """The deferral of regions whose copies are done when they return (host memory): nothing to wait for."""
+    yield Queued()
+
+
+@dataclass(frozen=True)
+class DeviceStaging:
+    """A pool's page-locking (a PinFn like any other) that also brackets its asynchronous device copies.
+
+    The contract between the store and a pool whose device copies run on
+    streams. Waiting for each copy costs a synchronization per region (one
+    per tensor, 100,000 for as many small tensors), and serialises the device
+    copy with the verify or hash beside it; so the store's workers bracket
+    the copies of one staging chunk in ``with staging.defer() as queued:``.
+    Inside the block, a region's copy_in and copy_out only queue their device
+    copies (every copy the thread queues there, whichever pool's region it
+    is); when the block ends, ``queued.fence`` covers them all, and until its
+    ``wait()`` returned:
+
+    * a copy_out's staging holds nothing yet: a writer waits before hashing;
+    * a copy_in's staging is still being read: it must be neither reused nor
+      unmapped. The reader registers the fence with the buffer
+      (StagingPool.fence), which waits for it only when the buffer is taken
+      again, or at the end, so the next chunk is verified meanwhile.
+
+    A block left by an exception has waited for what it queued before the
+    exception goes on, so the staging may be unmapped at once. It is offered
+    as the pin (Pool.pinner) so that it reaches the store the way the pin
+    always did; a plain PinFn means copies done when they return.
+    """
+
+    pin: PinFn
+    defer: Defer
+
+    def __call__(self, view: memoryview) -> Callable[[], None]:
+        return self.pin(view)
+
+
+def deferral(pin: PinFn | None) -> Defer:
+    """How a transfer's workers bracket a staging chunk's copies: the pool's where it defers them."""
+    return pin.defer if isinstance(pin, DeviceStaging) else copies_done_on_return
 
 
 class Pipeline:

@@ -62,7 +62,7 @@ from hibernate.store.manifest import (
     plain_meta,
 )
 from hibernate.store.parse import check_meta
-from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
+from hibernate.store.pipeline import CancelledFn, Defer, PinFn, Pipeline, ProgressFn, deferral
 from hibernate.store.readplan import (
     Request,
     chunk_addresses,
@@ -188,6 +188,7 @@ class _Transfer:
     total: int
     progress: ProgressFn | None
     cancelled: CancelledFn | None
+    defer: Defer  # brackets a group's device copies (pipeline.DeviceStaging)
     pipeline: Pipeline = field(default_factory=Pipeline)
     loaded: queue.Queue[tuple[_Loaded, list[int]] | None] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -413,10 +414,11 @@ class SnapshotReader:
         pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
         readers = max(1, min(tuning.io_depth, _READERS, len(plan.requests)))
         transfer = _Transfer(
-            regions, plan.requests, pool, tuning.workers, readers, total, progress, cancelled
+            regions, plan.requests, pool, tuning.workers, readers, total, progress, cancelled, deferral(pin)
         )
         try:
             self._run(transfer, tuning.io_depth)
+            pool.settle()  # the last device copies, and a failure found only when one ran
         finally:
             staging = pool.total_bytes
             pool.close()
@@ -490,8 +492,13 @@ class SnapshotReader:
 
     def _verify_loaded(self, transfer: _Transfer) -> None:
         """Verify and copy in the groups the reader hands over, once every chunk's destination is
-        known; the last group of a request gives its buffer back."""
-        abort = transfer.pipeline.abort
+        known; the last group of a request gives its buffer back.
+
+        A group's device copies are only queued: their fence goes with the
+        buffer, waited for when a reader takes it again (StagingPool.fence),
+        so this worker verifies the next group while the device copies this one.
+        """
+        abort, defer = transfer.pipeline.abort, transfer.defer
         while not transfer.placed.wait(0.05):
             if abort.is_set():
                 return
@@ -502,7 +509,9 @@ class SnapshotReader:
             batch, group = item
             copied = 0
             try:
-                copied = self._verify_and_copy(batch, group, transfer.regions)
+                with defer() as queued:
+                    copied = self._verify_and_copy(batch, group, transfer.regions)
+                transfer.pool.fence(batch.buffer, queued.fence)
             finally:
                 with transfer.lock:
                     batch.remaining -= 1
@@ -557,7 +566,8 @@ class SnapshotReader:
         verified chunk to its address in host memory: a wake of 100,000 tensors
         verifies 100,000 chunks, and Python per chunk cost more than its copy.
         Chunks whose region has no host memory (device memory) are verified in
-        that call and then copied by their region.
+        that call and then copied by their region (only queued, where its pool
+        defers device copies: see _verify_loaded).
         """
         chunks = self.manifest.columns.chunks
         offsets, lengths = chunks.offsets, chunks.lengths

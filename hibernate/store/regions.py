@@ -51,11 +51,17 @@ class Region(Protocol):
         ...
 
     def copy_out(self, offset: int, dst: memoryview) -> None:
-        """Copy ``len(dst)`` bytes starting at ``offset`` of the region into ``dst``."""
+        """Copy ``len(dst)`` bytes starting at ``offset`` of the region into ``dst``.
+
+        Done when it returns, unless the caller opened its pool's deferral
+        block (pipeline.DeviceStaging): then ``dst`` holds them once the
+        block's fence completed.
+        """
         ...
 
     def copy_in(self, offset: int, src: memoryview) -> None:
-        """Copy ``src`` into the region at ``offset``."""
+        """Copy ``src`` into the region at ``offset`` (in a deferral block: ``src`` is read until the
+        block's fence completed)."""
         ...
 
     def host_view(self, offset: int, length: int) -> memoryview | None:

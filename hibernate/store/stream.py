@@ -39,7 +39,15 @@ from hibernate.store.directio import (
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import ALIGNMENT, ChunkRef, align_up, checksum
 from hibernate.store.options import WriteOptions
-from hibernate.store.pipeline import CancelledFn, PinFn, Pipeline, ProgressFn
+from hibernate.store.pipeline import (
+    CancelledFn,
+    Defer,
+    PinFn,
+    Pipeline,
+    ProgressFn,
+    copies_done_on_return,
+    deferral,
+)
 from hibernate.store.regions import Region
 from hibernate.store.tuning import Tuning
 
@@ -47,7 +55,8 @@ _BATCH_TASKS = 256  # a stager takes up to this many chunks at once (see Stream.
 _BATCH_BYTES = 8 << 20  # or this many bytes, so the stagers still share large regions
 # Host chunks up to this size are staged in runs, one bulk.stage call per run (without the
 # compiled helper a slice assignment each, which holds the GIL but takes less time than the
-# region's call); larger ones one by one through copy_out, which releases it.
+# region's call); larger ones, and device chunks, through copy_out (which releases it), each on
+# a page of its own, an arena's run at a time (see Stream._stage_copied).
 _SMALL_COPY = 256 << 10
 _ZEROS = memoryview(bytes(ALIGNMENT))  # padding: a chunk's last page, past its end
 
@@ -216,6 +225,7 @@ class Stream:
         self.marks: list[ChunkRef] = []
         self.news = threading.Event()
         self.decided = threading.Event()
+        self._defer: Defer = copies_done_on_return  # the pool's, once a pass runs (pipeline.DeviceStaging)
 
     def run(self, pin: PinFn | None, budget: int, beside: Callable[[Pipeline], None] | None = None) -> None:
         """Stage, hash and write every task of this pass, within ``budget`` bytes of staging.
@@ -223,6 +233,7 @@ class Stream:
         ``beside`` starts more work in the same pipeline (the reuse check): the
         first failure of either stops both.
         """
+        self._defer = deferral(pin)
         padded = [align_up(self._tasks[task][2]) for task in self._queue]
         largest = max(padded, default=ALIGNMENT)
         arenas = arenas_for(self.tuning.io_depth, budget, largest)
@@ -358,14 +369,15 @@ class Stream:
             if cancelled is not None and cancelled():
                 raise AbortedError("the spill was called off before it finished; nothing was published")
             small: list[tuple[int, memoryview]] = []
-            reused = 0
+            copied: list[int] = []
             for task in tasks:
                 index, offset, length = self._tasks[task]
                 view = self._regions[index].host_view(offset, length) if length <= _SMALL_COPY else None
                 if view is not None:
                     small.append((task, view))
                 else:
-                    reused += self._stage_one(packer, task)
+                    copied.append(task)
+            reused = self._stage_copied(packer, copied) if copied else 0
             if small:
                 reused += self._stage_small(packer, small)
             if reused:
@@ -408,22 +420,47 @@ class Stream:
             start += len(slots)
         return reused
 
-    def _stage_one(self, packer: Packer, task: int) -> int:
-        """Stage one chunk through its region's copy; its bytes if found already written, else 0."""
-        index, offset, length = self._tasks[task]
-        region = self._regions[index]
+    def _stage_copied(self, packer: Packer, tasks: list[int]) -> int:
+        """Stage chunks through their regions' copies; the bytes found already written.
+
+        Each chunk starts on a page, as one staged on its own always did. The
+        chunks that fit in an arena are copied as one run: every copy queued
+        (the pool's deferral: pipeline.DeviceStaging), then one wait, then each
+        checksummed. Waiting for each copy of device memory cost a
+        synchronization per region, 100,000 for as many small tensors; the
+        other stagers hash their runs while this one waits. Host chunks are
+        hashed in place first where that may find them written already.
+        """
+        reused = 0
         if self._hash_in_place:
-            in_place = region.host_view(offset, length)
-            if in_place is not None and self._reuse(task, (checksum(in_place), length), claim=False):
-                return length
-            del in_place
-        arena, slots = packer.reserve([(task, length)])
-        try:
-            region.copy_out(offset, arena.buffer.view[slots[0].position : slots[0].position + length])
-            live = self._hash_staged(arena.buffer.view, slots[0])
-        finally:
-            packer.finish(arena, slots)
-        return 0 if live else length
+            changed = []
+            for task in tasks:
+                index, offset, length = self._tasks[task]
+                in_place = self._regions[index].host_view(offset, length)
+                if in_place is not None and self._reuse(task, (checksum(in_place), length), claim=False):
+                    reused += length
+                else:
+                    changed.append(task)
+                del in_place
+            tasks = changed
+        start = 0
+        while start < len(tasks):
+            arena, slots = packer.reserve([(task, self._tasks[task][2]) for task in tasks[start:]], ALIGNMENT)
+            try:
+                with self._defer() as queued:
+                    for slot in slots:
+                        index, offset, length = self._tasks[slot.task]
+                        at = slot.position
+                        self._regions[index].copy_out(offset, arena.buffer.view[at : at + length])
+                if queued.fence is not None:
+                    queued.fence.wait()
+                for slot in slots:
+                    if not self._hash_staged(arena.buffer.view, slot):
+                        reused += slot.length
+            finally:
+                packer.finish(arena, slots)
+            start += len(slots)
+        return reused
 
     def _hash_staged(self, buffer: memoryview, slot: Slot) -> bool:
         """A chunk copied into its slot: pad it to its page, checksum it, and say whether it is written."""
