@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,24 @@ import torch
 from hibernate.errors import UnsupportedError
 from hibernate.operation.reports import ProcessSleep
 from hibernate.pools.capture import SeenGraph
-from hibernate.pools.device import CudaCopies, CudaRuntime, DeviceMemoryError, choose_cudart, loaded_cudart
+from hibernate.pools.device import (
+    CudaCopies,
+    CudaFence,
+    CudaRuntime,
+    DeviceCopies,
+    DeviceMemoryError,
+    DeviceRegion,
+    choose_cudart,
+    deferred_copies,
+    loaded_cudart,
+)
 from hibernate.pools.hostpages import HostMapping
 from hibernate.pools.tensors import TensorPool, pool_of
+from hibernate.store.layout import SpillRoot
+from hibernate.store.options import WriteOptions
+from hibernate.store.pipeline import PinFn
+from hibernate.store.reader import ReadResult, SnapshotReader
+from hibernate.store.writer import write_snapshot
 from tests.conftest import REPO
 from tests.pooled import agent_with
 from tests.standins.vllm_cumem import FakeCudaRT
@@ -134,9 +150,12 @@ def test_copies_and_fills_on_the_callers_thread_leave_its_current_device_as_it_w
     copies.copy_to_host(3, ctypes.addressof(memory), memoryview(back))
     assert current_device(cudart) == 2 and back == b"\x05" * 4096
     copies.zero(1, ctypes.addressof(memory), 4096)
+    assert current_device(cudart) == 2 and bytes(memory) == b"\x05" * 4096, "a fill is only queued"
+    copies.synchronize(1)
     assert current_device(cudart) == 2 and bytes(memory) == bytes(4096)
     copies.zero(2, ctypes.addressof(memory), 16)  # already current: stays so
     assert current_device(cudart) == 2
+    copies.synchronize(2)  # the fill ran before ``memory`` goes
 
 
 def test_a_failed_device_call_leaves_neither_its_device_current_nor_its_error_pending(
@@ -202,8 +221,185 @@ def test_a_thread_is_not_put_back_on_a_device_that_has_no_context(
     active.value = 0b0011  # device 0 in use too
     assert device_after_a_copy_on_a_fresh_thread(cudart, copies, 1) == 0, "put back where it was"
     assert cudart.lib.cudaSetDevice(2) == 0
-    copies.zero(2, ctypes.addressof((ctypes.c_uint8 * 16)()), 16)
+    memory = (ctypes.c_uint8 * 16)()
+    copies.zero(2, ctypes.addressof(memory), 16)
     assert queries.value == asked + 2, "already on the device: nothing to put back, nothing asked"
+    copies.synchronize(2)  # the fill ran before ``memory`` goes
+
+
+# -- copies queued, one wait per staging chunk --------------------------------------------------
+
+KiB = 1 << 10
+
+
+class QueuedRegion(DeviceRegion):
+    """Host memory moved only through the seam, as CUDA memory is, so every copy is queued on a stream
+    of the stand-in runtime and runs only when something waits for it."""
+
+    def __init__(self, key: str, copies: CudaCopies, device: int, data: bytes) -> None:
+        self.memory = (ctypes.c_uint8 * max(1, len(data)))()
+        ctypes.memmove(self.memory, data, len(data))
+        super().__init__(key, "weights", True, len(data), device, ctypes.addressof(self.memory))
+        self._seam = copies
+
+    def _copies(self) -> DeviceCopies:
+        return self._seam
+
+    def bytes(self) -> bytes:
+        return ctypes.string_at(self.address, self.nbytes)
+
+    def blank(self) -> None:
+        ctypes.memset(self.address, 0xA5, self.nbytes)
+
+
+def queued_regions(copies: CudaCopies, count: int, seed: int) -> tuple[list[QueuedRegion], list[bytes]]:
+    """``count`` regions of 1 B to 20 KiB on devices 1 and 3 (some span several 8 KiB chunks)."""
+    rng = random.Random(seed)
+    contents = [rng.randbytes(rng.randint(1, 20 * KiB)) for _ in range(count)]
+    regions = [
+        QueuedRegion(f"weights/r{i}", copies, 1 + 2 * (i % 2), data) for i, data in enumerate(contents)
+    ]
+    return regions, contents
+
+
+def spill(path: Path, regions: list[QueuedRegion], pin: PinFn | None) -> str:
+    options = WriteOptions(chunk_bytes=8 * KiB, buffer_bytes=32 * KiB)
+    with SpillRoot(path, create=True) as root:
+        return write_snapshot(root, regions, producer={"test": True}, options=options, pin=pin).snapshot
+
+
+def restore(path: Path, snapshot: str, regions: list[QueuedRegion], pin: PinFn | None) -> ReadResult:
+    with SpillRoot(path) as root, SnapshotReader(root, snapshot) as reader:
+        return reader.read_into(regions, buffer_bytes=32 * KiB, threads=2, io_depth=2, pin=pin)
+
+
+def test_staging_recycled_while_its_copies_are_queued_lands_every_byte(
+    cudart: FakeCudaRT, work_dir: Path
+) -> None:
+    """32 KiB of staging for 3 MiB: the reader takes each buffer back many times, and the stand-in runs
+    a queued copy only when someone waits. A buffer read into again before the copies from it ran
+    would hand the device the next request's bytes; a chunk hashed before its copy ran would be
+    written as the staging's stale bytes."""
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    regions, contents = queued_regions(copies, 300, seed=7)
+    pin = copies.pinner()
+    snapshot = spill(work_dir, regions, pin)
+    for region in regions:
+        region.blank()
+    streams = cudart.counter("fake_streams_created")
+    result = restore(work_dir, snapshot, regions, pin)
+    assert result.staging_bytes <= 32 * KiB and result.total_bytes > 80 * result.staging_bytes, "recycled"
+    for region, data in zip(regions, contents, strict=True):
+        assert region.bytes() == data, f"{region.key} is not bit-exact"
+    assert cudart.counter("fake_streams_created") - streams <= 4, "a worker's stream per device, reused"
+    assert cudart.counter("fake_registered_bytes") == 0, "staging unpinned, once its copies ran"
+
+
+def test_a_wake_of_many_small_device_tensors_waits_once_per_staging_buffer_not_per_tensor(
+    cudart: FakeCudaRT, work_dir: Path
+) -> None:
+    """One synchronize per region copy was 1,001 waits for a sleep of 1,000 tensors of 1 KiB and as
+    many for its wake (the device's own at the end included); copies are now queued a staging chunk
+    at a time."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = {
+        f"t{i}": torch.randint(0, 256, (KiB,), dtype=torch.uint8, generator=generator) for i in range(1000)
+    }
+    before = {name: tensor.clone() for name, tensor in tensors.items()}
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)), device_of=on_device(tensors, 1), graphs=no_graphs
+    )
+    pool.track(tensors, "weights", True, "net")
+    agent = agent_with(pool, "device-test")
+    waits = cudart.counter("fake_synchronize_count")
+    agent.sleep_here(work_dir, 5.0, {"buffer_mb": 1})
+    slept = cudart.counter("fake_synchronize_count")
+    agent.wake_here({"buffer_mb": 1})
+    woke = cudart.counter("fake_synchronize_count")
+    assert all(torch.equal(tensors[name], before[name]) for name in tensors), "bit-exact"
+    assert slept - waits < len(tensors) // 20, f"{slept - waits} waits to spill {len(tensors)} tensors"
+    assert woke - slept < len(tensors) // 20, f"{woke - slept} waits to restore {len(tensors)} tensors"
+    assert cudart.counter("fake_last_device_synchronize") > cudart.counter("fake_last_queued"), (
+        "the wake still ends with the device synchronized"
+    )
+
+
+def test_a_copy_refused_when_queued_names_its_region_and_leaves_nothing_queued_on_freed_staging(
+    cudart: FakeCudaRT, work_dir: Path
+) -> None:
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    regions, _ = queued_regions(copies, 60, seed=11)
+    pin = copies.pinner()
+    cudart.set_counter("fake_fail_copy_at", cudart.counter("fake_copies") + 25)
+    with pytest.raises(
+        DeviceMemoryError, match=r"copying weights/r\d+ \(\+\d+\) to the host failed: .*illegal"
+    ):
+        spill(work_dir / "spill", regions, pin)
+    snapshot = spill(work_dir, regions, pin)
+    cudart.set_counter("fake_fail_copy_at", cudart.counter("fake_copies") + 25)
+    with pytest.raises(
+        DeviceMemoryError, match=r"copying weights/r\d+ \(\+\d+\) to the device failed: .*illegal"
+    ):
+        restore(work_dir, snapshot, regions, pin)
+    assert cudart.counter("fake_registered_bytes") == 0
+    # Whatever was queued before the failure ran before its staging went: running the queues now
+    # would otherwise read unmapped memory.
+    copies.synchronize(1)
+    copies.synchronize(3)
+
+
+def test_a_copy_that_fails_when_it_runs_fails_the_wake_at_its_fence(
+    cudart: FakeCudaRT, work_dir: Path
+) -> None:
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    regions, _ = queued_regions(copies, 60, seed=13)
+    pin = copies.pinner()
+    snapshot = spill(work_dir, regions, pin)
+    cudart.set_counter("fake_fail_run_at", cudart.counter("fake_copies") + 25)
+    with pytest.raises(
+        DeviceMemoryError, match=r"queued on device [13] failed when it ran.*illegal memory access"
+    ):
+        restore(work_dir, snapshot, regions, pin)
+    cudart.set_counter("fake_fail_run_at", -1)
+    assert cudart.counter("fake_registered_bytes") == 0
+    copies.synchronize(1)
+    copies.synchronize(3)
+
+
+def test_a_fence_covers_what_its_block_queued_and_not_what_came_after(cudart: FakeCudaRT) -> None:
+    """The event is recorded on the stream the thread held for the block: a later copy of another
+    block, even on a stream taken back from the same pool, is not waited for by it."""
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    first, second = (ctypes.c_uint8 * 64)(), (ctypes.c_uint8 * 64)()
+    staging = bytearray(b"\x07" * 64)
+    with deferred_copies() as queued:
+        copies.copy_from_host(2, ctypes.addressof(first), memoryview(staging))
+        copies.copy_from_host(2, ctypes.addressof(second), memoryview(b"\x09" * 64))  # read-only: kept
+    fence = queued.fence
+    assert isinstance(fence, CudaFence) and not fence.done(), "queued, not run"
+    with deferred_copies() as later:
+        copies.zero(2, ctypes.addressof(first), 64)
+    assert bytes(first) == bytes(64) and bytes(second) == bytes(64)
+    fence.wait()
+    assert bytes(first) == b"\x07" * 64 and bytes(second) == b"\x09" * 64, "both ran, the read-only copy kept"
+    assert fence.done()
+    assert isinstance(later.fence, CudaFence) and not later.fence.done(), "the later block's fill has not run"
+    later.fence.wait()
+    assert bytes(first) == bytes(64)
+    with deferred_copies() as idle:
+        pass
+    assert idle.fence is None, "nothing queued, nothing to wait for"
+
+
+def test_a_block_left_by_an_exception_has_waited_for_what_it_queued(cudart: FakeCudaRT) -> None:
+    copies = CudaCopies(CudaRuntime(cudart.lib))
+    memory, staging = (ctypes.c_uint8 * 64)(), bytearray(b"\x03" * 64)
+    with pytest.raises(KeyError), deferred_copies():
+        copies.copy_from_host(1, ctypes.addressof(memory), memoryview(staging))
+        raise KeyError("the verify of the next chunk failed")
+    assert bytes(memory) == b"\x03" * 64
+    with pytest.raises(RuntimeError, match="do not nest"), deferred_copies(), deferred_copies():
+        pass
 
 
 # -- which CUDA runtime: the one torch links --------------------------------------------------------

@@ -134,6 +134,7 @@ def test_from_vllm_binds_vllms_map_unmap_and_its_libcudart(
     address = reservations.reserve(4096)
     handle = (0, 4096, address, 0)
     memory.zero(0, address, 4096)
+    memory.synchronize(0)  # a fill is only queued: it must have run before the memory goes
     memory.unmap(handle)
     assert not reservations.is_mapped(address)
     memory.map(handle)

@@ -12,8 +12,16 @@ memory. On a GPU:
   while the virtual address stays reserved, so every pointer vLLM holds (and
   every captured CUDA graph) stays valid;
 * copies and fills go through the CUDA runtime on non-blocking streams of our
-  own, one per staging thread at a time, so they neither wait for nor hold up
-  the legacy default stream, and several chunks are in flight at once.
+  own, so they neither wait for nor hold up the legacy default stream. The
+  store's copies of one staging chunk are only queued, on a stream the
+  staging thread holds for that chunk (one per thread and device, pooled, so
+  the workers' chunks are in flight on as many streams), and one event
+  recorded after them says when the staging may be reused
+  (:func:`deferred_copies`, the store's side in pipeline.DeviceStaging).
+  Waiting for each copy instead cost a synchronization per region (100,000
+  for as many small tensors) and left the device idle while the next chunk
+  was verified. Fills are only queued: every wake ends with a device
+  synchronization before the program runs again.
 
 Nothing here imports torch or vLLM at module level: the CLI imports pools, and
 ``vllm.device_allocator.cumem`` raises ImportError on a machine without a driver.
@@ -35,7 +43,7 @@ from typing import Any, Protocol
 from hibernate.errors import HibernateError, UnsupportedError
 from hibernate.pools.base import RegionAttributes
 from hibernate.pools.hostpages import HostMapping, own_mappings
-from hibernate.store.pipeline import PinFn
+from hibernate.store.pipeline import DeviceStaging, PinFn, Queued
 
 # vLLM's allocation handle: (device, aligned size, device pointer, generic allocation handle).
 Handle = tuple[int, int, int, Any]
@@ -117,24 +125,44 @@ class DeviceMemoryError(HibernateError):
 
 
 class DeviceCopies(Protocol):
-    """Copies between device memory and the host, on streams of the seam's own; all a torch storage needs."""
+    """Copies between device memory and the host, on streams of the seam's own; all a torch storage needs.
+
+    A copy is done when it returns, except inside a deferral block of the
+    seam's pinner (pipeline.DeviceStaging), where it is only queued until the
+    block's fence completed. A seam whose copies are always done on return
+    (host memory) offers a plain pin, and the store then waits for nothing.
+    """
 
     def copy_to_host(self, device: int, address: int, dst: memoryview) -> None:
-        """Copy ``len(dst)`` bytes at device ``address`` into ``dst``; done when it returns."""
+        """Copy ``len(dst)`` bytes at device ``address`` into ``dst`` (in a deferral block: once its fence
+        completed)."""
         ...
 
     def copy_from_host(self, device: int, address: int, src: memoryview) -> None:
-        """Copy ``src`` to device ``address``; done when it returns."""
+        """Copy ``src`` to device ``address``.
+
+        In a deferral block ``src`` is read when the copy runs, so it stays
+        unchanged and mapped until the block's fence completed; a read-only
+        ``src`` is copied first, and the fence keeps that copy.
+        """
         ...
 
-    def zero(self, device: int, address: int, nbytes: int) -> None: ...
+    def zero(self, device: int, address: int, nbytes: int) -> None:
+        """Fill device memory with zeros; only queued, as no host memory waits on it.
+
+        The memory reads as zeros to what runs after ``synchronize(device)``
+        returned, as every wake ends with, or after the fence of the deferral
+        block it was queued in.
+        """
+        ...
 
     def synchronize(self, device: int) -> None:
         """Wait for all work queued on ``device``, on every stream (before its memory is read or unmapped)."""
         ...
 
     def pinner(self) -> PinFn | None:
-        """Page-locks staging buffers so device copies into them run at full speed."""
+        """Page-locks staging buffers so device copies into them run at full speed; a
+        pipeline.DeviceStaging where the seam's copies can be deferred."""
         ...
 
 
@@ -222,6 +250,8 @@ def buffer_address(view: memoryview) -> int:
 
 _CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
 _CUDA_STREAM_NON_BLOCKING = 1
+_CUDA_EVENT_DISABLE_TIMING = 2  # a fence needs no timestamp, and an event without one records faster
+_CUDA_ERROR_NOT_READY = 600  # cudaEventQuery: the work before the record is still running
 
 
 class CudaRuntime:
@@ -248,6 +278,13 @@ class CudaRuntime:
             lib, "cudaMemcpyAsync", c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p]
         )
         self._memset_async = self._bind(lib, "cudaMemsetAsync", c_int, [c_void_p, c_int, c_size_t, c_void_p])
+        self._event_create = self._bind(
+            lib, "cudaEventCreateWithFlags", c_int, [ctypes.POINTER(c_void_p), c_uint]
+        )
+        self._event_record = self._bind(lib, "cudaEventRecord", c_int, [c_void_p, c_void_p])
+        self._event_synchronize = self._bind(lib, "cudaEventSynchronize", c_int, [c_void_p])
+        self._event_query = self._bind(lib, "cudaEventQuery", c_int, [c_void_p])
+        self._event_destroy = self._bind(lib, "cudaEventDestroy", c_int, [c_void_p])
         self._host_register = self._bind(lib, "cudaHostRegister", c_int, [c_void_p, c_size_t, c_uint])
         self._host_unregister = self._bind(lib, "cudaHostUnregister", c_int, [c_void_p])
         self._device_get = self._primary_context_state = None
@@ -320,6 +357,34 @@ class CudaRuntime:
     def memset_async(self, address: int, value: int, nbytes: int, stream: int) -> None:
         self.check(self._memset_async(address, value, nbytes, stream), f"cudaMemsetAsync at {address:#x}")
 
+    def event_create(self) -> int:
+        """An event of the current device, without timing."""
+        event = ctypes.c_void_p()
+        code = self._event_create(ctypes.byref(event), _CUDA_EVENT_DISABLE_TIMING)
+        self.check(code, "cudaEventCreateWithFlags")
+        return int(event.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        """Mark ``stream``: the event completes once everything queued on it before now ran."""
+        self.check(self._event_record(event, stream), "cudaEventRecord")
+
+    def event_synchronize(self, event: int) -> None:
+        self.check(self._event_synchronize(event), "cudaEventSynchronize")
+
+    def event_query(self, event: int) -> bool:
+        """Whether the event completed, without waiting; a failure of the work before it raises."""
+        code = self._event_query(event)
+        if code == _CUDA_ERROR_NOT_READY:
+            self._get_last_error()  # an answer, not an error; cleared all the same, as torch does
+            return False
+        self.check(code, "cudaEventQuery")
+        return True
+
+    def event_destroy(self, event: int) -> None:
+        """Free the event (at once, or once its pending record ran); a failure is only cleared."""
+        if self._event_destroy(event) != 0:
+            self._get_last_error()
+
     def host_register(self, address: int, nbytes: int) -> bool:
         """Page-lock host memory; False (error cleared) where the system refuses."""
         if self._host_register(address, nbytes, 0) != 0:
@@ -388,6 +453,123 @@ def loaded_driver() -> ctypes.CDLL | None:
         return None
 
 
+class _Batch:
+    """What one thread queued inside a :func:`deferred_copies` block, through any seam."""
+
+    __slots__ = ("keep", "streams")
+
+    def __init__(self) -> None:
+        # The stream the thread holds for the block, per seam and device: held, not given back after
+        # each copy, so the event recorded at the end follows this block's copies and nothing another
+        # thread queued after them.
+        self.streams: dict[tuple[CudaCopies, int], int] = {}
+        self.keep: list[bytearray] = []  # copies of read-only sources, read when the copies run
+
+
+_deferring = threading.local()  # .batch: the thread's open block, if any
+
+
+def _open_batch() -> _Batch | None:
+    batch: _Batch | None = getattr(_deferring, "batch", None)
+    return batch
+
+
+class CudaFence:
+    """The copies and fills of one deferred block: an event recorded after them on each stream it held."""
+
+    def __init__(self, marks: list[tuple[CudaCopies, int, int]], keep: list[bytearray]) -> None:
+        self._marks = marks  # (seam, device, event)
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether all of it ran, without waiting."""
+        with self._lock:
+            return all(copies._rt.event_query(event) for copies, _, event in self._marks)
+
+    def wait(self) -> None:
+        """Block until all of it ran; a copy that failed when it ran raises DeviceMemoryError, once.
+
+        The device reports a copy that faults when it runs at the next wait,
+        without saying which copy: the error names the device and what was
+        queued there.
+        """
+        failure: tuple[int, DeviceMemoryError] | None = None
+        with self._lock:
+            marks, self._marks = self._marks, []
+            for copies, device, event in marks:
+                try:
+                    copies._rt.event_synchronize(event)
+                except DeviceMemoryError as exc:
+                    failure = failure or (device, exc)
+                    copies._rt.event_destroy(event)  # after a fault its state is the context's guess
+                else:
+                    copies._give_event(device, event)
+            self._keep.clear()
+        if failure is not None:
+            raise DeviceMemoryError(
+                f"a copy or fill queued on device {failure[0]} failed when it ran (the device says so at "
+                f"the next wait, not which one): {failure[1].message}"
+            )
+
+
+def _fence_of(batch: _Batch) -> CudaFence | None:
+    """An event recorded on each stream ``batch`` held, the streams given back; None if it held none.
+
+    A stream whose event cannot be recorded is waited for instead, so that
+    nothing it queued is left running when the error goes up.
+    """
+    if not batch.streams:
+        return None
+    marks: list[tuple[CudaCopies, int, int]] = []
+    failure: DeviceMemoryError | None = None
+    for (copies, device), stream in batch.streams.items():
+        try:
+            marks.append((copies, device, copies._mark(device, stream)))
+        except DeviceMemoryError as exc:
+            failure = failure or exc
+            with contextlib.suppress(DeviceMemoryError):
+                copies._rt.stream_synchronize(stream)
+        finally:
+            copies._give_stream(device, stream)
+    fence = CudaFence(marks, batch.keep)
+    if failure is not None:
+        with contextlib.suppress(DeviceMemoryError):
+            fence.wait()
+        raise failure
+    return fence
+
+
+@contextlib.contextmanager
+def deferred_copies() -> Iterator[Queued]:
+    """This thread's device copies and fills in the block, through any seam, only queued; when it ends,
+    ``queued.fence`` covers them (the contract: pipeline.DeviceStaging).
+
+    The thread's stream stays its own for the block, so its copies run in
+    the order they were queued: a copy to the host after a copy to the device
+    of the same bytes reads what that one wrote. Left by an exception, the
+    block waits for what it queued first (a staging buffer is unmapped on the
+    way out). Blocks do not nest: an inner block's fence would cover copies
+    the outer's caller thinks are its own.
+    """
+    if _open_batch() is not None:
+        raise RuntimeError("deferred device copies do not nest")
+    batch = _Batch()
+    _deferring.batch = batch
+    queued = Queued()
+    try:
+        yield queued
+    except BaseException:
+        _deferring.batch = None
+        with contextlib.suppress(DeviceMemoryError):
+            fence = _fence_of(batch)
+            if fence is not None:
+                fence.wait()
+        raise
+    _deferring.batch = None
+    queued.fence = _fence_of(batch)
+
+
 class CudaCopies:
     """Device copies through the CUDA runtime, on non-blocking streams of our own (see DeviceCopies)."""
 
@@ -395,6 +577,7 @@ class CudaCopies:
         self._rt = runtime
         self._lock = threading.Lock()
         self._idle_streams: dict[int, list[int]] = {}
+        self._idle_events: dict[int, list[int]] = {}
 
     @classmethod
     def from_process(cls) -> CudaCopies:
@@ -434,48 +617,96 @@ class CudaCopies:
                 self._rt.set_device(previous)
 
     @contextlib.contextmanager
-    def _stream(self, device: int) -> Iterator[int]:
-        """A stream of ``device`` for this thread's next operation, made current for it (see _on_device).
+    def _stream(self, device: int) -> Iterator[tuple[int, _Batch | None]]:
+        """A stream of ``device`` for this thread's next operation, ``device`` current meanwhile (see
+        _on_device), and the thread's open deferral block if any (which then holds the stream).
 
         Streams are reused across operations and spills (a fresh pipeline starts
-        fresh threads each time, so per-thread streams would leak).
+        fresh threads each time, so per-thread streams would leak): taken from
+        the idle ones, given back after the operation or its block.
         """
         with self._on_device(device):
-            with self._lock:
-                idle = self._idle_streams.setdefault(device, [])
-                stream = idle.pop() if idle else None
-            if stream is None:
-                stream = self._rt.stream_create()
+            batch = _open_batch()
+            if batch is not None:
+                stream = batch.streams.get((self, device))
+                if stream is None:
+                    stream = batch.streams[(self, device)] = self._take_stream(device)
+                yield stream, batch
+                return
+            stream = self._take_stream(device)
             try:
-                yield stream
+                yield stream, None
             finally:
-                with self._lock:
-                    self._idle_streams[device].append(stream)
+                self._give_stream(device, stream)
+
+    def _take_stream(self, device: int) -> int:
+        """An idle stream of ``device`` (the current device), or a new one."""
+        with self._lock:
+            idle = self._idle_streams.setdefault(device, [])
+            stream = idle.pop() if idle else None
+        return stream if stream is not None else self._rt.stream_create()
+
+    def _give_stream(self, device: int, stream: int) -> None:
+        with self._lock:
+            self._idle_streams.setdefault(device, []).append(stream)
+
+    def _mark(self, device: int, stream: int) -> int:
+        """An event recorded on ``stream`` of ``device`` now (an idle one reused, else a new one)."""
+        with self._on_device(device):
+            with self._lock:
+                idle = self._idle_events.setdefault(device, [])
+                event = idle.pop() if idle else None
+            if event is None:
+                event = self._rt.event_create()
+            try:
+                self._rt.event_record(event, stream)
+            except DeviceMemoryError:
+                self._rt.event_destroy(event)
+                raise
+            return event
+
+    def _give_event(self, device: int, event: int) -> None:
+        """An event whose wait returned, for the next fence (events cost a driver call to make)."""
+        with self._lock:
+            self._idle_events.setdefault(device, []).append(event)
 
     # -- data ------------------------------------------------------------------
 
     def copy_to_host(self, device: int, address: int, dst: memoryview) -> None:
         if not len(dst):
             return
-        with self._stream(device) as stream:
+        with self._stream(device) as (stream, batch):
             self._rt.memcpy_async(buffer_address(dst), address, len(dst), stream)
-            self._rt.stream_synchronize(stream)
+            if batch is None:
+                self._rt.stream_synchronize(stream)
 
     def copy_from_host(self, device: int, address: int, src: memoryview) -> None:
         if not len(src):
             return
-        if src.readonly:
-            src = memoryview(bytearray(src))  # bounded by one chunk; the store passes writable views
-        with self._stream(device) as stream:
+        # A read-only view (a mapping) cannot give ctypes an address: copied, bounded by one chunk
+        # (the store passes writable views), and kept until the copy ran.
+        owned = bytearray(src) if src.readonly else None
+        if owned is not None:
+            src = memoryview(owned)
+        with self._stream(device) as (stream, batch):
             self._rt.memcpy_async(address, buffer_address(src), len(src), stream)
-            self._rt.stream_synchronize(stream)
+            if batch is None:
+                self._rt.stream_synchronize(stream)
+            elif owned is not None:
+                batch.keep.append(owned)
 
     def zero(self, device: int, address: int, nbytes: int) -> None:
         if not nbytes:
             return
-        with self._stream(device) as stream:
-            self._rt.memset_async(address, 0, nbytes, stream)
-            self._rt.stream_synchronize(stream)
+        try:
+            with self._stream(device) as (stream, _):
+                self._rt.memset_async(address, 0, nbytes, stream)
+        except DeviceMemoryError:
+            # The caller releases the memory of a wake that failed: fills it queued before this one
+            # must not run on memory handed to someone else.
+            with contextlib.suppress(DeviceMemoryError):
+                self.synchronize(device)
+            raise
 
     def synchronize(self, device: int) -> None:
         """cudaDeviceSynchronize on ``device``: every stream of it, the program's side streams too.
@@ -486,6 +717,7 @@ class CudaCopies:
             self._rt.device_synchronize()
 
     def pinner(self) -> PinFn | None:
+        """Page-locking for the staging buffers, with the store's copies deferred (pipeline.DeviceStaging)."""
         runtime = self._rt
 
         def pin(view: memoryview) -> Callable[[], None]:
@@ -494,7 +726,7 @@ class CudaCopies:
                 return lambda: None  # pageable staging still works, only slower
             return lambda: runtime.host_unregister(address)
 
-        return pin
+        return DeviceStaging(pin, deferred_copies)
 
 
 class CudaDeviceMemory(CudaCopies):

@@ -33,6 +33,7 @@ constants into.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -390,22 +391,34 @@ class CuMemPool:
 
         They were discarded (or put to sleep by vLLM's own allocator): their
         contents come from a backup vLLM left, if any, else they are zero-filled.
+        Fills are only queued (DeviceCopies.zero): the devices are synchronized
+        before vLLM runs again, a failure's way out included.
         """
         mapped = from_backup = 0
-        for _, data in _records(self.allocator):
-            if not data.is_asleep or not wanted(data.tag):
-                continue
-            device, nbytes, address, _ = data.handle
-            self.map_back(int(address), data)
-            backup = data.cpu_backup_tensor
-            if backup is not None:
-                size = min(int(nbytes), int(backup.numel() * backup.element_size()))
-                self.device.copy_from_host(int(device), int(address), _backup_view(backup, size))
-                data.cpu_backup_tensor = None
-                from_backup += size
-            else:
-                self.device.zero(int(device), int(address), int(nbytes))
-            mapped += int(nbytes)
+        filled: set[int] = set()
+        try:
+            for _, data in _records(self.allocator):
+                if not data.is_asleep or not wanted(data.tag):
+                    continue
+                device, nbytes, address, _ = data.handle
+                self.map_back(int(address), data)
+                backup = data.cpu_backup_tensor
+                if backup is not None:
+                    size = min(int(nbytes), int(backup.numel() * backup.element_size()))
+                    self.device.copy_from_host(int(device), int(address), _backup_view(backup, size))
+                    data.cpu_backup_tensor = None
+                    from_backup += size
+                else:
+                    filled.add(int(device))
+                    self.device.zero(int(device), int(address), int(nbytes))
+                mapped += int(nbytes)
+        except BaseException:
+            for device in sorted(filled):
+                with contextlib.suppress(Exception):  # the failure that stopped the wake is the one to say
+                    self.device.synchronize(device)
+            raise
+        for device in sorted(filled):
+            self.device.synchronize(device)
         return {"mapped_bytes": mapped, "from_backup_bytes": from_backup}
 
 
