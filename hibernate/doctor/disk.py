@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hibernate.doctor.checks import FAIL, OK, WARN, Examination
 from hibernate.fsutil import free_bytes
-from hibernate.store.tuning import MEMORY, Tuning, choose
 from hibernate.units import human_bytes
+
+if TYPE_CHECKING:
+    from hibernate.store.tuning import Tuning
 
 
 def mount_for(path: str, mounts: Sequence[tuple[str, str]]) -> tuple[str, str]:
@@ -48,6 +51,7 @@ class DiskChecks(Examination):
 
     def check_directory(self) -> None:
         from hibernate.store.directio import direct_io_supported
+        from hibernate.store.tuning import MEMORY
 
         directory = self.directory
         if directory is None:
@@ -126,6 +130,8 @@ _KIND_WORDS = {
 
 def _tuning_at(directory: Path) -> Tuning | None:
     """The tuning a transfer into ``directory`` would get (tuning.choose); None where it cannot be opened."""
+    from hibernate.store.tuning import choose  # here: doctor loads no store code at import
+
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
