@@ -23,7 +23,9 @@ from tests.conftest import REPO, spill_root_of
 from tests.standins.world import GIB, World
 
 SCHEMAS = REPO / "docs" / "json-schema"
-EXPECTED = {"sleep", "wake", "recover", "status", "ls", "doctor", "error", "gc", "node-step", "serve-status"}
+EXPECTED = {
+    "sleep", "wake", "recover", "status", "ls", "doctor", "error", "gc", "export", "node-step", "serve-status"
+}  # fmt: skip
 
 
 def schema(name: str) -> dict[str, Any]:

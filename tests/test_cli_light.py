@@ -70,6 +70,7 @@ def test_help_of_every_command_does_not_import_torch() -> None:
         ["status"],
         ["ls"],
         ["gc"],
+        ["export"],
         ["run"],
         ["node-step"],
         ["doctor"],

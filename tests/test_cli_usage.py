@@ -47,7 +47,7 @@ def run_in_process(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     return exited.value.code, capsys.readouterr()
 
 
-WITH_JSON = ["sleep", "wake", "recover", "status", "ls", "gc", "node-step", "doctor"]
+WITH_JSON = ["sleep", "wake", "recover", "status", "ls", "gc", "export", "node-step", "doctor"]
 
 
 @pytest.mark.parametrize(
@@ -92,6 +92,7 @@ def test_every_command_with_json_reports_an_unknown_option_as_json(
         ["node-step", "sleep", "abc", "--barrier", "/tmp/unused"],
         ["node-step", "sleep"],
         ["gc"],
+        ["export"],
     ],
 )
 def test_bad_and_missing_values_are_reported_as_json(

@@ -1,4 +1,4 @@
-"""The commands that act on targets and their snapshots: sleep, wake, recover, status, ls and gc.
+"""The commands that act on targets and their snapshots: sleep, wake, recover, status, ls, gc and export.
 
 Each parses its flags (hibernate.cli.options), calls the orchestrator and
 hands the result to hibernate.cli.render; nothing else lives here. The
@@ -438,3 +438,107 @@ def gc(
     render.result({"ok": True, **report}, lambda: render.gc_report(report), as_json=as_json, quiet=quiet)
     for warning in report["warnings"]:  # a warning is worth a log line even with --quiet
         render.err.print(f"hibernate gc: warning: {warning}", markup=False)
+
+
+def _parse_out(value: str) -> Path:
+    """export's --out: an empty string names nothing (``Path("")`` would quietly mean ``.``)."""
+    if isinstance(value, Path):
+        return value
+    if value == "":
+        raise typer.BadParameter("an empty string names no file or directory")
+    return Path(value)
+
+
+@handles_errors
+def export(
+    snapshot: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SNAPSHOT",
+            readable=False,  # click's own check would refuse another user's as a usage error: ours says whose
+            help="A snapshot directory (DIR/proc-.../snap-000003), or one process's directory in a --to "
+            "directory (its newest snapshot is taken).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            parser=_parse_out,
+            metavar="PATH",
+            help="FILE.safetensors (one file), or a directory: model.safetensors there, or shards "
+            "model-00001-of-0000N.safetensors and model.safetensors.index.json.",
+            show_default=False,
+        ),
+    ],
+    fmt: Annotated[str, typer.Option("--format", metavar="[safetensors]", help="The file format.")] = (
+        "safetensors"
+    ),
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size",
+            metavar="SIZE",
+            help="The most tensor bytes in one file (5GB, 500MiB, bytes); a directory gets shards above "
+            "it, a FILE.safetensors that would not fit is refused.",
+        ),
+    ] = "5GB",
+    tags: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tag",
+            metavar="TAG",
+            help="Export only the tensors tracked with this tag (repeat for several; default: every tag).",
+            show_default=False,
+        ),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace existing output files (and remove an earlier export's other files in the "
+            "directory); without it an existing file is never overwritten.",
+            show_default=False,
+        ),
+    ] = False,
+    buffer_mb: Annotated[
+        int,
+        typer.Option(
+            "--buffer-mb",
+            metavar="MIB",
+            help="Staging memory for reading the snapshot, in MiB: 16 to half of this machine's RAM.",
+        ),
+    ] = 256,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Write a snapshot's tensors as safetensors files, every chunk verified, for any loader."""
+    import threading
+
+    from hibernate.cli import render
+    from hibernate.store.export import export_snapshot
+    from hibernate.units import parse_size
+
+    max_shard_bytes = parse_size(max_shard_size)
+    with render.TerminalProgress(enabled=not (as_json or quiet)) as progress:
+        lock = threading.Lock()  # the reader's workers report side by side
+
+        def show(done: int, total: int) -> None:
+            with lock:
+                progress.transfer("export", done, total)
+
+        report = export_snapshot(
+            snapshot,
+            out,
+            fmt=fmt,
+            max_shard_bytes=max_shard_bytes,
+            tags=tags or (),
+            force=force,
+            buffer_bytes=buffer_mb << 20,
+            progress=show,
+        )
+    render.result({"ok": True, **report}, lambda: render.export_report(report), as_json=as_json, quiet=quiet)
+    for skipped in report["skipped"]:  # worth a log line even with --quiet
+        what = f"{skipped['name']!r} of {skipped['key']!r}" if skipped["name"] else repr(skipped["key"])
+        render.err.print(f"hibernate export: warning: skipped {what}: {skipped['reason']}", markup=False)

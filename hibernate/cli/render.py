@@ -549,3 +549,20 @@ def gc_report(report: dict[str, Any]) -> None:
         out.print(f"total: {human_bytes(planned)} would be freed", markup=False)
     else:
         out.print(f"total freed: {human_bytes(report['freed_bytes'])}", markup=False)
+
+
+def export_report(report: dict[str, Any]) -> None:
+    """What an export wrote, in a line or two: the files, the tensors, the tied names."""
+    written = [f for f in report["files"] if f["tensors"]]
+    where = written[0]["path"] if len(written) == 1 else f"{len(written)} shards and {report['index']}"
+    source = f"{report['snapshot']} (the newest)" if report["newest"] else report["snapshot"]
+    out.print(
+        f"exported {report['tensors']} tensors ({human_bytes(report['bytes'])}) of {source} to {where} "
+        f"in {report['seconds']:.2f} s",
+        markup=False,
+    )
+    aliases = report["aliases"]
+    if aliases:
+        tied = ", ".join(f"{alias} = {name}" for alias, name in list(aliases.items())[:3])
+        more = f" and {len(aliases) - 3} more" if len(aliases) > 3 else ""
+        out.print(f"  tied (written once, named in the metadata): {tied}{more}", markup=False)
