@@ -8,6 +8,7 @@ The store knows regions of memory, never torch or CUDA. Import each name from it
     owner        whose a spill root is: a process named beyond its pid
     layout       a spill root: its snapshots, the lock, atomic publish (SpillRoot)
     maintenance  ``hibernate gc``: reclaim the snapshots nobody needs
+    export       ``hibernate export``: a snapshot's tensors as safetensors files, every chunk verified
     directio     direct I/O with page-aligned staging buffers, and its buffered fallback
     hugepages    whether a wake asks for transparent huge pages
     bulk         checksum and copy many chunks in one call (the optional compiled helper)
