@@ -76,6 +76,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 _DTYPE_NAMES = {dtype: _dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
 
 
+# A device -> (its name as str() spells it, its type, its CUDA index or None), asked of every
+# storage at every enumeration: ``device.type`` and ``str(device)`` build a new string at each call
+# (0.3 us each here), a lookup by the device costs a tenth of that. Devices are few.
+_DEVICE_FACTS: dict[torch.device, tuple[str, str, int | None]] = {}
+
+
+def _device_facts(device: torch.device) -> tuple[str, str, int | None]:
+    """What _DEVICE_FACTS holds of ``device``, learnt on first need (callers look there first)."""
+    kind = device.type
+    index = (0 if device.index is None else device.index) if kind == "cuda" else None
+    facts = _DEVICE_FACTS[device] = (str(device), kind, index)
+    return facts
+
+
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
@@ -111,6 +125,9 @@ def _metadata_only(func: Any) -> bool:
 
 # id(tensor) -> its name, for the tensors now asleep; the tensors themselves are held by their regions.
 _asleep_names: dict[int, str] = {}
+# A tensor class -> the class its tensors take while asleep: its asleep twin, or itself for a class
+# already asleep. Looked up for every tensor a release puts to sleep: one dict lookup, where asking
+# the class for ``_hibernate_awake_class`` walked its bases and raised inside getattr for an awake one.
 _asleep_classes: dict[type, type] = {}
 _asleep_lock = threading.Lock()
 
@@ -148,12 +165,15 @@ def _refuse_while_asleep(
 
 
 def _asleep_class(awake: type) -> type:
+    """The class a tensor of class ``awake`` takes asleep; ``awake`` itself if it is an asleep class."""
     cls = _asleep_classes.get(awake)  # made once per class: no lock taken for every tensor released
     if cls is not None:
         return cls
     with _asleep_lock:
         cls = _asleep_classes.get(awake)
-        if cls is None:
+        if cls is None and getattr(awake, "_hibernate_awake_class", None) is not None:
+            cls = _asleep_classes[awake] = awake
+        elif cls is None:
             cls = type(
                 f"Asleep{awake.__name__}",
                 (awake,),
@@ -171,22 +191,16 @@ def _asleep_class(awake: type) -> type:
 def _put_to_sleep(tensor: torch.Tensor, name: str) -> bool:
     """Swap the tensor's class for its asleep twin; False if this object's class cannot be swapped."""
     awake = type(tensor)
-    if getattr(awake, "_hibernate_awake_class", None) is not None:
-        return True
+    asleep = _asleep_classes.get(awake) or _asleep_class(awake)
+    if asleep is awake:
+        return True  # asleep already
     try:
         _asleep_names[id(tensor)] = name
-        tensor.__class__ = _asleep_class(awake)
+        tensor.__class__ = asleep
     except TypeError:  # a class whose layout differs from its subclass's; left as it is
         _asleep_names.pop(id(tensor), None)
         return False
     return True
-
-
-def _wake_up(tensor: torch.Tensor) -> None:
-    awake = getattr(type(tensor), "_hibernate_awake_class", None)
-    if awake is not None:
-        tensor.__class__ = awake
-    _asleep_names.pop(id(tensor), None)
 
 
 # Present in CUDA builds of torch from 2.12, absent from CPU-only ones (see untracked_views_warning).
@@ -225,15 +239,19 @@ class StorageRegion(RegionAttributes):
         # Strings and ints only (see TensorPool._regions): plain by construction. A device storage is
         # named by the index its seam copies it on (the same as torch's "cuda:N" for a CUDA storage).
         where = storage.device  # a new object at each call: asked once
-        device = f"cuda:{on_device[1]}" if on_device is not None else str(where)
+        name, kind, _ = _DEVICE_FACTS.get(where) or _device_facts(where)
+        device = f"cuda:{on_device[1]}" if on_device is not None else name
         meta = PlainMeta(device=device, views=views)
         super().__init__(key, tag, keep, storage.nbytes(), meta)
         self._storage = storage
         self._device = where
         self._on_device = on_device
         # Decided once: a sleep asks host_view once per chunk, and device.type alone cost 0.26 us.
-        self._in_host_memory = on_device is None and where.type == "cpu"
-        self._tensors = list(tensors)  # the tracked tensor objects on this storage, and their names
+        self._in_host_memory = on_device is None and kind == "cpu"
+        # The tracked tensor objects on this storage, and their names. A list is kept as given (the
+        # pool makes one per storage, for its region alone): a copy per region was 3% of a sleep's
+        # regions() at 100,000 tensors.
+        self._tensors = tensors if type(tensors) is list else list(tensors)
         self._storage_poisoned = False
         self.released = False
         self._view: memoryview | None = None  # see host_view
@@ -303,7 +321,8 @@ class StorageRegion(RegionAttributes):
         try:
             if self._nbytes:
                 self._free()
-                self._poison()
+                if _poison_storage is not None:  # a call less per region where torch cannot poison
+                    self._poison()
         except BaseException:
             self._wake_tensors()  # the memory is still there
             raise
@@ -314,7 +333,8 @@ class StorageRegion(RegionAttributes):
         if not self.released:
             return
         if self._nbytes:
-            self._unpoison()
+            if self._storage_poisoned:  # a call less per region where torch cannot poison
+                self._unpoison()
             try:
                 self._take()
             except BaseException:
@@ -344,8 +364,14 @@ class StorageRegion(RegionAttributes):
             self._storage_poisoned = False
 
     def _wake_tensors(self) -> None:
+        """Each tensor its own class again (the undoing of _put_to_sleep), in one loop: called for
+        every region a wake brings back, a call per tensor was a tenth of its cost in Python."""
+        names = _asleep_names
         for tensor, _ in self._tensors:
-            _wake_up(tensor)
+            awake = getattr(type(tensor), "_hibernate_awake_class", None)
+            if awake is not None:
+                tensor.__class__ = awake
+            names.pop(id(tensor), None)
 
     def zero(self) -> None:
         if self._on_device is not None:
@@ -423,6 +449,61 @@ def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
             f"cannot track {type(obj).__name__} at {prefix.rstrip('.') or 'top level'}: expected an "
             "nn.Module, optimizer, tensor, or a dict/list of them"
         )
+
+
+def _view(name: str, tensor: torch.Tensor, sizes: dict[tuple[int, ...], list[int]]) -> dict[str, Any]:
+    """How ``tensor`` lies in its storage, as the snapshot's meta records it: plain strings and ints.
+
+    Its shape and strides are lists taken from ``sizes`` (made there on first need), shared by every
+    view of one walk that has the same: a model's tensors have few distinct shapes, and two lists
+    per tensor were a tenth of the regions' memory, held from a sleep to its wake, and of the
+    walk's time. Shared is safe as a region's meta is read-only (RegionAttributes).
+    """
+    dtype = tensor.dtype
+    shape = tensor.shape
+    strides = tensor.stride()
+    return {
+        "name": name,
+        "dtype": _DTYPE_NAMES.get(dtype) or _dtype_name(dtype),
+        "shape": sizes.get(shape) or sizes.setdefault(shape, list(shape)),
+        "strides": sizes.get(strides) or sizes.setdefault(strides, list(strides)),
+        "storage_offset": tensor.storage_offset(),
+    }
+
+
+def _view_identity(view: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A view dict as a hashable value: two views are the same view exactly when these are equal."""
+    return (view["name"], view["dtype"], tuple(view["shape"]), tuple(view["strides"]), view["storage_offset"])
+
+
+def _add_view(slot: list[Any], view: dict[str, Any], tensor: torch.Tensor, name: str) -> None:
+    """A further view and tensor met on a storage (see TensorPool._storages), each added once.
+
+    The same tensor is met twice under one name when it is tracked twice, under two when a module
+    ties it; its views then differ by name. A storage's first view is added without a look, and
+    from its second on they are looked up in sets made then: comparing each new view with every
+    earlier one was quadratic in the views of one storage (a flat buffer of many parameters).
+    """
+    views, tensors, seen = slot[3], slot[4], slot[5]
+    if seen is None:
+        seen = slot[5] = ({_view_identity(v) for v in views}, {id(t) for t, _ in tensors})
+    seen_views, seen_tensors = seen
+    identity = _view_identity(view)
+    if identity not in seen_views:
+        seen_views.add(identity)
+        views.append(view)
+    if id(tensor) not in seen_tensors:
+        seen_tensors.add(id(tensor))
+        tensors.append((tensor, name))
+
+
+def _unused_key(tag: str, name: str, keys: set[str]) -> str:
+    """A key for a storage whose first name another storage's key took already: ``tag/name#2``,
+    ``#3``..., the first not in ``keys``."""
+    suffix = 2
+    while f"{tag}/{name}#{suffix}" in keys:
+        suffix += 1
+    return f"{tag}/{name}#{suffix}"
 
 
 def _check_trackable(name: str, tensor: torch.Tensor) -> None:
@@ -521,9 +602,8 @@ def private_pool_warnings(
 
 def cuda_index(storage: torch.UntypedStorage) -> int | None:
     """The CUDA device a storage lives on; None for host memory."""
-    if storage.device.type != "cuda":
-        return None
-    return 0 if storage.device.index is None else storage.device.index
+    where = storage.device
+    return (_DEVICE_FACTS.get(where) or _device_facts(where))[2]
 
 
 class PooledAddresses:
@@ -623,9 +703,9 @@ class TensorPool:
             by_storage = self._storages(describe=False)
             groups: dict[tuple[str, bool], list[int]] = {}
             on_devices: dict[str, int] = {}
-            for owner, _, storage, _, _ in by_storage.values():
+            for owner, _, storage, _, _, _ in by_storage.values():
                 index = self._device_of(storage)
-                if index is None and storage.device.type == "cpu" and not storage.resizable():
+                if index is None and _fixed_host(storage):
                     return Contents.of(self.name, self._regions())
                 nbytes = storage.nbytes()
                 group = groups.setdefault((owner.tag, owner.keep), [0, 0])
@@ -639,48 +719,50 @@ class TensorPool:
 
     def _storages(self, describe: bool) -> dict[int, list[Any]]:
         """The tracked tensors by storage: storage identity -> [owning entry, first name, storage,
-        views, {id: (tensor, name)}], the views and tensors only where ``describe``; a storage shared
-        with a kept tensor is kept, under that tensor's tag. Storages of ``hibernate.pool()`` are left
-        to their pool."""
+        views, tensors, seen], in the order first met; a storage shared with a kept tensor is kept,
+        under that tensor's tag. Storages of ``hibernate.pool()`` are left to their pool.
+
+        Only where ``describe``: views (each distinct view dict once, see _view) and tensors (each
+        tensor object once, with its first name: ``[(tensor, name)]``); ``seen`` is what finds the
+        ones met already once a storage has several (see _add_view), None until then.
+        """
         with self._lock:
             tracked = list(self._tracked.values())
         by_storage: dict[int, list[Any]] = {}
         spans = self._covered()
         in_pool = PooledAddresses(spans).holds if spans else None
-        dtype_names = _DTYPE_NAMES
+        strided = torch.strided
+        sizes: dict[tuple[int, ...], list[int]] = {}  # the shapes and strides of the walk's views (see _view)
         # Once for the whole walk, not per tensor: a tensor asleep (tracked again while the process
         # sleeps) answers the metadata questions below as an awake one does.
         with torch._C.DisableTorchFunctionSubclass():
             for entry in tracked:
                 for name, tensor in _named_tensors(entry):
-                    _check_layout(name, tensor)
+                    # A strided CPU tensor passes _check_layout: two cheap reads instead of a call
+                    # and ``device.type`` (0.3 us) for each tensor of a plain CPU model.
+                    if tensor.layout is not strided or not tensor.is_cpu:
+                        _check_layout(name, tensor)
                     storage = tensor.untyped_storage()
                     if in_pool is not None and in_pool(storage):
                         continue  # hibernated at its own address by its pool (hibernate.pool)
-                    slot = by_storage.get(storage._cdata)
+                    identity = storage._cdata
+                    slot = by_storage.get(identity)
                     if slot is None:
-                        slot = by_storage[storage._cdata] = [entry, name, storage, [], {}]
-                    elif entry.keep and not slot[0].keep:
-                        slot[0], slot[1] = entry, name
-                    if not describe:
+                        # Most storages are met once: their lists are made here, in one go.
+                        views = [_view(name, tensor, sizes)] if describe else ()
+                        tensors = [(tensor, name)] if describe else ()
+                        by_storage[identity] = [entry, name, storage, views, tensors, None]
                         continue
-                    dtype = tensor.dtype
-                    view = {
-                        "name": name,
-                        "dtype": dtype_names.get(dtype) or _dtype_name(dtype),
-                        "shape": list(tensor.shape),
-                        "strides": list(tensor.stride()),
-                        "storage_offset": tensor.storage_offset(),
-                    }
-                    views = slot[3]
-                    if not views or view not in views:
-                        views.append(view)
-                    slot[4].setdefault(id(tensor), (tensor, name))
+                    if entry.keep and not slot[0].keep:
+                        slot[0], slot[1] = entry, name
+                    if describe:
+                        _add_view(slot, _view(name, tensor, sizes), tensor, name)
         return by_storage
 
     def _regions(self) -> Sequence[SpillableRegion]:
         by_storage = self._storages(describe=True)
-        fixed = [slot for slot in by_storage.values() if _fixed_host(slot[2])]
+        # resizable() first: the one question most storages need, without a call of _fixed_host each.
+        fixed = [slot for slot in by_storage.values() if not slot[2].resizable() and _fixed_host(slot[2])]
         ranges = [(s[2].data_ptr(), s[2].data_ptr() + s[2].nbytes(), s[0].keep) for s in fixed]
         kept_by_overlap = {
             id(slot): keep for slot, keep in zip(fixed, hostpages.kept_with_overlaps(ranges), strict=True)
@@ -691,34 +773,33 @@ class TensorPool:
         mappings: list[hostpages.HostMapping] | None = None
         devices: set[int] = set()
         device_storages: list[tuple[str, int, int, int]] = []
+        device_of = self._device_of
         for slot in by_storage.values():
-            owner, first_name, storage, views, tensors = slot
+            owner, first_name, storage, views, tensors, _ = slot
             key = f"{owner.tag}/{first_name}"
-            suffix = 2
-            while key in keys:
-                key = f"{owner.tag}/{first_name}#{suffix}"
-                suffix += 1
+            if key in keys:
+                key = _unused_key(owner.tag, first_name, keys)
             keys.add(key)
-            args = (key, owner.tag, owner.keep, storage, views, list(tensors.values()))
-            index = self._device_of(storage)
+            index = device_of(storage)
             if index is not None:
                 devices.add(index)
-                regions.append(StorageRegion(*args, on_device=(self.copies, index)))
-                if storage.nbytes():
-                    device_storages.append((key, index, storage.data_ptr(), storage.nbytes()))
+                region = StorageRegion(
+                    key, owner.tag, owner.keep, storage, views, tensors, (self.copies, index)
+                )
+                regions.append(region)
+                if region.nbytes:
+                    device_storages.append((key, index, storage.data_ptr(), region.nbytes))
             elif fixed and _fixed_host(storage):
                 mappings = hostpages.own_mappings() if mappings is None else mappings
                 start = storage.data_ptr()
                 where = hostpages.placement(start, start + storage.nbytes(), mappings)
                 if where.hibernate:
                     keep = kept_by_overlap[id(slot)]  # kept if it shares bytes with a kept storage
-                    regions.append(
-                        FixedHostStorageRegion(key, owner.tag, keep, storage, views, list(tensors.values()))
-                    )
+                    regions.append(FixedHostStorageRegion(key, owner.tag, keep, storage, views, tensors))
                 else:
                     warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
             else:
-                regions.append(StorageRegion(*args))
+                regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views, tensors))
         self._left_in_place = warnings
         self._device_storages = device_storages
         self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)
