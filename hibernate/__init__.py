@@ -37,7 +37,18 @@ from typing import Any
 
 from hibernate.version import __version__
 
-__all__ = ["__version__", "cuda_graph", "guard", "pool", "sleep", "state", "track", "untrack", "wake"]
+__all__ = [
+    "__version__",
+    "adopt",
+    "cuda_graph",
+    "guard",
+    "pool",
+    "sleep",
+    "state",
+    "track",
+    "untrack",
+    "wake",
+]
 
 
 def track(
@@ -62,12 +73,20 @@ def track(
     (and ``wake_signal`` wake it), for a scheduler's warning signal; the
     environment variables HIBERNATE_ON_SIGNAL, HIBERNATE_WAKE_SIGNAL and
     HIBERNATE_DIR do the same without changing the program.
+
+    With HIBERNATE_ADOPT set to a path (a requeued job's snapshot directory),
+    each object tracked is filled from the snapshot there, as :func:`adopt`
+    fills it; where it holds no complete snapshot yet, the program starts
+    afresh.
     """
+    import os
+
     from hibernate.agent import signals as agent_signals
     from hibernate.agent.local import local_agent
 
     if _off():
         return obj
+    from hibernate.agent.adopt import ADOPT_ENV, adopt_on_track
     from hibernate.pools.tensors import TensorPool
 
     _watch_captures()
@@ -84,6 +103,9 @@ def track(
         agent.add_pool(pool)
     assert isinstance(pool, TensorPool)
     pool.track(obj, tag, keep, name)
+    adopt_from = os.environ.get(ADOPT_ENV)
+    if adopt_from:
+        adopt_on_track(agent, pool, obj, adopt_from)
     return obj
 
 
@@ -281,6 +303,28 @@ def wake(*, buffer_mb: int = 256) -> dict[str, Any]:
 
     _refuse_if_off("wake")
     return local_agent().wake_here({"buffer_mb": buffer_mb})
+
+
+def adopt(path: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256) -> dict[str, Any]:
+    """Fill every tracked tensor from the snapshot of a process that is gone (killed, requeued, moved).
+
+    Call it in a new process of the same program, after tracking its model and
+    optimizer, before using them. ``path`` is a snapshot (``.../snap-NNNNNN``),
+    a process's directory in a ``--to`` directory (its newest complete
+    snapshot), or the ``--to`` directory itself (the newest of its processes').
+    Tensors are matched by name; an optimizer that has not stepped yet gets its
+    state from the snapshot, as ``load_state_dict`` would give it. Every chunk
+    is verified as a wake verifies it; any difference in names, dtypes, shapes
+    or sizes is refused, all listed, before anything is written. A snapshot
+    whose process still runs is refused (wake it instead); another user's is
+    never read. Tags tracked with ``keep=False`` come back zero-filled. The
+    CUDA context, kernels, graphs and communicators are the new program's own.
+    Returns what was adopted, from which snapshot and why that one.
+    """
+    from hibernate.agent.adopt import adopt_here
+
+    _refuse_if_off("adopt")
+    return adopt_here(_started_agent(), Path(path), timeout=timeout, args={"buffer_mb": buffer_mb})
 
 
 def _refuse_if_off(what: str) -> None:

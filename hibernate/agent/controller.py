@@ -278,6 +278,10 @@ class Agent:
         with self._mutex:
             return next((p for p in self._pools if p.name == name), None)
 
+    def pools(self) -> list[Pool]:
+        with self._mutex:
+            return list(self._pools)
+
     # -- state ---------------------------------------------------------------
 
     @property

@@ -45,13 +45,13 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hibernate.errors import HibernatingError, UsageError
 from hibernate.gcpause import gc_paused
-from hibernate.pools import hostpages
+from hibernate.pools import hostpages, optimizers
 from hibernate.pools.base import Contents, PoolSummary, RegionAttributes, SpillableRegion
 from hibernate.pools.capture import SeenGraph, live_graphs
 from hibernate.pools.device import (
@@ -66,6 +66,9 @@ from hibernate.pools.graphs import graph_descriptions, graph_pools, moves_refusa
 from hibernate.pools.provided import Span, covered_spans
 from hibernate.store.manifest import PlainMeta
 from hibernate.store.regions import memory_at
+
+if TYPE_CHECKING:
+    from hibernate.store.manifest import Columns
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -235,13 +238,17 @@ class StorageRegion(RegionAttributes):
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
         on_device: tuple[Callable[[], DeviceCopies], int] | None = None,
+        optimizer: str | None = None,
     ) -> None:
         # Strings and ints only (see TensorPool._regions): plain by construction. A device storage is
         # named by the index its seam copies it on (the same as torch's "cuda:N" for a CUDA storage).
+        # An optimizer's state says which kind of optimizer it is (see optimizers.give_state).
         where = storage.device  # a new object at each call: asked once
         name, kind, _ = _DEVICE_FACTS.get(where) or _device_facts(where)
         device = f"cuda:{on_device[1]}" if on_device is not None else name
         meta = PlainMeta(device=device, views=views)
+        if optimizer is not None:
+            meta["optimizer"] = optimizer
         super().__init__(key, tag, keep, storage.nbytes(), meta)
         self._storage = storage
         self._device = where
@@ -256,6 +263,10 @@ class StorageRegion(RegionAttributes):
         self.released = False
         self._view: memoryview | None = None  # see host_view
         self._view_address = 0
+
+    def holds_any(self, tensor_ids: set[int]) -> bool:
+        """Whether one of the tensors on this storage is among ``tensor_ids`` (TensorPool.tensors_of)."""
+        return any(id(tensor) in tensor_ids for tensor, _ in self._tensors)
 
     def _bytes(self) -> torch.Tensor:
         flat = torch.empty(0, dtype=torch.uint8, device=self._device)
@@ -399,8 +410,9 @@ class FixedHostStorageRegion(StorageRegion):
         storage: torch.UntypedStorage,
         views: list[dict[str, Any]],
         tensors: Sequence[tuple[torch.Tensor, str]] = (),
+        optimizer: str | None = None,
     ) -> None:
-        super().__init__(key, tag, keep, storage, views, tensors)
+        super().__init__(key, tag, keep, storage, views, tensors, optimizer=optimizer)
         self._address = storage.data_ptr()
         self._pages = hostpages.interior(self._address, self._nbytes)
 
@@ -419,7 +431,11 @@ class FixedHostStorageRegion(StorageRegion):
         ctypes.memset(self._address, 0, self._nbytes)
 
 
-def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_tensors(
+    tracked: _Tracked, names: Mapping[int, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a tracked object with its name; an optimizer's state goes by the names
+    ``names`` gives its parameters (optimizers.parameter_names of the tracked modules)."""
     obj, prefix = tracked.obj, tracked.name
     if isinstance(obj, torch.nn.Module):
         for name, param in obj.named_parameters(remove_duplicate=False):
@@ -429,10 +445,7 @@ def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buf in obj.named_buffers(remove_duplicate=False):
             yield f"{prefix}{name}", buf
     elif isinstance(obj, torch.optim.Optimizer):
-        for index, state in enumerate(obj.state.values()):
-            for name, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    yield f"{prefix}state.{index}.{name}", value
+        yield from optimizers.named_state(obj, prefix, names or {})
     elif isinstance(obj, torch.Tensor):
         yield prefix.rstrip("."), obj
     elif isinstance(obj, (Mapping, list, tuple)):
@@ -443,12 +456,23 @@ def _named_tensors(tracked: _Tracked) -> Iterator[tuple[str, torch.Tensor]]:
             if isinstance(value, torch.Tensor):
                 yield f"{prefix}{key}".rstrip("."), value
             else:
-                yield from _named_tensors(_Tracked(value, tracked.tag, tracked.keep, f"{prefix}{key}."))
+                yield from _named_tensors(
+                    _Tracked(value, tracked.tag, tracked.keep, f"{prefix}{key}."), names
+                )
     else:
         raise UsageError(
             f"cannot track {type(obj).__name__} at {prefix.rstrip('.') or 'top level'}: expected an "
             "nn.Module, optimizer, tensor, or a dict/list of them"
         )
+
+
+def _parameter_names(tracked: Sequence[_Tracked]) -> Mapping[int, str]:
+    """The names an optimizer's state goes by: its parameters' in the tracked modules; none is
+    looked for where nothing tracked can hold an optimizer (modules and tensors only)."""
+    if all(isinstance(entry.obj, (torch.nn.Module, torch.Tensor)) for entry in tracked):
+        return {}
+    modules = [(entry.name, entry.obj) for entry in tracked if isinstance(entry.obj, torch.nn.Module)]
+    return optimizers.parameter_names(modules)
 
 
 def _view(name: str, tensor: torch.Tensor, sizes: dict[tuple[int, ...], list[int]]) -> dict[str, Any]:
@@ -687,6 +711,34 @@ class TensorPool:
         with self._lock:
             return self._tracked.pop(id(obj), None) is not None
 
+    def prepare_adoption(self, columns: Columns) -> int:
+        """Give each tracked optimizer that has not stepped the state a snapshot holds for it, before
+        an adoption fills it (optimizers.give_state); the tensors made."""
+        with self._lock:
+            tracked = list(self._tracked.values())
+        names = _parameter_names(tracked)
+        made = 0
+        for entry in tracked:
+            if not isinstance(entry.obj, torch.optim.Optimizer):
+                continue
+            start = f"{entry.tag}/"
+            records = [
+                (key[len(start) :], meta)
+                for key, tag, meta in zip(columns.keys, columns.tags, columns.metas, strict=True)
+                if tag == entry.tag and key.startswith(start)
+            ]
+            made += optimizers.give_state(entry.obj, entry.name, names, records)
+        return made
+
+    def tensors_of(self, obj: Any) -> set[int]:
+        """The ids of the tensors ``obj`` holds as it is tracked (see StorageRegion.holds_any)."""
+        with self._lock:
+            tracked = list(self._tracked.values())
+            entry = self._tracked.get(id(obj))
+        if entry is None:
+            return set()
+        return {id(tensor) for _, tensor in _named_tensors(entry, _parameter_names(tracked))}
+
     def regions(self) -> Sequence[SpillableRegion]:
         """Every tracked storage as a region; the collector is held off meanwhile (see gc_paused)."""
         with gc_paused():
@@ -728,6 +780,7 @@ class TensorPool:
         """
         with self._lock:
             tracked = list(self._tracked.values())
+        names = _parameter_names(tracked)
         by_storage: dict[int, list[Any]] = {}
         spans = self._covered()
         in_pool = PooledAddresses(spans).holds if spans else None
@@ -737,7 +790,7 @@ class TensorPool:
         # sleeps) answers the metadata questions below as an awake one does.
         with torch._C.DisableTorchFunctionSubclass():
             for entry in tracked:
-                for name, tensor in _named_tensors(entry):
+                for name, tensor in _named_tensors(entry, names):
                     # A strided CPU tensor passes _check_layout: two cheap reads instead of a call
                     # and ``device.type`` (0.3 us) for each tensor of a plain CPU model.
                     if tensor.layout is not strided or not tensor.is_cpu:
@@ -780,11 +833,12 @@ class TensorPool:
             if key in keys:
                 key = _unused_key(owner.tag, first_name, keys)
             keys.add(key)
+            optimizer = optimizers.kind(owner.obj) if isinstance(owner.obj, torch.optim.Optimizer) else None
             index = device_of(storage)
             if index is not None:
                 devices.add(index)
                 region = StorageRegion(
-                    key, owner.tag, owner.keep, storage, views, tensors, (self.copies, index)
+                    key, owner.tag, owner.keep, storage, views, tensors, (self.copies, index), optimizer
                 )
                 regions.append(region)
                 if region.nbytes:
@@ -795,11 +849,15 @@ class TensorPool:
                 where = hostpages.placement(start, start + storage.nbytes(), mappings)
                 if where.hibernate:
                     keep = kept_by_overlap[id(slot)]  # kept if it shares bytes with a kept storage
-                    regions.append(FixedHostStorageRegion(key, owner.tag, keep, storage, views, tensors))
+                    regions.append(
+                        FixedHostStorageRegion(key, owner.tag, keep, storage, views, tensors, optimizer)
+                    )
                 else:
                     warnings.append(f"{key} ({storage.nbytes()} bytes) is left in memory: {where.reason}")
             else:
-                regions.append(StorageRegion(key, owner.tag, owner.keep, storage, views, tensors))
+                regions.append(
+                    StorageRegion(key, owner.tag, owner.keep, storage, views, tensors, optimizer=optimizer)
+                )
         self._left_in_place = warnings
         self._device_storages = device_storages
         self._resized_any = any(type(r) is StorageRegion and r.nbytes for r in regions)

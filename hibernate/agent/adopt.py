@@ -1,0 +1,169 @@
+"""A new process takes up the snapshot of one that is gone: its tracked tensors filled, by name, from it.
+
+A wake brings memory back into the process that wrote the snapshot. A job
+that was killed, requeued or moved starts a new process instead, from the same
+code: it builds its model and optimizer as before, tracks them, and adopts
+the snapshot, which fills every tracked storage from the record of the same
+name, each chunk verified as a wake verifies it. What cannot survive a process
+is not attempted: the CUDA context, compiled kernels, graphs and
+communicators are the new program's own.
+
+The sequence runs on the agent's own terms: a session of its own (no sleep or
+wake can start meanwhile), the guard closed (no holder touches the tensors
+while they are written), and the snapshot root's shared lock held by the
+reader (``gc`` cannot remove it meanwhile). Nothing is written into the
+process unless every region it adopts matches its record.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hibernate.agent.controller import Agent, Session, write_options
+from hibernate.errors import SnapshotInvalidError, WrongStateError
+from hibernate.pools.base import Pool, SpillableRegion
+from hibernate.pools.tensors import StorageRegion, TensorPool
+from hibernate.store.adoption import NOTHING_THERE, AdoptionSource, locate, pair_by_name
+from hibernate.store.layout import SpillRoot
+from hibernate.store.manifest import Columns, Record
+from hibernate.store.reader import Discard, SnapshotReader
+
+
+def adopt_here(
+    agent: Agent,
+    path: Path,
+    *,
+    select: Callable[[SpillableRegion], bool] | None = None,
+    timeout: float = 30.0,
+    args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Fill this process's tracked regions (those ``select`` picks, default all) from the snapshot
+    ``path`` names (see store.adoption.locate); the report says which snapshot and what was read.
+
+    Adopting every region (``select`` None) also wants every record of the snapshot; a selection
+    (one object just tracked) leaves the records it does not name unread into memory (they are
+    still read and verified: a snapshot is taken whole or not at all).
+    """
+    started = time.perf_counter()
+    session = Session(f"this process (pid {agent.identity.pid}) adopting {path}", in_process=True)
+    agent.begin(session)
+    try:
+        if agent.state.value != "running":
+            raise WrongStateError(
+                f"the process is {agent.state.value}: a snapshot is adopted by a running process",
+                hint="adopt right after tracking the model and optimizer, before the first sleep",
+            )
+        agent.quiesce(session, timeout)  # no guard() holder uses the tensors while they are filled
+        try:
+            report = _fill(agent.pools(), locate(path), select, args or {})
+        finally:
+            agent.resume(session)
+    finally:
+        agent.end(session)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+ADOPT_ENV = "HIBERNATE_ADOPT"  # a path: each object tracked from then on is adopted from it
+
+
+def adopt_on_track(agent: Agent, pool: TensorPool, obj: Any, path: str) -> dict[str, Any] | None:
+    """What ``track`` does under HIBERNATE_ADOPT: the object just tracked adopted from ``path``.
+
+    For job scripts, which cannot change the program: each ``track`` adopts what it tracks (a
+    model, then its optimizer, whose state the snapshot gives it). Where ``path`` holds no
+    complete snapshot yet (a job preempted before its first sleep ended), the program starts
+    afresh, said in one line; any other refusal (a mismatch, a snapshot whose process still
+    runs, a damaged one) raises, since starting afresh would throw the job's progress away.
+    Returns the report, None where nothing was adopted.
+    """
+    holding: set[int] | None = None
+
+    def tracked_here(region: SpillableRegion) -> bool:
+        nonlocal holding
+        if holding is None:  # asked after the optimizer's state was made (see _fill)
+            holding = pool.tensors_of(obj)
+        return isinstance(region, StorageRegion) and region.holds_any(holding)
+
+    try:
+        report = adopt_here(agent, Path(path), select=tracked_here)
+    except SnapshotInvalidError as exc:
+        if not exc.message.startswith(NOTHING_THERE):
+            raise
+        print(f"hibernate: {ADOPT_ENV}={path}: {exc.message}; starting afresh", file=sys.stderr, flush=True)
+        return None
+    print(
+        f"hibernate: adopted {report['adopted_regions']} tensor storage(s), {report['adopted_bytes']} bytes, "
+        f"from {report['snapshot']} ({report['picked']})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return report
+
+
+def _fill(
+    pools: Sequence[Pool],
+    source: AdoptionSource,
+    select: Callable[[SpillableRegion], bool] | None,
+    args: dict[str, Any],
+) -> dict[str, Any]:
+    options = write_options(args)
+    with (
+        SpillRoot(source.root, owner=source.owner) as root,
+        SnapshotReader(root, source.snapshot, io_mode=options.io_mode) as reader,
+    ):
+        columns = reader.manifest.columns
+        for pool in pools:
+            if isinstance(pool, TensorPool):
+                pool.prepare_adoption(columns)  # state an optimizer has not made yet, as the snapshot has it
+        regions = [r for pool in pools for r in pool.regions() if select is None or select(r)]
+        kept = [r for r in regions if r.keep]
+        pairing = pair_by_name(columns, kept, every_record=select is None)
+        targets = [kept[i] if i >= 0 else Discard(_record(columns, n)) for n, i in enumerate(pairing.order)]
+        result = reader.read_into(
+            targets,
+            buffer_bytes=options.buffer_bytes,
+            threads=options.stage_threads,
+            io_depth=options.io_threads,
+            pin=next((p for p in (pool.pinner() for pool in pools) if p is not None), None),
+        ).to_wire()
+        zeroed = [r for r in regions if not r.keep]
+        for region in zeroed:
+            region.zero()  # as after a wake: a tag not kept comes back zero-filled
+        for pool in pools:
+            pool.synchronize()  # the copies are on the device before the program runs again
+    warnings = []
+    if source.liveness == "unknown":
+        warnings.append(
+            f"its owner, {source.owner.describe()}, cannot be seen from here ({source.why}): adopted "
+            "because this path was named; make sure that process has ended"
+        )
+    if pairing.unclaimed:
+        warnings.append(
+            f"{len(pairing.unclaimed)} record(s) of the snapshot were read and verified but not adopted "
+            "(gradients, which the next backward pass makes, or tensors this call did not ask for)"
+        )
+    return {
+        "snapshot": str(source.root / source.snapshot),
+        "picked": source.picked,
+        "owner": source.owner.describe(),
+        "owner_state": f"{source.liveness}: {source.why}",
+        "adopted_regions": len(kept),
+        "adopted_bytes": sum(r.nbytes for r in kept),
+        "zeroed_bytes": sum(r.nbytes for r in zeroed),
+        "read_bytes": result["total_bytes"],
+        "io_seconds": result["seconds"],
+        "io_mode": result["io_mode"],
+        "tuning": result["tuning"],
+        "unclaimed": pairing.unclaimed,
+        "warnings": warnings,
+    }
+
+
+def _record(columns: Columns, index: int) -> Record:
+    """Record ``index`` as a Discard needs it (no chunks: the reader walks them itself)."""
+    return Record(columns.keys[index], columns.tags[index], columns.sizes[index], columns.metas[index], ())

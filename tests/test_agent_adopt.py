@@ -1,0 +1,232 @@
+"""A snapshot outlives its process: a new process of the same program adopts it and goes on.
+
+Each test runs tests/adopt_program.py as a job would: a first process trains,
+sleeps and is killed; a second, started fresh, tracks the same model and
+optimizer and adopts the snapshot before its optimizer has stepped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hibernate.errors import SnapshotInvalidError
+from tests.conftest import NOBODY, REPO, is_root, wait_until
+
+
+def run_program(
+    mode: str, directory: Path, variant: str = "", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.adopt_program", mode, str(directory), variant],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+class Preempted:
+    """The first process: trained 3 steps, asleep in ``directory``, then killed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.adopt_program", "first", str(directory)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()  # written once it is asleep
+        if not line:
+            self.process.wait(timeout=60)
+            raise AssertionError(
+                f"the first process ended: {self.process.stderr.read() if self.process.stderr else ''}"
+            )
+        self.state = json.loads(line)["state"]
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=60)
+        wait_until(
+            lambda: not Path(f"/proc/{self.process.pid}").exists(), 30, "the killed process to be gone"
+        )
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def preempted(work_dir: Path, runtime_dir: Path) -> Iterator[Preempted]:
+    first = Preempted(work_dir)
+    try:
+        yield first
+    finally:
+        first.close()
+
+
+def test_a_new_process_adopts_a_killed_ones_snapshot_and_trains_on_as_if_never_stopped(
+    preempted: Preempted, work_dir: Path
+) -> None:
+    preempted.kill()
+    second = run_program("second", work_dir)
+    assert second.returncode == 0, second.stderr
+    answer: dict[str, Any] = json.loads(second.stdout)
+    assert answer["state"] == preempted.state, "weights, buffers and optimizer state bit-identical"
+    straight = run_program("straight", work_dir)
+    assert straight.returncode == 0, straight.stderr
+    assert answer["after"] == json.loads(straight.stdout)["after"], "3 + 3 steps equal 6 uninterrupted"
+    report = answer["report"]
+    assert report["snapshot"].startswith(str(work_dir)) and report["snapshot"].endswith("snap-000001")
+    assert report["owner_state"].startswith("dead")
+    assert report["adopted_bytes"] > 0 and report["read_bytes"] >= report["adopted_bytes"]
+
+
+def test_a_snapshot_whose_process_still_runs_is_not_adopted(preempted: Preempted, work_dir: Path) -> None:
+    second = run_program("second", work_dir)
+    assert second.returncode != 0
+    assert "still runs" in second.stderr and f"hibernate wake {preempted.process.pid}" in second.stderr
+
+
+@pytest.mark.parametrize(
+    ("variant", "difference"),
+    [
+        ("extra", "in this process, not in the snapshot"),
+        ("double", "dtype float32 in the snapshot, float64 here"),
+        ("wider", "shape [50, 16] in the snapshot, [50, 24] here"),
+        ("sgd", "AdamW in the snapshot, SGD here"),
+    ],
+)
+def test_a_program_that_changed_is_refused_with_the_difference_named(
+    preempted: Preempted, work_dir: Path, variant: str, difference: str
+) -> None:
+    preempted.kill()
+    second = run_program("second", work_dir, variant)
+    assert second.returncode != 0
+    assert difference in second.stderr, second.stderr
+    assert "nothing was adopted" in second.stderr
+
+
+def test_a_flipped_byte_is_refused_as_a_wake_refuses_it(preempted: Preempted, work_dir: Path) -> None:
+    preempted.kill()
+    data = next(work_dir.glob("*/snap-000001/data-*.bin"))
+    with open(data, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    second = run_program("second", work_dir)
+    assert second.returncode != 0
+    assert "checksum" in second.stderr, second.stderr
+
+
+def test_nothing_to_adopt_is_said_plainly(work_dir: Path, runtime_dir: Path) -> None:
+    second = run_program("second", work_dir)
+    assert second.returncode != 0
+    assert f"no complete snapshot in {work_dir}" in second.stderr, second.stderr
+    assert not os.listdir(work_dir)
+
+
+def test_an_optimizers_state_is_named_by_its_parameters_whatever_their_order() -> None:
+    """torch numbers an optimizer's state by position; here it goes by the parameters' names, so a
+    program that builds its optimizer's parameter list in another order still finds its state."""
+    import torch
+
+    from hibernate.pools.tensors import TensorPool
+
+    def keys(reverse: bool) -> set[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        parameters = list(model.parameters())
+        optimizer = torch.optim.AdamW(parameters[::-1] if reverse else parameters)
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        pool = TensorPool()
+        pool.track(model, "weights", True, "model")
+        pool.track(optimizer, "weights", True, "optimizer")
+        return {region.key for region in pool.regions()}
+
+    assert keys(reverse=False) == keys(reverse=True)
+    assert "weights/optimizer.state.model.1.bias.exp_avg_sq" in keys(reverse=False)
+    assert "weights/optimizer.state.model.0.weight.step" in keys(reverse=False)
+
+
+def test_an_optimizer_that_has_not_stepped_gets_the_state_the_snapshot_holds() -> None:
+    """As load_state_dict would give it: tensors of the recorded dtype and shape, for the adoption
+    to fill; a parameter that has state already keeps it."""
+    import torch
+
+    from hibernate.pools import optimizers
+
+    parameter = torch.nn.Parameter(torch.zeros(3, 2))
+    optimizer = torch.optim.AdamW([parameter])
+    view = {"dtype": "float32", "shape": [3, 2], "strides": [2, 1], "storage_offset": 0}
+    records = [
+        (
+            f"optimizer.state.w.{field}",
+            {
+                "device": "cpu",
+                "optimizer": "AdamW",
+                "views": [{**view, "name": f"optimizer.state.w.{field}"}],
+            },
+        )
+        for field in ("exp_avg", "exp_avg_sq")
+    ]
+    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records) == 2
+    state = optimizer.state[parameter]
+    assert sorted(state) == ["exp_avg", "exp_avg_sq"] and state["exp_avg"].shape == (3, 2)
+    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records) == 0
+    sgd = torch.optim.SGD([parameter], lr=0.1)
+    with pytest.raises(SnapshotInvalidError, match="of another kind: AdamW in the snapshot, SGD here"):
+        optimizers.give_state(sgd, "optimizer.", {id(parameter): "w"}, records)
+
+
+def test_a_job_script_adopts_through_the_environment_each_object_as_it_is_tracked(
+    preempted: Preempted, work_dir: Path
+) -> None:
+    """HIBERNATE_ADOPT, for a requeued job whose program does not call adopt: the model as it is
+    tracked, then the optimizer (its state made and filled) as it is."""
+    preempted.kill()
+    resumed = run_program("tracked", work_dir, env={"HIBERNATE_ADOPT": str(work_dir)})
+    assert resumed.returncode == 0, resumed.stderr
+    answer = json.loads(resumed.stdout)
+    assert answer["state"] == preempted.state
+    straight = run_program("straight", work_dir)
+    assert answer["after"] == json.loads(straight.stdout)["after"]
+    assert resumed.stderr.count("hibernate: adopted") == 2, resumed.stderr
+
+
+def test_a_job_preempted_before_its_first_sleep_ended_starts_afresh(
+    work_dir: Path, runtime_dir: Path
+) -> None:
+    fresh = run_program("tracked", work_dir, env={"HIBERNATE_ADOPT": str(work_dir / "job-7")})
+    assert fresh.returncode == 0, fresh.stderr
+    assert "no complete snapshot" in fresh.stderr and "starting afresh" in fresh.stderr
+    assert fresh.stderr.count("starting afresh") == 2  # the model, then the optimizer
+
+
+@pytest.mark.skipif(not is_root(), reason="making a snapshot another user's takes root")
+def test_another_users_snapshot_is_never_read(preempted: Preempted, work_dir: Path) -> None:
+    preempted.kill()
+    for path in [*work_dir.rglob("*"), *work_dir.glob("*")]:
+        os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
+    root = next(p for p in work_dir.iterdir() if p.is_dir())
+    second = run_program("second", root)
+    assert second.returncode != 0
+    assert f"{root} belongs to uid {NOBODY}, not to you" in second.stderr, second.stderr
