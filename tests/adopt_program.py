@@ -8,7 +8,7 @@ any step, print the digest, train 3 steps more, print the weights' digest.
 ``tracked``: as ``second``, the adoption left to ``track`` (HIBERNATE_ADOPT).
 ``straight``: train 6 steps, printing the weights' digest after the sixth.
 VARIANT changes the program as the refusal tests need (``wider``, ``double``,
-``sgd``, ``extra``).
+``sgd``, ``extra``), or makes it transformers' GPT-2 (``gpt2``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,21 @@ import hibernate
 
 def build(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
+    if variant == "gpt2":  # transformers' GPT-2 from a config: tied embeddings, no dropout
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        gpt2 = GPT2LMHeadModel(config)
+        return gpt2, torch.optim.AdamW(gpt2.parameters(), lr=0.001)
     width = 24 if variant == "wider" else 16
     embedding = torch.nn.Embedding(50, width)
     head = torch.nn.Linear(width, 50, bias=False)
@@ -41,10 +56,17 @@ def build(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+VOCAB = 50
+
+
+def batches(variant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
+    shape = (4, 16) if variant == "gpt2" else (32,)
     return [
-        (torch.randint(0, 50, (32,), generator=generator), torch.randint(0, 50, (32,), generator=generator))
+        (
+            torch.randint(0, VOCAB, shape, generator=generator),
+            torch.randint(0, VOCAB, shape, generator=generator),
+        )
         for _ in range(6)
     ]
 
@@ -52,7 +74,11 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: list[Any]) -> None:
     for tokens, targets in steps:
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+        if hasattr(model, "config"):  # transformers: the loss of predicting the tokens themselves
+            loss = model(input_ids=tokens, labels=tokens).loss
+        else:
+            loss = torch.nn.functional.cross_entropy(model(tokens), targets)
+        loss.backward()
         optimizer.step()
 
 
@@ -74,7 +100,7 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> s
 
 def main(mode: str, directory: str, variant: str = "") -> int:
     model, optimizer = build(variant)
-    steps = batches()
+    steps = batches(variant)
     hibernate.track(model, name="model")
     hibernate.track(optimizer, name="optimizer")
     if mode == "first":

@@ -39,9 +39,9 @@ def run_program(
 class Preempted:
     """The first process: trained 3 steps, asleep in ``directory``, then killed."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, variant: str = "") -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.adopt_program", "first", str(directory)],
+            [sys.executable, "-m", "tests.adopt_program", "first", str(directory), variant],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -96,6 +96,29 @@ def test_a_new_process_adopts_a_killed_ones_snapshot_and_trains_on_as_if_never_s
     assert report["snapshot"].startswith(str(work_dir)) and report["snapshot"].endswith("snap-000001")
     assert report["owner_state"].startswith("dead")
     assert report["adopted_bytes"] > 0 and report["read_bytes"] >= report["adopted_bytes"]
+
+
+@pytest.mark.slow
+def test_a_gpt2_and_its_adamw_killed_after_3_steps_go_on_in_a_new_process_as_if_never_stopped(
+    work_dir: Path, runtime_dir: Path
+) -> None:
+    """transformers' GPT-2 from a config (tied embeddings, no dropout) and AdamW: the adopting
+    process's weights and optimizer state are bit-identical to the killed one's at its sleep, and
+    3 more steps give the weights of 6 uninterrupted ones."""
+    pytest.importorskip("transformers")
+    first = Preempted(work_dir, "gpt2")
+    try:
+        first.kill()
+    finally:
+        first.close()
+    second = run_program("second", work_dir, "gpt2")
+    assert second.returncode == 0, second.stderr
+    answer = json.loads(second.stdout)
+    assert answer["state"] == first.state
+    straight = run_program("straight", work_dir, "gpt2")
+    assert straight.returncode == 0, straight.stderr
+    assert answer["after"] == json.loads(straight.stdout)["after"]
+    assert not answer["report"]["warnings"] or "gradients" in answer["report"]["warnings"][0]
 
 
 def test_a_snapshot_whose_process_still_runs_is_not_adopted(preempted: Preempted, work_dir: Path) -> None:
