@@ -794,8 +794,8 @@ def run(args: argparse.Namespace, work: Path, run_started: float) -> int:
         )
     hib.fresh()
     adoptions = measure_adoption(args, work, tensors, reference, limits)
-    for rep, adoption in zip(reps, adoptions, strict=False):
-        rep.update(adoption)
+    for figures, adoption in zip(reps, adoptions, strict=True):
+        figures.update(adoption)
 
     baselines: dict[str, dict[str, float]] = {}
     if not args.skip_baselines:
