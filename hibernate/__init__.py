@@ -60,6 +60,7 @@ def track(
     on_signal: str | None = None,
     wake_signal: str | None = None,
     to: str | Path | None = None,
+    exit_after_sleep: bool = False,
 ) -> Any:
     """Register tensors to hibernate and start this process's agent; returns ``obj``.
 
@@ -72,7 +73,10 @@ def track(
     ``on_signal="USR1"`` makes that signal put the process to sleep into ``to``
     (and ``wake_signal`` wake it), for a scheduler's warning signal; the
     environment variables HIBERNATE_ON_SIGNAL, HIBERNATE_WAKE_SIGNAL and
-    HIBERNATE_DIR do the same without changing the program.
+    HIBERNATE_DIR do the same without changing the program. With
+    ``exit_after_sleep`` (HIBERNATE_EXIT_AFTER_SLEEP=1) the process then exits,
+    as the signal would have ended it, once the snapshot is written: a requeued
+    job's next run adopts it.
 
     With HIBERNATE_ADOPT set to a path (a requeued job's snapshot directory),
     each object tracked is filled from the snapshot there, as :func:`adopt`
@@ -84,6 +88,10 @@ def track(
     from hibernate.agent import signals as agent_signals
     from hibernate.agent.local import local_agent
 
+    if exit_after_sleep and on_signal is None:
+        from hibernate.errors import UsageError
+
+        raise UsageError("exit_after_sleep=True needs on_signal: the signal whose sleep ends the process")
     if _off():
         return obj
     from hibernate.agent.adopt import ADOPT_ENV, adopt_on_track
@@ -94,7 +102,9 @@ def track(
     if to is not None:
         agent.default_dir = Path(to).expanduser().absolute()
     if on_signal is not None:
-        agent_signals.install(agent, on_signal, wake_signal, agent.default_dir)
+        agent_signals.install(
+            agent, on_signal, wake_signal, agent.default_dir, exit_after_sleep=exit_after_sleep
+        )
         agent.signals_configured = True
     agent = _started_agent()
     pool = agent.pool(TensorPool.name)

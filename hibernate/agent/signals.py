@@ -7,6 +7,12 @@ and wakes on ``HIBERNATE_WAKE_SIGNAL`` or on ``hibernate wake PID``. The work
 runs on a thread of its own: a signal handler runs on the main thread, which may
 be inside ``hibernate.guard()``, and a sleep waits for the guard.
 
+With ``HIBERNATE_EXIT_AFTER_SLEEP=1`` (``exit_after_sleep``) the process exits
+once that sleep has ended, done or failed, with the status the signal would have
+given it (128 + its number): the signal's own effect, deferred until the
+snapshot is on disk. That is a requeued job's program on SIGTERM: the next run
+is a new process that adopts the snapshot (``HIBERNATE_ADOPT``).
+
 Under ``hibernate run`` the wrapper does the sleep from outside (so the CUDA
 stage runs too) and sets ``HIBERNATE_SIGNALS_HANDLED_BY``: the agent then only
 ignores the signals, so that one sent to the whole job step does not kill it.
@@ -14,6 +20,7 @@ ignores the signals, so that one sent to the whole job step does not kill it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -24,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate.agent.controller import Agent
-from hibernate.agent.triggers import ENV_DIR, ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
+from hibernate.agent.triggers import ENV_DIR, ENV_EXIT, ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
 from hibernate.environ import ALLOW_MOVES_ENV, env_flag
 from hibernate.errors import HibernateError, UsageError
 
@@ -42,20 +49,37 @@ class _SignalWork:
     """
 
     def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], str]] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], str, int | None]] = queue.SimpleQueue()
         threading.Thread(target=self._run_forever, name="hibernate-signals", daemon=True).start()
 
-    def ask(self, work: Callable[[], Any], what: str) -> None:
-        self._requests.put((work, what))
+    def ask(self, work: Callable[[], Any], what: str, exit_status: int | None = None) -> None:
+        """Run ``work``; with ``exit_status``, end the process with it afterwards, whatever the outcome."""
+        self._requests.put((work, what, exit_status))
 
     def _run_forever(self) -> None:
         while True:
-            work, what = self._requests.get()
+            work, what, exit_status = self._requests.get()
             try:
                 work()
                 _log(f"{what}: done")
             except HibernateError as exc:
                 _log(f"{what} failed: {exc}")
+            except BaseException as exc:
+                if exit_status is None:
+                    raise
+                _log(f"{what} failed: {type(exc).__name__}: {exc}")
+            if exit_status is not None:
+                _exit(exit_status)
+
+
+def _exit(status: int) -> None:
+    """End the process now, from this thread (the main one may be waiting in guard() for a wake that
+    will not come): what Python buffered for stdout and stderr is written first."""
+    _log(f"exiting with status {status} ({ENV_EXIT})")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or replaced by None
+            stream.flush()
+    os._exit(status)
 
 
 def install(
@@ -66,8 +90,10 @@ def install(
     *,
     only_ignore: bool = False,
     timeout: float = 30.0,
+    exit_after_sleep: bool = False,
 ) -> None:
-    """Make ``sleep_signal`` hibernate this process (and ``wake_signal`` wake it)."""
+    """Make ``sleep_signal`` hibernate this process (and ``wake_signal`` wake it); with
+    ``exit_after_sleep``, the process then exits with 128 + the signal's number."""
     if threading.current_thread() is not threading.main_thread():
         raise UsageError("signal handlers can only be installed from the main thread")
     signals = [trigger_signal(sleep_signal, "sleep signal")]
@@ -86,7 +112,8 @@ def install(
     worker = _SignalWork()
 
     def on_sleep(signum: int, frame: object) -> None:
-        worker.ask(lambda: agent.sleep_here(target, timeout, args), "sleep on signal")
+        then = 128 + signum if exit_after_sleep else None
+        worker.ask(lambda: agent.sleep_here(target, timeout, args), "sleep on signal", then)
 
     def on_wake(signum: int, frame: object) -> None:
         worker.ask(lambda: agent.wake_here({}), "wake on signal")
@@ -97,7 +124,8 @@ def install(
 
 
 def install_from_environment(agent: Agent, environ: dict[str, str]) -> None:
-    """Apply HIBERNATE_ON_SIGNAL / HIBERNATE_WAKE_SIGNAL / HIBERNATE_DIR, if set."""
+    """Apply HIBERNATE_ON_SIGNAL / HIBERNATE_WAKE_SIGNAL / HIBERNATE_DIR /
+    HIBERNATE_EXIT_AFTER_SLEEP, if set."""
     sleep_signal = environ.get(ENV_SLEEP)
     if not sleep_signal:
         return
@@ -108,4 +136,5 @@ def install_from_environment(agent: Agent, environ: dict[str, str]) -> None:
         environ.get(ENV_WAKE) or None,
         directory,
         only_ignore=bool(environ.get(ENV_HANDLED_BY)),
+        exit_after_sleep=env_flag(environ, ENV_EXIT),
     )

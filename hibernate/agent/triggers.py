@@ -14,6 +14,10 @@ from hibernate.errors import UsageError
 ENV_SLEEP = "HIBERNATE_ON_SIGNAL"
 ENV_WAKE = "HIBERNATE_WAKE_SIGNAL"
 ENV_DIR = "HIBERNATE_DIR"
+# Set to 1: after a sleep on the sleep signal the process exits (128 + the signal's number), as the
+# signal would have ended it, once its snapshot is on disk: a requeued job's program, which a new
+# process takes up (HIBERNATE_ADOPT), not a wake.
+ENV_EXIT = "HIBERNATE_EXIT_AFTER_SLEEP"
 ENV_HANDLED_BY = "HIBERNATE_SIGNALS_HANDLED_BY"
 
 
