@@ -305,6 +305,9 @@ def slurm_conf(cluster: SlurmCluster, ctld_port: int, node_port: int, first_job:
             "ReturnToService=2",
             "InactiveLimit=0",
             "KillWait=5",
+            # Batch jobs are requeued only when they ask (sbatch --requeue, as requeue-resume.sbatch
+            # does), as on sites that turn Slurm's default (1) off.
+            "JobRequeue=0",
             "MinJobAge=600",
             f"FirstJobId={first_job}",
             "JobCompType=jobcomp/none",
@@ -318,6 +321,11 @@ def slurm_conf(cluster: SlurmCluster, ctld_port: int, node_port: int, first_job:
             "OverSubscribe=FORCE:1 MaxTime=INFINITE State=UP",
             "PartitionName=high Nodes=ALL PriorityTier=10 PreemptMode=OFF OverSubscribe=NO "
             "MaxTime=INFINITE State=UP",
+            # A job of "requeue" is killed and requeued instead (requeue-resume.sbatch): SIGTERM to its
+            # batch shell, SIGKILL KillWait seconds later. Slurm 22.05 gives a REQUEUE preemption no
+            # GraceTime (seen here: killed at once); later releases do (read in their preempt.c).
+            "PartitionName=requeue Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 "
+            "OverSubscribe=NO MaxTime=INFINITE State=UP",
             "",
         ]
     )
