@@ -253,3 +253,27 @@ def test_another_users_snapshot_is_never_read(preempted: Preempted, work_dir: Pa
     second = run_program("second", root)
     assert second.returncode != 0
     assert f"{root} belongs to uid {NOBODY}, not to you" in second.stderr, second.stderr
+
+
+def test_a_process_directory_whose_sleep_was_cut_short_is_passed_over_for_a_complete_one(
+    tmp_path: Path,
+) -> None:
+    """A requeued job's second run was killed before its sleep published: its directory in --to
+    holds no complete snapshot, and the first run's, older but complete, is the one taken."""
+    from dataclasses import replace
+
+    from hibernate.store.adoption import locate
+    from hibernate.store.layout import SpillRoot
+    from hibernate.store.options import WriteOptions
+    from hibernate.store.owner import Owner
+    from hibernate.store.writer import write_snapshot
+    from tests.test_store_roundtrip import BytesRegion
+
+    dead = [replace(Owner.current(), pid=999_999_000 + n, start_time=1) for n in range(2)]  # past pid_max
+    with SpillRoot(tmp_path / "proc-1-aaaa", create=True, owner=dead[0]) as root:
+        write_snapshot(root, [BytesRegion("w/a", "w", b"x" * 4096)], producer={}, options=WriteOptions())
+    with SpillRoot(tmp_path / "proc-2-bbbb", create=True, owner=dead[1]) as root:
+        (root.path / ".tmp-snap-000001-cafe").mkdir()  # what a sleep killed before publishing leaves
+    found = locate(tmp_path)
+    assert (found.root.name, found.snapshot, found.liveness) == ("proc-1-aaaa", "snap-000001", "dead")
+    assert "1 process directories" in found.picked

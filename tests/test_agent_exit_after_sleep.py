@@ -218,12 +218,6 @@ def test_term_writes_the_snapshot_and_ends_and_the_next_run_goes_on_from_it(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="hibernate/store/adoption.py locate(): a --to directory where one process directory holds "
-    "no complete snapshot (a sleep cut short by SIGKILL) is taken as holding none at all, so the "
-    "next run starts afresh instead of adopting the older complete snapshot of another directory",
-)
 def test_a_sleep_cut_short_by_sigkill_leaves_the_previous_snapshot_to_adopt(
     work_dir: Path, local_runs: list[LocalRun], uninterrupted: str
 ) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hibernate.errors import BusyError, PermissionDeniedError, SnapshotInvalidError
+from hibernate.errors import BusyError, PermissionDeniedError, SnapshotInvalidError, StorageError
 from hibernate.store.layout import MARKER_NAME, SpillRoot, read_marker
 from hibernate.store.manifest import MANIFEST_NAME, Columns, snapshot_sequence
 from hibernate.store.owner import Liveness, Owner, liveness
@@ -56,16 +56,16 @@ def locate(path: Path) -> AdoptionSource:
         root, snapshot = path, _newest_in(path)
         picked = "the newest snapshot of the process directory named"
     else:
-        roots = _roots_in(path)
-        newest = sorted((_published_at(r, _newest_in(r)), r) for r in roots)
-        if not newest:
+        # A process directory whose sleep was cut short (killed before it published) holds no
+        # complete snapshot: it is passed over, and an older complete one elsewhere is taken.
+        complete = [(root, name) for root in _roots_in(path) if (name := _newest_or_none(root))]
+        if not complete:
             raise SnapshotInvalidError(
                 f"{NOTHING_THERE} in {path}",
                 hint="name a snapshot (…/snap-NNNNNN), a process's directory in --to, or the --to directory",
             )
-        root = newest[-1][1]
-        snapshot = _newest_in(root)
-        picked = f"the newest of {len(roots)} process directories in the directory named"
+        root, snapshot = max(complete, key=lambda found: (_published_at(*found), str(found[0])))
+        picked = f"the newest complete snapshot of {len(complete)} process directories in the directory named"
     _refuse_foreign(root)
     with SpillRoot(root, inspect=True) as opened:
         owner = opened.owner
@@ -105,6 +105,16 @@ def _roots_in(path: Path) -> list[Path]:
         if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and _is_root(candidate):
             roots.append(candidate)
     return roots
+
+
+def _newest_or_none(root: Path) -> str | None:
+    """The newest published snapshot of ``root``; None where it has none, or cannot be opened."""
+    try:
+        with SpillRoot(root, inspect=True) as opened:
+            published = opened.published()
+    except (SnapshotInvalidError, StorageError):
+        return None
+    return published[-1] if published else None
 
 
 def _newest_in(root: Path) -> str:
