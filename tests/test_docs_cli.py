@@ -50,7 +50,7 @@ FOREIGN = {
     },
     "Slurm (sbatch, srun, scancel)": {
         "--overlap", "--kill-on-bad-exit", "--wait", "--signal", "--gpus-per-node", "--jobid", "--batch",
-        "--uid", "--gid",
+        "--uid", "--gid", "--nodelist", "--requeue",
     },
     "cuda-checkpoint": {"--get-state", "--action", "--pid", "--toggle"},
     "pytest": {"-n", "-k", "-x", "-m"},
