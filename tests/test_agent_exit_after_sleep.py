@@ -188,11 +188,8 @@ def published(snapshots: Path) -> list[Path]:
     return sorted(snapshots.glob("*/snap-*/manifest.json"))
 
 
-@pytest.mark.slow
-def test_term_writes_the_snapshot_and_ends_and_the_next_run_goes_on_from_it(
-    work_dir: Path, local_runs: list[LocalRun], uninterrupted: str
-) -> None:
-    snapshots = work_dir / "snapshots"
+def terminated_at_step_2(snapshots: Path, local_runs: list[LocalRun]) -> None:
+    """A first run, sent SIGTERM at step 2: it ends as the signal would end it, its snapshot written."""
     first = LocalRun(snapshots, 0, "0:2")
     local_runs.append(first)
     first.wait_for("waiting at step 2")
@@ -200,6 +197,14 @@ def test_term_writes_the_snapshot_and_ends_and_the_next_run_goes_on_from_it(
     assert first.finish() == 128 + signal.SIGTERM, first.text()
     assert "sleep on signal: done" in first.text()
     assert len(published(snapshots)) == 1
+
+
+@pytest.mark.slow
+def test_term_writes_the_snapshot_and_ends_and_the_next_run_goes_on_from_it(
+    work_dir: Path, local_runs: list[LocalRun], uninterrupted: str
+) -> None:
+    snapshots = work_dir / "snapshots"
+    terminated_at_step_2(snapshots, local_runs)
 
     second = LocalRun(snapshots, 1, "1:4", fault="store.publish:fail")
     local_runs.append(second)
@@ -222,11 +227,7 @@ def test_a_sleep_cut_short_by_sigkill_leaves_the_previous_snapshot_to_adopt(
     work_dir: Path, local_runs: list[LocalRun], uninterrupted: str
 ) -> None:
     snapshots = work_dir / "snapshots"
-    first = LocalRun(snapshots, 0, "0:2")
-    local_runs.append(first)
-    first.wait_for("waiting at step 2")
-    first.process.send_signal(signal.SIGTERM)
-    assert first.finish() == 128 + signal.SIGTERM, first.text()
+    terminated_at_step_2(snapshots, local_runs)
 
     second = LocalRun(snapshots, 1, "1:4", fault="store.publish:kill")  # killed, its manifest written
     local_runs.append(second)
