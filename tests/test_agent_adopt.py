@@ -276,4 +276,4 @@ def test_a_process_directory_whose_sleep_was_cut_short_is_passed_over_for_a_comp
         (root.path / ".tmp-snap-000001-cafe").mkdir()  # what a sleep killed before publishing leaves
     found = locate(tmp_path)
     assert (found.root.name, found.snapshot, found.liveness) == ("proc-1-aaaa", "snap-000001", "dead")
-    assert "1 process directories" in found.picked
+    assert "the one process directory" in found.picked  # the one with a complete snapshot

@@ -65,7 +65,8 @@ def locate(path: Path) -> AdoptionSource:
                 hint="name a snapshot (…/snap-NNNNNN), a process's directory in --to, or the --to directory",
             )
         root, snapshot = max(complete, key=lambda found: (_published_at(*found), str(found[0])))
-        picked = f"the newest complete snapshot of {len(complete)} process directories in the directory named"
+        where = "the one process directory" if len(complete) == 1 else f"{len(complete)} process directories"
+        picked = f"the newest complete snapshot of {where} in the directory named"
     _refuse_foreign(root)
     with SpillRoot(root, inspect=True) as opened:
         owner = opened.owner
