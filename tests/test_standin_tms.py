@@ -52,6 +52,10 @@ class Installed:
 
 @pytest.fixture
 def installed() -> Iterator[Installed]:
+    # A graph an earlier test of this worker captured may still wait in a reference cycle (an
+    # exception pytest.raises kept, with the frames that held it): its pool would show in this
+    # test's snapshot of the whole device, so the collector runs first.
+    gc.collect()
     with tms.installed(fatal_raises=True) as module:
         saver = module.torch_memory_saver
         saver.hook_mode = "torch"
