@@ -6,6 +6,8 @@
 at the sleep, then wait to be killed. ``second``: build the same program, track it, adopt DIR before
 any step, print the digest, train 3 steps more, print the weights' digest.
 ``tracked``: as ``second``, the adoption left to ``track`` (HIBERNATE_ADOPT).
+``refused``: as ``second``, for an adoption that must be refused: print the refusal and whether
+the model and optimizer are as they were before it (digests before and after), exit 3.
 ``straight``: train 6 steps, printing the weights' digest after the sixth.
 VARIANT changes the program as the refusal tests need (``wider``, ``double``,
 ``sgd``, ``extra``), or makes it transformers' GPT-2 (``gpt2``).
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 import hibernate
+from hibernate.errors import HibernateError
 
 
 def build(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -114,6 +117,15 @@ def main(mode: str, directory: str, variant: str = "") -> int:
         adopted = digest(model, optimizer)
         train(model, optimizer, steps[3:])
         print(json.dumps({"state": adopted, "after": digest(model, None), "report": report}), flush=True)
+    elif mode == "refused":  # a refusal leaves the process as it was: weights, and no optimizer state
+        before = digest(model, optimizer)
+        try:
+            hibernate.adopt(directory)
+        except HibernateError as exc:
+            print(str(exc), file=sys.stderr, flush=True)
+            print(json.dumps({"before": before, "after": digest(model, optimizer)}), flush=True)
+            return 3
+        return 0
     elif mode == "tracked":  # adopted by track itself, under HIBERNATE_ADOPT
         adopted = digest(model, optimizer)
         train(model, optimizer, steps[3:])

@@ -127,6 +127,15 @@ def test_a_snapshot_whose_process_still_runs_is_not_adopted(preempted: Preempted
     assert "still runs" in second.stderr and f"hibernate wake {preempted.process.pid}" in second.stderr
 
 
+def run_refused(directory: Path, variant: str = "") -> str:
+    """The adopting program's refusal, once it has shown that nothing of it changed."""
+    refused = run_program("refused", directory, variant)
+    assert refused.returncode == 3, refused.stderr
+    digests = json.loads(refused.stdout)
+    assert digests["after"] == digests["before"], "weights and optimizer state as they were before"
+    return refused.stderr
+
+
 @pytest.mark.parametrize(
     ("variant", "difference"),
     [
@@ -140,23 +149,35 @@ def test_a_program_that_changed_is_refused_with_the_difference_named(
     preempted: Preempted, work_dir: Path, variant: str, difference: str
 ) -> None:
     preempted.kill()
-    second = run_program("second", work_dir, variant)
-    assert second.returncode != 0
-    assert difference in second.stderr, second.stderr
-    assert "nothing was adopted" in second.stderr
+    refusal = run_refused(work_dir, variant)
+    assert difference in refusal and "nothing was adopted" in refusal, refusal
 
 
-def test_a_flipped_byte_is_refused_as_a_wake_refuses_it(preempted: Preempted, work_dir: Path) -> None:
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_flipped_byte_is_refused_as_a_wake_refuses_it_and_nothing_is_written(
+    preempted: Preempted, work_dir: Path, where: str
+) -> None:
+    """Wherever the damage lies, the weights the program had are untouched and the optimizer state
+    made for the adoption is taken back: a byte of the first chunk, and of the last one, read after
+    every other chunk had passed."""
     preempted.kill()
-    data = next(work_dir.glob("*/snap-000001/data-*.bin"))
+    data = max(work_dir.glob("*/snap-000001/data-*.bin"), key=lambda path: path.stat().st_size)
+    at = 10 if where == "first" else _last_written_byte(data)
     with open(data, "r+b") as f:
-        f.seek(10)
+        f.seek(at)
         byte = f.read(1)
-        f.seek(10)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
-    second = run_program("second", work_dir)
-    assert second.returncode != 0
-    assert "checksum" in second.stderr, second.stderr
+    refusal = run_refused(work_dir)
+    assert "checksum" in refusal, refusal
+    again = run_program("second", work_dir)  # the refusal left the snapshot as it was: still refused
+    assert again.returncode != 0 and "checksum" in again.stderr
+
+
+def _last_written_byte(data: Path) -> int:
+    """The offset of the last non-zero byte of a data file (its tail may be padding to a block)."""
+    content = data.read_bytes()
+    return len(content.rstrip(b"\0")) - 1
 
 
 def test_nothing_to_adopt_is_said_plainly(work_dir: Path, runtime_dir: Path) -> None:
@@ -211,13 +232,17 @@ def test_an_optimizer_that_has_not_stepped_gets_the_state_the_snapshot_holds() -
         )
         for field in ("exp_avg", "exp_avg_sq")
     ]
-    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records) == 2
+    given = optimizers.GivenState()
+    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records, given) == 2
     state = optimizer.state[parameter]
     assert sorted(state) == ["exp_avg", "exp_avg_sq"] and state["exp_avg"].shape == (3, 2)
-    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records) == 0
+    assert [id(tensor) for tensor in given.tensors] == [id(state["exp_avg"]), id(state["exp_avg_sq"])]
+    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records, given) == 0
+    given.take_back()  # a refused adoption: the parameter has no state again
+    assert not optimizer.state.get(parameter)
     sgd = torch.optim.SGD([parameter], lr=0.1)
     with pytest.raises(SnapshotInvalidError, match="of another kind: AdamW in the snapshot, SGD here"):
-        optimizers.give_state(sgd, "optimizer.", {id(parameter): "w"}, records)
+        optimizers.give_state(sgd, "optimizer.", {id(parameter): "w"}, records, optimizers.GivenState())
 
 
 def test_a_job_script_adopts_through_the_environment_each_object_as_it_is_tracked(

@@ -11,12 +11,22 @@ communicators are the new program's own.
 The sequence runs on the agent's own terms: a session of its own (no sleep or
 wake can start meanwhile), the guard closed (no holder touches the tensors
 while they are written), and the snapshot root's shared lock held by the
-reader (``gc`` cannot remove it meanwhile). Nothing is written into the
-process unless every region it adopts matches its record.
+reader (``gc`` cannot remove it meanwhile).
+
+All or nothing: nothing of the program's is written until the whole snapshot
+has been read and verified. The reader fills shadows, host memory standing in
+for the program's tensors (it reads straight into them and verifies after,
+so a flipped byte would otherwise land before it is found); once every chunk
+has passed, each shadow is copied into its tensor. State an optimizer had
+not made yet is new, held by nothing else, and filled in place; a refusal
+takes it back. The price is host memory for the adopted tensors the program
+already had (its weights, not the optimizer state made here) for the length
+of the adoption, and one more memory copy of them.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,11 +35,14 @@ from typing import Any
 
 from hibernate.agent.controller import Agent, Session, write_options
 from hibernate.errors import SnapshotInvalidError, WrongStateError
-from hibernate.pools.base import Pool, SpillableRegion
+from hibernate.pools.base import Pool, RegionAttributes, SpillableRegion
+from hibernate.pools.device import buffer_address
+from hibernate.pools.optimizers import GivenState
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.store.adoption import NOTHING_THERE, AdoptionSource, locate, pair_by_name
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
+from hibernate.store.pipeline import PinFn, deferral
 from hibernate.store.reader import Discard, SnapshotReader
 
 
@@ -117,20 +130,33 @@ def _fill(
         SnapshotReader(root, source.snapshot, io_mode=options.io_mode) as reader,
     ):
         columns = reader.manifest.columns
-        for pool in pools:
-            if isinstance(pool, TensorPool):
-                pool.prepare_adoption(columns)  # state an optimizer has not made yet, as the snapshot has it
-        regions = [r for pool in pools for r in pool.regions() if select is None or select(r)]
-        kept = [r for r in regions if r.keep]
-        pairing = pair_by_name(columns, kept, every_record=select is None)
-        targets = [kept[i] if i >= 0 else Discard(_record(columns, n)) for n, i in enumerate(pairing.order)]
-        result = reader.read_into(
-            targets,
-            buffer_bytes=options.buffer_bytes,
-            threads=options.stage_threads,
-            io_depth=options.io_threads,
-            pin=next((p for p in (pool.pinner() for pool in pools) if p is not None), None),
-        ).to_wire()
+        given: list[GivenState] = []
+        try:
+            for pool in pools:
+                if isinstance(pool, TensorPool):  # state an optimizer has not made yet, as the snapshot holds
+                    given.append(pool.prepare_adoption(columns))
+            regions = [r for pool in pools for r in pool.regions() if select is None or select(r)]
+            kept = [r for r in regions if r.keep]
+            pairing = pair_by_name(columns, kept, every_record=select is None)
+            pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
+            made = {id(tensor) for state in given for tensor in state.tensors}
+            with Shadows([r for r in kept if not _made_here(r, made)]) as shadows:
+                targets = [
+                    shadows.standing_for(kept[i]) if i >= 0 else Discard(_record(columns, n))
+                    for n, i in enumerate(pairing.order)
+                ]
+                result = reader.read_into(
+                    targets,
+                    buffer_bytes=options.buffer_bytes,
+                    threads=options.stage_threads,
+                    io_depth=options.io_threads,
+                    pin=pin,
+                ).to_wire()
+                shadows.commit(pin)  # every chunk verified: now the program's own tensors
+        except BaseException:
+            for state in given:
+                state.take_back()
+            raise
         zeroed = [r for r in regions if not r.keep]
         for region in zeroed:
             region.zero()  # as after a wake: a tag not kept comes back zero-filled
@@ -167,3 +193,93 @@ def _fill(
 def _record(columns: Columns, index: int) -> Record:
     """Record ``index`` as a Discard needs it (no chunks: the reader walks them itself)."""
     return Record(columns.keys[index], columns.tags[index], columns.sizes[index], columns.metas[index], ())
+
+
+def _made_here(region: SpillableRegion, made: set[int]) -> bool:
+    """Whether the region is state this adoption made (nothing else holds it: filled in place)."""
+    return isinstance(region, StorageRegion) and region.holds_any(made)
+
+
+_SMALL_ALIGNMENT = 64  # a small shadow's start: a cache line, so that 100,000 small tensors share pages
+_PAGE = mmap.PAGESIZE
+
+
+class Shadows:
+    """Host memory standing in for regions while an adoption reads and verifies the snapshot.
+
+    One anonymous mapping for all of them (a mapping each would cost a system
+    call per tensor), freed on leaving the block whatever happened. A shadow of
+    a page or more starts at the same offset within its page as its region's
+    host memory, so the reader treats it as it would the region: its direct
+    reads land where they would have landed.
+    """
+
+    def __init__(self, regions: Sequence[SpillableRegion]) -> None:
+        self._regions = list(regions)
+        offsets: list[int] = []
+        end = 0
+        for region in self._regions:
+            end = _placed(end, region)
+            offsets.append(end)
+            end += region.nbytes
+        self._map = mmap.mmap(-1, max(end, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view = memoryview(self._map)
+        self._base = buffer_address(self._view)
+        self._shadows = {
+            id(region): _Shadow(region, self._view[offset : offset + region.nbytes], self._base + offset)
+            for region, offset in zip(self._regions, offsets, strict=True)
+        }
+
+    def __enter__(self) -> Shadows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for shadow in self._shadows.values():
+            shadow.view.release()
+        self._shadows.clear()
+        self._view.release()
+        self._map.close()
+
+    def standing_for(self, region: SpillableRegion) -> SpillableRegion | _Shadow:
+        """What the reader fills for ``region``: its shadow, or the region itself if it has none."""
+        return self._shadows.get(id(region), region)
+
+    def commit(self, pin: PinFn | None) -> None:
+        """Each shadow's bytes into its region: device copies queued together and waited for once."""
+        with deferral(pin)() as queued:
+            for region in self._regions:
+                region.copy_in(0, self._shadows[id(region)].view)
+        if queued.fence is not None:
+            queued.fence.wait()
+
+
+def _placed(end: int, region: SpillableRegion) -> int:
+    """Where a shadow starts at or after ``end``: congruent to its region's address modulo the page
+    for a region of a page or more, else the next cache line."""
+    if region.nbytes < _PAGE:
+        return -(-end // _SMALL_ALIGNMENT) * _SMALL_ALIGNMENT
+    address = region.host_address()
+    within = (address or 0) % _PAGE
+    start = end - end % _PAGE + within
+    return start if start >= end else start + _PAGE
+
+
+class _Shadow(RegionAttributes):
+    """One region's stand-in: its name, tag, size and meta (what the reader checks), host memory."""
+
+    def __init__(self, region: SpillableRegion, view: memoryview, address: int) -> None:
+        super().__init__(region.key, region.tag, region.keep, region.nbytes, region.meta)
+        self.view = view
+        self._address = address
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        raise AssertionError("an adoption only reads the snapshot")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        self.view[offset : offset + len(src)] = src
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return self.view[offset : offset + length]
+
+    def host_address(self) -> int | None:
+        return self._address if self._nbytes else None

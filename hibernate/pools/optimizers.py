@@ -19,6 +19,7 @@ give it, before the adoption fills them. Its class is part of each record
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,9 +58,9 @@ def named_state(
         fields = state.get(parameter)
         if not fields:
             continue
-        for field, value in fields.items():
+        for field_name, value in fields.items():
             if isinstance(value, torch.Tensor):
-                yield f"{prefix}{STATE}{name}.{field}", value
+                yield f"{prefix}{STATE}{name}.{field_name}", value
 
 
 def kind(optimizer: torch.optim.Optimizer) -> str:
@@ -67,13 +68,36 @@ def kind(optimizer: torch.optim.Optimizer) -> str:
     return type(optimizer).__qualname__
 
 
+@dataclass
+class GivenState:
+    """The state give_state made, so that an adoption refused after it can take it back.
+
+    An adoption that fails (a checksum, a difference found late) must leave the process as it
+    was, and an optimizer that had not stepped had no state: what was made is removed again.
+    ``tensors`` are the new tensors, which nothing else holds yet: an adoption may fill them in
+    place, where it fills the program's own tensors only once the whole snapshot is verified.
+    """
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    owners: list[tuple[torch.optim.Optimizer, Any]] = field(default_factory=list)
+
+    def take_back(self) -> None:
+        """Each parameter given state here has none again, as before the adoption."""
+        for optimizer, parameter in self.owners:
+            optimizer.state.pop(parameter, None)
+        self.tensors.clear()
+        self.owners.clear()
+
+
 def give_state(
     optimizer: torch.optim.Optimizer,
     prefix: str,
     names: Mapping[int, str],
     records: Sequence[tuple[str, Mapping[str, Any]]],
+    given: GivenState,
 ) -> int:
-    """Make the state a snapshot holds for the parameters that have none yet; the tensors made.
+    """Make the state a snapshot holds for the parameters that have none yet, noted in ``given``;
+    the number of tensors made.
 
     ``records`` are the snapshot's (name, meta) pairs under this optimizer's tag, the name without
     the tag. Each record of ``prefix + "state."`` names a parameter and a field; a parameter that
@@ -93,14 +117,18 @@ def give_state(
     bare = {name: p for name, p in _parameters(optimizer, names) if not optimizer.state.get(p)}
     made = 0
     for name, meta in mine:
-        parameter_name, _, field = name[len(prefix) + len(STATE) :].rpartition(".")
+        parameter_name, _, field_name = name[len(prefix) + len(STATE) :].rpartition(".")
         parameter = bare.get(parameter_name)
         if parameter is None:
             continue  # a parameter this program lacks, or state it has: the pairing judges both
         view = next((v for v in meta.get("views", ()) if v.get("name") == name), None)
         if view is None:
             continue
-        optimizer.state[parameter][field] = _empty_like_view(view, str(meta.get("device", "cpu")))
+        tensor = _empty_like_view(view, str(meta.get("device", "cpu")))
+        if not optimizer.state.get(parameter):
+            given.owners.append((optimizer, parameter))
+        optimizer.state[parameter][field_name] = tensor
+        given.tensors.append(tensor)
         made += 1
     return made
 

@@ -711,24 +711,28 @@ class TensorPool:
         with self._lock:
             return self._tracked.pop(id(obj), None) is not None
 
-    def prepare_adoption(self, columns: Columns) -> int:
+    def prepare_adoption(self, columns: Columns) -> optimizers.GivenState:
         """Give each tracked optimizer that has not stepped the state a snapshot holds for it, before
-        an adoption fills it (optimizers.give_state); the tensors made."""
+        an adoption fills it (optimizers.give_state); what was made, to be taken back on a refusal."""
         with self._lock:
             tracked = list(self._tracked.values())
         names = _parameter_names(tracked)
-        made = 0
-        for entry in tracked:
-            if not isinstance(entry.obj, torch.optim.Optimizer):
-                continue
-            start = f"{entry.tag}/"
-            records = [
-                (key[len(start) :], meta)
-                for key, tag, meta in zip(columns.keys, columns.tags, columns.metas, strict=True)
-                if tag == entry.tag and key.startswith(start)
-            ]
-            made += optimizers.give_state(entry.obj, entry.name, names, records)
-        return made
+        given = optimizers.GivenState()
+        try:
+            for entry in tracked:
+                if not isinstance(entry.obj, torch.optim.Optimizer):
+                    continue
+                start = f"{entry.tag}/"
+                records = [
+                    (key[len(start) :], meta)
+                    for key, tag, meta in zip(columns.keys, columns.tags, columns.metas, strict=True)
+                    if tag == entry.tag and key.startswith(start)
+                ]
+                optimizers.give_state(entry.obj, entry.name, names, records, given)
+        except BaseException:
+            given.take_back()  # a second optimizer refused: the first one's state goes again
+            raise
+        return given
 
     def tensors_of(self, obj: Any) -> set[int]:
         """The ids of the tensors ``obj`` holds as it is tracked (see StorageRegion.holds_any)."""
