@@ -302,3 +302,71 @@ def test_a_process_directory_whose_sleep_was_cut_short_is_passed_over_for_a_comp
     found = locate(tmp_path)
     assert (found.root.name, found.snapshot, found.liveness) == ("proc-1-aaaa", "snap-000001", "dead")
     assert "the one process directory" in found.picked  # the one with a complete snapshot
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_device_tensors_are_adopted_through_twins_on_their_device_and_left_as_they_were_by_a_refusal(
+    cudart_path: Path, tmp_path: Path, damaged: bool
+) -> None:
+    """A device storage the program already had is filled through a twin on its device, copied in
+    once every chunk passed; a damaged snapshot leaves it as it was. No GPU: the stand-in CUDA
+    runtime over host memory, the "device" storages host storages the pool is told live on device 1."""
+    from dataclasses import replace
+
+    import torch
+
+    from hibernate.agent.adopt import adopt_here
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from hibernate.pools.tensors import TensorPool
+    from hibernate.store.layout import SpillRoot
+    from hibernate.store.options import WriteOptions
+    from hibernate.store.owner import Owner
+    from hibernate.store.writer import write_snapshot
+    from tests.pooled import agent_with, bits
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    cudart = FakeCudaRT(cudart_path)
+    cudart.set_counter("fake_fail_copy_at", -1)
+    cudart.set_counter("fake_fail_run_at", -1)
+
+    def device_pool(tensors: dict[str, torch.Tensor]) -> TensorPool:
+        ids = {t.untyped_storage()._cdata for t in tensors.values()}
+        pool = TensorPool(
+            copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+            device_of=lambda storage: 1 if storage._cdata in ids else None,
+            graphs=list,
+        )
+        pool.track(tensors, "weights", True, "net")
+        return pool
+
+    generator = torch.Generator().manual_seed(5)
+    written = {
+        f"t{i}": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        for i, size in enumerate((1 << 20, 4096, 100))
+    }
+    dead = replace(Owner.current(), pid=999_999_100, start_time=1)  # past pid_max: a process that is gone
+    with SpillRoot(tmp_path / "proc-1-aaaa", create=True, owner=dead) as root:
+        write_snapshot(root, device_pool(written).regions(), producer={}, options=WriteOptions())
+    if damaged:
+        data = max(tmp_path.glob("*/snap-000001/data-*.bin"), key=lambda path: path.stat().st_size)
+        at = _last_written_byte(data)
+        with open(data, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    mine = {name: torch.full_like(tensor, 7) for name, tensor in written.items()}
+    addresses = {name: tensor.data_ptr() for name, tensor in mine.items()}
+    agent = agent_with(device_pool(mine), "adopting")
+    copied_before = cudart.counter("fake_copied_bytes")
+    if damaged:
+        with pytest.raises(SnapshotInvalidError, match="checksum"):
+            adopt_here(agent, tmp_path, args={"buffer_mb": 4})
+        assert all(bool((tensor == 7).all()) for tensor in mine.values()), "nothing written"
+    else:
+        report = adopt_here(agent, tmp_path, args={"buffer_mb": 4})
+        assert report["adopted_bytes"] == sum(t.nbytes for t in written.values())
+        assert all(torch.equal(bits(mine[name]), bits(written[name])) for name in written), "bit-exact"
+    assert {name: tensor.data_ptr() for name, tensor in mine.items()} == addresses, "the same storages"
+    assert cudart.counter("fake_copied_bytes") - copied_before >= (1 << 20), "through the device seam"
+    assert agent.state.value == "running"

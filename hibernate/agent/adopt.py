@@ -14,14 +14,15 @@ while they are written), and the snapshot root's shared lock held by the
 reader (``gc`` cannot remove it meanwhile).
 
 All or nothing: nothing of the program's is written until the whole snapshot
-has been read and verified. The reader fills shadows, host memory standing in
-for the program's tensors (it reads straight into them and verifies after,
-so a flipped byte would otherwise land before it is found); once every chunk
-has passed, each shadow is copied into its tensor. State an optimizer had
-not made yet is new, held by nothing else, and filled in place; a refusal
-takes it back. The price is host memory for the adopted tensors the program
-already had (its weights, not the optimizer state made here) for the length
-of the adoption, and one more memory copy of them.
+has been read and verified. The reader fills stand-ins for the program's
+tensors (it reads straight into host memory and verifies after, so a flipped
+byte would otherwise land before it is found): a twin on the device for a
+device tensor, host memory for the others. Once every chunk has passed, each
+stand-in is copied into its tensor. State an optimizer had not made yet is
+new, held by nothing else, and filled in place; a refusal takes it back. The
+price is memory for the adopted tensors the program already had (its
+weights, not the optimizer state made here) for the length of the adoption,
+on their device, and one more copy of them there.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
 from hibernate.store.pipeline import PinFn, deferral
 from hibernate.store.reader import Discard, SnapshotReader
+from hibernate.store.regions import Region
 
 
 def adopt_here(
@@ -152,7 +154,7 @@ def _fill(
                     io_depth=options.io_threads,
                     pin=pin,
                 ).to_wire()
-                shadows.commit(pin)  # every chunk verified: now the program's own tensors
+                shadows.commit(pools, pin)  # every chunk verified: now the program's own tensors
         except BaseException:
             for state in given:
                 state.take_back()
@@ -205,20 +207,28 @@ _PAGE = mmap.PAGESIZE
 
 
 class Shadows:
-    """Host memory standing in for regions while an adoption reads and verifies the snapshot.
+    """Memory standing in for regions while an adoption reads and verifies the snapshot.
 
-    One anonymous mapping for all of them (a mapping each would cost a system
-    call per tensor), freed on leaving the block whatever happened. A shadow of
-    a page or more starts at the same offset within its page as its region's
-    host memory, so the reader treats it as it would the region: its direct
-    reads land where they would have landed.
+    A tensor's storage on a device gets a twin on that device (StorageRegion.device_twin): the
+    reader's device copies land there as they would in the storage. Every other region gets host
+    memory: one anonymous mapping for all of them (a mapping each would cost a system call per
+    tensor), freed on leaving the block whatever happened. A host shadow of a page or more
+    starts at the same offset within its page as its region's host memory, so the reader treats
+    it as it would the region: its direct reads land where they would have landed.
     """
 
     def __init__(self, regions: Sequence[SpillableRegion]) -> None:
-        self._regions = list(regions)
+        self._twins: dict[int, tuple[StorageRegion, StorageRegion]] = {}
+        self._hosted: list[SpillableRegion] = []
+        for region in regions:
+            twin = region.device_twin() if isinstance(region, StorageRegion) else None
+            if twin is not None and isinstance(region, StorageRegion):
+                self._twins[id(region)] = (region, twin)
+            else:
+                self._hosted.append(region)
         offsets: list[int] = []
         end = 0
-        for region in self._regions:
+        for region in self._hosted:
             end = _placed(end, region)
             offsets.append(end)
             end += region.nbytes
@@ -227,28 +237,40 @@ class Shadows:
         self._base = buffer_address(self._view)
         self._shadows = {
             id(region): _Shadow(region, self._view[offset : offset + region.nbytes], self._base + offset)
-            for region, offset in zip(self._regions, offsets, strict=True)
+            for region, offset in zip(self._hosted, offsets, strict=True)
         }
 
     def __enter__(self) -> Shadows:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._twins.clear()  # the device memory goes back to torch's allocator
         for shadow in self._shadows.values():
             shadow.view.release()
         self._shadows.clear()
         self._view.release()
         self._map.close()
 
-    def standing_for(self, region: SpillableRegion) -> SpillableRegion | _Shadow:
-        """What the reader fills for ``region``: its shadow, or the region itself if it has none."""
-        return self._shadows.get(id(region), region)
+    def standing_for(self, region: SpillableRegion) -> Region:
+        """What the reader fills for ``region``: its twin or shadow, or the region itself if it has none."""
+        twin = self._twins.get(id(region))
+        if twin is not None:
+            return twin[1]
+        shadow = self._shadows.get(id(region))
+        return region if shadow is None else shadow
 
-    def commit(self, pin: PinFn | None) -> None:
-        """Each shadow's bytes into its region: device copies queued together and waited for once."""
+    def commit(self, pools: Sequence[Pool], pin: PinFn | None) -> None:
+        """Every chunk verified: each stand-in's bytes into its region. The twins' copies are waited
+        for first (they ran on the pools' streams); the host shadows' device copies are queued
+        together and waited for once."""
+        if self._twins:
+            for pool in pools:
+                pool.synchronize()
+            for twinned, twin in self._twins.values():
+                twinned.take_bytes_of(twin)
         with deferral(pin)() as queued:
-            for region in self._regions:
-                region.copy_in(0, self._shadows[id(region)].view)
+            for hosted in self._hosted:
+                hosted.copy_in(0, self._shadows[id(hosted)].view)
         if queued.fence is not None:
             queued.fence.wait()
 

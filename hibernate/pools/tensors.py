@@ -392,6 +392,30 @@ class StorageRegion(RegionAttributes):
         with torch.no_grad():
             self._bytes().zero_()
 
+    def device_twin(self) -> StorageRegion | None:
+        """New memory on this region's device, of its size and description, holding no tensor; None
+        for host memory.
+
+        What an adoption fills in place of a device storage until the whole snapshot is verified
+        (agent.adopt): filling host memory instead would fault in fresh host pages at a few GB/s
+        a core, where the device copies run at tens; the twin costs device memory for the length
+        of the adoption and one copy within the device.
+        """
+        if self._on_device is None and self._device.type == "cpu":
+            return None
+        storage = torch.empty(self._nbytes, dtype=torch.uint8, device=self._device).untyped_storage()
+        twin = StorageRegion(self._key, self._tag, self._keep, storage, [], (), self._on_device)
+        twin._meta = self._meta  # the same description, compared whole by the reader
+        return twin
+
+    def take_bytes_of(self, twin: StorageRegion) -> None:
+        """Copy the twin's bytes (see device_twin) into this storage, done when it returns: a copy on
+        the device, on torch's current stream, which the program waits on anyway."""
+        with torch.no_grad():
+            self._bytes().copy_(twin._bytes())
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
 
 class FixedHostStorageRegion(StorageRegion):
     """A CPU storage torch cannot resize, hibernated at its own address (see hibernate.pools.hostpages).
