@@ -182,6 +182,29 @@ def test_a_vanished_client_rolls_back_a_half_done_sleep(
         again.call("begin")  # ownership was released too
 
 
+def test_a_hello_counts_the_pools_unless_told_not_to(
+    served: tuple[Agent, AgentServer], work_dir: Path
+) -> None:
+    """A sleep's hello leaves the pools uncounted (a walk of every tracked tensor) and its spill says
+    what it spilled, per tag and on each device; a hello without arguments counts them, as always."""
+    _, server = served
+    with AgentClient(server.path) as client:
+        counted = client.call("hello")
+        brief = client.call("hello", {"contents": False})
+        with pytest.raises(UsageError, match="contents must be true or false"):
+            client.call("hello", {"contents": "no"})
+        client.call("begin")
+        client.call("quiesce", {"timeout": 1})
+        spilled = client.call("spill", {"dir": str(work_dir)})
+        asleep = client.call("hello")
+    assert counted["pools"] == [
+        {"pool": "torch", "tag": "weights", "keep": True, "count": 1, "bytes": 1 << 18}
+    ]
+    assert "pools" not in brief and "device_bytes" not in brief and brief["pid"] == counted["pid"]
+    assert spilled["pools"] == counted["pools"] == asleep["pools"]
+    assert spilled["device_bytes"] == {} == asleep["device_bytes"]  # host memory only
+
+
 def test_asleep_outlives_its_client(served: tuple[Agent, AgentServer], work_dir: Path) -> None:
     agent, server = served
     with AgentClient(server.path) as client:

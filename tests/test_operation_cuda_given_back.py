@@ -108,3 +108,19 @@ def test_sleep_reports_what_each_gpu_gave_back(
         cli("wake", str(demo.pid), "-q", "--force", env={"HIBERNATE_LIBNVML": str(tmp_path / "x")}).returncode
         == 0
     )
+
+
+def test_a_sleep_places_the_bytes_its_spills_counted() -> None:
+    """A sleep's hello leaves the pools uncounted: what each GPU's tracked bytes are compared with is
+    what the spill counted on each device, kept out of the JSON report (which shows the GPUs)."""
+    from hibernate.operation.engine import _spilled_bytes
+    from hibernate.operation.reports import ProcessSleep, UnitReport
+
+    spills = {7: {"cuda:0": 5 * GIB, "cuda:1": GIB}, 8: {}}
+    sleeps = [
+        ProcessSleep.from_answers(pid, "p", {"spill": {"device_bytes": b}}) for pid, b in spills.items()
+    ]
+    assert _spilled_bytes([], [UnitReport(sleeps=sleeps)]) == {7: {"cuda:0": 5 * GIB, "cuda:1": GIB}}
+    assert "device_bytes" not in sleeps[0].to_wire()
+    older = ProcessSleep.from_answers(9, "p", {"spill": {"device_bytes": "?"}})  # not counted: unknown
+    assert older.device_bytes == {}

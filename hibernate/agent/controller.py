@@ -61,7 +61,7 @@ from hibernate.errors import (
     UsageError,
     WrongStateError,
 )
-from hibernate.pools.base import Contents, Pool, SpillableRegion, device_bytes, summarize
+from hibernate.pools.base import Contents, Pool, SpillableRegion, device_bytes
 from hibernate.pools.capture import live_graphs
 from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
@@ -187,6 +187,15 @@ class _Sleep:
         return [i not in self.restored for i in range(len(self.all_regions))]
 
 
+def _device_totals(counted: Sequence[Contents]) -> dict[str, int]:
+    """The bytes of every pool counted on each CUDA device, all pools together."""
+    totals: dict[str, int] = {}
+    for content in counted:
+        for device, nbytes in content.device_bytes.items():
+            totals[device] = totals.get(device, 0) + nbytes
+    return totals
+
+
 def refuse_moves(pools: Sequence[Pool], allowed: bool) -> list[str]:
     """Refuse a sleep that would move memory captured CUDA graphs may read (hibernate.pools.graphs).
 
@@ -303,7 +312,6 @@ class Agent:
             last_operation = self._last_operation
         leases = self.leases.summary()
         summaries: list[dict[str, Any]] = []
-        on_devices: dict[str, int] = {}
         # Asleep: the regions the sleep enumerated; running: each pool as it is now, counted
         # without building its regions (a sleep builds them once, when it starts).
         counted: list[Contents] = []
@@ -313,8 +321,7 @@ class Agent:
             counted = [pool.contents() for pool in pools]
         for content in counted:
             summaries.extend(s.to_wire() for s in content.summaries)
-            for device, nbytes in content.device_bytes.items():
-                on_devices[device] = on_devices.get(device, 0) + nbytes
+        on_devices = _device_totals(counted)
         refusal = self._restore_refused()
         return AgentStatus(
             version=__version__,
@@ -510,7 +517,12 @@ class Agent:
             report["io_seconds"] = report.pop("seconds")
             if verified is not None:
                 report["verify_seconds"] = round(verified.seconds, 6)
-            report["pools"] = [s.to_wire() for pool, rs in regions for s in summarize(pool.name, rs)]
+            # Counted once, for the report and for every status until the wake (see _Sleep.contents).
+            counted = sleeping.contents()
+            report["pools"] = [s.to_wire() for content in counted for s in content.summaries]
+            # What the regions hold on each CUDA device: the command's account of the memory given
+            # back, which a hello that left the pools out (a sleep's) did not say.
+            report["device_bytes"] = _device_totals(counted)
             report["dropped_bytes"] = sum(r.nbytes for r in sleeping.all_regions if not r.keep)
             # The store's (reused chunks rewritten or left unread, files not linked), then the pools'.
             report["warnings"] = [

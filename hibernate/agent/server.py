@@ -22,7 +22,7 @@ from typing import Any
 from hibernate.agent import protocol
 from hibernate.agent.controller import Agent, Session, describe_error
 from hibernate.agent.paths import crash_record_path, socket_path
-from hibernate.agent.wire import ConfigureArgs, LeaseArgs, SpillArgs, WaitArgs
+from hibernate.agent.wire import ConfigureArgs, HelloArgs, LeaseArgs, SpillArgs, WaitArgs
 from hibernate.errors import PermissionDeniedError, ProtocolError, UsageError
 from hibernate.fsutil import ensure_private_dir
 
@@ -105,7 +105,9 @@ class _Connection:
 
     def _dispatch(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         h, s = self.agent, self.session
-        if op in ("hello", "status"):
+        if op == "hello":
+            return h.status(contents=HelloArgs.from_wire(args).contents)
+        if op == "status":
             return h.status()
         if op == "begin":
             h.begin(s)

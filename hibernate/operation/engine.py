@@ -31,7 +31,7 @@ from hibernate.operation.ledger import Ledger, interrupted_operation, sweep_dead
 from hibernate.operation.options import Options
 from hibernate.operation.progress import ProgressSink
 from hibernate.operation.recovery import Action, UnitRecord, decide
-from hibernate.operation.reports import RecoverReport, SleepReport, WakeReport
+from hibernate.operation.reports import RecoverReport, SleepReport, UnitReport, WakeReport
 from hibernate.operation.steps import Step, fault_points, run_steps
 from hibernate.operation.targets import AgentRef, Target, all_agents, remember_elsewhere, resolve
 from hibernate.operation.unit import Context, Unit, already_asleep, refuse_unsettled, skipped_entry
@@ -88,6 +88,17 @@ def _pool_bytes(
         for ref in unit.refs
         if (state is None or ref.status.state is state) and ref.status.device_bytes
     }
+
+
+def _spilled_bytes(units: Sequence[Unit], reports: Sequence[UnitReport]) -> dict[int, dict[str, int]]:
+    """Per agent, its pools' bytes on each CUDA device at a sleep: as its spill counted them, else
+    (an older agent's spill, which did not) as its status said."""
+    counted = _pool_bytes(units, state=None)
+    for report in reports:
+        for spilled in report.sleeps:
+            if spilled.device_bytes:
+                counted[spilled.pid] = dict(spilled.device_bytes)
+    return counted
 
 
 def prepare_directory(directory: Path, refs: Sequence[AgentRef]) -> Path:
@@ -258,7 +269,8 @@ def sleep(
     started = time.perf_counter()
     sink.step("connect")
     ctx = Context("sleep", options, sink)
-    targets = resolve(pids, all_users=options.all_users)
+    # The pools left uncounted: the spill enumerates them itself, and says what it spilled.
+    targets = resolve(pids, all_users=options.all_users, contents=False)
     units = plan_units(ctx, targets)
     skipped: list[dict[str, Any]] = []
     if options.skip_asleep:
@@ -296,7 +308,7 @@ def sleep(
         cuda=operation.cuda_report,
         units=reports,
         skipped=skipped,
-        gpus=operation.cuda.given_back(_processes(units), _pool_bytes(units, state=None)),
+        gpus=operation.cuda.given_back(_processes(units), _spilled_bytes(units, reports)),
     )
 
 

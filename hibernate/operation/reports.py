@@ -63,6 +63,10 @@ class ProcessSleep:
     reused_unread_bytes: int = 0
     # What the spill's writes ran with (store.tuning): requests in flight, threads, the filesystem.
     tuning: dict[str, Any] | None = None
+    # The spilled regions' bytes on each CUDA device, as the spill counted them: what the command
+    # accounts the GPUs' memory given back to (engine.sleep), where the hello that found the agent
+    # left them uncounted. Not in the JSON report (to_wire), which shows the GPUs themselves.
+    device_bytes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_answers(cls, pid: int, name: Any, answers: dict[str, dict[str, Any]]) -> ProcessSleep:
@@ -99,6 +103,7 @@ class ProcessSleep:
             pools=spill.get("pools", []),
             phases=_step_seconds(answers),
             tuning=_tuning(spill),
+            device_bytes=_device_bytes(spill),
         )
 
     def moved(self) -> tuple[int, float]:
@@ -106,7 +111,21 @@ class ProcessSleep:
         return self.written_bytes + self.reused_bytes, self.phases.get("spill", 0.0)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        wire = asdict(self)
+        del wire["device_bytes"]
+        return wire
+
+
+def _device_bytes(spill: dict[str, Any]) -> dict[str, int]:
+    """A spill answer's bytes per CUDA device; none where an older agent did not count them."""
+    counted = spill.get("device_bytes")
+    if not isinstance(counted, dict):
+        return {}
+    return {
+        str(device): nbytes
+        for device, nbytes in counted.items()
+        if isinstance(nbytes, int) and not isinstance(nbytes, bool)
+    }
 
 
 @dataclass

@@ -25,7 +25,7 @@ from hibernate.agent.paths import (
     socket_name,
     sweep_stale_sockets,
 )
-from hibernate.agent.wire import AgentState, AgentStatus
+from hibernate.agent.wire import AgentState, AgentStatus, HelloArgs
 from hibernate.checkpoint.detect import holds_cuda_context
 from hibernate.errors import (
     HibernateError,
@@ -99,11 +99,14 @@ def socket_dirs_for(pid: int) -> list[Path]:
     return seen
 
 
-def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> AgentRef | None:
-    """Ask the agent at ``sock`` who it is; None if nobody answers there."""
+def probe_agent(
+    ident: ProcessIdentity, sock: Path, timeout: float = 5.0, *, contents: bool = True
+) -> AgentRef | None:
+    """Ask the agent at ``sock`` who it is; None if nobody answers there. Without ``contents`` its
+    answer may leave its pools uncounted (see wire.HelloArgs)."""
     try:
         with AgentClient(sock, timeout=timeout) as client:
-            answer = client.call("hello")
+            answer = client.call("hello") if contents else client.call("hello", HelloArgs(False).to_wire())
     except AgentConnectionLostError:
         return None
     ref = AgentRef(ident, sock, answer)
@@ -112,7 +115,7 @@ def probe_agent(ident: ProcessIdentity, sock: Path, timeout: float = 5.0) -> Age
     return ref
 
 
-def find_agent(pid: int, timeout: float = 5.0) -> AgentRef | None:
+def find_agent(pid: int, timeout: float = 5.0, *, contents: bool = True) -> AgentRef | None:
     ident = procinfo.identity(pid)
     if ident is None:
         return None
@@ -123,7 +126,7 @@ def find_agent(pid: int, timeout: float = 5.0) -> AgentRef | None:
         except PermissionError:
             continue  # another user's private runtime directory: not ours to look into
         if present:
-            ref = probe_agent(ident, sock, timeout)
+            ref = probe_agent(ident, sock, timeout, contents=contents)
             if ref is not None:
                 return ref
     return None
@@ -167,10 +170,13 @@ def check_one_user(targets: Sequence[Target], all_users: bool) -> None:
     )
 
 
-def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = False) -> list[Target]:
+def resolve(
+    pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = False, contents: bool = True
+) -> list[Target]:
     """One Target per requested pid, each with its agents; errors name the pid and a fix.
 
-    Without ``all_users`` the agents must all belong to one user (check_one_user).
+    Without ``all_users`` the agents must all belong to one user (check_one_user). Without
+    ``contents`` the agents' statuses may leave their pools uncounted (see probe_agent).
     """
     targets: list[Target] = []
     claimed: set[ProcessIdentity] = set()
@@ -185,7 +191,7 @@ def resolve(pids: Iterable[int], timeout: float = 5.0, *, all_users: bool = Fals
             ident = procinfo.identity(member)
             if ident is None or ident in claimed:
                 continue
-            agent = find_agent(member, timeout)
+            agent = find_agent(member, timeout, contents=contents)
             if agent is not None:
                 claimed.add(ident)
                 target.agents.append(agent)
