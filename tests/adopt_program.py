@@ -6,6 +6,8 @@
 at the sleep, then wait to be killed. ``second``: build the same program, track it, adopt DIR before
 any step, print the digest, train 3 steps more, print the weights' digest.
 ``tracked``: as ``second``, the adoption left to ``track`` (HIBERNATE_ADOPT).
+``half``: track the model only, say so, and wait to be ended by a signal (a requeued run
+preempted between its two ``track`` calls).
 ``refused``: as ``second``, for an adoption that must be refused: print the refusal and whether
 the model and optimizer are as they were before it (digests before and after), exit 3.
 ``straight``: train 6 steps, printing the weights' digest after the sixth.
@@ -104,6 +106,11 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> s
 def main(mode: str, directory: str, variant: str = "") -> int:
     model, optimizer = build(variant)
     steps = batches(variant)
+    if mode == "half":
+        hibernate.track(model, name="model")
+        print(json.dumps({"tracked": "model"}), flush=True)
+        while True:  # the optimizer would be tracked next; the signal's handler ends the process
+            signal.pause()
     hibernate.track(model, name="model")
     hibernate.track(optimizer, name="optimizer")
     if mode == "first":

@@ -260,6 +260,49 @@ def test_a_job_script_adopts_through_the_environment_each_object_as_it_is_tracke
     assert resumed.stderr.count("hibernate: adopted") == 2, resumed.stderr
 
 
+def test_a_run_preempted_between_two_tracks_writes_no_snapshot_and_the_next_adopts_the_whole_one(
+    preempted: Preempted, work_dir: Path
+) -> None:
+    """A requeued run under HIBERNATE_ADOPT has adopted its model, not yet its optimizer, when
+    SIGTERM comes: a snapshot then would be newer than the complete one and lack the optimizer's
+    state. None is written, the process exits as the signal would have ended it, and the next
+    run adopts the complete snapshot, optimizer state and all."""
+    preempted.kill()
+    requeued = {
+        "HIBERNATE_ADOPT": str(work_dir),
+        "HIBERNATE_ON_SIGNAL": "TERM",
+        "HIBERNATE_DIR": str(work_dir),
+        "HIBERNATE_EXIT_AFTER_SLEEP": "1",
+    }
+    half = subprocess.Popen(
+        [sys.executable, "-m", "tests.adopt_program", "half", str(work_dir)],
+        cwd=REPO,
+        env={**os.environ, **requeued},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert half.stdout is not None and half.stderr is not None
+        assert json.loads(half.stdout.readline()) == {"tracked": "model"}
+        half.send_signal(signal.SIGTERM)
+        assert half.wait(timeout=60) == 128 + signal.SIGTERM
+        stderr = half.stderr.read()
+    finally:
+        if half.poll() is None:
+            half.kill()
+            half.wait()
+        for stream in (half.stdout, half.stderr):
+            if stream is not None:
+                stream.close()
+    assert "not slept: this process has not yet tracked all it adopts" in stderr, stderr
+    assert "weights/optimizer.state.model.0.weight.exp_avg" in stderr, stderr
+    assert len(list(work_dir.glob("*/snap-*"))) == 1, "no snapshot but the complete one"
+    resumed = run_program("tracked", work_dir, env={"HIBERNATE_ADOPT": str(work_dir)})
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["state"] == preempted.state
+
+
 def test_a_job_preempted_before_its_first_sleep_ended_starts_afresh(
     work_dir: Path, runtime_dir: Path
 ) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +41,7 @@ from hibernate.pools.base import Pool, RegionAttributes, SpillableRegion
 from hibernate.pools.device import buffer_address
 from hibernate.pools.optimizers import GivenState
 from hibernate.pools.tensors import StorageRegion, TensorPool
-from hibernate.store.adoption import NOTHING_THERE, AdoptionSource, locate, pair_by_name
+from hibernate.store.adoption import GRADIENT_SUFFIX, NOTHING_THERE, AdoptionSource, locate, pair_by_name
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
 from hibernate.store.pipeline import PinFn, deferral
@@ -111,6 +112,7 @@ def adopt_on_track(agent: Agent, pool: TensorPool, obj: Any, path: str) -> dict[
             raise
         print(f"hibernate: {ADOPT_ENV}={path}: {exc.message}; starting afresh", file=sys.stderr, flush=True)
         return None
+    _still_to_adopt.note(report["snapshot"], report["unclaimed"])
     print(
         f"hibernate: adopted {report['adopted_regions']} tensor storage(s), {report['adopted_bytes']} bytes, "
         f"from {report['snapshot']} ({report['picked']})",
@@ -118,6 +120,54 @@ def adopt_on_track(agent: Agent, pool: TensorPool, obj: Any, path: str) -> dict[
         flush=True,
     )
     return report
+
+
+class _StillToAdopt:
+    """What the snapshot HIBERNATE_ADOPT took holds that no ``track`` of this process has filled yet.
+
+    Each ``track`` adopts what it tracks, so between two of them the process holds part of what
+    it will adopt: a model, not yet its optimizer. A sleep then (SIGTERM on a requeued job) would
+    publish a snapshot without the rest, newer than the complete one, and the next run would take
+    it up and go on with a fresh optimizer, silently. So a sleep on a signal is refused while
+    this is not empty (see signals.install), and the snapshot adopted from stays the newest.
+    Gradients are not waited for: the next backward pass makes them. Process-wide, as the
+    variable is.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshot = ""
+        self._keys: set[str] | None = None
+
+    def note(self, snapshot: str, unclaimed: Sequence[str]) -> None:
+        """One ``track``'s adoption from ``snapshot``: of its records, ``unclaimed`` were not filled."""
+        left = {key for key in unclaimed if not key.endswith(GRADIENT_SUFFIX)}
+        with self._lock:
+            if self._keys is None or snapshot != self._snapshot:
+                self._snapshot, self._keys = snapshot, left
+            else:
+                self._keys &= left
+
+    def refusal(self) -> str | None:
+        """Why a sleep now would lose part of the adopted state; None when nothing is left to adopt."""
+        with self._lock:
+            if not self._keys:
+                return None
+            shown = sorted(self._keys)[:5]
+            more = f" and {len(self._keys) - len(shown)} more" if len(self._keys) > len(shown) else ""
+            return (
+                f"this process has not yet tracked all it adopts from {self._snapshot} "
+                f"({', '.join(shown)}{more}): a snapshot now would lack them, so none is written "
+                "(the one adopted from stays the newest)"
+            )
+
+
+_still_to_adopt = _StillToAdopt()
+
+
+def unfinished_adoption() -> str | None:
+    """Why a sleep now would publish less than this process adopted (see _StillToAdopt); None if none."""
+    return _still_to_adopt.refusal()
 
 
 def _fill(

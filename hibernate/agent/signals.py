@@ -11,7 +11,9 @@ With ``HIBERNATE_EXIT_AFTER_SLEEP=1`` (``exit_after_sleep``) the process exits
 once that sleep has ended, done or failed, with the status the signal would have
 given it (128 + its number): the signal's own effect, deferred until the
 snapshot is on disk. That is a requeued job's program on SIGTERM: the next run
-is a new process that adopts the snapshot (``HIBERNATE_ADOPT``).
+is a new process that adopts the snapshot (``HIBERNATE_ADOPT``). A signal that
+comes while such a run has adopted only part of its snapshot (between two
+``track`` calls) writes none, and the process exits (see agent.adopt).
 
 Under ``hibernate run`` the wrapper does the sleep from outside (so the CUDA
 stage runs too) and sets ``HIBERNATE_SIGNALS_HANDLED_BY``: the agent then only
@@ -30,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hibernate.agent.adopt import unfinished_adoption
 from hibernate.agent.controller import Agent
 from hibernate.agent.triggers import ENV_DIR, ENV_EXIT, ENV_HANDLED_BY, ENV_SLEEP, ENV_WAKE, trigger_signal
 from hibernate.environ import ALLOW_MOVES_ENV, env_flag
-from hibernate.errors import HibernateError, UsageError
+from hibernate.errors import HibernateError, UsageError, WrongStateError
 
 
 def _log(message: str) -> None:
@@ -111,9 +114,15 @@ def install(
 
     worker = _SignalWork()
 
+    def sleep() -> None:
+        unfinished = unfinished_adoption()  # HIBERNATE_ADOPT between two track() calls
+        if unfinished is not None:
+            raise WrongStateError(f"not slept: {unfinished}")
+        agent.sleep_here(target, timeout, args)
+
     def on_sleep(signum: int, frame: object) -> None:
         then = 128 + signum if exit_after_sleep else None
-        worker.ask(lambda: agent.sleep_here(target, timeout, args), "sleep on signal", then)
+        worker.ask(sleep, "sleep on signal", then)
 
     def on_wake(signum: int, frame: object) -> None:
         worker.ask(lambda: agent.wake_here({}), "wake on signal")
