@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hibernate.agent.controller import Agent, Session, write_options
-from hibernate.errors import SnapshotInvalidError, WrongStateError
+from hibernate.errors import SnapshotInvalidError, StorageError, WrongStateError
 from hibernate.pools.base import Pool, RegionAttributes, SpillableRegion
 from hibernate.pools.device import buffer_address
 from hibernate.pools.optimizers import GivenState
@@ -197,13 +197,19 @@ def _fill(
                     shadows.standing_for(kept[i]) if i >= 0 else Discard(_record(columns, n))
                     for n, i in enumerate(pairing.order)
                 ]
-                result = reader.read_into(
-                    targets,
-                    buffer_bytes=options.buffer_bytes,
-                    threads=options.stage_threads,
-                    io_depth=options.io_threads,
-                    pin=pin,
-                ).to_wire()
+                try:
+                    result = reader.read_into(
+                        targets,
+                        buffer_bytes=options.buffer_bytes,
+                        threads=options.stage_threads,
+                        io_depth=options.io_threads,
+                        pin=pin,
+                    ).to_wire()
+                except (SnapshotInvalidError, StorageError) as exc:  # a damaged or unreadable chunk
+                    raise type(exc)(
+                        f"{exc.message}; nothing was adopted (the tracked tensors are as they were)",
+                        hint=exc.hint,
+                    ) from exc
                 shadows.commit(pools, pin)  # every chunk verified: now the program's own tensors
         except BaseException:
             for state in given:
