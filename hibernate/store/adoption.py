@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hibernate.errors import BusyError, PermissionDeniedError, SnapshotInvalidError, StorageError
-from hibernate.store.layout import MARKER_NAME, SpillRoot, read_marker
+from hibernate.store.layout import SpillRoot, is_spill_root, read_marker
 from hibernate.store.manifest import MANIFEST_NAME, Columns, snapshot_sequence
 from hibernate.store.owner import Liveness, Owner, liveness
 from hibernate.store.regions import Region
@@ -81,8 +81,8 @@ def locate(path: Path) -> AdoptionSource:
 
 def _is_root(path: Path) -> bool:
     try:
-        return stat.S_ISREG(os.lstat(path / MARKER_NAME).st_mode) and not path.is_symlink()
-    except OSError:
+        return is_spill_root(path)
+    except PermissionError:
         return False
 
 

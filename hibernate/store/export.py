@@ -65,7 +65,7 @@ from hibernate.errors import (
     UsageError,
 )
 from hibernate.fsutil import open_dir
-from hibernate.store.layout import MARKER_NAME, TMP_PREFIX, SpillRoot
+from hibernate.store.layout import MARKER_NAME, TMP_PREFIX, SpillRoot, is_spill_root
 from hibernate.store.manifest import Record, WrittenRecords, snapshot_sequence
 from hibernate.store.reader import Discard, SnapshotReader
 from hibernate.store.regions import Region
@@ -332,13 +332,11 @@ def _mine(path: Path, uid: int, what: str) -> None:
 def _has_marker(path: Path) -> bool:
     """Whether ``path`` is a spill root; one the caller may not look into is refused, saying whose."""
     try:
-        return stat.S_ISREG(os.stat(path / MARKER_NAME, follow_symlinks=False).st_mode)
+        return is_spill_root(path)
     except PermissionError:
         with contextlib.suppress(OSError):
             _mine(path, os.lstat(path).st_uid, "belongs to")
         raise PermissionDeniedError(f"cannot look into {path}: permission denied") from None
-    except OSError:
-        return False
 
 
 def locate(snapshot: Path) -> tuple[Path, str | None]:

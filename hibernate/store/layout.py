@@ -107,6 +107,23 @@ def read_marker(dir_fd: int) -> Owner | None:
     return owner
 
 
+def is_spill_root(path: Path) -> bool:
+    """Whether ``path`` is a directory hibernate made for one process's snapshots: its marker is a
+    regular file, and neither is reached through a symbolic link.
+
+    PermissionError where it cannot be looked into: what to say then (whose it is, or nothing for
+    a listing that passes over it) is the caller's.
+    """
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return False
+        return stat.S_ISREG(os.lstat(path / MARKER_NAME).st_mode)
+    except PermissionError:
+        raise
+    except OSError:
+        return False
+
+
 def name_taken(path: Path) -> bool:
     """Whether ``path`` is held by another user: a directory, file or symbolic link of theirs.
 

@@ -29,7 +29,7 @@ from typing import Any
 from hibernate.agent.wire import AgentState
 from hibernate.errors import HibernateError, UsageError
 from hibernate.fsutil import open_dir
-from hibernate.store.layout import MARKER_NAME, SpillRoot
+from hibernate.store.layout import SpillRoot, is_spill_root
 from hibernate.store.manifest import MANIFEST_NAME
 from hibernate.store.owner import Owner, liveness
 
@@ -51,11 +51,11 @@ class Action:
 
 
 def _is_marked(path: Path) -> bool:
+    """A spill root gc may look at; one it cannot look into is passed over (another user's)."""
     try:
-        info = os.stat(path / MARKER_NAME, follow_symlinks=False)
-    except OSError:
+        return is_spill_root(path)
+    except PermissionError:
         return False
-    return stat.S_ISREG(info.st_mode)
 
 
 def spill_roots(directory: Path) -> list[Path]:
@@ -66,7 +66,7 @@ def spill_roots(directory: Path) -> list[Path]:
         entries = sorted(directory.iterdir())
     except PermissionError as exc:
         raise UsageError(f"cannot list {directory}: permission denied") from exc
-    return [p for p in entries if not p.is_symlink() and p.is_dir() and _is_marked(p)]
+    return [p for p in entries if p.is_dir() and _is_marked(p)]
 
 
 def _files(dir_fd: int, name: str) -> Iterator[os.stat_result]:
