@@ -154,7 +154,7 @@ def test_a_crash_at_every_step_leaves_old_or_new(tmp_path: Path, death: Death) -
 # A writer that publishes content(0), content(1), content(0)... until killed. It needs no
 # torch, so it starts fast; its regions are built exactly as content() builds them.
 WRITER = r"""
-import random, sys
+import ctypes, random, sys
 sys.path.insert(0, sys.argv[2])
 from hibernate.store.layout import SpillRoot
 from hibernate.store.options import WriteOptions
@@ -164,10 +164,13 @@ class Region:
     def __init__(self, key, data):
         self.key, self.tag, self.data, self.meta = key, "weights", data, {"kind": "bytes"}
         self.nbytes = len(data)
+        self.held = bytearray(data)  # where the writer reads small chunks from (host_address)
     def copy_out(self, offset, dst):
         dst[:] = self.data[offset : offset + len(dst)]
     def host_view(self, offset, length):
         return memoryview(self.data)[offset : offset + length]
+    def host_address(self):
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.held))
 
 def content(seed):
     rng = random.Random(seed)

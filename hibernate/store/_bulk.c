@@ -17,7 +17,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -76,54 +75,6 @@ static PyObject *digest_list(const uint64_t *values, Py_ssize_t n) {
     return result;
 }
 
-/* A call's (buffer, sequence of items) arguments, both held until release_call. */
-static int open_call(PyObject *args, const char *format, int flags, const char *items_error, Py_buffer *buffer,
-                     PyObject **items) {
-    PyObject *buffer_object, *sequence;
-    if (!PyArg_ParseTuple(args, format, &buffer_object, &sequence)) return -1;
-    if (require_bound() < 0) return -1;
-    if (PyObject_GetBuffer(buffer_object, buffer, flags) < 0) return -1;
-    /* An owned tuple, not the caller's list: parsing an item may run Python code (__index__), which
-       must not be able to shrink or free what is being read. */
-    *items = PySequence_Tuple(sequence);
-    if (*items == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, items_error);
-        }
-        PyBuffer_Release(buffer);
-        return -1;
-    }
-    return 0;
-}
-
-static void release_call(Py_buffer *buffer, PyObject *items) {
-    Py_DECREF(items);
-    PyBuffer_Release(buffer);
-}
-
-/* Item i of a call: a tuple of exactly `size` values parsed by `format`. Numbers past what a
-   Py_ssize_t holds are refused as ValueError, as the Python functions refuse them. */
-static int parse_item(PyObject *items, Py_ssize_t i, Py_ssize_t size, const char *format, ...) {
-    PyObject *item = PyTuple_GET_ITEM(items, i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != size) {
-        PyErr_Format(PyExc_TypeError, "item %zd must be a tuple of %zd values", i, size);
-        return -1;
-    }
-    va_list values;
-    va_start(values, format);
-    int parsed = PyArg_VaParse(item, format, values);
-    va_end(values);
-    if (!parsed) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "item %zd holds a number out of range", i);
-        }
-        return -1;
-    }
-    return 0;
-}
-
 /* A checksum's 16 lower-case hex digits as a number; 0 (matches nothing) for anything else. */
 static int parse_digest(const char *chars, uint64_t *value) {
     uint64_t out = 0;
@@ -166,7 +117,9 @@ static void let_go(Held *held) {
 
 static PyObject *checksums(PyObject *self, PyObject *arg) {
     if (require_bound() < 0) return NULL;
-    PyObject *items = PySequence_Tuple(arg); /* owned: see open_call */
+    /* An owned tuple, not the caller's list: holding a buffer may run Python code, which must not be
+       able to shrink or free what is being read. */
+    PyObject *items = PySequence_Tuple(arg);
     if (items == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(items);
     PyObject *result = NULL;
@@ -196,53 +149,6 @@ typedef struct {
     const char *source;
 } Staged;
 
-static PyObject *stage(PyObject *self, PyObject *args) {
-    Py_buffer target;
-    PyObject *items;
-    if (open_call(args, "OO:stage", PyBUF_WRITABLE, "stage() takes a sequence of (position, padded, view)",
-                  &target, &items) < 0)
-        return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(items);
-    PyObject *result = NULL;
-    Staged *plan = PyMem_Calloc(n ? n : 1, sizeof(Staged));
-    uint64_t *values = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
-    Held held = {NULL, 0};
-    if (plan == NULL || values == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (hold(&held, n) < 0) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *view;
-        Py_ssize_t position, padded;
-        if (parse_item(items, i, 3, "nnO", &position, &padded, &view) < 0) goto done;
-        if (hold_one(&held, view, PyBUF_SIMPLE) < 0) goto done;
-        Py_ssize_t length = held.views[i].len;
-        if (position < 0 || length > padded || padded > target.len - position) {
-            PyErr_Format(PyExc_ValueError, "item %zd (%zd bytes padded to %zd at %zd) does not fit %zd bytes",
-                         i, length, padded, position, target.len);
-            goto done;
-        }
-        plan[i] = (Staged){position, padded, length, held.views[i].buf};
-    }
-    Py_BEGIN_ALLOW_THREADS
-    char *base = target.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *slot = base + plan[i].position;
-        memmove(slot, plan[i].source, (size_t)plan[i].length);
-        memset(slot + plan[i].length, 0, (size_t)(plan[i].padded - plan[i].length));
-        values[i] = xxh3_64(slot, (size_t)plan[i].length);
-    }
-    Py_END_ALLOW_THREADS
-    result = digest_list(values, n);
-done:
-    if (held.views != NULL) let_go(&held);
-    PyMem_Free(plan);
-    PyMem_Free(values);
-    release_call(&target, items);
-    return result;
-}
-
 /* Entry `index` of `list`, which must be an int (no __index__: no Python code may run while the
    lists are read), as a Py_ssize_t; `name` says which list in an error. */
 static int list_entry(PyObject *list, Py_ssize_t index, const char *name, Py_ssize_t *value) {
@@ -262,6 +168,68 @@ static int list_entry(PyObject *list, Py_ssize_t index, const char *name, Py_ssi
         return -1;
     }
     return 0;
+}
+
+/* stage_at(target, positions, paddeds, addresses, lengths): copy the lengths[i] bytes at
+   addresses[i] to positions[i] of the target, zero them up to paddeds[i], and checksum the copy, so
+   that what is recorded is what is written. Chunks are read from host memory at their addresses, not
+   from buffer objects: a sleep of many small host tensors made a view of each region (a quarter of
+   its staging time at 100,000 tensors), where an address is an int the region holds. The memory
+   must stay mapped for the call, as with the targets of verify_copy_at: it is a region of the paused
+   process. Items that do not fit are refused before anything is copied. */
+static PyObject *stage_at(PyObject *self, PyObject *args) {
+    Py_buffer target;
+    PyObject *target_object, *positions, *paddeds, *addresses, *lengths;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!:stage_at", &target_object, &PyList_Type, &positions, &PyList_Type,
+                          &paddeds, &PyList_Type, &addresses, &PyList_Type, &lengths))
+        return NULL;
+    if (require_bound() < 0) return NULL;
+    if (PyObject_GetBuffer(target_object, &target, PyBUF_WRITABLE) < 0) return NULL;
+    PyObject *result = NULL;
+    Staged *plan = NULL;
+    uint64_t *values = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(positions);
+    if (PyList_GET_SIZE(paddeds) != n || PyList_GET_SIZE(addresses) != n || PyList_GET_SIZE(lengths) != n) {
+        PyErr_SetString(PyExc_ValueError, "the positions, paddeds, addresses and lengths must be as many");
+        goto done;
+    }
+    plan = PyMem_Calloc(n ? n : 1, sizeof(Staged));
+    values = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
+    if (plan == NULL || values == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t position, padded, address, length;
+        if (list_entry(positions, i, "positions", &position) < 0 || list_entry(paddeds, i, "paddeds", &padded) < 0 ||
+            list_entry(addresses, i, "addresses", &address) < 0 || list_entry(lengths, i, "lengths", &length) < 0)
+            goto done;
+        if (position < 0 || length < 0 || length > padded || padded > target.len - position) {
+            PyErr_Format(PyExc_ValueError, "item %zd (%zd bytes padded to %zd at %zd) does not fit %zd bytes",
+                         i, length, padded, position, target.len);
+            goto done;
+        }
+        if (address <= 0 && length > 0) {
+            PyErr_Format(PyExc_ValueError, "item %zd has no address", i);
+            goto done;
+        }
+        plan[i] = (Staged){position, padded, length, (const char *)(uintptr_t)address};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    char *base = target.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *slot = base + plan[i].position;
+        memmove(slot, plan[i].source, (size_t)plan[i].length);
+        memset(slot + plan[i].length, 0, (size_t)(plan[i].padded - plan[i].length));
+        values[i] = xxh3_64(slot, (size_t)plan[i].length);
+    }
+    Py_END_ALLOW_THREADS
+    result = digest_list(values, n);
+done:
+    PyMem_Free(plan);
+    PyMem_Free(values);
+    PyBuffer_Release(&target);
+    return result;
 }
 
 typedef struct {
@@ -337,8 +305,9 @@ done:
 static PyMethodDef methods[] = {
     {"bind", bind, METH_O, "Take XXH3_64bits from the shared object at this path."},
     {"checksums", checksums, METH_O, "The checksum of each buffer, as 16 hex digits."},
-    {"stage", stage, METH_VARARGS,
-     "Copy each (position, padded, view) into the target, zero its padding; the checksums of the copies."},
+    {"stage_at", stage_at, METH_VARARGS,
+     "Copy the bytes at each address into the target at its position, zero its padding; the checksums "
+     "of the copies: (target, positions, paddeds, addresses, lengths)."},
     {"verify_copy_at", verify_copy_at, METH_VARARGS,
      "Check the group's chunks in the source in order and copy each to its target address; "
      "(position of the first that failed or -1, whether it failed for lack of bytes read)."},
@@ -349,7 +318,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bulk", NULL, -1, me
 
 /* Raised whenever what a function does changes, so that bulk.py refuses a module built from an
    older _bulk.c (the build lands in the source tree of an editable install). */
-#define BULK_VERSION 3
+#define BULK_VERSION 4
 
 PyMODINIT_FUNC PyInit__bulk(void) {
     PyObject *made = PyModule_Create(&module);

@@ -16,7 +16,6 @@ each request costs a fixed latency on top of its transfer. Packing chunks into
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 from collections.abc import Sequence
@@ -88,24 +87,37 @@ class Arena:
     slots: list[Slot] = field(default_factory=list)
     filled: threading.Event = field(default_factory=threading.Event)
 
-    def live_spans(self) -> list[tuple[int, int]]:
-        """The pages that hold live slots, neighbours merged: what the writer hands the kernel.
+    def live_spans(self) -> tuple[list[tuple[int, int]], list[tuple[Slot, int]]]:
+        """The pages that hold live slots, neighbours merged: what the writer hands the kernel; and
+        each live slot with where it lies once those spans are written back to back.
 
         Whole pages, for direct I/O: a slot packed beside a live one in a
         page is written with it, live or not (a few KiB at most, which no
-        chunk refers to).
+        chunk refers to). One pass with the page arithmetic inline: at
+        100,000 small chunks, a call of align_up per bound and a second
+        pass to place the slots were a third of the writer's time.
         """
+        page = ALIGNMENT - 1  # a power of two: the bits below a page
         spans: list[tuple[int, int]] = []
+        placed: list[tuple[Slot, int]] = []
+        first = last = -1  # the span being grown
+        written = 0  # the bytes of the spans before it
         for slot in self.slots:
             if not slot.live:
                 continue
-            start = slot.position - slot.position % ALIGNMENT
-            end = align_up(slot.position + slot.padded)
-            if spans and start <= spans[-1][1]:
-                spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
-            else:
-                spans.append((start, end))
-        return spans
+            start = slot.position & ~page
+            end = (slot.position + slot.padded + page) & ~page
+            if start > last:  # a gap: the span so far is done
+                if last >= 0:
+                    spans.append((first, last))
+                    written += last - first
+                first, last = start, end
+            elif end > last:
+                last = end
+            placed.append((slot, written + slot.position - first))
+        if last >= 0:
+            spans.append((first, last))
+        return spans, placed
 
 
 class Packer:
@@ -150,19 +162,24 @@ class Packer:
             with self._lock:
                 arena = self._current
                 if arena is not None and self._fits(arena, align_up(chunks[0][1])):
+                    # What _fits says of each further chunk, with the arithmetic inline (both
+                    # alignments are powers of two): a call or two per chunk of 100,000 told.
+                    # The first arena takes one chunk (see above).
+                    size = arena.buffer.size if self._started else -1
+                    page, step = ALIGNMENT - 1, alignment - 1
                     slots: list[Slot] = []
-                    first = position = arena.used
+                    position = arena.used
                     for task, length in chunks:
-                        if slots and not self._fits(arena, align_up(position + length) - first):
+                        if slots and (position + length + page) & ~page > size:
                             break
-                        slots.append(Slot(task, position, length, 0))
-                        arena.slots.append(slots[-1])
-                        position = align_up(position + length, alignment)
-                    # Each slot pads up to the next; the last one up to the page, where the next run starts.
-                    for slot, following in itertools.pairwise(slots):
-                        slot.padded = following.position - slot.position
-                    slots[-1].padded = align_up(slots[-1].position + slots[-1].length) - slots[-1].position
-                    arena.used = slots[-1].position + slots[-1].padded
+                        following = (position + length + step) & ~step
+                        # Each slot pads up to the next; the last one up to the page (below).
+                        slots.append(Slot(task, position, length, following - position))
+                        position = following
+                    last = slots[-1]
+                    last.padded = ((last.position + last.length + page) & ~page) - last.position
+                    arena.slots.extend(slots)
+                    arena.used = last.position + last.padded
                     arena.pending += len(slots)
                     return arena, slots
                 if arena is not None:

@@ -36,7 +36,7 @@ StageItem = tuple[int, int, memoryview]
 
 
 # The _bulk.c this module expects (its VERSION): a module built from an older source is not used.
-_COMPILED_VERSION = 3
+_COMPILED_VERSION = 4
 
 
 def _load() -> ModuleType | None:
@@ -65,8 +65,6 @@ def _agrees(compiled: ModuleType) -> bool:
     data = [bytes(range(256)) * 5, b"", b"hibernate"]
     source = memoryview(b"".join(data))
     slot = 3 * 512  # room for the largest sample, padded
-    staged = [bytearray(len(data) * slot), bytearray(len(data) * slot)]
-    items = [(i * slot, slot, memoryview(chunk)) for i, chunk in enumerate(data)]
     digests = python_checksums([memoryview(chunk) for chunk in data])
     copies = [bytearray(len(source)), bytearray(len(source))]
     holds = [ctypes.c_char.from_buffer(copy) for copy in copies]  # their addresses stay valid meanwhile
@@ -78,10 +76,20 @@ def _agrees(compiled: ModuleType) -> bool:
         for function, hold in ((compiled.verify_copy_at, holds[0]), (python_verify_copy_at, holds[1]))
     ]
     del holds
+    # The chunks staged from their addresses (those of a copy of the source, held meanwhile).
+    held = bytearray(source)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(held))
+    columns = ([i * slot for i in range(3)], [slot] * 3, [start, start + 1280, start + 1280], [1280, 0, 9])
+    staged = [bytearray(len(data) * slot), bytearray(len(data) * slot)]
+    staged_digests = [
+        function(memoryview(buffer), *columns)
+        for function, buffer in ((compiled.stage_at, staged[0]), (python_stage_at, staged[1]))
+    ]
     return bool(
         compiled.checksums(data) == digests
-        and compiled.stage(memoryview(staged[0]), items) == python_stage(memoryview(staged[1]), items)
+        and staged_digests[0] == staged_digests[1] == digests
         and staged[0] == staged[1]
+        and staged[0][slot * 2 : slot * 2 + 9] == b"hibernate"
         and results[0] == results[1] == (2, False)
         and copies[0] == copies[1]
         and copies[0][:9] == b"hibernate"
@@ -120,7 +128,7 @@ def python_checksums(views: Sequence[memoryview]) -> list[str]:
     return [checksum(view) for view in views]
 
 
-def python_stage(target: memoryview, items: Sequence[StageItem]) -> list[str]:
+def _stage_views(target: memoryview, items: Sequence[StageItem]) -> list[str]:
     """Copy each item's view into ``target`` at its position and zero the rest of its padded size;
     the checksum of each copy, so that what is recorded is what is written. Items that do not fit
     are refused before anything is copied."""
@@ -138,6 +146,30 @@ def python_stage(target: memoryview, items: Sequence[StageItem]) -> list[str]:
             target[end : position + padded] = bytes(padded - len(view))
         digests.append(checksum(target[position:end]))
     return digests
+
+
+def python_stage_at(
+    target: memoryview, positions: list[int], paddeds: list[int], addresses: list[int], lengths: list[int]
+) -> list[str]:
+    """Copy the ``lengths[i]`` bytes of host memory at ``addresses[i]`` (a region's ``host_address``
+    plus the chunk's offset) into ``target`` at ``positions[i]`` and zero the rest of ``paddeds[i]``;
+    the checksum of each copy, so that what is recorded is what is written. Items that do not fit
+    are refused before anything is copied. The memory must stay mapped for the call, as for the
+    targets of verify_copy_at."""
+    if not all(isinstance(values, list) for values in (positions, paddeds, addresses, lengths)):
+        raise TypeError("the positions, paddeds, addresses and lengths must be lists")
+    if not len(positions) == len(paddeds) == len(addresses) == len(lengths):
+        raise ValueError("the positions, paddeds, addresses and lengths must be as many")
+    items = []
+    for i in range(len(positions)):
+        position, padded = _entry(positions, i, "positions"), _entry(paddeds, i, "paddeds")
+        address, length = _entry(addresses, i, "addresses"), _entry(lengths, i, "lengths")
+        if length < 0:
+            raise ValueError(f"item {i} has a negative length")
+        if address <= 0 and length > 0:
+            raise ValueError(f"item {i} has no address")
+        items.append((position, padded, memory_at(address, length)))
+    return _stage_views(target, items)
 
 
 def _entry(values: list[int], index: int, name: str) -> int:
@@ -217,5 +249,5 @@ _native = _load()
 # Whether the compiled helper does the work.
 NATIVE = _native is not None
 checksums = _native.checksums if _native is not None else python_checksums
-stage = _native.stage if _native is not None else python_stage
+stage_at = _native.stage_at if _native is not None else python_stage_at
 verify_copy_at = _native.verify_copy_at if _native is not None else python_verify_copy_at

@@ -78,6 +78,7 @@ class Region(Protocol):
 
         The reader copies verified chunks straight there, a group of chunks in
         one call, bypassing copy_in: asked once per region and wake, not once
-        per chunk (see SnapshotReader.read_into).
+        per chunk (see SnapshotReader.read_into). The writer stages small
+        chunks from there, a run of them in one call (see stream.Stream).
         """
         ...
