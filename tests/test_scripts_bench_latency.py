@@ -61,6 +61,8 @@ def test_a_tiny_run_prints_its_ratios(tmp_path: Path) -> None:
     # What the filesystem counted, not a timing: one thread has one request in flight, none over 1 MiB.
     assert steps["read_1"]["in_flight_max"] == 1 and steps["write_1"]["in_flight_max"] == 1, steps
     assert all(0 < step["largest_request"] <= MAX_REQUEST for step in steps.values()), steps
+    # The CPU the server and the client took, per GiB (clock ticks: a tiny run's may be 0).
+    assert all(step["server_cpu_s_per_gib"] >= 0 <= step["client_cpu_s_per_gib"] for step in steps.values())
     assert document["io_modes"] == ["direct"], document
     assert (done.returncode == 0) == all(
         r["median"] >= document["target"] for r in document["ratios"].values()

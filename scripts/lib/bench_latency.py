@@ -33,7 +33,11 @@ dropped (``echo 3 > /proc/sys/vm/drop_caches``, where this user may; the header
 says whether it could) and the backing files are evicted (POSIX_FADV_DONTNEED)
 in any case. For each step the filesystem's own counts are shown: the most
 requests it served at once and the largest request, and the CPU time its
-server took per GiB moved (it shares the machine's cores with what it serves).
+server took per GiB moved (it shares the machine's cores with what it serves),
+and beside it the CPU time the client took per GiB: this process's for a raw
+transfer (its threads issue the requests), the target's for a sleep or a wake
+(where its agent stages, hashes, verifies, copies and faults memory in; the
+command's own start-up is not beside the step, and is not counted).
 
 Targets: a wake at 0.80x or more of the raw read with 8 requests in flight, and a
 sleep at 0.80x or more of the raw write with 8. Prints a header, a table and the
@@ -248,6 +252,7 @@ class Step:
     walls: list[float] = field(default_factory=list)  # seconds, for the commands
     in_flight: list[int] = field(default_factory=list)
     server_cpu: list[float] = field(default_factory=list)  # the filesystem's CPU seconds per GiB moved
+    client_cpu: list[float] = field(default_factory=list)  # the client's (see the module's doc), the same
     largest: list[int] = field(default_factory=list)
 
     def add(
@@ -260,6 +265,7 @@ class Step:
         self.in_flight.append(int(stats[f"in_flight_max_{kind}"]))
         self.largest.append(int(stats[f"largest_{kind}"]))
         self.server_cpu.append(stats["cpu_seconds"] / (nbytes / (1 << 30)))
+        self.client_cpu.append(stats["client_cpu_seconds"] / (nbytes / (1 << 30)))
         return rate
 
 
@@ -268,16 +274,21 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def measured(server: Server) -> Iterator[dict[str, Any]]:
-    """The filesystem's counts of the block's requests, and the CPU time its server took meanwhile.
+def measured(server: Server, client: int) -> Iterator[dict[str, Any]]:
+    """The filesystem's counts of the block's requests, and the CPU time its server and process
+    ``client`` took meanwhile.
 
     The dict yielded is filled when the block ends.
     """
     taken: dict[str, Any] = {}
     server.reset()
-    before = cpu_seconds(server.process.pid)
+    before, client_before = cpu_seconds(server.process.pid), cpu_seconds(client)
     yield taken
-    taken.update(server.stats(), cpu_seconds=cpu_seconds(server.process.pid) - before)
+    taken.update(
+        server.stats(),
+        cpu_seconds=cpu_seconds(server.process.pid) - before,
+        client_cpu_seconds=cpu_seconds(client) - client_before,
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -326,17 +337,17 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
             print(f"repetition {rep + 1} of {args.reps} ...", file=sys.stderr, flush=True)
             swap = rep % 2 == 1
             # -- writes: the raw ones, then the sleep (or the other way round) --
-            with measured(server) as taken:
+            with measured(server, os.getpid()) as taken:
                 seconds = raw_write([single], buffer)
             steps["write_1"].add(nbytes, seconds, taken, "write")
 
             def raw_write_8() -> float:
-                with measured(server) as taken:
+                with measured(server, os.getpid()) as taken:
                     seconds = raw_write([mount / f"raw-{i}.bin" for i in range(IN_FLIGHT)], buffer)
                 return steps["write_8"].add(nbytes, seconds, taken, "write")
 
             def sleep(rep: int = rep) -> float:
-                with measured(server) as taken:
+                with measured(server, target.pid) as taken:
                     report, wall = target.hibernate(
                         "sleep", str(target.pid), "--to", str(mount / f"snap-{rep}")
                     )
@@ -354,19 +365,19 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
 
             # -- reads: cold, the raw ones, then the wake (or the other way round) --
             cold()
-            with measured(server) as taken:
+            with measured(server, os.getpid()) as taken:
                 seconds = raw_read(single, buffer, threads=1)
             steps["read_1"].add(nbytes, seconds, taken, "read")
 
             def raw_read_8() -> float:
                 cold()
-                with measured(server) as taken:
+                with measured(server, os.getpid()) as taken:
                     seconds = raw_read(single, buffer, threads=IN_FLIGHT)
                 return steps["read_8"].add(nbytes, seconds, taken, "read")
 
             def wake() -> float:
                 cold()
-                with measured(server) as taken:
+                with measured(server, target.pid) as taken:
                     report, wall = target.hibernate("wake", str(target.pid))
                 process = report["processes"][0]
                 io_modes.add(process["io_mode"])
@@ -410,6 +421,7 @@ def run(args: argparse.Namespace, work: Path, sockets: Path) -> int:
                 "in_flight_max": max(step.in_flight),
                 "largest_request": max(step.largest),
                 "server_cpu_s_per_gib": statistics.median(step.server_cpu),
+                "client_cpu_s_per_gib": statistics.median(step.client_cpu),
             }
             for key, step in steps.items()
         },
@@ -453,7 +465,7 @@ def report(doc: dict[str, Any], json_out: Path | None) -> int:
     }
     print(
         f"{'step':34s} {'median':>12s} {'range':>21s}  {'in flight':>9s}  {'largest':>9s}  {'fs CPU':>10s}"
-        "  command wall"
+        f"  {'client CPU':>10s}  command wall"
     )
     for key, name in names.items():
         step = doc["steps"][key]
@@ -463,7 +475,8 @@ def report(doc: dict[str, Any], json_out: Path | None) -> int:
         print(
             f"{name:34s} {mbps(rate['median']):>12s} {rate['min'] / 1e6:9.0f}-{rate['max'] / 1e6:<6.0f} MB/s"
             f"  {step['in_flight_max']:>9d}  {step['largest_request'] // 1024:>5d} KiB"
-            f"  {step['server_cpu_s_per_gib']:>4.2f} s/GiB  {shown_wall}"
+            f"  {step['server_cpu_s_per_gib']:>4.2f} s/GiB  {step['client_cpu_s_per_gib']:>6.2f} s/GiB"
+            f"  {shown_wall}"
         )
     print()
     failed = False
