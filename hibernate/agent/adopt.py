@@ -301,11 +301,15 @@ class Shadows:
 
     def __exit__(self, *exc: object) -> None:
         self._twins.clear()  # the device memory goes back to torch's allocator
-        for shadow in self._shadows.values():
-            shadow.view.release()
         self._shadows.clear()
-        self._view.release()
-        self._map.close()
+        # The pages go now, even where a failure's traceback still holds a slice of the mapping
+        # (which keeps it from being unmapped until that is collected).
+        self._map.madvise(mmap.MADV_DONTNEED)
+        try:
+            self._view.release()
+            self._map.close()
+        except BufferError:
+            pass  # unmapped when the last slice goes
 
     def standing_for(self, region: SpillableRegion) -> Region:
         """What the reader fills for ``region``: its twin or shadow, or the region itself if it has none."""
