@@ -8,10 +8,12 @@ life of a process and differs for a reused pid.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -247,3 +249,43 @@ def find_in_namespace(namespace: int, pid: int, started: int) -> tuple[bool, boo
 
 # The fixed inode of the machine's first pid namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+
+
+def memory_headroom_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Host memory this process may still take: the machine's MemAvailable, or less where a memory
+    cgroup it runs in caps it (a batch job's ``--mem``: the machine has room, the job may not).
+
+    Each memory cgroup from this process's up to the root counts, v2 (``memory.max`` less
+    ``memory.current``) or v1 (``memory.limit_in_bytes`` less ``memory.usage_in_bytes``), since any
+    of them can put it over. None where nothing can be read.
+    """
+    limits: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+                break
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                limits.extend(_cgroup_room(cgroups, path, "memory.max", "memory.current"))
+            elif "memory" in controllers.split(","):
+                limits.extend(
+                    _cgroup_room(cgroups / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+                )
+    return min(limits) if limits else None
+
+
+def _cgroup_room(mount: Path, path: str, ceiling_file: str, usage_file: str) -> Iterator[int]:
+    """What each cgroup from ``path`` up to the root of ``mount`` leaves under its ceiling (none for
+    one without a ceiling, or whose files cannot be read: v1 writes no ceiling as a huge number)."""
+    group = mount / path.strip().lstrip("/")
+    while mount == group or mount in group.parents:
+        with contextlib.suppress(OSError, ValueError):
+            ceiling = (group / ceiling_file).read_text().strip()
+            if ceiling != "max" and int(ceiling) < 1 << 60:
+                yield max(0, int(ceiling) - int((group / usage_file).read_text()))
+        if group == mount:
+            return
+        group = group.parent

@@ -413,3 +413,46 @@ def test_device_tensors_are_adopted_through_twins_on_their_device_and_left_as_th
     assert {name: tensor.data_ptr() for name, tensor in mine.items()} == addresses, "the same storages"
     assert cudart.counter("fake_copied_bytes") - copied_before >= (1 << 20), "through the device seam"
     assert agent.state.value == "running"
+
+
+def test_an_adoption_the_host_memory_cannot_take_is_refused_before_anything_is_read() -> None:
+    """The shadows of the tensors the program already has need host memory beside them: where the
+    machine or the job's cgroup has less, the refusal says how much each side has."""
+    import torch
+
+    from hibernate.agent.adopt import Shadows
+    from hibernate.errors import UnsupportedError
+    from hibernate.pools.tensors import TensorPool
+
+    pool = TensorPool()
+    pool.track(torch.empty(80 << 20, dtype=torch.uint8), "weights", True, "w")
+    refusal = r"needs 80\.0 MiB .* may take 1\.0 MiB more .* nothing was adopted"
+    with pytest.raises(UnsupportedError, match=refusal):
+        Shadows(pool.regions(), headroom=lambda: 1 << 20)
+    with Shadows(pool.regions(), headroom=lambda: None) as shadows:  # nothing known: not refused
+        assert shadows.standing_for(pool.regions()[0]) is not None
+
+
+def test_the_memory_headroom_is_the_tightest_of_the_machine_and_every_memory_cgroup(tmp_path: Path) -> None:
+    from hibernate.procinfo import memory_headroom_bytes
+
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 100000 kB\nMemAvailable: 50000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/job/step\n")
+    step = cgroups / "job" / "step"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")
+    (step / "memory.current").write_text("5\n")
+    assert memory_headroom_bytes(proc, cgroups) == 50000 * 1024, "no ceiling: the machine's"
+    (cgroups / "job" / "memory.max").write_text(f"{30 << 20}\n")
+    (cgroups / "job" / "memory.current").write_text(f"{10 << 20}\n")
+    assert memory_headroom_bytes(proc, cgroups) == 20 << 20, "the job's ceiling, above its step"
+    (proc / "self" / "cgroup").write_text("4:memory:/slurm/job_7\n1:cpu:/\n")  # cgroup v1, as Slurm's
+    job = cgroups / "memory" / "slurm" / "job_7"
+    job.mkdir(parents=True)
+    (job / "memory.limit_in_bytes").write_text(f"{8 << 20}\n")
+    (job / "memory.usage_in_bytes").write_text(f"{3 << 20}\n")
+    (cgroups / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "none"
+    assert memory_headroom_bytes(proc, cgroups) == 5 << 20
+    assert memory_headroom_bytes(tmp_path / "none", tmp_path / "none") is None

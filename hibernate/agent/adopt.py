@@ -35,18 +35,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hibernate.agent.controller import Agent, Session, write_options
-from hibernate.errors import SnapshotInvalidError, StorageError, WrongStateError
+from hibernate.errors import SnapshotInvalidError, StorageError, UnsupportedError, WrongStateError
 from hibernate.pools.base import Pool, RegionAttributes, SpillableRegion
 from hibernate.pools.device import buffer_address
 from hibernate.pools.optimizers import GivenState
 from hibernate.pools.tensors import StorageRegion, TensorPool
+from hibernate.procinfo import memory_headroom_bytes
 from hibernate.store.adoption import GRADIENT_SUFFIX, NOTHING_THERE, AdoptionSource, locate, pair_by_name
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
 from hibernate.store.pipeline import PinFn, deferral
 from hibernate.store.reader import Discard, SnapshotReader
 from hibernate.store.regions import Region
+from hibernate.units import human_bytes
 
 
 def adopt_here(
@@ -258,6 +262,7 @@ def _made_here(region: SpillableRegion, made: set[int]) -> bool:
     return isinstance(region, StorageRegion) and region.holds_any(made)
 
 
+_CHECK_ROOM_FROM_BYTES = 64 << 20  # below this, the adoption fits wherever the program did
 _SMALL_ALIGNMENT = 64  # a small shadow's start: a cache line, so that 100,000 small tensors share pages
 _PAGE = mmap.PAGESIZE
 
@@ -273,11 +278,13 @@ class Shadows:
     it as it would the region: its direct reads land where they would have landed.
     """
 
-    def __init__(self, regions: Sequence[SpillableRegion]) -> None:
+    def __init__(
+        self, regions: Sequence[SpillableRegion], headroom: Callable[[], int | None] = memory_headroom_bytes
+    ) -> None:
         self._twins: dict[int, tuple[StorageRegion, StorageRegion]] = {}
         self._hosted: list[SpillableRegion] = []
         for region in regions:
-            twin = region.device_twin() if isinstance(region, StorageRegion) else None
+            twin = _twin(region)
             if twin is not None and isinstance(region, StorageRegion):
                 self._twins[id(region)] = (region, twin)
             else:
@@ -288,6 +295,16 @@ class Shadows:
             end = _placed(end, region)
             offsets.append(end)
             end += region.nbytes
+        room = headroom() if end >= _CHECK_ROOM_FROM_BYTES else None
+        if room is not None and end > room:
+            self._twins.clear()
+            raise UnsupportedError(
+                f"adopting needs {human_bytes(end)} of host memory beside the tensors this process already "
+                f"has, to verify the whole snapshot before any of it is written, and this process may take "
+                f"{human_bytes(room)} more (the machine's available memory, or its cgroup's limit); "
+                "nothing was adopted",
+                hint="adopt before building what else takes memory, or run with more memory (a job's --mem)",
+            )
         self._map = mmap.mmap(-1, max(end, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
         self._base = buffer_address(self._view)
@@ -333,6 +350,21 @@ class Shadows:
                 hosted.copy_in(0, self._shadows[id(hosted)].view)
         if queued.fence is not None:
             queued.fence.wait()
+
+
+def _twin(region: SpillableRegion) -> StorageRegion | None:
+    """The region's twin on its device (StorageRegion.device_twin); refused where the device lacks room."""
+    if not isinstance(region, StorageRegion):
+        return None
+    try:
+        return region.device_twin()
+    except torch.OutOfMemoryError as exc:
+        raise UnsupportedError(
+            f"adopting needs {human_bytes(region.nbytes)} more on {region.meta.get('device')} for "
+            f"{region.key!r}, to verify the whole snapshot before any of it is written, and the device "
+            "has no room for them now; nothing was adopted",
+            hint="adopt right after building the model, before anything else takes device memory",
+        ) from exc
 
 
 def _placed(end: int, region: SpillableRegion) -> int:
