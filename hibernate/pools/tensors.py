@@ -229,13 +229,6 @@ class StorageRegion(RegionAttributes):
     on the program's current stream; a host storage by plain memcpy.
     """
 
-    # What every region starts as, set on the instance once it changes: four assignments fewer for
-    # each of the 100,000 regions a model of many small tensors builds at every sleep.
-    released = False
-    _storage_poisoned = False
-    _view: memoryview | None = None  # see host_view
-    _view_address = 0
-
     def __init__(
         self,
         key: str,
@@ -266,6 +259,10 @@ class StorageRegion(RegionAttributes):
         # pool makes one per storage, for its region alone): a copy per region was 3% of a sleep's
         # regions() at 100,000 tensors.
         self._tensors = tensors if type(tensors) is list else list(tensors)
+        self._storage_poisoned = False
+        self.released = False
+        self._view: memoryview | None = None  # see host_view
+        self._view_address = 0
 
     def holds_any(self, tensor_ids: set[int]) -> bool:
         """Whether one of the tensors on this storage is among ``tensor_ids`` (TensorPool.tensors_of)."""
