@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hibernate.limits import MAX_IO_DEPTH
-from hibernate.store import tuning
+from hibernate.store import directio, tuning
 from hibernate.store.directio import BUFFERED, DataFile, ParallelReads, PipelineAbortedError
 from hibernate.store.layout import SpillRoot
 from hibernate.store.reader import SnapshotReader
@@ -159,6 +159,32 @@ def test_a_request_read_as_pieces_is_the_request_read_whole(tmp_path: Path) -> N
     finally:
         pieces.close()
         file.close()
+
+
+def test_each_piece_is_read_once_whichever_thread_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = random.Random(2).randbytes(1 << 20)
+    file = parallel_file(tmp_path, data)
+    asked: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    read_views = directio.read_views
+
+    def recording(file: DataFile, views: list[memoryview], offset: int) -> int:
+        with lock:
+            asked.append((offset, sum(len(view) for view in views)))
+        return read_views(file, views, offset)
+
+    monkeypatch.setattr(directio, "read_views", recording)
+    pieces = ParallelReads(3, threading.Event(), piece_bytes=64 << 10)
+    try:
+        into = memoryview(bytearray(700_000))
+        assert pieces.read(file, into, 4096) == 700_000 and bytes(into) == data[4096 : 4096 + 700_000]
+    finally:
+        pieces.close()
+        file.close()
+    step = 64 << 10
+    assert sorted(asked) == [(4096 + at, min(step, 700_000 - at)) for at in range(0, 700_000, step)]
 
 
 def test_a_failed_piece_fails_its_request_and_an_aborted_transfer_reads_nothing_more(
