@@ -328,8 +328,6 @@ def test_a_file_that_would_not_fit_the_shard_size_is_refused(tmp_path: Path) -> 
     write(tmp_path / "root", [BytesRegion("weights/w", "weights", b"\x05" * 100, meta=meta)], small_options())
     with pytest.raises(UsageError, match="do not fit in one file"):
         export_snapshot(tmp_path / "root", tmp_path / "w.safetensors", max_shard_bytes=99)
-    with pytest.raises(UsageError, match="holds the snapshots of 1 process"):
-        export_snapshot(tmp_path, tmp_path / "w.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 
@@ -442,3 +440,26 @@ def test_a_root_being_written_is_busy_and_a_failure_half_way_leaves_nothing(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"], "no file, temporary or directory left"
     export_snapshot(tmp_path / "root", out)
     assert load_file(out / "model.safetensors")["w"].tolist() == [0] * 65536
+
+
+def test_a_to_directory_of_one_process_stands_for_it_and_one_of_several_is_refused_with_their_names(
+    tmp_path: Path,
+) -> None:
+    meta = views(view("w", "uint8", [100], [1]))
+    write(
+        tmp_path / "to" / "proc-1-aaaa",
+        [BytesRegion("weights/w", "weights", b"\x05" * 100, meta=meta)],
+        small_options(),
+    )
+    report = export_snapshot(tmp_path / "to", tmp_path / "one.safetensors")
+    assert report["snapshot"].endswith("proc-1-aaaa/snap-000001") and report["newest"]
+    write(
+        tmp_path / "to" / "proc-2-bbbb",
+        [BytesRegion("weights/w", "weights", b"\x06" * 100, meta=meta)],
+        small_options(),
+    )
+    with pytest.raises(
+        UsageError, match=r"holds the snapshots of 2 process\(es\) \(proc-1-aaaa, proc-2-bbbb\)"
+    ):
+        export_snapshot(tmp_path / "to", tmp_path / "two.safetensors")
+    assert not (tmp_path / "two.safetensors").exists()

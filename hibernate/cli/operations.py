@@ -457,7 +457,7 @@ def export(
             metavar="SNAPSHOT",
             readable=False,  # click's own check would refuse another user's as a usage error: ours says whose
             help="A snapshot directory (DIR/proc-.../snap-000003), or one process's directory in a --to "
-            "directory (its newest snapshot is taken).",
+            "directory, or a --to directory that holds one process's (its newest snapshot is taken).",
             show_default=False,
         ),
     ],

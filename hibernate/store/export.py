@@ -368,6 +368,8 @@ def locate(snapshot: Path) -> tuple[Path, str | None]:
     from hibernate.store.maintenance import spill_roots
 
     inside = [p.name for p in spill_roots(path) if p != path]
+    if len(inside) == 1:  # a --to directory of one process: there is no choosing to do
+        return path / inside[0], None
     if inside:
         shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
         raise UsageError(
