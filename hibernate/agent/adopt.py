@@ -45,6 +45,7 @@ from hibernate.pools.optimizers import GivenState
 from hibernate.pools.tensors import StorageRegion, TensorPool
 from hibernate.procinfo import memory_headroom_bytes
 from hibernate.store.adoption import GRADIENT_SUFFIX, NOTHING_THERE, AdoptionSource, locate, pair_by_name
+from hibernate.store.directio import unmap_now
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
 from hibernate.store.pipeline import PinFn, deferral
@@ -319,14 +320,7 @@ class Shadows:
     def __exit__(self, *exc: object) -> None:
         self._twins.clear()  # the device memory goes back to torch's allocator
         self._shadows.clear()
-        # The pages go now, even where a failure's traceback still holds a slice of the mapping
-        # (which keeps it from being unmapped until that is collected).
-        self._map.madvise(mmap.MADV_DONTNEED)
-        try:
-            self._view.release()
-            self._map.close()
-        except BufferError:
-            pass  # unmapped when the last slice goes
+        unmap_now(self._map, self._view)  # even where a failure's traceback still holds a slice
 
     def standing_for(self, region: SpillableRegion) -> Region:
         """What the reader fills for ``region``: its twin or shadow, or the region itself if it has none."""

@@ -86,18 +86,23 @@ class StagingBuffer:
             ctypes.memset(start, 0, end - start)  # before Linux 5.14: touch every page
 
     def close(self) -> None:
-        """Give the memory back now, even if a slice of the buffer is still referenced.
+        """Give the memory back now, even if a slice of the buffer is still referenced (unmap_now)."""
+        unmap_now(self._map, self.view)
 
-        After a failure, the traceback's frames may hold slices of the buffer,
-        which keeps the mapping from being unmapped until they are collected;
-        MADV_DONTNEED frees its pages at once regardless.
-        """
-        self._map.madvise(mmap.MADV_DONTNEED)
-        try:
-            self.view.release()
-            self._map.close()
-        except BufferError:
-            pass  # unmapped when the last slice goes
+
+def unmap_now(mapping: mmap.mmap, view: memoryview) -> None:
+    """Give an anonymous mapping's memory back now, even if a slice of ``view`` is still referenced.
+
+    After a failure, the traceback's frames may hold slices of the buffer,
+    which keeps the mapping from being unmapped until they are collected;
+    MADV_DONTNEED frees its pages at once regardless.
+    """
+    mapping.madvise(mmap.MADV_DONTNEED)
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        pass  # unmapped when the last slice goes
 
 
 class StagingPool:
