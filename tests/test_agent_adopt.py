@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,9 +176,15 @@ def test_a_flipped_byte_is_refused_as_a_wake_refuses_it_and_nothing_is_written(
 
 
 def _last_written_byte(data: Path) -> int:
-    """The offset of the last non-zero byte of a data file (its tail may be padding to a block)."""
-    content = data.read_bytes()
-    return len(content.rstrip(b"\0")) - 1
+    """A byte in the middle of the last chunk of a data file, by the manifest (between chunks lie
+    bytes no chunk refers to, whose damage nothing reads)."""
+    chunks = json.loads((data.parent / "manifest.json").read_text())["chunks"]
+    offset, length = max(
+        (offset, length)
+        for name, offset, length in zip(chunks["file"], chunks["offset"], chunks["length"], strict=True)
+        if name == data.name
+    )
+    return offset + length // 2
 
 
 def test_nothing_to_adopt_is_said_plainly(work_dir: Path, runtime_dir: Path) -> None:
@@ -257,7 +264,14 @@ def test_a_job_script_adopts_through_the_environment_each_object_as_it_is_tracke
     assert answer["state"] == preempted.state
     straight = run_program("straight", work_dir)
     assert answer["after"] == json.loads(straight.stdout)["after"]
-    assert resumed.stderr.count("hibernate: adopted") == 2, resumed.stderr
+    line = r"hibernate: adopted \d+ tensor storage\(s\), (\d+) bytes \((\d+) read\)"
+    adopted = re.findall(line, resumed.stderr)
+    assert len(adopted) == 2, resumed.stderr
+    manifest = json.loads(next(work_dir.glob("*/snap-000001/manifest.json")).read_text())
+    snapshot_bytes = sum(manifest["records"]["nbytes"])
+    model, optimizer = ((int(filled), int(read)) for filled, read in adopted)
+    assert model[1] < snapshot_bytes and optimizer[1] < snapshot_bytes, "each reads what it tracks"
+    assert model[1] + optimizer[1] <= snapshot_bytes, "the snapshot read once in all, not once a track"
 
 
 def test_a_run_preempted_between_two_tracks_writes_no_snapshot_and_the_next_adopts_the_whole_one(

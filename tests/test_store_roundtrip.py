@@ -11,6 +11,7 @@ reclaim.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
 import tempfile
@@ -474,3 +475,43 @@ def test_a_region_without_a_host_view_is_staged_and_verified_the_same(scratch: P
     blank = hidden.blank()
     read_back(scratch, result.snapshot, [blank])
     assert blank.data == data
+
+
+def test_records_left_unread_are_not_requested_and_the_rest_reads_back(scratch: Path) -> None:
+    """An adoption of one object reads only its records (reader.Unread): the others' chunks are not
+    requested at all, so damage there is for the call that reads them to find."""
+    from hibernate.store.reader import Unread
+
+    first = BytesRegion("w/a", "w", bytes(range(256)) * 64)
+    skipped = BytesRegion("w/b", "w", b"\x07" * (40 * KiB))
+    last = BytesRegion("w/c", "w", b"\x09" * 5000)
+    result = write(scratch, [first, skipped, last], small_options(chunk=8 * KiB))
+    snapshot = scratch / result.snapshot
+
+    def read(targets: list[Any]) -> Any:
+        with SpillRoot(scratch) as root, SnapshotReader(root, result.snapshot) as reader:
+            return reader.read_into(targets, buffer_bytes=32 * KiB)
+
+    filled = [first.blank(), last.blank()]
+    assert read([filled[0], Unread(skipped), filled[1]]).total_bytes == first.nbytes + last.nbytes
+    assert filled[0].data == first.data and filled[1].data == last.data
+    _flip_in_record(snapshot, "w/b")  # damage only the unread record: never read, never seen
+    assert read([first.blank(), Unread(skipped), last.blank()]).total_bytes == first.nbytes + last.nbytes
+    with pytest.raises(SnapshotInvalidError, match="checksum"):
+        read([first.blank(), skipped.blank(), last.blank()])
+    assert read([Unread(first), Unread(skipped), Unread(last)]).total_bytes == 0
+
+
+def _flip_in_record(snapshot: Path, key: str) -> None:
+    """Flip a byte in the middle of the first chunk of record ``key`` (the manifest lists each
+    record's count of chunks, the chunks in record order)."""
+    manifest = json.loads((snapshot / "manifest.json").read_text())
+    records, chunks = manifest["records"], manifest["chunks"]
+    first_chunk = sum(records["chunks"][: records["key"].index(key)])
+    data = snapshot / chunks["file"][first_chunk]
+    at = chunks["offset"][first_chunk] + chunks["length"][first_chunk] // 2
+    with open(data, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -49,7 +49,7 @@ from hibernate.store.directio import unmap_now
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import Columns, Record
 from hibernate.store.pipeline import PinFn, deferral
-from hibernate.store.reader import Discard, SnapshotReader
+from hibernate.store.reader import Discard, SnapshotReader, Unread
 from hibernate.store.regions import Region
 from hibernate.units import human_bytes
 
@@ -65,9 +65,11 @@ def adopt_here(
     """Fill this process's tracked regions (those ``select`` picks, default all) from the snapshot
     ``path`` names (see store.adoption.locate); the report says which snapshot and what was read.
 
-    Adopting every region (``select`` None) also wants every record of the snapshot; a selection
-    (one object just tracked) leaves the records it does not name unread into memory (they are
-    still read and verified: a snapshot is taken whole or not at all).
+    Adopting every region (``select`` None) also wants every record of the snapshot, all read and
+    verified before any is written. A selection (one object just tracked, under HIBERNATE_ADOPT)
+    reads only the records it names: the others are read, each verified whole, by the calls that
+    track their objects; reading the whole snapshot at each call read a model's optimizer state
+    once for the model and again for the optimizer.
     """
     started = time.perf_counter()
     session = Session(f"this process (pid {agent.identity.pid}) adopting {path}", in_process=True)
@@ -119,8 +121,8 @@ def adopt_on_track(agent: Agent, pool: TensorPool, obj: Any, path: str) -> dict[
         return None
     _still_to_adopt.note(report["snapshot"], report["unclaimed"])
     print(
-        f"hibernate: adopted {report['adopted_regions']} tensor storage(s), {report['adopted_bytes']} bytes, "
-        f"from {report['snapshot']} ({report['picked']})",
+        f"hibernate: adopted {report['adopted_regions']} tensor storage(s), {report['adopted_bytes']} bytes "
+        f"({report['read_bytes']} read), from {report['snapshot']} ({report['picked']})",
         file=sys.stderr,
         flush=True,
     )
@@ -197,9 +199,10 @@ def _fill(
             pairing = pair_by_name(columns, kept, every_record=select is None)
             pin = next((p for p in (pool.pinner() for pool in pools) if p is not None), None)
             made = {id(tensor) for state in given for tensor in state.tensors}
+            unasked = Discard if select is None else Unread
             with Shadows([r for r in kept if not _made_here(r, made)]) as shadows:
                 targets = [
-                    shadows.standing_for(kept[i]) if i >= 0 else Discard(_record(columns, n))
+                    shadows.standing_for(kept[i]) if i >= 0 else unasked(_record(columns, n))
                     for n, i in enumerate(pairing.order)
                 ]
                 try:
@@ -231,10 +234,10 @@ def _fill(
             f"its owner, {source.owner.describe()}, cannot be seen from here ({source.why}): adopted "
             "because this path was named; make sure that process has ended"
         )
-    if pairing.unclaimed:
+    if pairing.unclaimed and select is None:
         warnings.append(
             f"{len(pairing.unclaimed)} record(s) of the snapshot were read and verified but not adopted "
-            "(gradients, which the next backward pass makes, or tensors this call did not ask for)"
+            "(gradients, which the next backward pass makes)"
         )
     return {
         "snapshot": str(source.root / source.snapshot),
@@ -254,7 +257,7 @@ def _fill(
 
 
 def _record(columns: Columns, index: int) -> Record:
-    """Record ``index`` as a Discard needs it (no chunks: the reader walks them itself)."""
+    """Record ``index`` as a Discard or Unread needs it (no chunks: the reader walks them itself)."""
     return Record(columns.keys[index], columns.tags[index], columns.sizes[index], columns.metas[index], ())
 
 

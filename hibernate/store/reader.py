@@ -407,10 +407,16 @@ class SnapshotReader:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
         started = time.perf_counter()
-        # Each reader holds a buffer, and at least one more is being verified meanwhile.
-        plan = plan_reads(self.manifest.columns.chunks, buffer_bytes, min(tuning.io_depth, _READERS) + 1)
         self._regions_of, self._region_offsets = destinations(self.manifest.columns)
+        unread = [isinstance(region, Unread) for region in regions]
+        wanted = [not unread[index] for index in self._regions_of] if any(unread) else None
+        # Each reader holds a buffer, and at least one more is being verified meanwhile.
+        plan = plan_reads(
+            self.manifest.columns.chunks, buffer_bytes, min(tuning.io_depth, _READERS) + 1, wanted
+        )
         total = self.manifest.total_bytes
+        if wanted is not None:
+            total = sum(region.nbytes for region, left in zip(regions, unread, strict=True) if not left)
         pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
         readers = max(1, min(tuning.io_depth, _READERS, len(plan.requests)))
         transfer = _Transfer(
@@ -633,6 +639,15 @@ class Discard:
 
     def host_address(self) -> int | None:
         return None
+
+
+class Unread(Discard):
+    """A record nobody asked for, left unread: its chunks are not even requested.
+
+    An adoption of one object (``track`` under HIBERNATE_ADOPT) wants only its
+    records; the others' come with the calls that track them, each read and
+    verified then. Only for a caller that does not need the snapshot whole.
+    """
 
 
 def verify_snapshot(

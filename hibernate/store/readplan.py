@@ -159,10 +159,13 @@ class ReadPlan(NamedTuple):
     request_bytes: int  # one request and one staging buffer
 
 
-def plan_reads(chunks: ChunkColumns, buffer_bytes: int, holders: int = 2) -> ReadPlan:
-    """Every chunk in requests of whole pages, read in file order within ``buffer_bytes`` of staging
-    (or two of the largest chunks, if more), and no more staging than the snapshot needs;
-    ``holders``: the buffers that must fit at once (see read_request_bytes)."""
+def plan_reads(
+    chunks: ChunkColumns, buffer_bytes: int, holders: int = 2, wanted: Sequence[bool] | None = None
+) -> ReadPlan:
+    """Every chunk (or those ``wanted`` marks, by index) in requests of whole pages, read in file
+    order within ``buffer_bytes`` of staging (or two of the largest chunks, if more), and no more
+    staging than the snapshot needs; ``holders``: the buffers that must fit at once (see
+    read_request_bytes)."""
     # Where each chunk's pages start and end (align_up written out: once per chunk), worked
     # out once for planning; reading one chunk alone takes the difference.
     firsts = [offset - offset % ALIGNMENT for offset in chunks.offsets]
@@ -171,8 +174,12 @@ def plan_reads(chunks: ChunkColumns, buffer_bytes: int, holders: int = 2) -> Rea
         for offset, length in zip(chunks.offsets, chunks.lengths, strict=True)
     ]
     pages = list(map(operator.sub, stops, firsts))
+    order = file_order(chunks)
+    if wanted is not None:
+        order = [chunk for chunk in order if wanted[chunk]]
+        pages = [pages[chunk] for chunk in order]
     largest = max(pages, default=ALIGNMENT)
     arena = arena_bytes_for(buffer_bytes, sum(pages), largest)
     size = read_request_bytes(arena, largest, holders)
-    requests = requests_in_order(chunks.files, file_order(chunks), firsts, stops, size)
+    requests = requests_in_order(chunks.files, order, firsts, stops, size)
     return ReadPlan(requests, ARENAS * arena, size)
