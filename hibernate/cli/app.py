@@ -109,7 +109,8 @@ def readable_help(command: Any) -> None:  # click's Command: vendored by typer i
     Every parameter declares its placeholder (``metavar``: PID, DIR, SECONDS, a choice as
     ``[auto|direct|buffered]``); typer 0.2x prints an argument's type after it all the same
     (``PID <list[int]>``), which tells a user nothing the placeholder does not. Versions without
-    that method show the placeholder alone already.
+    that method show the placeholder alone already. The usage line is made by ``_usage_display_name``
+    in typer 0.29 and by ``make_metavar`` before it: both are given the plain placeholder.
     """
     for sub in getattr(command, "commands", {}).values():
         readable_help(sub)
@@ -118,9 +119,16 @@ def readable_help(command: Any) -> None:  # click's Command: vendored by typer i
             continue
         if hasattr(param, "display_type_rich"):
             param.display_type_rich = lambda ctx: None
-        if hasattr(param, "_usage_display_name") and param.required:  # `{DIR}`: as the usual `DIR`
-            usage = param.metavar + ("..." if param.nargs != 1 else "")
-            param._usage_display_name = lambda usage=usage: usage
+        dots = "..." if param.nargs != 1 else ""
+        if hasattr(param, "_usage_display_name"):  # typer 0.29: the usage line's own name
+            if param.required:  # `{DIR}`: as the usual `DIR`
+                param._usage_display_name = lambda usage=param.metavar + dots: usage
+        elif hasattr(param, "make_metavar"):  # before: one placeholder for the usage line and the help
+            metavar = param.metavar
+            usage = metavar + dots if param.required else f"[{metavar}]{dots}"
+            param.make_metavar = lambda ctx, *, usage=False, shown=usage, metavar=metavar: (
+                shown if usage else metavar
+            )
 
 
 def main() -> None:
