@@ -139,7 +139,7 @@ def assert_finished(job: RequeuedJob, resumed_at: list[int], uninterrupted: str)
     assert "started at step 0" in runs[0]
     for run, step in zip(runs[1:], resumed_at, strict=True):
         assert f"resumed at step {step}\n" in run, job.text()
-        assert f"hibernate: adopted 1 tensor storage(s), 8 bytes, from {job.snapshots}/" in run  # progress
+        assert f"hibernate: adopted 1 tensor storage(s), 8 bytes (8 read), from {job.snapshots}/" in run
     assert digest_in(runs[-1]) == uninterrupted
     assert "the program has finished" in runs[-1]
     assert not job.snapshots.exists()
