@@ -66,17 +66,29 @@ def flip_a_bit_in_a_chunk(data_file: Path) -> None:
     stages first, and between chunks lie bytes no chunk refers to (a duplicate's staged copy, the
     padding of a packed run), whose damage a wake rightly never sees.
     """
+    length, offset = max((length, offset) for offset, length in chunks_in(data_file))
+    flip_byte_at(data_file, offset + length // 3, 0x01)
+
+
+def chunks_in(data_file: Path) -> list[tuple[int, int]]:
+    """(offset, length) of every chunk the snapshot's manifest places in ``data_file``."""
     chunks = json.loads((data_file.parent / "manifest.json").read_text())["chunks"]
     here = [
-        (length, offset)
+        (offset, length)
         for name, offset, length in zip(chunks["file"], chunks["offset"], chunks["length"], strict=True)
         if name == data_file.name
     ]
     assert here, f"no chunk of the manifest lies in {data_file}"
-    length, offset = max(here)
-    data = bytearray(data_file.read_bytes())
-    data[offset + length // 3] ^= 0x01
-    data_file.write_bytes(data)
+    return here
+
+
+def flip_byte_at(path: Path, at: int, mask: int = 0xFF) -> None:
+    """Flip the bits ``mask`` names in the byte at offset ``at`` of ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))
 
 
 def spill_root_of(base: Path, pid: int, label: str | None = None) -> Path:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hibernate.errors import SnapshotInvalidError
-from tests.conftest import NOBODY, REPO, is_root, wait_until
+from tests.conftest import NOBODY, REPO, chunks_in, flip_byte_at, is_root, wait_until
 
 
 def run_program(
@@ -163,12 +163,7 @@ def test_a_flipped_byte_is_refused_as_a_wake_refuses_it_and_nothing_is_written(
     every other chunk had passed."""
     preempted.kill()
     data = max(work_dir.glob("*/snap-000001/data-*.bin"), key=lambda path: path.stat().st_size)
-    at = 10 if where == "first" else _last_written_byte(data)
-    with open(data, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte_at(data, 10 if where == "first" else _last_written_byte(data))
     refusal = run_refused(work_dir)
     assert "checksum" in refusal and "nothing was adopted" in refusal, refusal
     again = run_program("second", work_dir)  # the refusal left the snapshot as it was: still refused
@@ -178,12 +173,7 @@ def test_a_flipped_byte_is_refused_as_a_wake_refuses_it_and_nothing_is_written(
 def _last_written_byte(data: Path) -> int:
     """A byte in the middle of the last chunk of a data file, by the manifest (between chunks lie
     bytes no chunk refers to, whose damage nothing reads)."""
-    chunks = json.loads((data.parent / "manifest.json").read_text())["chunks"]
-    offset, length = max(
-        (offset, length)
-        for name, offset, length in zip(chunks["file"], chunks["offset"], chunks["length"], strict=True)
-        if name == data.name
-    )
+    offset, length = max(chunks_in(data))
     return offset + length // 2
 
 
@@ -406,12 +396,7 @@ def test_device_tensors_are_adopted_through_twins_on_their_device_and_left_as_th
         write_snapshot(root, device_pool(written).regions(), producer={}, options=WriteOptions())
     if damaged:
         data = max(tmp_path.glob("*/snap-000001/data-*.bin"), key=lambda path: path.stat().st_size)
-        at = _last_written_byte(data)
-        with open(data, "r+b") as f:
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte_at(data, _last_written_byte(data))
     mine = {name: torch.full_like(tensor, 7) for name, tensor in written.items()}
     addresses = {name: tensor.data_ptr() for name, tensor in mine.items()}
     agent = agent_with(device_pool(mine), "adopting")

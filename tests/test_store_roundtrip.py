@@ -34,6 +34,7 @@ from hibernate.store.options import WriteOptions
 from hibernate.store.reader import SnapshotReader
 from hibernate.store.readplan import file_order
 from hibernate.store.writer import write_snapshot
+from tests.conftest import flip_byte_at
 
 KiB = 1024
 
@@ -508,10 +509,5 @@ def _flip_in_record(snapshot: Path, key: str) -> None:
     manifest = json.loads((snapshot / "manifest.json").read_text())
     records, chunks = manifest["records"], manifest["chunks"]
     first_chunk = sum(records["chunks"][: records["key"].index(key)])
-    data = snapshot / chunks["file"][first_chunk]
     at = chunks["offset"][first_chunk] + chunks["length"][first_chunk] // 2
-    with open(data, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte_at(snapshot / chunks["file"][first_chunk], at)
