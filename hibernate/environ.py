@@ -19,6 +19,10 @@ SKIP_REUSE_CHECK_ENV = "HIBERNATE_SKIP_REUSE_CHECK"
 # program captures them again after each wake (the default of `hibernate sleep --allow-moves`, and
 # of hibernate.sleep() and of sleeps on a signal).
 ALLOW_MOVES_ENV = "HIBERNATE_ALLOW_MOVES"
+# MiB of page-locked staging a process keeps between its sleeps and wakes (store.directio.KeptStaging),
+# read inside the target: the default of `--keep-staging-mb` and of every sleep and wake of the
+# process, whoever asks for them. Unset: 0, nothing kept.
+KEEP_STAGING_ENV = "HIBERNATE_KEEP_STAGING_MB"
 
 
 def env_flag(environ: Mapping[str, str], name: str) -> bool:
@@ -38,3 +42,16 @@ def flag_or_env(given: bool | None, name: str) -> bool:
     and of hibernate.sleep()'s arguments of those names.
     """
     return env_flag(os.environ, name) if given is None else given
+
+
+def env_mib(environ: Mapping[str, str], name: str) -> int | None:
+    """A size in MiB (0 or more) from variable ``name``; None where it is unset or empty."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise UsageError(
+            f"{name}={environ[name]!r} is not a size in MiB",
+            hint=f"set {name} to a whole number, e.g. {name}=256",
+        )
+    return int(raw)

@@ -95,6 +95,7 @@ BOUNDS: dict[str, Bound] = {
         "--barrier-timeout", _const(0.0), _const(MAX_SECONDS), "seconds", _words("one day")
     ),
     "buffer_mb": Bound("--buffer-mb", _const(MIN_BUFFER_MB), max_buffer_mb, "MiB", _half_ram_words),
+    "keep_staging_mb": Bound("--keep-staging-mb", _const(0), max_buffer_mb, "MiB", _half_ram_words),
     "io_depth": Bound("--io-depth", _const(1), _const(MAX_IO_DEPTH)),
     "io_workers": Bound("--io-workers", _const(1), _const(MAX_IO_WORKERS)),
     "nodes": Bound("--nodes", _const(1), _const(MAX_NODES)),

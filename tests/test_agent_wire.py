@@ -192,6 +192,8 @@ def test_each_requests_arguments_travel_with_their_wire_keys() -> None:
     )
     assert TransferArgs.from_wire(transfer.to_wire()) == transfer
     assert TransferArgs.from_wire({}) == TransferArgs()
+    keeping = TransferArgs(keep_staging_mb=0)  # 0 is said (give it back), not left to the process
+    assert keeping.to_wire()["keep_staging_mb"] == 0 and TransferArgs.from_wire(keeping.to_wire()) == keeping
     assert (
         WaitArgs.from_wire(WaitArgs(2.5).to_wire()) == WaitArgs(2.5)
         and WaitArgs.from_wire({}).timeout == 30.0
@@ -215,6 +217,11 @@ def test_each_requests_arguments_travel_with_their_wire_keys() -> None:
         (SpillArgs.from_wire, {"dir": 3}, "dir must be an absolute path, got 3"),
         (SpillArgs.from_wire, {"buffer_mb": 0}, "buffer_mb must be a positive integer, got 0"),
         (TransferArgs.from_wire, {"chunk_mb": "8"}, "chunk_mb must be a positive integer, got '8'"),
+        (
+            TransferArgs.from_wire,
+            {"keep_staging_mb": -1},
+            "keep_staging_mb must be an integer of 0 or more, got -1",
+        ),
     ],
 )
 def test_the_agent_refuses_arguments_it_cannot_use_naming_them(

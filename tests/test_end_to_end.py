@@ -223,6 +223,24 @@ def test_the_io_depth_and_workers_given_are_those_a_sleep_and_a_wake_run_with(
     assert demo.infer()["digest"] == reference
 
 
+def test_a_bad_keep_staging_setting_in_the_target_refuses_the_sleep_and_leaves_it_running(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=16, env={"HIBERNATE_KEEP_STAGING_MB": "lots"})
+    reference = demo.infer()["digest"]
+    refused = cli("sleep", str(demo.pid), "--to", str(work_dir))
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert "HIBERNATE_KEEP_STAGING_MB='lots' is not a size in MiB" in refused.stderr
+    assert cli("status", str(demo.pid), "--json").json()["agents"][0]["state"] == "running"
+    slept = cli("sleep", str(demo.pid), "--to", str(work_dir), "--keep-staging-mb", "0", "--json")
+    assert slept.returncode == 0, slept.stderr  # the command's word goes before the process's
+    assert slept.json()["processes"][0]["kept_staging"] == {
+        "reused_bytes": 0, "kept_bytes": 0, "given_back_bytes": 0,
+    }  # fmt: skip
+    assert cli("wake", str(demo.pid), "--keep-staging-mb", "0").returncode == 0
+    assert demo.infer()["digest"] == reference
+
+
 def test_an_io_depth_out_of_range_is_refused_before_anything_is_touched(
     start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:

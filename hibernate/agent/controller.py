@@ -53,6 +53,7 @@ from hibernate.agent.crash import recording_crashes
 from hibernate.agent.guard import Guard
 from hibernate.agent.leases import Leases
 from hibernate.agent.wire import AgentState, AgentStatus, TransferArgs
+from hibernate.environ import KEEP_STAGING_ENV, env_mib
 from hibernate.errors import (
     AddressesWouldMoveError,
     BusyError,
@@ -67,6 +68,7 @@ from hibernate.pools.device import free_device_bytes, torch_in_process
 from hibernate.pools.graphs import MOVES_HINT
 from hibernate.pools.provided import no_room, shortfalls
 from hibernate.procinfo import ProcessIdentity
+from hibernate.store.directio import KeptStaging
 from hibernate.store.layout import SpillRoot, open_spill_root_in
 from hibernate.store.manifest import RememberedManifest, WrittenRecords
 from hibernate.store.options import WriteOptions
@@ -214,6 +216,9 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
     only, no client sends it)."""
     mib = 1 << 20
     transfer = TransferArgs.from_wire(args)
+    keep_mb = transfer.keep_staging_mb
+    if keep_mb is None:  # the process's own setting, then nothing kept
+        keep_mb = env_mib(os.environ, KEEP_STAGING_ENV) or 0
     try:
         return WriteOptions(
             buffer_bytes=transfer.buffer_mb * mib,
@@ -224,6 +229,7 @@ def write_options(args: dict[str, Any]) -> WriteOptions:
             verify=transfer.verify,
             stage_threads=transfer.io_workers,
             io_threads=transfer.io_depth,
+            keep_staging_bytes=keep_mb * mib,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -246,6 +252,9 @@ class Agent:
         self.guard = Guard()
         self.leases = Leases()
         self.token = secrets.token_hex(8)
+        # Pinned staging kept from one sleep or wake to the next, within each one's bound (0 unless
+        # asked: --keep-staging-mb, HIBERNATE_KEEP_STAGING_MB).
+        self.kept_staging = KeptStaging()
         # The random part of this process's spill root names (see store.owner.spill_root_name):
         # drawn once, so every sleep of the process finds its previous snapshot again; a --to where
         # that name was taken by someone else gets a name of its own, remembered here.
@@ -479,22 +488,27 @@ class Agent:
             with self._mutex:
                 known, self._known = self._known, None
             with opened as root:
-                result = write_snapshot(
-                    root,
-                    sleeping.kept,
-                    producer={
-                        "pid": self.identity.pid,
-                        "start_time": self.identity.start_time,
-                        "agent_token": self.token,
-                        "agent": self.name,
-                        "hibernate": __version__,
-                    },
-                    options=options,
-                    progress=self._reporter(session, "spill"),
-                    cancelled=session.cancelled,
-                    pin=pin,
-                    known=known[1] if known is not None and known[0] == sleeping.root else None,
-                )
+                self.kept_staging.begin(options.keep_staging_bytes)
+                try:
+                    result = write_snapshot(
+                        root,
+                        sleeping.kept,
+                        producer={
+                            "pid": self.identity.pid,
+                            "start_time": self.identity.start_time,
+                            "agent_token": self.token,
+                            "agent": self.name,
+                            "hibernate": __version__,
+                        },
+                        options=options,
+                        progress=self._reporter(session, "spill"),
+                        cancelled=session.cancelled,
+                        pin=pin,
+                        known=known[1] if known is not None and known[0] == sleeping.root else None,
+                        kept=self.kept_staging,
+                    )
+                finally:
+                    kept_staging = self.kept_staging.end()
                 del known
                 verified = (
                     verify_snapshot(
@@ -515,6 +529,7 @@ class Agent:
                 }
             report = result.to_wire()
             report["io_seconds"] = report.pop("seconds")
+            report["kept_staging"] = kept_staging
             if verified is not None:
                 report["verify_seconds"] = round(verified.seconds, 6)
             # Counted once, for the report and for every status until the wake (see _Sleep.contents).
@@ -640,16 +655,22 @@ class Agent:
                         (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
                         None,
                     )
-                    report = reader.read_into(
-                        targets,
-                        buffer_bytes=options.buffer_bytes,
-                        threads=options.stage_threads,
-                        io_depth=options.io_threads,
-                        progress=self._reporter(session, "restore"),
-                        cancelled=session.cancelled,
-                        pin=pin,
-                    ).to_wire()
+                    self.kept_staging.begin(options.keep_staging_bytes)
+                    try:
+                        report = reader.read_into(
+                            targets,
+                            buffer_bytes=options.buffer_bytes,
+                            threads=options.stage_threads,
+                            io_depth=options.io_threads,
+                            progress=self._reporter(session, "restore"),
+                            cancelled=session.cancelled,
+                            pin=pin,
+                            kept=self.kept_staging,
+                        ).to_wire()
+                    finally:
+                        kept_staging = self.kept_staging.end()
                     report["io_seconds"] = report.pop("seconds")
+                    report["kept_staging"] = kept_staging
                 else:
                     report = {
                         "snapshot": sleeping.snapshot,

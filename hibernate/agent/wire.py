@@ -333,6 +333,10 @@ class TransferArgs:
     # from its machine and the snapshot's filesystem (store.tuning). Sent only when set.
     io_depth: int | None = None
     io_workers: int | None = None
+    # Page-locked staging the process keeps for its next transfers, in MiB (--keep-staging-mb; 0
+    # gives back what it keeps); None: the process's HIBERNATE_KEEP_STAGING_MB, else 0. Sent only
+    # when set.
+    keep_staging_mb: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -347,6 +351,8 @@ class TransferArgs:
             wire["io_depth"] = self.io_depth
         if self.io_workers is not None:
             wire["io_workers"] = self.io_workers
+        if self.keep_staging_mb is not None:
+            wire["keep_staging_mb"] = self.keep_staging_mb
         return wire
 
     @classmethod
@@ -360,6 +366,7 @@ class TransferArgs:
             allow_moves=bool(args.get("allow_moves", False)),
             io_depth=_positive(args, "io_depth", None),
             io_workers=_positive(args, "io_workers", None),
+            keep_staging_mb=_not_negative(args, "keep_staging_mb"),
         )
 
 
@@ -373,6 +380,15 @@ def _positive(args: Mapping[str, Any], name: str, default: int | None) -> int | 
         return default
     if not _is_int(value) or value <= 0:
         raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _not_negative(args: Mapping[str, Any], name: str) -> int | None:
+    value = args.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise UsageError(f"{name} must be an integer of 0 or more, got {value!r}")
     return int(value)
 
 

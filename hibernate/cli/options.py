@@ -70,6 +70,16 @@ IoWorkersOption = Annotated[
         "run on, 2 to 8).",
     ),
 ]
+KeepStagingOption = Annotated[
+    int | None,
+    typer.Option(
+        "--keep-staging-mb",
+        metavar="MIB",
+        show_default=False,
+        help="Page-locked staging each target keeps for its next sleep or wake, in MiB (0 gives back "
+        "what it keeps; default: the target's HIBERNATE_KEEP_STAGING_MB, else 0). GPU targets only.",
+    ),
+]
 IoModeOption = Annotated[
     str,
     typer.Option(

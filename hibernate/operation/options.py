@@ -132,6 +132,7 @@ def options_from_flags(
     if_needed: bool = False,
     io_depth: int | None = None,
     io_workers: int | None = None,
+    keep_staging_mb: int | None = None,
 ) -> Options:
     """The Options of one operation from its caller's flags; what a caller has no flag for stays default.
 
@@ -156,6 +157,7 @@ def options_from_flags(
         allow_moves=moves,
         io_depth=io_depth,
         io_workers=io_workers,
+        keep_staging_mb=keep_staging_mb,
     )
     kind_options = _kind_options(level=level, drain=drain, vllm_url=vllm_url)
     scope = spans_users(all_users, job, cgroup)

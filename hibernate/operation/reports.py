@@ -27,6 +27,15 @@ def _staging_bytes(answer: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _kept_staging(answer: dict[str, Any]) -> dict[str, int] | None:
+    """The pinned staging a spill or restore reused from, and left kept for, the process's next
+    transfers (store.directio.KeptStaging); None from an agent that does not say."""
+    kept = answer.get("kept_staging")
+    if not isinstance(kept, dict):
+        return None
+    return {str(k): int(v) for k, v in kept.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
 def _step_seconds(answers: dict[str, Any]) -> dict[str, float]:
     return {k: round(float(v.get("seconds", 0.0)), 6) for k, v in answers.items() if isinstance(v, dict)}
 
@@ -63,6 +72,8 @@ class ProcessSleep:
     reused_unread_bytes: int = 0
     # What the spill's writes ran with (store.tuning): requests in flight, threads, the filesystem.
     tuning: dict[str, Any] | None = None
+    # Pinned staging taken from what the process kept, kept for its next transfer, given back.
+    kept_staging: dict[str, int] | None = None
     # The spilled regions' bytes on each CUDA device, as the spill counted them: what the command
     # accounts the GPUs' memory given back to (engine.sleep), where the hello that found the agent
     # left them uncounted. Not in the JSON report (to_wire), which shows the GPUs themselves.
@@ -103,6 +114,7 @@ class ProcessSleep:
             pools=spill.get("pools", []),
             phases=_step_seconds(answers),
             tuning=_tuning(spill),
+            kept_staging=_kept_staging(spill),
             device_bytes=_device_bytes(spill),
         )
 
@@ -146,6 +158,7 @@ class ProcessWake:
     phases: dict[str, float]  # seconds of each step ("phases" in the JSON reports)
     warnings: list[str] = field(default_factory=list)  # what the wake met and went past, and why
     tuning: dict[str, Any] | None = None  # what the restore's reads ran with (see ProcessSleep)
+    kept_staging: dict[str, int] | None = None  # see ProcessSleep
 
     @classmethod
     def from_answers(
@@ -170,6 +183,7 @@ class ProcessWake:
             phases=_step_seconds(answers),
             warnings=list(restore.get("warnings", [])),
             tuning=_tuning(restore),
+            kept_staging=_kept_staging(restore),
         )
 
     def moved(self) -> tuple[int, float]:

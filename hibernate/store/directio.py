@@ -69,6 +69,7 @@ class StagingBuffer:
 
     def __init__(self, size: int, *, huge: bool = False) -> None:
         self.size = size
+        self.huge = huge
         # Device copies still reading or writing it: waited for before it is handed out again or
         # unmapped (StagingPool.fence), under the pool's lock.
         self.fences: list[Fence] = []
@@ -105,6 +106,72 @@ def unmap_now(mapping: mmap.mmap, view: memoryview) -> None:
         pass  # unmapped when the last slice goes
 
 
+class KeptStaging:
+    """Page-locked staging a process keeps from one transfer to the next, within a bound it is given.
+
+    Allocating staging, faulting it in and page-locking it (cudaHostRegister)
+    is paid again by every sleep and wake that allocates its own: tens of
+    milliseconds for 256 MiB on a GPU node, against a wake from memory of a
+    few GiB that takes a few hundred. A process that keeps its pinned staging
+    pays it once; the price is that memory, locked, held while the process
+    runs and while it sleeps, which is why nothing is kept unless a bound is
+    given (:meth:`begin`, 0 by default). Only pinned buffers are kept: a
+    target without device pools gives all its staging back, as a sleep should.
+    A transfer takes a kept buffer of exactly the size and kind it would have
+    allocated (a sleep's arenas and a wake's read buffers differ, so both are
+    kept where the bound allows). One operation at a time (the agent's
+    session): :meth:`begin` and :meth:`end` bracket it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[StagingBuffer, Callable[[], None]]] = []
+        self._bound_bytes = 0
+        self._reused_bytes = 0
+
+    def begin(self, bound_bytes: int) -> None:
+        """An operation starts that may keep up to ``bound_bytes`` when it ends."""
+        with self._lock:
+            self._bound_bytes = bound_bytes
+            self._reused_bytes = 0
+
+    def end(self) -> dict[str, int]:
+        """The operation ended: what is kept beyond its bound is unpinned and unmapped (all of it at
+        0). Returns what it reused, what stays kept and what was given back, in bytes."""
+        freed: list[tuple[StagingBuffer, Callable[[], None]]] = []
+        with self._lock:
+            while self._held and self._held_bytes() > self._bound_bytes:
+                freed.append(self._held.pop(0))  # the oldest first
+            account = {"reused_bytes": self._reused_bytes, "kept_bytes": self._held_bytes()}
+        for buffer, unpin in freed:
+            unpin()
+            buffer.close()
+        account["given_back_bytes"] = sum(buffer.size for buffer, _ in freed)
+        return account
+
+    def take(self, size: int, huge: bool) -> tuple[StagingBuffer, Callable[[], None]] | None:
+        """A kept buffer of ``size`` bytes and that kind, still pinned, with its unpin; None if none."""
+        with self._lock:
+            for index, (buffer, unpin) in enumerate(self._held):
+                if buffer.size == size and buffer.huge == huge:
+                    del self._held[index]
+                    self._reused_bytes += size
+                    return buffer, unpin
+        return None
+
+    def offer(self, buffer: StagingBuffer, unpin: Callable[[], None]) -> bool:
+        """Keep a pinned buffer a transfer is done with (no device copy on it still running), if the
+        bound has room for it; False: the caller unpins and unmaps it."""
+        with self._lock:
+            if self._held_bytes() + buffer.size > self._bound_bytes:
+                return False
+            self._held.append((buffer, unpin))
+            return True
+
+    def _held_bytes(self) -> int:
+        return sum(buffer.size for buffer, _ in self._held)
+
+
 class StagingPool:
     """A fixed set of buffers: the whole of the staging memory a transfer may use.
 
@@ -119,7 +186,9 @@ class StagingPool:
     cudaHostRegister) so device copies into them run at full speed; it returns
     the matching unpin. A buffer given back while device copies queued on it
     may still run carries their fence (:meth:`fence`): it is handed out again,
-    and unmapped, only once they ran.
+    and unmapped, only once they ran. With ``kept`` (and a ``pin``), buffers
+    come from the process's kept staging where it has them, and go back to it
+    at the end of a transfer whose copies all ran (see KeptStaging).
     """
 
     def __init__(
@@ -130,15 +199,18 @@ class StagingPool:
         *,
         lazy: bool = False,
         huge: bool = False,
+        kept: KeptStaging | None = None,
     ) -> None:
         self.buffer_bytes = buffer_bytes
         self._count = max(2, total_bytes // buffer_bytes)
         self._pin = pin
         self._lazy = lazy
         self._huge = huge
+        self._kept = kept if pin is not None else None
         self._reserved = 0  # buffers allocated or being allocated
         self._all: list[StagingBuffer] = []
-        self._unpins: list[Callable[[], None]] = []
+        self._unpins: dict[int, Callable[[], None]] = {}  # by id() of the buffer
+        self._settled_well = False  # settle() found every device copy done and none failed
         self._lock = threading.Lock()
         self._free: queue.LifoQueue[StagingBuffer] = queue.LifoQueue()
 
@@ -154,17 +226,22 @@ class StagingPool:
             self._reserved += count
         made = []
         for done in range(count):
-            try:
-                buffer = StagingBuffer(self.buffer_bytes, huge=self._huge)
-            except BaseException:
-                with self._lock:
-                    self._reserved -= count - done  # else a lazy take would wait for it forever
-                raise
-            unpin = self._pin(buffer.view) if self._pin is not None else None
+            reused = self._kept.take(self.buffer_bytes, self._huge) if self._kept is not None else None
+            unpin: Callable[[], None] | None
+            if reused is not None:
+                buffer, unpin = reused
+            else:
+                try:
+                    buffer = StagingBuffer(self.buffer_bytes, huge=self._huge)
+                except BaseException:
+                    with self._lock:
+                        self._reserved -= count - done  # else a lazy take would wait for it forever
+                    raise
+                unpin = self._pin(buffer.view) if self._pin is not None else None
             with self._lock:
                 self._all.append(buffer)
                 if unpin is not None:
-                    self._unpins.append(unpin)
+                    self._unpins[id(buffer)] = unpin
             made.append(buffer)
         return made
 
@@ -235,6 +312,7 @@ class StagingPool:
                 failure = failure or exc
         if failure is not None:
             raise failure
+        self._settled_well = True
 
     def close(self) -> None:
         """Unpin and unmap every buffer, once the device copies queued on them ran.
@@ -246,11 +324,14 @@ class StagingPool:
         """
         with contextlib.suppress(Exception):
             self.settle()
-        for unpin in self._unpins:
-            unpin()
+        kept = self._kept if self._settled_well else None  # after a failed copy, nothing is kept
         for buffer in self._all:
+            unpin = self._unpins.pop(id(buffer), None)
+            if unpin is not None and kept is not None and kept.offer(buffer, unpin):
+                continue
+            if unpin is not None:
+                unpin()
             buffer.close()
-        self._unpins.clear()
         self._all.clear()
 
 

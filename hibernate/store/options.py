@@ -29,6 +29,9 @@ class WriteOptions:
     # False trusts the previous snapshot's files as the last wake left them (--skip-reuse-check).
     check_reuse: bool = True
     verify: bool = False  # read the published snapshot back before returning (see verify_snapshot)
+    # Page-locked staging the process may keep when the transfer ends, for its next ones
+    # (directio.KeptStaging); 0: all of it is given back.
+    keep_staging_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.io_mode not in IO_MODES:
@@ -37,6 +40,8 @@ class WriteOptions:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGNMENT} between 4 KiB and 1 GiB")
         if self.buffer_bytes < MIN_BUFFER_BYTES:
             raise ValueError(f"buffer_bytes must be at least {MIN_BUFFER_BYTES} bytes")
+        if self.keep_staging_bytes < 0:
+            raise ValueError("keep_staging_bytes must be 0 or more")
         if self.segment_bytes < ALIGNMENT:
             raise ValueError("segment_bytes must be at least 4 KiB")
         if (self.stage_threads is not None and self.stage_threads < 1) or (

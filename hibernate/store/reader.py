@@ -44,6 +44,7 @@ from hibernate.store.directio import (
     DIRECT,
     DataFile,
     DirectIORefusedError,
+    KeptStaging,
     ParallelReads,
     StagingBuffer,
     StagingPool,
@@ -378,6 +379,7 @@ class SnapshotReader:
         progress: ProgressFn | None = None,
         cancelled: CancelledFn | None = None,
         pin: PinFn | None = None,
+        kept: KeptStaging | None = None,
     ) -> ReadResult:
         """Fill every region from the snapshot, verifying each chunk before it is copied in.
 
@@ -389,11 +391,12 @@ class SnapshotReader:
         are allocated as the reads need them. On any failure the regions hold
         partial data: the caller releases them again. Regions
         :meth:`check_matches` already accepted (the same sequence, unchanged
-        since) are not compared again.
+        since) are not compared again. ``kept``: the process's pinned staging
+        kept between transfers, taken from and given back to (KeptStaging).
         """
         tuning = choose(self.root.fd, io_depth=io_depth, workers=threads)
         with gc_paused():  # one object per chunk below: see gc_paused
-            return self._read_into(regions, buffer_bytes, tuning, progress, cancelled, pin)
+            return self._read_into(regions, buffer_bytes, tuning, progress, cancelled, pin, kept)
 
     def _read_into(
         self,
@@ -403,6 +406,7 @@ class SnapshotReader:
         progress: ProgressFn | None,
         cancelled: CancelledFn | None,
         pin: PinFn | None,
+        kept: KeptStaging | None,
     ) -> ReadResult:
         if self._matched != tuple(regions):  # the caller may have checked them already
             self.check_matches(regions)
@@ -417,7 +421,7 @@ class SnapshotReader:
         total = self.manifest.total_bytes
         if wanted is not None:
             total = sum(region.nbytes for region, left in zip(regions, unread, strict=True) if not left)
-        pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True)
+        pool = StagingPool(plan.staging_bytes, plan.request_bytes, pin, lazy=True, huge=True, kept=kept)
         readers = max(1, min(tuning.io_depth, _READERS, len(plan.requests)))
         transfer = _Transfer(
             regions, plan.requests, pool, tuning.workers, readers, total, progress, cancelled, deferral(pin)

@@ -31,6 +31,7 @@ from hibernate.store.directio import (
     DIRECT,
     DataFile,
     DirectIORefusedError,
+    KeptStaging,
     PipelineAbortedError,
     StagingPool,
     create_data_file,
@@ -219,6 +220,7 @@ class Stream:
         progress: ProgressFn | None,
         cancelled: CancelledFn | None,
         root: SpillRoot,
+        kept: KeptStaging | None = None,
     ) -> None:
         chunk = options.effective_chunk_bytes
         self.tuning = tuning
@@ -230,6 +232,7 @@ class Stream:
         self._progress = progress
         self._cancelled = cancelled
         self._root = root
+        self._kept = kept  # the process's pinned staging kept between transfers
         self._chunk_bytes = chunk
         self._sizes = sizes
         self._tasks = _tasks(sizes, chunk)
@@ -267,7 +270,7 @@ class Stream:
         writers = min(self.tuning.io_depth, arenas - 1)  # arenas_for gives two at least
         stagers = self.tuning.workers
         arena = arena_bytes_for(budget, _staged_bytes(lengths), largest, arenas)
-        pool = StagingPool(arenas * arena, arena, pin)
+        pool = StagingPool(arenas * arena, arena, pin, kept=self._kept)
         pipeline = Pipeline()
         packer = Packer(pool, pipeline.abort)
         remaining = [stagers]

@@ -52,6 +52,7 @@ from hibernate import faults
 from hibernate.errors import SnapshotInvalidError, StorageError, UnsupportedError
 from hibernate.fsutil import free_bytes, write_file_atomic
 from hibernate.gcpause import gc_paused
+from hibernate.store.directio import KeptStaging
 from hibernate.store.layout import SpillRoot
 from hibernate.store.manifest import (
     MANIFEST_NAME,
@@ -178,6 +179,7 @@ def write_snapshot(
     cancelled: CancelledFn | None = None,
     pin: PinFn | None = None,
     known: ReuseSource | None = None,
+    kept: KeptStaging | None = None,
 ) -> WriteResult:
     """Write ``regions`` as a new published snapshot of ``root``; all or nothing.
 
@@ -189,14 +191,17 @@ def write_snapshot(
     again for reuse (a fifth of an unchanged sleep of 20,000 tensors). It is
     used only if it names the newest snapshot; whatever it says, a chunk is
     reused only from a file whose identity is still the one it records (see
-    link_reusable).
+    link_reusable). ``kept``: the process's pinned staging kept between
+    transfers, taken from and given back to (directio.KeptStaging).
     """
     options = options or WriteOptions()
     started = time.perf_counter()
     root.lock_for_write()
     try:
         with gc_paused():  # a few objects per region and per chunk: see gc_paused
-            return _write_locked(root, regions, producer, options, progress, cancelled, pin, started, known)
+            return _write_locked(
+                root, regions, producer, options, progress, cancelled, pin, started, known, kept
+            )
     except BaseException:
         with contextlib.suppress(OSError):
             if root.is_empty():
@@ -216,6 +221,7 @@ def _write_locked(
     pin: PinFn | None,
     started: float,
     known: ReuseSource | None,
+    kept: KeptStaging | None,
 ) -> WriteResult:
     described: Described | None = check_regions(regions)
     try:
@@ -246,7 +252,7 @@ def _write_locked(
                 described = None
             tuning = choose(tmp_fd, io_depth=options.io_threads, workers=options.stage_threads)
             stream = Stream(
-                regions, sizes, segments, reusable, options, tuning, total, progress, cancelled, root
+                regions, sizes, segments, reusable, options, tuning, total, progress, cancelled, root, kept
             )
             if reusable and options.check_reuse:
                 check = ReuseCheck(

@@ -114,6 +114,7 @@ long long fake_copies = 0;
 long long fake_copied_bytes = 0;
 long long fake_registered_bytes = 0;
 long long fake_registered_peak = 0;
+long long fake_host_registrations = 0; /* successful cudaHostRegister calls */
 long long fake_device_synchronizations = 0;
 long long fake_fail_copy_at = -1; /* the copy with this index fails with cudaErrorIllegalAddress */
 long long fake_calls_while_suspended = 0;
@@ -403,6 +404,7 @@ cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
     registrations[free_slot].size = size;
     fake_registered_bytes += (long long)size;
     if (fake_registered_bytes > fake_registered_peak) fake_registered_peak = fake_registered_bytes;
+    fake_host_registrations++;
     pthread_mutex_unlock(&lock);
     return cudaSuccess;
 }
