@@ -455,3 +455,227 @@ def test_the_memory_headroom_is_the_tightest_of_the_machine_and_every_memory_cgr
     (cgroups / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "none"
     assert memory_headroom_bytes(proc, cgroups) == 5 << 20
     assert memory_headroom_bytes(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_pairing_takes_a_storage_from_another_device_and_still_refuses_a_changed_dtype_or_shape() -> None:
+    """A storage's bytes are the same on any device: a record of cuda:1 fills a region on cuda:0 or
+    the CPU, and the pairing says how many moved which way. A dtype or shape that changed is still
+    refused, in the same call that has storages on other devices, and the device is never named."""
+    from hibernate.store.adoption import pair_by_name
+    from hibernate.store.manifest import ChunkColumns, Columns
+    from tests.test_store_roundtrip import BytesRegion
+
+    def meta(device: str, name: str, dtype: str = "float32", shape: tuple[int, ...] = (4,)) -> dict[str, Any]:
+        view = {
+            "name": name,
+            "dtype": dtype,
+            "shape": list(shape),
+            "strides": [1] * len(shape),
+            "storage_offset": 0,
+        }
+        return {"device": device, "views": [view]}
+
+    names = ["a", "b", "c", "d"]
+    columns = Columns(
+        [f"w/{name}" for name in names],
+        ["w"] * 4,
+        [16] * 4,
+        [0] * 4,
+        ChunkColumns([], [], [], ""),
+        metas=[meta("cuda:1", name) for name in names],
+    )
+
+    def regions(devices: list[str], *changes: tuple[int, dict[str, Any]]) -> list[BytesRegion]:
+        made = [
+            BytesRegion(f"w/{n}", "w", bytes(16), meta=meta(d, n))
+            for n, d in zip(names, devices, strict=True)
+        ]
+        for index, changed in changes:
+            made[index].meta = meta(devices[index], names[index], **changed)
+        return made
+
+    moved = pair_by_name(columns, regions(["cuda:0", "cuda:0", "cpu", "cuda:1"]), every_record=True)
+    assert moved.order == [0, 1, 2, 3]
+    assert moved.moves() == {"cuda:1 -> cpu": 1, "cuda:1 -> cuda:0": 2}
+    assert sorted(moved.moved) == [0, 1, 2], "the record on the same device is not among them"
+    assert pair_by_name(columns, regions(["cuda:1"] * 4), every_record=True).moves() == {}
+    changed = regions(["cuda:0", "cuda:0", "cpu", "cpu"], (1, {"dtype": "float16"}), (3, {"shape": (2, 2)}))
+    with pytest.raises(SnapshotInvalidError) as refused:
+        pair_by_name(columns, changed, every_record=True)
+    refusal = refused.value.message
+    assert "(2 differences)" in refusal, refusal
+    assert "w/b: dtype float32 in the snapshot, float16 here" in refusal
+    assert "w/d: shape [4] in the snapshot, [2, 2] here" in refusal
+    assert "cuda" not in refusal and "w/a" not in refusal and "w/c" not in refusal
+
+
+@pytest.mark.parametrize("saved", ["cpu", "cuda:1"])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_state_an_optimizer_had_not_made_is_placed_as_torchs_load_state_dict_places_it(
+    saved: str, capturable: bool
+) -> None:
+    """On the parameter's device in this process, whatever the snapshot's was; ``step`` on the CPU
+    unless the group is capturable. torch's own load_state_dict is the reference: a CPU state dict
+    loaded into an AdamW whose parameter is on the meta device (a device other than the CPU, which
+    a machine without a GPU has)."""
+    import torch
+
+    from hibernate.pools import optimizers
+
+    def stepped_on_cpu() -> dict[str, Any]:
+        """The state dict of the same program's AdamW (its groups as capturable as here: torch takes
+        the flag from the state dict's groups), stepped on the CPU."""
+        parameter = torch.nn.Parameter(torch.zeros(3, 2))
+        optimizer = torch.optim.AdamW([parameter])
+        parameter.grad = torch.ones(3, 2)
+        optimizer.step()  # a capturable step runs on a GPU only
+        state_dict = optimizer.state_dict()
+        state_dict["param_groups"][0]["capturable"] = capturable
+        return state_dict
+
+    reference = torch.nn.Parameter(torch.empty(3, 2, device="meta"))
+    loaded = torch.optim.AdamW([reference], capturable=capturable)
+    loaded.load_state_dict(stepped_on_cpu())
+    expected = {name: value.device for name, value in loaded.state[reference].items()}
+    assert expected["exp_avg"] == torch.device("meta"), "torch moves it to the parameter's device"
+    assert expected["step"] == torch.device("meta" if capturable else "cpu")
+
+    parameter = torch.nn.Parameter(torch.empty(3, 2, device="meta"))
+    optimizer = torch.optim.AdamW([parameter], capturable=capturable)
+    shapes = {"step": ([], []), "exp_avg": ([3, 2], [2, 1]), "exp_avg_sq": ([3, 2], [2, 1])}
+    records = [
+        (
+            f"optimizer.state.w.{field}",
+            {
+                "device": "cpu" if field == "step" and not capturable else saved,
+                "optimizer": "AdamW",
+                "views": [
+                    {
+                        "name": f"optimizer.state.w.{field}",
+                        "dtype": "float32",
+                        "shape": shape,
+                        "strides": strides,
+                        "storage_offset": 0,
+                    }
+                ],
+            },
+        )
+        for field, (shape, strides) in shapes.items()
+    ]
+    given = optimizers.GivenState()
+    assert optimizers.give_state(optimizer, "optimizer.", {id(parameter): "w"}, records, given) == 3
+    assert {name: value.device for name, value in optimizer.state[parameter].items()} == expected
+
+
+@pytest.mark.parametrize("direction", ["device to cpu", "cpu to device"])
+def test_a_snapshot_taken_on_one_device_is_adopted_into_a_process_on_another(
+    cudart_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], direction: str
+) -> None:
+    """A requeued job on a GPU of another index, or a GPU job's state taken up on the CPU: the
+    records say one device, the live storages another, and the adoption fills them bit for bit.
+    The optimizer, which had not stepped, gets its state where torch would put it: on its
+    parameter's device here (the CPU, as torch sees the stand-in's storages), its step on the CPU.
+    No GPU: the stand-in CUDA runtime over host memory, the "device" storages (weights and
+    optimizer state, not the step, which torch keeps on the CPU) ones the pool is told live on
+    device 1. ``cpu to device`` adopts through HIBERNATE_ADOPT's path (a call per tracked object),
+    whose line on stderr says what moved."""
+    from dataclasses import replace
+
+    import torch
+
+    from hibernate.agent.adopt import adopt_here, adopt_on_track
+    from hibernate.pools.device import CudaCopies, CudaRuntime
+    from hibernate.pools.tensors import TensorPool
+    from hibernate.store.layout import SpillRoot
+    from hibernate.store.options import WriteOptions
+    from hibernate.store.owner import Owner
+    from hibernate.store.writer import write_snapshot
+    from tests.pooled import agent_with, bits
+    from tests.standins.vllm_cumem import FakeCudaRT
+
+    cudart = FakeCudaRT(cudart_path)
+    cudart.set_counter("fake_fail_copy_at", -1)
+    cudart.set_counter("fake_fail_run_at", -1)
+
+    def built() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8)
+        )
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(16, 64, generator=generator)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # gradients set to None: not in the snapshot
+
+    def on_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
+        """The storages the stand-in device holds: the parameters and their state but the steps."""
+        tensors = [*model.parameters()]
+        tensors += [
+            value for state in optimizer.state.values() for name, value in state.items() if name != "step"
+        ]
+        return {tensor.untyped_storage()._cdata for tensor in tensors}
+
+    def pool_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: bool) -> TensorPool:
+        if device:  # asked at each enumeration: state made by the adoption is on the device too
+            pool = TensorPool(
+                copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+                device_of=lambda storage: 1 if storage._cdata in on_device(model, optimizer) else None,
+                graphs=list,
+            )
+        else:
+            pool = TensorPool()
+        pool.track(model, "weights", True, "model")
+        pool.track(optimizer, "weights", True, "optimizer")
+        return pool
+
+    def everything(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
+        tensors = dict(model.state_dict())
+        for index, state in optimizer.state_dict()["state"].items():
+            tensors.update({f"optimizer.{index}.{name}": value for name, value in state.items()})
+        return {name: bits(value).numpy().tobytes() for name, value in tensors.items()}
+
+    from_device = direction == "device to cpu"
+    model, optimizer = built()
+    for seed in range(3):
+        train(model, optimizer, seed)
+    dead = replace(Owner.current(), pid=999_999_200, start_time=1)  # past pid_max: a process that is gone
+    written_pool = pool_of(model, optimizer, from_device)
+    with SpillRoot(tmp_path / "proc-1-aaaa", create=True, owner=dead) as root:
+        write_snapshot(root, written_pool.regions(), producer={}, options=WriteOptions())
+    recorded = json.loads(next(tmp_path.glob("*/snap-000001/manifest.json")).read_text())
+    assert "cuda:1" in json.dumps(recorded) if from_device else "cuda:1" not in json.dumps(recorded)
+    at_sleep = everything(model, optimizer)
+
+    mine, my_optimizer = built()
+    pool = pool_of(mine, my_optimizer, not from_device)
+    agent = agent_with(pool, "adopting")
+    copied_before = cudart.counter("fake_copied_bytes")
+    reports: list[dict[str, Any] | None]
+    if from_device:
+        reports = [adopt_here(agent, tmp_path, args={"buffer_mb": 4})]
+    else:
+        reports = [adopt_on_track(agent, pool, tracked, str(tmp_path)) for tracked in (mine, my_optimizer)]
+    storages = len(on_device(mine, my_optimizer))  # 6 parameters, an exp_avg and an exp_avg_sq each
+    way = "cuda:1 -> cpu" if from_device else "cpu -> cuda:1"
+    moved: dict[str, int] = {}
+    for report in reports:
+        assert report is not None
+        for key, count in report["moved"].items():
+            moved[key] = moved.get(key, 0) + count
+    assert moved == {way: storages} and storages == 18
+    assert everything(mine, my_optimizer) == at_sleep, "weights and optimizer state bit-identical"
+    for parameter in mine.parameters():
+        state = my_optimizer.state[parameter]
+        assert state["exp_avg"].device == parameter.device and state["step"].device == torch.device("cpu")
+    if not from_device:
+        assert cudart.counter("fake_copied_bytes") - copied_before >= sum(t.nbytes for t in mine.parameters())
+        lines = [line for line in capsys.readouterr().err.splitlines() if "hibernate: adopted" in line]
+        assert len(lines) == 2 and all(", 6 moved cpu -> cuda:1)" in line for line in lines[:1]), lines
+        assert ", 12 moved cpu -> cuda:1)" in lines[1], lines
+    train(model, optimizer, 3)  # and both go on alike: the adopted optimizer steps as the first would
+    train(mine, my_optimizer, 3)
+    assert everything(mine, my_optimizer) == everything(model, optimizer)

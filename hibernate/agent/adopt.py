@@ -23,6 +23,11 @@ new, held by nothing else, and filled in place; a refusal takes it back. The
 price is memory for the adopted tensors the program already had (its
 weights, not the optimizer state made here) for the length of the adoption,
 on their device, and one more copy of them there.
+
+A record taken on another device fills its storage here all the same (a
+requeued job whose GPU has another index, a GPU job's state taken up on the
+CPU): the stand-ins are made for the storage's device in this process, and
+show the reader the record's description, since the bytes are the same.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import mmap
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +125,10 @@ def adopt_on_track(agent: Agent, pool: TensorPool, obj: Any, path: str) -> dict[
         print(f"hibernate: {ADOPT_ENV}={path}: {exc.message}; starting afresh", file=sys.stderr, flush=True)
         return None
     _still_to_adopt.note(report["snapshot"], report["unclaimed"])
+    moved = "".join(f", {count} moved {way}" for way, count in report["moved"].items())
     print(
         f"hibernate: adopted {report['adopted_regions']} tensor storage(s), {report['adopted_bytes']} bytes "
-        f"({report['read_bytes']} read), from {report['snapshot']} ({report['picked']})",
+        f"({report['read_bytes']} read{moved}), from {report['snapshot']} ({report['picked']})",
         file=sys.stderr,
         flush=True,
     )
@@ -205,6 +211,8 @@ def _fill(
                     shadows.standing_for(kept[i]) if i >= 0 else unasked(_record(columns, n))
                     for n, i in enumerate(pairing.order)
                 ]
+                for n in pairing.moved:  # on another device here: the reader compares the record's
+                    targets[n] = _AsRecorded(targets[n], columns.metas[n])
                 try:
                     result = reader.read_into(
                         targets,
@@ -252,6 +260,7 @@ def _fill(
         "io_mode": result["io_mode"],
         "tuning": result["tuning"],
         "unclaimed": pairing.unclaimed,
+        "moved": pairing.moves(),
         "warnings": warnings,
     }
 
@@ -394,3 +403,41 @@ class _Shadow(RegionAttributes):
 
     def host_address(self) -> int | None:
         return self._address if self._nbytes else None
+
+
+class _AsRecorded:
+    """A stand-in (or a region filled in place) shown to the reader with its record's description.
+
+    The reader compares each region's meta with its record's, whole; a storage on another device
+    here than in the snapshot differs only by its device (store.adoption.pair_by_name has judged
+    the rest), and its bytes are the same, so the reader is shown the record's meta and fills the
+    memory the stand-in has, on this process's device.
+    """
+
+    def __init__(self, region: Region, meta: Mapping[str, Any]) -> None:
+        self._region = region
+        self.meta = meta
+
+    @property
+    def key(self) -> str:
+        return self._region.key
+
+    @property
+    def tag(self) -> str:
+        return self._region.tag
+
+    @property
+    def nbytes(self) -> int:
+        return self._region.nbytes
+
+    def copy_out(self, offset: int, dst: memoryview) -> None:
+        raise AssertionError("an adoption only reads the snapshot")
+
+    def copy_in(self, offset: int, src: memoryview) -> None:
+        self._region.copy_in(offset, src)
+
+    def host_view(self, offset: int, length: int) -> memoryview | None:
+        return self._region.host_view(offset, length)
+
+    def host_address(self) -> int | None:
+        return self._region.host_address()

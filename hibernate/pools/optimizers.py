@@ -11,9 +11,11 @@ instead (``param_groups.<group>.<index>``), as ``state_dict`` would number it.
 
 An optimizer that has not stepped has no state yet (torch makes it at the
 first step); to adopt a snapshot it is given the state the snapshot holds,
-tensors of the recorded dtype, shape and device, as ``load_state_dict`` would
-give it, before the adoption fills them. Its class is part of each record
-(``optimizer`` in the meta): the state of an AdamW is never poured into an SGD.
+tensors of the recorded dtype and shape, before the adoption fills them. Each
+is placed where ``load_state_dict`` would place it in this process: on its
+parameter's device here, whatever device the snapshot was taken on (see
+_placed_for). Its class is part of each record (``optimizer`` in the meta): the
+state of an AdamW is never poured into an SGD.
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ def give_state(
 
     ``records`` are the snapshot's (name, meta) pairs under this optimizer's tag, the name without
     the tag. Each record of ``prefix + "state."`` names a parameter and a field; a parameter that
-    already has state keeps it (it is compared, not replaced). Refused, before anything is made:
-    a record of another kind of optimizer.
+    already has state keeps it (it is compared, not replaced). Each tensor is made on the device
+    torch's own ``load_state_dict`` would move it to (_placed_for), never on the snapshot's: the
+    snapshot may come from a GPU of another index, or from a GPU into a model on the CPU. Refused,
+    before anything is made: a record of another kind of optimizer.
     """
     wanted = kind(optimizer)
     mine = [(name, meta) for name, meta in records if name.startswith(f"{prefix}{STATE}")]
@@ -115,6 +119,7 @@ def give_state(
         )
     # Parameters without state, before any is made (a parameter's fields are made one by one).
     bare = {name: p for name, p in _parameters(optimizer, names) if not optimizer.state.get(p)}
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     made = 0
     for name, meta in mine:
         parameter_name, _, field_name = name[len(prefix) + len(STATE) :].rpartition(".")
@@ -124,7 +129,8 @@ def give_state(
         view = next((v for v in meta.get("views", ()) if v.get("name") == name), None)
         if view is None:
             continue
-        tensor = _empty_like_view(view, str(meta.get("device", "cpu")))
+        device = _placed_for(parameter, group_of[id(parameter)], field_name, str(meta.get("device", "cpu")))
+        tensor = _empty_like_view(view, device)
         if not optimizer.state.get(parameter):
             given.owners.append((optimizer, parameter))
         optimizer.state[parameter][field_name] = tensor
@@ -133,7 +139,27 @@ def give_state(
     return made
 
 
-def _empty_like_view(view: Mapping[str, Any], device: str) -> torch.Tensor:
+def _placed_for(parameter: Any, group: Mapping[str, Any], field_name: str, saved: str) -> torch.device:
+    """Where ``load_state_dict`` would put a field of the state of ``parameter`` (of param group
+    ``group``; ``saved``: the device the snapshot says the field was on), by torch's rule
+    (Optimizer._process_value_according_to_param_policy).
+
+    Every field goes to the parameter's device, but ``step``, which torch keeps where the value it
+    is given lies unless the parameter's group is ``capturable`` or ``fused`` (then it goes to the
+    parameter's device too): Adam's step lives on the CPU, ASGD's on the parameter's device. The
+    value given here is the snapshot's, read onto a device of this process as
+    ``torch.load(map_location=...)`` maps a checkpoint: on the CPU if it was on the CPU, else on
+    the parameter's device (the snapshot's GPU may not exist here, or have another index).
+    The dtype is the record's, never cast: an adoption fills the tensor with the record's bytes.
+    """
+    if field_name != "step" or saved.partition(":")[0] != "cpu":
+        return torch.device(parameter.device)
+    if group.get("capturable") or group.get("fused"):
+        return torch.device(parameter.device)
+    return torch.device("cpu")
+
+
+def _empty_like_view(view: Mapping[str, Any], device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, str(view.get("dtype")), None)
     if not isinstance(dtype, torch.dtype):
         raise SnapshotInvalidError(f"{view.get('name')}: dtype {view.get('dtype')!r} is not one of torch's")

@@ -10,15 +10,24 @@ judges its owner; ``pair_by_name`` matches records to regions by key (a
 process built by the same code may have created its tensors in another
 order) and lists every difference at once, so a refusal says all that is
 wrong before a byte is written.
+
+The device a storage was on is no difference: its bytes are the same on any
+device for the same dtypes, shapes and strides, as ``load_state_dict`` copies
+across devices. A requeued job often lands on a node where its GPU has another
+index, and a GPU job's state may be taken up on the CPU: each such record is
+noted (``Pairing.moved``), for the report to say so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hibernate.errors import BusyError, PermissionDeniedError, SnapshotInvalidError, StorageError
 from hibernate.store.layout import SpillRoot, is_spill_root, read_marker
@@ -27,6 +36,7 @@ from hibernate.store.owner import Liveness, Owner, liveness
 from hibernate.store.regions import Region
 
 NOTHING_THERE = "no complete snapshot"  # how every refusal for want of a snapshot begins
+DEVICE = "device"  # the meta's field that names the device a storage is on (pools.base)
 
 
 @dataclass(frozen=True)
@@ -163,19 +173,28 @@ class Pairing:
 
     order: list[int]
     unclaimed: list[str]  # keys of records no region asked for (left unread: a partial adoption)
+    # Record index -> "<its device> -> <its region's device>", for each record whose region is on
+    # another device: its bytes are the same, only what the reader compares must be the record's.
+    moved: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def moves(self) -> dict[str, int]:
+        """How many storages changed device, by way (``{"cuda:1 -> cuda:0": 12}``); empty if none did."""
+        return dict(sorted(Counter(self.moved.values()).items()))
 
 
 def pair_by_name(columns: Columns, regions: Sequence[Region], *, every_record: bool) -> Pairing:
     """Each region's record, by key; refused with every difference listed where any differs.
 
     A difference is a region the snapshot lacks, or one whose tag, size or meta (dtype, shape,
-    strides of each view) is not the record's. With ``every_record``, a record no region claims
-    is one too (the whole process is adopted), but for a gradient of a parameter that is adopted;
-    otherwise it is left unread and reported.
+    strides of each view) is not the record's; its device is none (see the module), and each
+    record whose region is on another device is noted in ``moved``. With ``every_record``, a
+    record no region claims is one too (the whole process is adopted), but for a gradient of a
+    parameter that is adopted; otherwise it is left unread and reported.
     """
     index = {key: i for i, key in enumerate(columns.keys)}
     differences: list[str] = []
     order = [-1] * len(columns.keys)
+    moved: dict[int, str] = {}
     for position, region in enumerate(regions):
         record = index.get(region.key)
         if record is None:
@@ -185,6 +204,10 @@ def pair_by_name(columns: Columns, regions: Sequence[Region], *, every_record: b
         problem = _difference(columns, record, region)
         if problem is not None:
             differences.append(f"{region.key}: {problem}")
+            continue
+        saved_device, live_device = columns.metas[record].get(DEVICE), region.meta.get(DEVICE)
+        if saved_device != live_device:
+            moved[record] = f"{saved_device} -> {live_device}"
     unclaimed = [key for key, position in zip(columns.keys, order, strict=True) if position < 0]
     if every_record:
         claimed = {region.key for region in regions}
@@ -202,7 +225,7 @@ def pair_by_name(columns: Columns, regions: Sequence[Region], *, every_record: b
             "nothing was adopted",
             hint="adopt a snapshot of a process built by the same code (same model, dtypes and shapes)",
         )
-    return Pairing(order, unclaimed)
+    return Pairing(order, unclaimed, moved)
 
 
 GRADIENT_SUFFIX = ".grad"  # how the tensor pool names a parameter's gradient
@@ -225,12 +248,15 @@ def _difference(columns: Columns, record: int, region: Region) -> str | None:
         return _views_difference(saved_views, live_views) or "its tensors differ"
     if size != region.nbytes:
         return f"{size} bytes in the snapshot, {region.nbytes} here"
-    saved_device, live_device = columns.metas[record].get("device"), region.meta.get("device")
-    if saved_device != live_device:
-        return f"on {saved_device} in the snapshot, on {live_device} here"
-    if columns.metas[record] != region.meta:
+    saved, live = columns.metas[record], region.meta
+    if saved != live and _but_device(saved) != _but_device(live):
         return "its description differs"
     return None
+
+
+def _but_device(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A region's meta without its device, which an adoption does not compare (see the module)."""
+    return {name: value for name, value in meta.items() if name != DEVICE}
 
 
 def _views_difference(saved: list[dict[str, object]], live: list[dict[str, object]]) -> str | None:
