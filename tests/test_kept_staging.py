@@ -38,7 +38,11 @@ class CountingPin:
         address = id(view.obj)
         self.pinned[address] = len(view)
         self.pins += 1
-        return lambda: self.pinned.pop(address)
+
+        def unpin() -> None:
+            del self.pinned[address]
+
+        return unpin
 
 
 def use(pool: StagingPool, count: int) -> None:

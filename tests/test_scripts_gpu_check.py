@@ -331,7 +331,8 @@ def test_the_dry_run_walks_every_section_of_the_device_run(
     cycles = demo_cycles(document)
     assert set(cycles) == {
         "pools-only", "driver", "binary", "group[0]", "group[1]", "pools", "pools-checkpoint",
-        "ceiling[0]", "ceiling[1]", "ceiling[2]", "background[0]", "expandable[0]", "expandable[1]",
+        "ceiling[0]", "ceiling[1]", "ceiling[2]", "kept-staging[0]", "kept-staging[1]", "background[0]",
+        "expandable[0]", "expandable[1]",
     }  # fmt: skip
     for where, checks in cycles.items():
         wanted = {f"{prefix}{name}" for name in POOL_CHECKS for prefix in ("", "0.", "1.", "2.")}
@@ -392,6 +393,11 @@ def test_the_dry_run_walks_every_section_of_the_device_run(
     assert Path(tmpfs["snapshot_dir"]).parent == shm
     assert ceiling["speeds"]["page_cache_restore_gb_per_s"] and ceiling["speeds"]["disk_restore_gb_per_s"]
     assert ceiling["host_to_device_same_bytes"] == {"skipped": "dry run: no GPU"}
+    # Kept staging: a dry run's demo is on the CPU, with nothing to pin, so it keeps nothing.
+    kept = sections["kept-staging"]
+    assert kept["checks"] == {"cpu_target_keeps_nothing": True} and set(kept["kept"]) == {
+        "first.sleep", "first.wake", "second.sleep", "second.wake",
+    }  # fmt: skip
     # vLLM's extension: carried, and driven here over the stand-ins of its allocator.
     cumem = sections["cumem"]
     assert cumem["path"] == str(checkout / "vendor" / "cumem_allocator.abi3.so")
@@ -450,7 +456,7 @@ def test_every_cycle_fails_when_the_demos_pools_do_nothing(tmp_path: Path, runti
     returncode, document = dry_run(tmp_path, "--demo-untracked", "--skip", skip)
     assert returncode == 1 and not document["ok"]
     cycles = demo_cycles(document)
-    assert len(cycles) == 11
+    assert len(cycles) == 13
     for where, checks in cycles.items():
         pool_checks = {name: ok for name, ok in checks.items() if name.split(".")[-1] in POOL_CHECKS}
         assert len(pool_checks) >= 4 and not any(pool_checks.values()), (where, checks)
