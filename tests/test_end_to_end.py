@@ -241,6 +241,25 @@ def test_a_bad_keep_staging_setting_in_the_target_refuses_the_sleep_and_leaves_i
     assert demo.infer()["digest"] == reference
 
 
+def test_a_target_that_keeps_its_staging_takes_it_again_at_its_next_sleep_and_gives_it_back_when_asked(
+    start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
+) -> None:
+    demo = start_demo(size_mb=16, env={"HIBERNATE_KEEP_STAGING_MB": "64"})  # the process's own setting
+    reference = demo.infer()["digest"]
+    slept = cli("sleep", str(demo.pid), "--to", str(work_dir / "first"), "--json")
+    assert slept.returncode == 0, slept.stderr
+    kept = slept.json()["processes"][0]["kept_staging"]
+    assert kept["kept_bytes"] > 0 and kept["reused_bytes"] == 0
+    assert cli("wake", str(demo.pid)).returncode == 0
+    slept = cli("sleep", str(demo.pid), "--to", str(work_dir / "second"), "--json")  # writes it all again
+    assert slept.json()["processes"][0]["kept_staging"]["reused_bytes"] == kept["kept_bytes"]
+    woken = cli("wake", str(demo.pid), "--keep-staging-mb", "0")  # the command's word goes first
+    assert woken.returncode == 0, woken.stderr
+    assert "staging   0 B kept for the next sleep or wake" in woken.stdout
+    assert "B given back)" in woken.stdout and "(0 B given back)" not in woken.stdout
+    assert demo.infer()["digest"] == reference
+
+
 def test_an_io_depth_out_of_range_is_refused_before_anything_is_touched(
     start_demo: Callable[..., Any], cli: Callable[..., Any], work_dir: Path
 ) -> None:

@@ -1,4 +1,4 @@
-"""Pinned staging kept from one sleep or wake to the next, within the bound each one is given.
+"""Staging kept from one sleep or wake to the next, within the bound each one is given.
 
 The store's part (directio.KeptStaging with StagingPool) is pinned with a counting pin; the
 agent's (a tracked device model's sleeps and wakes, --keep-staging-mb and
@@ -25,6 +25,8 @@ from tests.pooled import agent_with
 from tests.standins.vllm_cumem import FakeCudaRT
 
 MiB = 1 << 20
+# Buffers a transfer may keep map whole huge pages (2 MiB): the sizes below are of those.
+UNIT = 2 * MiB
 
 
 class CountingPin:
@@ -57,36 +59,78 @@ def use(pool: StagingPool, count: int) -> None:
 
 def test_a_transfer_within_the_bound_leaves_its_buffers_pinned_for_the_next_one() -> None:
     kept, pin = KeptStaging(), CountingPin()
-    kept.begin(4 * MiB)
-    use(StagingPool(4 * MiB, MiB, pin, lazy=True, kept=kept), 3)
-    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 3 * MiB, "given_back_bytes": 0}
-    assert pin.pins == 3 and sum(pin.pinned.values()) == 3 * MiB, "kept pinned"
+    kept.begin(4 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 3)
+    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 3 * UNIT, "given_back_bytes": 0}
+    assert pin.pins == 3 and sum(pin.pinned.values()) == 3 * UNIT, "kept pinned"
 
-    kept.begin(4 * MiB)
-    use(StagingPool(4 * MiB, MiB, pin, lazy=True, kept=kept), 2)
-    assert kept.end() == {"reused_bytes": 2 * MiB, "kept_bytes": 3 * MiB, "given_back_bytes": 0}
+    kept.begin(4 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 2)
+    assert kept.end() == {"reused_bytes": 2 * UNIT, "kept_bytes": 3 * UNIT, "given_back_bytes": 0}
     assert pin.pins == 3, "the second transfer pinned nothing"
 
     kept.begin(0)  # asked to give it back
-    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 0, "given_back_bytes": 3 * MiB}
+    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 0, "given_back_bytes": 3 * UNIT}
     assert pin.pinned == {}, "every buffer unpinned"
 
 
-def test_nothing_is_kept_beyond_the_bound_nor_without_a_pin_nor_of_another_size() -> None:
+def test_nothing_is_kept_beyond_the_bound_and_a_buffer_of_another_size_is_made_anew() -> None:
     kept, pin = KeptStaging(), CountingPin()
-    kept.begin(2 * MiB)
-    use(StagingPool(4 * MiB, MiB, pin, lazy=True, kept=kept), 3)
-    assert kept.end()["kept_bytes"] == 2 * MiB, "the bound, not the transfer, says how much"
-    assert sum(pin.pinned.values()) == 2 * MiB, "the third buffer was unpinned"
+    kept.begin(2 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 3)
+    assert kept.end()["kept_bytes"] == 2 * UNIT, "the bound, not the transfer, says how much"
+    assert sum(pin.pinned.values()) == 2 * UNIT, "the third buffer was unpinned"
 
-    kept.begin(8 * MiB)
-    use(StagingPool(4 * MiB, MiB, None, lazy=True, kept=kept), 2)  # a host-only target: nothing to pin
-    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 2 * MiB, "given_back_bytes": 0}
-
-    kept.begin(8 * MiB)
-    use(StagingPool(4 * MiB, 2 * MiB, pin, lazy=True, kept=kept), 2)  # buffers of another size: made anew
+    kept.begin(8 * UNIT)
+    use(StagingPool(4 * UNIT, 2 * UNIT, pin, lazy=True, kept=kept), 2)  # buffers of another size: made anew
     account = kept.end()
-    assert account["reused_bytes"] == 0 and account["kept_bytes"] == 6 * MiB
+    assert account["reused_bytes"] == 0 and account["kept_bytes"] == 6 * UNIT
+    kept.begin(0)
+    kept.end()
+    assert pin.pinned == {}
+
+
+def test_a_kept_buffer_a_little_larger_serves_a_transfer_that_needs_less_and_a_much_larger_does_not() -> None:
+    """A snapshot smaller than the staging sizes the buffers to what it holds, which moves by a few
+    pages from one sleep to the next: a kept buffer up to a quarter larger is taken, as that size."""
+    kept, pin = KeptStaging(), CountingPin()
+    kept.begin(64 * UNIT)
+    use(StagingPool(4 * UNIT, 5 * UNIT, pin, lazy=True, kept=kept), 1)
+    kept.end()
+    pool = StagingPool(8 * UNIT, 3 * UNIT, pin, lazy=True, kept=kept)  # 5 units are too many for 3
+    kept.begin(64 * UNIT)
+    use(pool, 1)
+    assert kept.end()["reused_bytes"] == 0 and pin.pins == 2
+
+    kept.begin(64 * UNIT)
+    pool = StagingPool(8 * UNIT, 4 * UNIT, pin, lazy=True, kept=kept)
+    buffer = pool.take(threading.Event())
+    assert buffer.size == 4 * UNIT and buffer.mapped_bytes == 5 * UNIT, "the buffer of 5 units, used as 4"
+    assert pool.total_bytes == 5 * UNIT, "what the transfer holds, as mapped"
+    pool.give(buffer)
+    pool.settle()
+    pool.close()
+    assert kept.end() == {"reused_bytes": 5 * UNIT, "kept_bytes": 8 * UNIT, "given_back_bytes": 0}
+    assert pin.pins == 2, "taken pinned"
+    kept.begin(0)
+    assert kept.end()["given_back_bytes"] == 8 * UNIT and pin.pinned == {}
+
+
+def test_plain_staging_is_kept_too_and_pinned_when_a_transfer_that_pins_takes_it() -> None:
+    kept, pin = KeptStaging(), CountingPin()
+    kept.begin(8 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, None, lazy=True, kept=kept), 2)  # a host-only target: nothing pinned
+    assert kept.end() == {"reused_bytes": 0, "kept_bytes": 2 * UNIT, "given_back_bytes": 0}
+    assert pin.pins == 0
+
+    kept.begin(8 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 2)
+    assert kept.end()["reused_bytes"] == 2 * UNIT
+    assert pin.pins == 2 and sum(pin.pinned.values()) == 2 * UNIT, "pinned when taken, kept pinned"
+
+    kept.begin(8 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 2)
+    assert pin.pins == 2, "pinned once"
     kept.begin(0)
     kept.end()
     assert pin.pinned == {}
@@ -99,8 +143,8 @@ class FailingFence:
 
 def test_a_transfer_whose_device_copy_failed_keeps_nothing() -> None:
     kept, pin = KeptStaging(), CountingPin()
-    kept.begin(4 * MiB)
-    pool = StagingPool(4 * MiB, MiB, pin, lazy=True, kept=kept)
+    kept.begin(4 * UNIT)
+    pool = StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept)
     buffer = pool.take(threading.Event())
     pool.fence(buffer, FailingFence())
     pool.give(buffer)
@@ -160,7 +204,8 @@ def test_a_device_target_keeps_its_staging_pinned_through_the_sleep_and_its_wake
     assert kept_at_wake["kept_bytes"] >= kept_at_sleep["kept_bytes"]
 
     slept = agent.sleep_here(work_dir, 5.0, transfer)
-    assert slept["spill"]["kept_staging"]["reused_bytes"] == kept_at_sleep["kept_bytes"], "the arenas again"
+    # Its arenas again, and for its reuse check the wake's read buffers (both kept, of the same kind).
+    assert slept["spill"]["kept_staging"]["reused_bytes"] > kept_at_sleep["kept_bytes"]
     woke = agent.wake_here(transfer)
     assert woke["restore"]["kept_staging"]["reused_bytes"] > 0
     assert cudart.counter("fake_host_registrations") == pins_after_wake, "the second cycle pinned nothing"
@@ -194,12 +239,19 @@ def test_the_processs_own_variable_sets_the_bound_when_the_command_does_not(
     assert agent.state.value == "running", "refused before anything was touched"
 
 
-def test_a_target_without_device_memory_gives_all_its_staging_back(work_dir: Path) -> None:
-    weights = torch.arange(1 << 18, dtype=torch.float32)
+def test_a_target_without_device_memory_keeps_plain_staging_when_asked(work_dir: Path) -> None:
+    weights = torch.arange(1 << 20, dtype=torch.float32)
+    before = weights.clone()
     pool = TensorPool()
     pool.track(weights, "weights", True, "w")
     agent = agent_with(pool, "host-only")
-    slept = agent.sleep_here(work_dir, 5.0, {"buffer_mb": 2, "keep_staging_mb": 64})
-    assert slept["spill"]["kept_staging"] == {"reused_bytes": 0, "kept_bytes": 0, "given_back_bytes": 0}
-    woke = agent.wake_here({"buffer_mb": 2, "keep_staging_mb": 64})
-    assert woke["restore"]["kept_staging"]["kept_bytes"] == 0
+    transfer = {"buffer_mb": 2, "chunk_mb": 1, "keep_staging_mb": 64}
+    slept = agent.sleep_here(work_dir, 5.0, transfer)
+    kept = slept["spill"]["kept_staging"]["kept_bytes"]
+    assert kept > 0
+    agent.wake_here(transfer)
+    weights.add_(1)  # changed: the next sleep writes every chunk again, through the kept arenas
+    slept = agent.sleep_here(work_dir, 5.0, transfer)
+    assert slept["spill"]["kept_staging"]["reused_bytes"] >= kept  # the reuse check's reads may take more
+    woke = agent.wake_here({"buffer_mb": 2, "keep_staging_mb": 0})
+    assert woke["restore"]["kept_staging"]["kept_bytes"] == 0 and torch.equal(weights, before + 1)

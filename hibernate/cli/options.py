@@ -76,8 +76,8 @@ KeepStagingOption = Annotated[
         "--keep-staging-mb",
         metavar="MIB",
         show_default=False,
-        help="Page-locked staging each target keeps for its next sleep or wake, in MiB (0 gives back "
-        "what it keeps; default: the target's HIBERNATE_KEEP_STAGING_MB, else 0). GPU targets only.",
+        help="Staging each target keeps for its next sleep or wake (page-locked on a GPU target), in MiB: "
+        "0 gives back what it keeps; default: the target's HIBERNATE_KEEP_STAGING_MB, else 0.",
     ),
 ]
 IoModeOption = Annotated[

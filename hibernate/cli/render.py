@@ -193,6 +193,18 @@ def _reuse_check(read: int, rewritten: int) -> str:
     return line
 
 
+def _kept_staging(kept: dict[str, int] | None) -> str | None:
+    """The staging line (--keep-staging-mb): what the transfer took from the process's kept staging,
+    what stays kept, what was given back; None where none of it happened (the default)."""
+    if not kept or not any(kept.values()):
+        return None
+    return (
+        f"{human_bytes(kept.get('kept_bytes', 0))} kept for the next sleep or wake "
+        f"({human_bytes(kept.get('reused_bytes', 0))} reused, "
+        f"{human_bytes(kept.get('given_back_bytes', 0))} given back)"
+    )
+
+
 def _how(io_mode: Any, tuning: dict[str, Any] | None) -> str:
     """How a transfer ran: ``direct I/O, 8 requests in flight, 2 workers`` (the I/O mode alone from an
     agent that does not report its tuning)."""
@@ -225,6 +237,9 @@ def sleep_report(report: SleepReport) -> None:
             f"{human_bytes(p.dropped_bytes)}" + (f" ({', '.join(dropped_tags)})" if dropped_tags else ""),
         )
         _line("memory", _rss_change(p.rss_before, p.rss_after))
+        staging = _kept_staging(p.kept_staging)
+        if staging is not None:
+            _line("staging", staging)
         if p.resident_bytes:
             _line("resident", f"{human_bytes(p.resident_bytes)} (partial pages at the edges of fixed memory)")
         for warning in p.warnings:
@@ -290,6 +305,9 @@ def wake_report(report: WakeReport) -> None:
             f"verified; {human_bytes(p.zeroed_bytes)} zero-filled",
         )
         _line("memory", _rss_change(p.rss_before, p.rss_after))
+        staging = _kept_staging(p.kept_staging)
+        if staging is not None:
+            _line("staging", staging)
         for warning in p.warnings:
             _line("warning", warning)
     _total_line(report.processes, "restored")

@@ -65,10 +65,15 @@ class StagingBuffer:
     buffers reused many times and kept few: the reader's, not the writer's (a
     spill with huge-page staging measured slower, 1.5 against 2.0 GB/s).
     Where huge pages are off or none is free, the kernel uses small pages.
+
+    ``size`` is what the transfer holding it uses; a buffer that may be kept
+    between transfers (KeptStaging) maps a little more (``mapped_bytes``):
+    rounded up to a huge page, or made for a transfer that needed more.
     """
 
     def __init__(self, size: int, *, huge: bool = False) -> None:
         self.size = size
+        self.mapped_bytes = size
         self.huge = huge
         # Device copies still reading or writing it: waited for before it is handed out again or
         # unmapped (StagingPool.fence), under the pool's lock.
@@ -106,28 +111,49 @@ def unmap_now(mapping: mmap.mmap, view: memoryview) -> None:
         pass  # unmapped when the last slice goes
 
 
-class KeptStaging:
-    """Page-locked staging a process keeps from one transfer to the next, within a bound it is given.
+Unpin = Callable[[], None]
+# A kept buffer serves a transfer that needs up to a fifth less than it maps (beyond its rounding up
+# to a huge page, see _rounded): what it wastes stays small, and a buffer much larger than asked for
+# is left to a transfer that needs it.
+_KEPT_SLACK = 4
 
-    Allocating staging, faulting it in and page-locking it (cudaHostRegister)
-    is paid again by every sleep and wake that allocates its own: tens of
-    milliseconds for 256 MiB on a GPU node, against a wake from memory of a
-    few GiB that takes a few hundred. A process that keeps its pinned staging
-    pays it once; the price is that memory, locked, held while the process
-    runs and while it sleeps, which is why nothing is kept unless a bound is
-    given (:meth:`begin`, 0 by default). Only pinned buffers are kept: a
-    target without device pools gives all its staging back, as a sleep should.
-    A transfer takes a kept buffer of exactly the size and kind it would have
-    allocated (a sleep's arenas and a wake's read buffers differ, so both are
-    kept where the bound allows). One operation at a time (the agent's
-    session): :meth:`begin` and :meth:`end` bracket it.
+
+def _rounded(size: int) -> int:
+    """What a buffer that may be kept maps for ``size`` bytes: up to the next huge page."""
+    return -(-size // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+
+
+class KeptStaging:
+    """Staging a process keeps from one transfer to the next, within a bound it is given.
+
+    Every sleep and wake that allocates its own staging pays again for
+    allocating it, faulting it in and, on a GPU target, page-locking it
+    (cudaHostRegister): tens of milliseconds for 256 MiB on a GPU node, against
+    a wake from memory of a few GiB that takes a few hundred, and 0.2 s on a
+    VM whose host backs fresh pages as they are touched. A process that keeps
+    its staging pays it once; the price is that memory (locked, on a GPU
+    target), held while the process runs and while it sleeps, beside what the
+    sleep gives back, which is why nothing is kept unless a bound is given
+    (:meth:`begin`, 0 by default). A transfer takes a kept buffer of the kind
+    it would have allocated, of its size or a little more (a sleep's arenas
+    and a wake's read buffers differ, so both are kept where the bound allows;
+    a snapshot smaller than the staging sizes them to what it holds, which
+    moves by a few pages from one sleep to the next), still pinned where it
+    was, pinned then where it was not and the transfer pins.
+    One operation at a time (the agent's session): :meth:`begin` and
+    :meth:`end` bracket it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: list[tuple[StagingBuffer, Callable[[], None]]] = []
+        self._held: list[tuple[StagingBuffer, Unpin | None]] = []
         self._bound_bytes = 0
         self._reused_bytes = 0
+
+    @property
+    def keeping(self) -> bool:
+        """Whether the operation under way may keep anything."""
+        return self._bound_bytes > 0
 
     def begin(self, bound_bytes: int) -> None:
         """An operation starts that may keep up to ``bound_bytes`` when it ends."""
@@ -138,38 +164,46 @@ class KeptStaging:
     def end(self) -> dict[str, int]:
         """The operation ended: what is kept beyond its bound is unpinned and unmapped (all of it at
         0). Returns what it reused, what stays kept and what was given back, in bytes."""
-        freed: list[tuple[StagingBuffer, Callable[[], None]]] = []
+        freed: list[tuple[StagingBuffer, Unpin | None]] = []
         with self._lock:
             while self._held and self._held_bytes() > self._bound_bytes:
                 freed.append(self._held.pop(0))  # the oldest first
             account = {"reused_bytes": self._reused_bytes, "kept_bytes": self._held_bytes()}
         for buffer, unpin in freed:
-            unpin()
+            if unpin is not None:
+                unpin()
             buffer.close()
-        account["given_back_bytes"] = sum(buffer.size for buffer, _ in freed)
+        account["given_back_bytes"] = sum(buffer.mapped_bytes for buffer, _ in freed)
         return account
 
-    def take(self, size: int, huge: bool) -> tuple[StagingBuffer, Callable[[], None]] | None:
-        """A kept buffer of ``size`` bytes and that kind, still pinned, with its unpin; None if none."""
+    def take(self, size: int, huge: bool) -> tuple[StagingBuffer, Unpin | None] | None:
+        """A kept buffer of that kind mapping ``size`` bytes or a little more (see _KEPT_SLACK), used
+        as ``size`` bytes, with its unpin (None: not pinned); the smallest, pinned first; None if
+        none fits."""
         with self._lock:
-            for index, (buffer, unpin) in enumerate(self._held):
-                if buffer.size == size and buffer.huge == huge:
-                    del self._held[index]
-                    self._reused_bytes += size
-                    return buffer, unpin
-        return None
+            fits = [
+                (buffer.mapped_bytes, unpin is None, index)
+                for index, (buffer, unpin) in enumerate(self._held)
+                if buffer.huge == huge and size <= buffer.mapped_bytes <= _rounded(size) + size // _KEPT_SLACK
+            ]
+            if not fits:
+                return None
+            buffer, unpin = self._held.pop(min(fits)[2])
+            buffer.size = size
+            self._reused_bytes += buffer.mapped_bytes
+            return buffer, unpin
 
-    def offer(self, buffer: StagingBuffer, unpin: Callable[[], None]) -> bool:
-        """Keep a pinned buffer a transfer is done with (no device copy on it still running), if the
-        bound has room for it; False: the caller unpins and unmaps it."""
+    def offer(self, buffer: StagingBuffer, unpin: Unpin | None) -> bool:
+        """Keep a buffer a transfer is done with (no device copy on it still running), pinned where
+        ``unpin`` is given, if the bound has room for it; False: the caller unpins and unmaps it."""
         with self._lock:
-            if self._held_bytes() + buffer.size > self._bound_bytes:
+            if self._held_bytes() + buffer.mapped_bytes > self._bound_bytes:
                 return False
             self._held.append((buffer, unpin))
             return True
 
     def _held_bytes(self) -> int:
-        return sum(buffer.size for buffer, _ in self._held)
+        return sum(buffer.mapped_bytes for buffer, _ in self._held)
 
 
 class StagingPool:
@@ -186,9 +220,9 @@ class StagingPool:
     cudaHostRegister) so device copies into them run at full speed; it returns
     the matching unpin. A buffer given back while device copies queued on it
     may still run carries their fence (:meth:`fence`): it is handed out again,
-    and unmapped, only once they ran. With ``kept`` (and a ``pin``), buffers
-    come from the process's kept staging where it has them, and go back to it
-    at the end of a transfer whose copies all ran (see KeptStaging).
+    and unmapped, only once they ran. With ``kept``, buffers come from the
+    process's kept staging where it has them, and go back to it at the end of
+    a transfer whose copies all ran (see KeptStaging).
     """
 
     def __init__(
@@ -206,18 +240,18 @@ class StagingPool:
         self._pin = pin
         self._lazy = lazy
         self._huge = huge
-        self._kept = kept if pin is not None else None
+        self._kept = kept
         self._reserved = 0  # buffers allocated or being allocated
         self._all: list[StagingBuffer] = []
-        self._unpins: dict[int, Callable[[], None]] = {}  # by id() of the buffer
+        self._unpins: dict[int, Unpin] = {}  # by id() of the buffer
         self._settled_well = False  # settle() found every device copy done and none failed
         self._lock = threading.Lock()
         self._free: queue.LifoQueue[StagingBuffer] = queue.LifoQueue()
 
     @property
     def total_bytes(self) -> int:
-        """The staging memory allocated (none until a buffer was first taken)."""
-        return self.buffer_bytes * len(self._all)
+        """The staging memory the transfer holds (none until a buffer was first taken)."""
+        return sum(buffer.mapped_bytes for buffer in self._all)
 
     def _allocate(self, count: int) -> list[StagingBuffer]:
         """Up to ``count`` more buffers, fewer if that would pass the pool's size."""
@@ -227,23 +261,35 @@ class StagingPool:
         made = []
         for done in range(count):
             reused = self._kept.take(self.buffer_bytes, self._huge) if self._kept is not None else None
-            unpin: Callable[[], None] | None
+            unpin: Unpin | None
             if reused is not None:
                 buffer, unpin = reused
             else:
                 try:
-                    buffer = StagingBuffer(self.buffer_bytes, huge=self._huge)
+                    buffer = self._new_buffer()
                 except BaseException:
                     with self._lock:
                         self._reserved -= count - done  # else a lazy take would wait for it forever
                     raise
-                unpin = self._pin(buffer.view) if self._pin is not None else None
+                unpin = None
+            if unpin is None and self._pin is not None:
+                unpin = self._pin(buffer.view)
             with self._lock:
                 self._all.append(buffer)
                 if unpin is not None:
                     self._unpins[id(buffer)] = unpin
             made.append(buffer)
         return made
+
+    def _new_buffer(self) -> StagingBuffer:
+        """A buffer of ``buffer_bytes``; one that may be kept maps up to a huge page more, so that a
+        later transfer needing a few pages more than this one (a small snapshot's staging moves with
+        its layout) can still take it."""
+        if self._kept is None or not self._kept.keeping:
+            return StagingBuffer(self.buffer_bytes, huge=self._huge)
+        buffer = StagingBuffer(_rounded(self.buffer_bytes), huge=self._huge)
+        buffer.size = self.buffer_bytes
+        return buffer
 
     def prefill(self, count: int) -> None:
         """Allocate up to ``count`` more buffers now (within the pool's size) and make them free.
@@ -327,7 +373,7 @@ class StagingPool:
         kept = self._kept if self._settled_well else None  # after a failed copy, nothing is kept
         for buffer in self._all:
             unpin = self._unpins.pop(id(buffer), None)
-            if unpin is not None and kept is not None and kept.offer(buffer, unpin):
+            if kept is not None and kept.offer(buffer, unpin):
                 continue
             if unpin is not None:
                 unpin()

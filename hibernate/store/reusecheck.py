@@ -50,6 +50,7 @@ from hibernate.store import bulk
 from hibernate.store.arena import ARENAS
 from hibernate.store.directio import (
     DataFile,
+    KeptStaging,
     PipelineAbortedError,
     StagingBuffer,
     StagingPool,
@@ -217,8 +218,10 @@ class ReuseCheck:
         *,
         io_mode: str,
         cancelled: Callable[[], bool] | None = None,
+        kept: KeptStaging | None = None,
     ) -> None:
         self._dir_fd = dir_fd
+        self._kept = kept  # the process's staging kept between transfers (directio.KeptStaging)
         self._candidates = list(candidates)
         self._marks = marks
         self._news = news
@@ -245,7 +248,9 @@ class ReuseCheck:
                 plan = Plan.of(self._candidates, request_bytes)
                 self._candidates = []
                 size = max(request_bytes, plan.largest_pages())
-                self._pool = pool = StagingPool(max(budget, 2 * size), size, lazy=True, huge=True)
+                self._pool = pool = StagingPool(
+                    max(budget, 2 * size), size, lazy=True, huge=True, kept=self._kept
+                )
                 planned.append(plan)
                 made.set()
                 for request in self._requests(plan, pipeline.abort, size):

@@ -263,6 +263,7 @@ def _write_locked(
                     stream.decided,
                     io_mode=options.io_mode,
                     cancelled=cancelled,
+                    kept=kept,
                 )
                 staging = _stream_then_check(stream, check, options, sizes, reusable, pin)
                 if check.outcome.failed:
