@@ -2,6 +2,7 @@
 
   scripts/bench-store [--size-mb 2048] [--tensors 64] [--dir DIR] [--reps 5] [--json-out FILE]
   scripts/bench-store --pools [--size-mb 2048] ...   # hibernate.pool()'s pool beside the tensor pool
+  scripts/bench-store --kept-staging [--size-mb 2048] [--reps 5]   # a target keeping its staging
 
 With more than 1,000 tensors it measures per-tensor cost: the time a spill or a restore
 takes beyond the raw transfer of the same bytes, per tensor, judged against 10 us.
@@ -668,12 +669,19 @@ def main() -> int:
         action="store_true",
         help="hibernate.pool()'s torch_memory_saver pool (over host memory) beside the tensor pool",
     )
+    parser.add_argument(
+        "--kept-staging",
+        action="store_true",
+        help="two demo targets through the CLI, one keeping its staging (--keep-staging-mb), one not",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the JSON document here")
     args = parser.parse_args()
     if args.size_mb < 64 or args.tensors < 2 or args.reps < 1 or args.procs < 1:
         parser.error("--size-mb must be >= 64, --tensors >= 2, --reps >= 1, --procs >= 1")
     if args.pools and args.procs > 1:
         parser.error("--pools measures one process: not with --procs")
+    if args.kept_staging and (args.pools or args.procs > 1):
+        parser.error("--kept-staging measures two processes of its own: not with --pools or --procs")
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {args.dir} is not a directory")
     if args.json_out is not None and not args.json_out.parent.is_dir():
@@ -688,6 +696,8 @@ def main() -> int:
             return run_processes(args, work, run_started)
         if args.pools:
             return run_pools(args, work, run_started)
+        if args.kept_staging:
+            return run_kept_staging(args, work, run_started)
         return run(args, work, run_started)
     finally:
         Sampler.shutdown()
@@ -1131,6 +1141,127 @@ def run_processes(args: argparse.Namespace, work: Path, run_started: float) -> i
     }
     print_processes_table(document)
     return emit(document, args.json_out)
+
+
+# -- staging kept between transfers (--kept-staging) -------------------------------
+
+KEPT_METHOD = (
+    "two demo targets of --size-mb each (other seeds, so no chunk is shared), slept and woken through the "
+    "CLI as a user runs them: one with --keep-staging-mb (twice --buffer-mb: a sleep's arenas and a "
+    "wake's read buffers), one with --keep-staging-mb 0 (each transfer allocates, faults in and gives "
+    "back its own staging, the default); each repetition runs a cycle of each, which goes first "
+    "alternating, after one cycle each to start with (the keeping target's fills what it keeps); a "
+    "cycle is a sleep to a fresh directory (every byte written) and a wake with the snapshot dropped "
+    "from the page cache; times are the commands' wall times and their spill and restore steps, ratios "
+    "the medians of the paired ratios (keeping / not)"
+)
+
+
+def run_kept_staging(args: argparse.Namespace, work: Path, run_started: float) -> int:
+    """--kept-staging: what a target keeping its staging between transfers saves its sleeps and wakes."""
+    keep_mb = 2 * args.buffer_mb
+    targets = Targets(work, 2, args.size_mb)
+    names = ("plain", "kept")
+    flags = {"plain": ["--keep-staging-mb", "0"], "kept": ["--keep-staging-mb", str(keep_mb)]}
+    budget = ["--buffer-mb", str(args.buffer_mb)]
+    snapshots = work / "snapshots"
+    cycles: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    try:
+        references = targets.digests()
+
+        def cycle(index: int, label: str) -> dict[str, float]:
+            into = snapshots / f"{label}-{len(cycles[names[index]])}"
+            pid = targets.pids[index]
+            started = time.perf_counter()
+            slept = targets.hibernate("sleep", pid, "--to", str(into), *budget, *flags[names[index]])
+            sleep_wall = time.perf_counter() - started
+            evict(into)
+            started = time.perf_counter()
+            woken = targets.hibernate("wake", pid, *budget, *flags[names[index]])
+            wake_wall = time.perf_counter() - started
+            shutil.rmtree(into, ignore_errors=True)
+            sleep_process, wake_process = slept["processes"][0], woken["processes"][0]
+            return {
+                "cycle_wall": sleep_wall + wake_wall,
+                "sleep_wall": sleep_wall,
+                "spill": float(sleep_process["phases"]["spill"]),
+                "wake_wall": wake_wall,
+                "restore": float(wake_process["phases"]["restore"]),
+                "sleep_reused_bytes": (sleep_process.get("kept_staging") or {}).get("reused_bytes", 0),
+                "wake_reused_bytes": (wake_process.get("kept_staging") or {}).get("reused_bytes", 0),
+            }
+
+        for index, name in enumerate(names):
+            cycle(index, f"start-{name}")
+        for rep in range(args.reps):
+            order = (0, 1) if rep % 2 == 0 else (1, 0)
+            for index in order:
+                cycles[names[index]].append(cycle(index, names[index]))
+        if targets.digests() != references:
+            raise SystemExit("a target answered differently after its wakes")
+    finally:
+        targets.close()
+    measures = ("cycle_wall", "sleep_wall", "spill", "wake_wall", "restore")
+    ratios = {
+        key: [k[key] / p[key] for k, p in zip(cycles["kept"], cycles["plain"], strict=True)]
+        for key in measures
+    }
+    reused = min(min(c["sleep_reused_bytes"], c["wake_reused_bytes"]) for c in cycles["kept"])
+    # The times are shown, not judged: what keeping saves a target without device memory here (the
+    # faulting-in of its staging, partly done while the disk works) is within the disk's spread; on
+    # a GPU node it also saves page-locking it, which scripts/gpu-check's kept-staging section times.
+    checks = [
+        ("every kept cycle's sleep and wake took staging kept by the one before", float(reused), ">", 0.0),
+    ]
+    targets_doc = [
+        {"target": name, "value": value, "limit": limit, "pass": _holds(value, op, limit), "judged": True}
+        for name, value, op, limit in checks
+    ]
+    document = {
+        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "filesystem": filesystem_of(work)},
+        "data": {
+            "bytes_per_process": args.size_mb * MiB,
+            "buffer_mb": args.buffer_mb,
+            "keep_staging_mb": keep_mb,
+        },
+        "method": KEPT_METHOD,
+        "spread": {
+            **{f"{name}_{key}": spread([c[key] for c in cycles[name]]) for name in names for key in measures},
+            **{f"{key}_ratio": spread(values) for key, values in ratios.items()},
+        },
+        "repetitions": [
+            {"plain": p, "kept": k} for p, k in zip(cycles["plain"], cycles["kept"], strict=True)
+        ],
+        "targets": targets_doc,
+        "all_pass": all(t["pass"] for t in targets_doc),
+        "seconds": time.perf_counter() - run_started,
+    }
+    print_kept_table(document)
+    return emit(document, args.json_out)
+
+
+def print_kept_table(doc: dict[str, Any]) -> None:
+    data, spreads = doc["data"], doc["spread"]
+    print(
+        f"bench-store --kept-staging: {data['bytes_per_process'] / MiB:.0f} MiB a target, --buffer-mb "
+        f"{data['buffer_mb']}, --keep-staging-mb {data['keep_staging_mb']}, {doc['machine']['filesystem']}, "
+        f"{doc['machine']['cpus']} CPUs, {len(doc['repetitions'])} repetitions"
+    )
+    print(f"method: {doc['method']}.")
+    print()
+    print(f"{'seconds':<22} {'not kept':>20} {'kept':>20} {'kept / not':>20}")
+    for label, key in (("sleep and wake (wall)", "cycle_wall"), ("sleep (wall)", "sleep_wall"),
+                       ("  its spill step", "spill"), ("wake (wall)", "wake_wall"),
+                       ("  its restore step", "restore")):  # fmt: skip
+        cells = [spreads[f"plain_{key}"], spreads[f"kept_{key}"], spreads[f"{key}_ratio"]]
+        print(
+            f"{label:<22} " + " ".join(f"{c['median']:>6.3f} ({c['min']:.3f}-{c['max']:.3f})" for c in cells)
+        )
+    print()
+    for target in doc["targets"]:
+        verdict = "PASS" if target["pass"] else "FAIL"
+        print(f"{verdict}  {target['target']}: {target['value']:.2f} (limit {target['limit']:.2f})")
+    print(f"\nwhole run {doc['seconds']:.1f} s")
 
 
 # -- an address-preserving pool (--pools) ------------------------------------------
