@@ -322,8 +322,9 @@ def adopt(path: str | Path, *, timeout: float = 30.0, buffer_mb: int = 256) -> d
     optimizer, before using them. ``path`` is a snapshot (``.../snap-NNNNNN``),
     a process's directory in a ``--to`` directory (its newest complete
     snapshot), or the ``--to`` directory itself (the newest of its processes').
-    Tensors are matched by name; an optimizer that has not stepped yet gets its
-    state from the snapshot, as ``load_state_dict`` would give it. Every chunk
+    Tensors are matched by name, whatever device the snapshot had them on; an
+    optimizer that has not stepped yet gets its state from the snapshot, placed
+    as ``load_state_dict`` would place it in this process. Every chunk
     is verified as a wake verifies it; any difference in names, dtypes, shapes
     or sizes is refused, all listed, before anything is written. A snapshot
     whose process still runs is refused (wake it instead); another user's is
