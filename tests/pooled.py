@@ -4,12 +4,15 @@ lives, and its bytes)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from hibernate import procinfo
 from hibernate.agent.controller import Agent
 from hibernate.pools.base import Pool
+from hibernate.pools.device import CudaCopies, CudaRuntime
+from hibernate.pools.tensors import TensorPool
 
 
 def agent_with(pool: Pool, name: str = "pool-test") -> Agent:
@@ -19,6 +22,20 @@ def agent_with(pool: Pool, name: str = "pool-test") -> Agent:
     agent = Agent(identity, name=name)
     agent.add_pool(pool)
     return agent
+
+
+def standin_device_pool(cudart: Any, tensors: dict[str, torch.Tensor], device: int) -> TensorPool:
+    """A pool tracking ``tensors`` (tag weights, kept, name ``net``) as storages on ``device`` of the
+    stand-in CUDA runtime ``cudart`` (a FakeCudaRT): host storages the pool is told live there, so
+    their bytes move only through the runtime's seam, as a GPU's would."""
+    ids = {t.untyped_storage()._cdata for t in tensors.values()}
+    pool = TensorPool(
+        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
+        device_of=lambda storage: device if storage._cdata in ids else None,
+        graphs=list,
+    )
+    pool.track(tensors, "weights", True, "net")
+    return pool
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -363,28 +363,16 @@ def test_device_tensors_are_adopted_through_twins_on_their_device_and_left_as_th
     import torch
 
     from hibernate.agent.adopt import adopt_here
-    from hibernate.pools.device import CudaCopies, CudaRuntime
-    from hibernate.pools.tensors import TensorPool
     from hibernate.store.layout import SpillRoot
     from hibernate.store.options import WriteOptions
     from hibernate.store.owner import Owner
     from hibernate.store.writer import write_snapshot
-    from tests.pooled import agent_with, bits
+    from tests.pooled import agent_with, bits, standin_device_pool
     from tests.standins.vllm_cumem import FakeCudaRT
 
     cudart = FakeCudaRT(cudart_path)
     cudart.set_counter("fake_fail_copy_at", -1)
     cudart.set_counter("fake_fail_run_at", -1)
-
-    def device_pool(tensors: dict[str, torch.Tensor]) -> TensorPool:
-        ids = {t.untyped_storage()._cdata for t in tensors.values()}
-        pool = TensorPool(
-            copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
-            device_of=lambda storage: 1 if storage._cdata in ids else None,
-            graphs=list,
-        )
-        pool.track(tensors, "weights", True, "net")
-        return pool
 
     generator = torch.Generator().manual_seed(5)
     written = {
@@ -393,13 +381,15 @@ def test_device_tensors_are_adopted_through_twins_on_their_device_and_left_as_th
     }
     dead = replace(Owner.current(), pid=999_999_100, start_time=1)  # past pid_max: a process that is gone
     with SpillRoot(tmp_path / "proc-1-aaaa", create=True, owner=dead) as root:
-        write_snapshot(root, device_pool(written).regions(), producer={}, options=WriteOptions())
+        write_snapshot(
+            root, standin_device_pool(cudart, written, 1).regions(), producer={}, options=WriteOptions()
+        )
     if damaged:
         data = max(tmp_path.glob("*/snap-000001/data-*.bin"), key=lambda path: path.stat().st_size)
         flip_byte_at(data, _last_written_byte(data))
     mine = {name: torch.full_like(tensor, 7) for name, tensor in written.items()}
     addresses = {name: tensor.data_ptr() for name, tensor in mine.items()}
-    agent = agent_with(device_pool(mine), "adopting")
+    agent = agent_with(standin_device_pool(cudart, mine, 1), "adopting")
     copied_before = cudart.counter("fake_copied_bytes")
     if damaged:
         with pytest.raises(SnapshotInvalidError, match="checksum"):

@@ -18,10 +18,9 @@ import torch
 from hibernate.agent.controller import Agent
 from hibernate.environ import KEEP_STAGING_ENV
 from hibernate.errors import UsageError
-from hibernate.pools.device import CudaCopies, CudaRuntime
 from hibernate.pools.tensors import TensorPool
 from hibernate.store.directio import KeptStaging, StagingPool
-from tests.pooled import agent_with
+from tests.pooled import agent_with, standin_device_pool
 from tests.standins.vllm_cumem import FakeCudaRT
 
 MiB = 1 << 20
@@ -169,14 +168,7 @@ def device_model(cudart: FakeCudaRT) -> Iterator[tuple[Agent, dict[str, torch.Te
     tensors = {
         f"w{i}": torch.randint(0, 256, (MiB,), dtype=torch.uint8, generator=generator) for i in range(4)
     }
-    ids = {t.untyped_storage()._cdata for t in tensors.values()}
-    pool = TensorPool(
-        copies=lambda: CudaCopies(CudaRuntime(cudart.lib)),
-        device_of=lambda storage: 0 if storage._cdata in ids else None,
-        graphs=list,
-    )
-    pool.track(tensors, "weights", True, "net")
-    agent = agent_with(pool, "kept-staging-test")
+    agent = agent_with(standin_device_pool(cudart, tensors, 0), "kept-staging-test")
     yield agent, tensors
     agent.kept_staging.begin(0)  # whatever the test did, the stand-in's registrations go back
     agent.kept_staging.end()
