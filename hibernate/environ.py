@@ -49,7 +49,7 @@ def env_mib(environ: Mapping[str, str], name: str) -> int | None:
     raw = environ.get(name, "").strip()
     if not raw:
         return None
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise UsageError(
             f"{name}={environ[name]!r} is not a size in MiB",
             hint=f"set {name} to a whole number, e.g. {name}=256",

@@ -152,6 +152,39 @@ def test_a_transfer_whose_device_copy_failed_keeps_nothing() -> None:
     assert pin.pinned == {}, "unpinned and unmapped as before"
 
 
+def test_a_failed_copy_found_by_a_worker_taking_the_buffer_again_still_keeps_nothing() -> None:
+    """The failure is raised to the worker that takes the buffer, not found again at the end: the
+    pool remembers it, and keeps none of its buffers."""
+    kept, pin = KeptStaging(), CountingPin()
+    kept.begin(4 * UNIT)
+    pool = StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept)
+    buffer = pool.take(threading.Event())
+    pool.fence(buffer, FailingFence())
+    pool.give(buffer)
+    with pytest.raises(RuntimeError, match="failed when it ran"):
+        pool.take(threading.Event())
+    pool.close()
+    assert kept.end()["kept_bytes"] == 0 and pin.pinned == {}
+
+
+def test_a_kept_buffer_whose_pinning_fails_is_unmapped_not_lost() -> None:
+    kept = KeptStaging()
+    kept.begin(4 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, None, lazy=True, kept=kept), 1)  # kept, not pinned
+    kept.end()
+
+    def refused(view: memoryview) -> Callable[[], None]:
+        raise OSError("cannot page-lock")
+
+    kept.begin(4 * UNIT)
+    pool = StagingPool(4 * UNIT, UNIT, refused, lazy=True, kept=kept)
+    with pytest.raises(OSError, match="cannot page-lock"):
+        pool.take(threading.Event())
+    assert pool.total_bytes == 0
+    pool.close()
+    assert kept.end() == {"reused_bytes": UNIT, "kept_bytes": 0, "given_back_bytes": 0}
+
+
 @pytest.fixture
 def cudart(cudart_path: Path) -> FakeCudaRT:
     lib = FakeCudaRT(cudart_path)

@@ -145,6 +145,13 @@ def test_staging_budget_and_chunk_size_come_from_the_environment_validated() -> 
         staging_args({"HIBERNATE_CHUNK_MB": "2048"})
 
 
+def test_the_staging_each_worker_keeps_comes_from_the_environment_validated() -> None:
+    assert staging_args({"HIBERNATE_KEEP_STAGING_MB": "512"}) == {"keep_staging_mb": 512}
+    for bad in ("lots", "-1", "\u00b2"):  # a superscript two is a digit to str.isdigit, not a number
+        with pytest.raises(UsageError, match=r"HIBERNATE_KEEP_STAGING_MB=.* is not a size in MiB"):
+            staging_args({"HIBERNATE_KEEP_STAGING_MB": bad})
+
+
 def test_verification_is_asked_for_through_the_environment() -> None:
     assert staging_args({"HIBERNATE_VERIFY": "1"}) == {"verify": True}
     assert staging_args({"HIBERNATE_VERIFY": "0"}) == {"verify": False}

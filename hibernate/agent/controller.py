@@ -672,12 +672,14 @@ class Agent:
                     report["io_seconds"] = report.pop("seconds")
                     report["kept_staging"] = kept_staging
                 else:
-                    report = {
+                    self.kept_staging.begin(options.keep_staging_bytes)  # nothing to read: the bound
+                    report = {  # applies all the same (--keep-staging-mb 0 gives it back)
                         "snapshot": sleeping.snapshot,
                         "total_bytes": 0,
                         "io_seconds": 0.0,
                         "io_mode": None,
                         "staging_bytes": 0,
+                        "kept_staging": self.kept_staging.end(),
                     }
                 for index in indices:
                     if not regions[index].keep and (zero is None or index in zero):

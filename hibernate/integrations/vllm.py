@@ -70,7 +70,7 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepMode
 
 from hibernate.agent.controller import Agent, AgentState, SleepDriver, write_options
 from hibernate.agent.local import local_agent, unserved_reason
-from hibernate.environ import SKIP_REUSE_CHECK_ENV, env_flag
+from hibernate.environ import KEEP_STAGING_ENV, SKIP_REUSE_CHECK_ENV, env_flag, env_mib
 from hibernate.errors import (
     AbortedError,
     CudaCheckpointError,
@@ -172,6 +172,9 @@ def staging_args(environ: Mapping[str, str]) -> dict[str, Any]:
         args["verify"] = env_flag(environ, VERIFY_ENV)
     if environ.get(SKIP_REUSE_CHECK_ENV, "").strip():
         args["skip_reuse_check"] = env_flag(environ, SKIP_REUSE_CHECK_ENV)
+    keep = env_mib(environ, KEEP_STAGING_ENV)  # refused here, in its own words, as the others are
+    if keep is not None:
+        args["keep_staging_mb"] = keep
     try:
         write_options(args)
     except UsageError as exc:

@@ -245,6 +245,7 @@ class StagingPool:
         self._all: list[StagingBuffer] = []
         self._unpins: dict[int, Unpin] = {}  # by id() of the buffer
         self._settled_well = False  # settle() found every device copy done and none failed
+        self._copy_failed = False  # a device copy on one of the buffers failed, whoever waited for it
         self._lock = threading.Lock()
         self._free: queue.LifoQueue[StagingBuffer] = queue.LifoQueue()
 
@@ -262,18 +263,23 @@ class StagingPool:
         for done in range(count):
             reused = self._kept.take(self.buffer_bytes, self._huge) if self._kept is not None else None
             unpin: Unpin | None
-            if reused is not None:
-                buffer, unpin = reused
-            else:
-                try:
-                    buffer = self._new_buffer()
-                except BaseException:
-                    with self._lock:
-                        self._reserved -= count - done  # else a lazy take would wait for it forever
-                    raise
-                unpin = None
+            try:
+                if reused is not None:
+                    buffer, unpin = reused
+                else:
+                    buffer, unpin = self._new_buffer(), None
+            except BaseException:
+                with self._lock:
+                    self._reserved -= count - done  # else a lazy take would wait for it forever
+                raise
             if unpin is None and self._pin is not None:
-                unpin = self._pin(buffer.view)
+                try:
+                    unpin = self._pin(buffer.view)
+                except BaseException:
+                    buffer.close()  # neither this pool's nor kept: unmapped now
+                    with self._lock:
+                        self._reserved -= count - done
+                    raise
             with self._lock:
                 self._all.append(buffer)
                 if unpin is not None:
@@ -335,11 +341,20 @@ class StagingPool:
                 buffer.fences.append(fence)
 
     def _settled(self, buffer: StagingBuffer) -> StagingBuffer:
-        """``buffer`` once the device copies queued on it ran (see fence)."""
+        """``buffer`` once the device copies queued on it ran (see fence); every fence is waited
+        for, whichever failed (the copies of another stream may still read the buffer), then the
+        first failure is raised, and the pool keeps none of its buffers (see close)."""
         with self._lock:
             fences, buffer.fences = buffer.fences, []
+        failure: BaseException | None = None
         for fence in fences:
-            fence.wait()
+            try:
+                fence.wait()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            self._copy_failed = True
+            raise failure
         return buffer
 
     def settle(self) -> None:
@@ -358,7 +373,7 @@ class StagingPool:
                 failure = failure or exc
         if failure is not None:
             raise failure
-        self._settled_well = True
+        self._settled_well = not self._copy_failed
 
     def close(self) -> None:
         """Unpin and unmap every buffer, once the device copies queued on them ran.
@@ -371,6 +386,11 @@ class StagingPool:
         with contextlib.suppress(Exception):
             self.settle()
         kept = self._kept if self._settled_well else None  # after a failed copy, nothing is kept
+        while True:  # none of them is handed out again (a late take waits, then finds the pipeline aborted)
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                break
         for buffer in self._all:
             unpin = self._unpins.pop(id(buffer), None)
             if kept is not None and kept.offer(buffer, unpin):

@@ -104,6 +104,15 @@ class Pipeline:
         self._threads.append(thread)
         thread.start()
 
+    def stop(self) -> None:
+        """Stop every worker and wait for it, whatever happened: on the way out of a transfer that
+        did not reach join (a start that failed, Ctrl-C in an in-process sleep), before its staging
+        is unmapped or kept for the next transfer, which a worker still running would write into.
+        After join, nothing is left to wait for."""
+        self.abort.set()
+        for thread in self._threads:
+            thread.join()
+
     def join(self) -> None:
         """Wait for every worker; re-raise the first failure."""
         for thread in self._threads:

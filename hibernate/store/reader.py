@@ -460,6 +460,7 @@ class SnapshotReader:
                 pipeline.start(f"verify-{n}", lambda: self._verify_loaded(transfer))
             pipeline.join()
         finally:
+            pipeline.stop()  # before the staging goes (see Pipeline.stop)
             if transfer.pieces is not None:
                 transfer.pieces.close()
 

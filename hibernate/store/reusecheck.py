@@ -279,6 +279,7 @@ class ReuseCheck:
         try:
             pipeline.join()
         finally:
+            pipeline.stop()
             self.close()
 
     def close(self) -> None:

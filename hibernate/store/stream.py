@@ -296,6 +296,7 @@ class Stream:
                 pipeline.start(f"stage-{n}", stage_then_close)
             pipeline.join()
         finally:
+            pipeline.stop()
             self.staging_bytes = max(self.staging_bytes, pool.total_bytes)
             pool.close()
 
