@@ -19,7 +19,7 @@ SKIP_REUSE_CHECK_ENV = "HIBERNATE_SKIP_REUSE_CHECK"
 # program captures them again after each wake (the default of `hibernate sleep --allow-moves`, and
 # of hibernate.sleep() and of sleeps on a signal).
 ALLOW_MOVES_ENV = "HIBERNATE_ALLOW_MOVES"
-# MiB of page-locked staging a process keeps between its sleeps and wakes (store.directio.KeptStaging),
+# MiB of staging a process keeps between its sleeps and wakes (store.directio.KeptStaging),
 # read inside the target: the default of `--keep-staging-mb` and of every sleep and wake of the
 # process, whoever asks for them. Unset: 0, nothing kept.
 KEEP_STAGING_ENV = "HIBERNATE_KEEP_STAGING_MB"

@@ -252,8 +252,8 @@ class Agent:
         self.guard = Guard()
         self.leases = Leases()
         self.token = secrets.token_hex(8)
-        # Pinned staging kept from one sleep or wake to the next, within each one's bound (0 unless
-        # asked: --keep-staging-mb, HIBERNATE_KEEP_STAGING_MB).
+        # Staging kept from one sleep or wake to the next (page-locked where there is device memory),
+        # within each one's bound (0 unless asked: --keep-staging-mb, HIBERNATE_KEEP_STAGING_MB).
         self.kept_staging = KeptStaging()
         # The random part of this process's spill root names (see store.owner.spill_root_name):
         # drawn once, so every sleep of the process finds its previous snapshot again; a --to where
@@ -488,8 +488,7 @@ class Agent:
             with self._mutex:
                 known, self._known = self._known, None
             with opened as root:
-                self.kept_staging.begin(options.keep_staging_bytes)
-                try:
+                with self.kept_staging.bracket(options.keep_staging_bytes) as kept_staging:
                     result = write_snapshot(
                         root,
                         sleeping.kept,
@@ -507,8 +506,6 @@ class Agent:
                         known=known[1] if known is not None and known[0] == sleeping.root else None,
                         kept=self.kept_staging,
                     )
-                finally:
-                    kept_staging = self.kept_staging.end()
                 del known
                 verified = (
                     verify_snapshot(
@@ -655,8 +652,7 @@ class Agent:
                         (p for p in (pool.pinner() for pool, _ in sleeping.regions) if p is not None),
                         None,
                     )
-                    self.kept_staging.begin(options.keep_staging_bytes)
-                    try:
+                    with self.kept_staging.bracket(options.keep_staging_bytes) as kept_staging:
                         report = reader.read_into(
                             targets,
                             buffer_bytes=options.buffer_bytes,
@@ -667,19 +663,18 @@ class Agent:
                             pin=pin,
                             kept=self.kept_staging,
                         ).to_wire()
-                    finally:
-                        kept_staging = self.kept_staging.end()
                     report["io_seconds"] = report.pop("seconds")
                     report["kept_staging"] = kept_staging
                 else:
-                    self.kept_staging.begin(options.keep_staging_bytes)  # nothing to read: the bound
-                    report = {  # applies all the same (--keep-staging-mb 0 gives it back)
+                    with self.kept_staging.bracket(options.keep_staging_bytes) as kept_staging:
+                        pass  # nothing to read: the bound applies all the same (0 gives it back)
+                    report = {
                         "snapshot": sleeping.snapshot,
                         "total_bytes": 0,
                         "io_seconds": 0.0,
                         "io_mode": None,
                         "staging_bytes": 0,
-                        "kept_staging": self.kept_staging.end(),
+                        "kept_staging": kept_staging,
                     }
                 for index in indices:
                     if not regions[index].keep and (zero is None or index in zero):

@@ -333,7 +333,7 @@ class TransferArgs:
     # from its machine and the snapshot's filesystem (store.tuning). Sent only when set.
     io_depth: int | None = None
     io_workers: int | None = None
-    # Page-locked staging the process keeps for its next transfers, in MiB (--keep-staging-mb; 0
+    # Staging the process keeps for its next transfers, in MiB (--keep-staging-mb; 0
     # gives back what it keeps); None: the process's HIBERNATE_KEEP_STAGING_MB, else 0. Sent only
     # when set.
     keep_staging_mb: int | None = None

@@ -28,7 +28,7 @@ def _staging_bytes(answer: dict[str, Any]) -> int | None:
 
 
 def _kept_staging(answer: dict[str, Any]) -> dict[str, int] | None:
-    """The pinned staging a spill or restore reused from, and left kept for, the process's next
+    """The staging a spill or restore reused from, and left kept for, the process's next
     transfers (store.directio.KeptStaging); None from an agent that does not say."""
     kept = answer.get("kept_staging")
     if not isinstance(kept, dict):
@@ -72,7 +72,7 @@ class ProcessSleep:
     reused_unread_bytes: int = 0
     # What the spill's writes ran with (store.tuning): requests in flight, threads, the filesystem.
     tuning: dict[str, Any] | None = None
-    # Pinned staging taken from what the process kept, kept for its next transfer, given back.
+    # Staging taken from what the process kept, kept for its next transfer, given back.
     kept_staging: dict[str, int] | None = None
     # The spilled regions' bytes on each CUDA device, as the spill counted them: what the command
     # accounts the GPUs' memory given back to (engine.sleep), where the hello that found the agent

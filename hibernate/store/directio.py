@@ -24,7 +24,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -48,6 +48,9 @@ class Fence(Protocol):
         ...
 
 
+Unpin = Callable[[], None]
+
+
 class StagingBuffer:
     """One page-aligned anonymous mapping, faulted in at once; freed (unmapped) by :meth:`close`.
 
@@ -69,21 +72,23 @@ class StagingBuffer:
     ``size`` is what the transfer holding it uses; a buffer that may be kept
     between transfers (KeptStaging) maps a little more (``mapped_bytes``):
     rounded up to a huge page, or made for a transfer that needed more.
+    ``unpin`` undoes its page-locking, None while it is not page-locked.
     """
 
-    def __init__(self, size: int, *, huge: bool = False) -> None:
+    def __init__(self, size: int, *, huge: bool = False, mapped_bytes: int | None = None) -> None:
         self.size = size
-        self.mapped_bytes = size
+        self.mapped_bytes = size if mapped_bytes is None else mapped_bytes
         self.huge = huge
+        self.unpin: Unpin | None = None
         # Device copies still reading or writing it: waited for before it is handed out again or
         # unmapped (StagingPool.fence), under the pool's lock.
         self.fences: list[Fence] = []
         if not huge:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-            self._map = mmap.mmap(-1, size, flags=flags)
+            self._map = mmap.mmap(-1, self.mapped_bytes, flags=flags)
             self.view = memoryview(self._map)
             return
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, self.mapped_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._map)
         with contextlib.suppress(OSError):  # a kernel without THP: small pages it is
             self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -92,7 +97,11 @@ class StagingBuffer:
             ctypes.memset(start, 0, end - start)  # before Linux 5.14: touch every page
 
     def close(self) -> None:
-        """Give the memory back now, even if a slice of the buffer is still referenced (unmap_now)."""
+        """Unpin it, and give the memory back now, even if a slice of the buffer is still referenced
+        (unmap_now)."""
+        if self.unpin is not None:
+            self.unpin()
+            self.unpin = None
         unmap_now(self._map, self.view)
 
 
@@ -111,7 +120,6 @@ def unmap_now(mapping: mmap.mmap, view: memoryview) -> None:
         pass  # unmapped when the last slice goes
 
 
-Unpin = Callable[[], None]
 # A kept buffer serves a transfer that needs up to a fifth less than it maps (beyond its rounding up
 # to a huge page, see _rounded): what it wastes stays small, and a buffer much larger than asked for
 # is left to a transfer that needs it.
@@ -146,7 +154,8 @@ class KeptStaging:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: list[tuple[StagingBuffer, Unpin | None]] = []
+        self._held: list[StagingBuffer] = []  # the oldest first
+        self._held_bytes = 0
         self._bound_bytes = 0
         self._reused_bytes = 0
 
@@ -164,46 +173,55 @@ class KeptStaging:
     def end(self) -> dict[str, int]:
         """The operation ended: what is kept beyond its bound is unpinned and unmapped (all of it at
         0). Returns what it reused, what stays kept and what was given back, in bytes."""
-        freed: list[tuple[StagingBuffer, Unpin | None]] = []
+        freed: list[StagingBuffer] = []
         with self._lock:
-            while self._held and self._held_bytes() > self._bound_bytes:
-                freed.append(self._held.pop(0))  # the oldest first
-            account = {"reused_bytes": self._reused_bytes, "kept_bytes": self._held_bytes()}
-        for buffer, unpin in freed:
-            if unpin is not None:
-                unpin()
+            while self._held and self._held_bytes > self._bound_bytes:
+                freed.append(self._held.pop(0))
+                self._held_bytes -= freed[-1].mapped_bytes
+            account = {"reused_bytes": self._reused_bytes, "kept_bytes": self._held_bytes}
+        for buffer in freed:
             buffer.close()
-        account["given_back_bytes"] = sum(buffer.mapped_bytes for buffer, _ in freed)
+        account["given_back_bytes"] = sum(buffer.mapped_bytes for buffer in freed)
         return account
 
-    def take(self, size: int, huge: bool) -> tuple[StagingBuffer, Unpin | None] | None:
+    @contextlib.contextmanager
+    def bracket(self, bound_bytes: int) -> Iterator[dict[str, int]]:
+        """:meth:`begin` and :meth:`end` around one operation, whatever happens in it; the dict it
+        yields holds :meth:`end`'s account once the block is left."""
+        account: dict[str, int] = {}
+        self.begin(bound_bytes)
+        try:
+            yield account
+        finally:
+            account.update(self.end())
+
+    def take(self, size: int, huge: bool) -> StagingBuffer | None:
         """A kept buffer of that kind mapping ``size`` bytes or a little more (see _KEPT_SLACK), used
-        as ``size`` bytes, with its unpin (None: not pinned); the smallest, pinned first; None if
+        as ``size`` bytes, still page-locked where it was; the smallest, page-locked first; None if
         none fits."""
         with self._lock:
             fits = [
-                (buffer.mapped_bytes, unpin is None, index)
-                for index, (buffer, unpin) in enumerate(self._held)
+                (buffer.mapped_bytes, buffer.unpin is None, index)
+                for index, buffer in enumerate(self._held)
                 if buffer.huge == huge and size <= buffer.mapped_bytes <= _rounded(size) + size // _KEPT_SLACK
             ]
             if not fits:
                 return None
-            buffer, unpin = self._held.pop(min(fits)[2])
+            buffer = self._held.pop(min(fits)[2])
+            self._held_bytes -= buffer.mapped_bytes
             buffer.size = size
             self._reused_bytes += buffer.mapped_bytes
-            return buffer, unpin
+            return buffer
 
-    def offer(self, buffer: StagingBuffer, unpin: Unpin | None) -> bool:
-        """Keep a buffer a transfer is done with (no device copy on it still running), pinned where
-        ``unpin`` is given, if the bound has room for it; False: the caller unpins and unmaps it."""
+    def offer(self, buffer: StagingBuffer) -> bool:
+        """Keep a buffer a transfer is done with (no device copy on it still running), page-locked
+        if it is, if the bound has room for it; False: the caller closes it."""
         with self._lock:
-            if self._held_bytes() + buffer.mapped_bytes > self._bound_bytes:
+            if self._held_bytes + buffer.mapped_bytes > self._bound_bytes:
                 return False
-            self._held.append((buffer, unpin))
+            self._held.append(buffer)
+            self._held_bytes += buffer.mapped_bytes
             return True
-
-    def _held_bytes(self) -> int:
-        return sum(buffer.mapped_bytes for buffer, _ in self._held)
 
 
 class StagingPool:
@@ -243,7 +261,6 @@ class StagingPool:
         self._kept = kept
         self._reserved = 0  # buffers allocated or being allocated
         self._all: list[StagingBuffer] = []
-        self._unpins: dict[int, Unpin] = {}  # by id() of the buffer
         self._settled_well = False  # settle() found every device copy done and none failed
         self._copy_failed = False  # a device copy on one of the buffers failed, whoever waited for it
         self._lock = threading.Lock()
@@ -261,20 +278,17 @@ class StagingPool:
             self._reserved += count
         made = []
         for done in range(count):
-            reused = self._kept.take(self.buffer_bytes, self._huge) if self._kept is not None else None
-            unpin: Unpin | None
             try:
-                if reused is not None:
-                    buffer, unpin = reused
-                else:
-                    buffer, unpin = self._new_buffer(), None
+                buffer = self._kept.take(self.buffer_bytes, self._huge) if self._kept is not None else None
+                if buffer is None:
+                    buffer = self._new_buffer()
             except BaseException:
                 with self._lock:
                     self._reserved -= count - done  # else a lazy take would wait for it forever
                 raise
-            if unpin is None and self._pin is not None:
+            if buffer.unpin is None and self._pin is not None:
                 try:
-                    unpin = self._pin(buffer.view)
+                    buffer.unpin = self._pin(buffer.view)
                 except BaseException:
                     buffer.close()  # neither this pool's nor kept: unmapped now
                     with self._lock:
@@ -282,8 +296,6 @@ class StagingPool:
                     raise
             with self._lock:
                 self._all.append(buffer)
-                if unpin is not None:
-                    self._unpins[id(buffer)] = unpin
             made.append(buffer)
         return made
 
@@ -293,9 +305,7 @@ class StagingPool:
         its layout) can still take it."""
         if self._kept is None or not self._kept.keeping:
             return StagingBuffer(self.buffer_bytes, huge=self._huge)
-        buffer = StagingBuffer(_rounded(self.buffer_bytes), huge=self._huge)
-        buffer.size = self.buffer_bytes
-        return buffer
+        return StagingBuffer(self.buffer_bytes, huge=self._huge, mapped_bytes=_rounded(self.buffer_bytes))
 
     def prefill(self, count: int) -> None:
         """Allocate up to ``count`` more buffers now (within the pool's size) and make them free.
@@ -392,12 +402,8 @@ class StagingPool:
             except queue.Empty:
                 break
         for buffer in self._all:
-            unpin = self._unpins.pop(id(buffer), None)
-            if kept is not None and kept.offer(buffer, unpin):
-                continue
-            if unpin is not None:
-                unpin()
-            buffer.close()
+            if kept is None or not kept.offer(buffer):
+                buffer.close()
         self._all.clear()
 
 

@@ -29,8 +29,8 @@ class WriteOptions:
     # False trusts the previous snapshot's files as the last wake left them (--skip-reuse-check).
     check_reuse: bool = True
     verify: bool = False  # read the published snapshot back before returning (see verify_snapshot)
-    # Page-locked staging the process may keep when the transfer ends, for its next ones
-    # (directio.KeptStaging); 0: all of it is given back.
+    # Staging the process may keep when the transfer ends, for its next ones (directio.KeptStaging);
+    # 0: all of it is given back.
     keep_staging_bytes: int = 0
 
     def __post_init__(self) -> None:

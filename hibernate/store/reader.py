@@ -391,7 +391,7 @@ class SnapshotReader:
         are allocated as the reads need them. On any failure the regions hold
         partial data: the caller releases them again. Regions
         :meth:`check_matches` already accepted (the same sequence, unchanged
-        since) are not compared again. ``kept``: the process's pinned staging
+        since) are not compared again. ``kept``: the process's staging
         kept between transfers, taken from and given back to (KeptStaging).
         """
         tuning = choose(self.root.fd, io_depth=io_depth, workers=threads)

@@ -232,7 +232,7 @@ class Stream:
         self._progress = progress
         self._cancelled = cancelled
         self._root = root
-        self._kept = kept  # the process's pinned staging kept between transfers
+        self._kept = kept  # the process's staging kept between transfers
         self._chunk_bytes = chunk
         self._sizes = sizes
         self._tasks = _tasks(sizes, chunk)

@@ -191,7 +191,7 @@ def write_snapshot(
     again for reuse (a fifth of an unchanged sleep of 20,000 tensors). It is
     used only if it names the newest snapshot; whatever it says, a chunk is
     reused only from a file whose identity is still the one it records (see
-    link_reusable). ``kept``: the process's pinned staging kept between
+    link_reusable). ``kept``: the process's staging kept between
     transfers, taken from and given back to (directio.KeptStaging).
     """
     options = options or WriteOptions()
