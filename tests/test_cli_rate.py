@@ -122,3 +122,6 @@ def test_how_a_transfer_ran_is_said_in_words(depth: int, workers: int, words: st
 
     assert _how("direct", {"io_depth": depth, "workers": workers}) == words
     assert _how("buffered", None) == "buffered I/O"  # an agent that does not report its tuning
+    # A snapshot found in the page cache, whole or in part.
+    assert _how("cached", {"io_depth": depth, "workers": workers}) == words.replace("direct", "page-cache")
+    assert _how("cached+direct", None) == "page-cache and direct I/O"

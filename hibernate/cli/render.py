@@ -208,11 +208,14 @@ def _kept_staging(kept: dict[str, int] | None) -> str | None:
 def _how(io_mode: Any, tuning: dict[str, Any] | None) -> str:
     """How a transfer ran: ``direct I/O, 8 requests in flight, 2 workers`` (the I/O mode alone from an
     agent that does not report its tuning)."""
+    modes = " and ".join(
+        "page-cache" if mode == "cached" else mode for mode in str(io_mode).split("+")
+    )  # "cached+direct": a snapshot partly in the page cache
     if not tuning:
-        return f"{io_mode} I/O"
+        return f"{modes} I/O"
     depth, workers = tuning.get("io_depth"), tuning.get("workers")
     return (
-        f"{io_mode} I/O, {depth} request{'s' if depth != 1 else ''} in flight, "
+        f"{modes} I/O, {depth} request{'s' if depth != 1 else ''} in flight, "
         f"{workers} worker{'s' if workers != 1 else ''}"
     )
 

@@ -5,8 +5,10 @@ page cache: it reaches the disk's own speed and does not grow host memory that
 batch schedulers charge to the job. Filesystems that refuse it (the kernel
 answers EINVAL to ``open(O_DIRECT)``: tmpfs before Linux 6.6, some network and
 FUSE filesystems) get buffered I/O with periodic ``fdatasync`` and
-``POSIX_FADV_DONTNEED`` so the cache stays small there too; callers report
-which mode was used.
+``POSIX_FADV_DONTNEED`` so the cache stays small there too. A file that is
+in memory already (on tmpfs, or in the page cache) is read through the cache
+and left there (CACHED): the disk would only give the same bytes slower.
+Callers report which mode was used.
 
 Requests are vectored (``pwritev``/``preadv``): several staged chunks that lie
 back to back in a file move in one request. On the disks we measured, the
@@ -20,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,11 +35,15 @@ from typing import Protocol, TypeVar
 from hibernate.fsutil import PRIVATE_FILE_MODE
 from hibernate.store.hugepages import HUGE_PAGE_BYTES
 from hibernate.store.manifest import ALIGNMENT
+from hibernate.store.pagecache import mostly_cached
 
 T = TypeVar("T")
 
 DIRECT = "direct"
 BUFFERED = "buffered"
+# A file read through the page cache because its pages were there already (pagecache.py): read
+# buffered, and left in the cache as it was found.
+CACHED = "cached"
 _EVICT_EVERY_BYTES = 64 << 20
 _MAX_IOVECS = 512  # well under IOV_MAX (1024) on Linux
 
@@ -531,10 +539,27 @@ def create_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
     return _open(dir_fd, name, flags, io_mode)
 
 
-def open_data_file(dir_fd: int, name: str, io_mode: str) -> DataFile:
-    """An existing data file, never through a symlink, never blocking on a planted FIFO."""
+def open_data_file(dir_fd: int, name: str, io_mode: str, *, page_cache: bool = True) -> DataFile:
+    """An existing data file, never through a symlink, never blocking on a planted FIFO.
+
+    With ``page_cache`` and an ``io_mode`` other than direct, a file mostly in
+    memory already (pagecache.mostly_cached: on tmpfs, or read or written
+    through the cache before) is read through the page cache (CACHED): direct
+    I/O would read the disk again for bytes memory holds.
+    """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    return _open(dir_fd, name, flags, io_mode)
+    file = _open(dir_fd, name, flags, io_mode)
+    if not page_cache or io_mode == DIRECT:
+        return file
+    try:
+        if stat.S_ISREG(os.fstat(file.fd).st_mode) and mostly_cached(file.fd):
+            if file.mode == DIRECT:
+                fcntl.fcntl(file.fd, fcntl.F_SETFL, fcntl.fcntl(file.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            file.mode = CACHED
+    except BaseException:
+        file.close()
+        raise
+    return file
 
 
 def _advance(views: Sequence[memoryview], done: int) -> list[memoryview]:

@@ -41,6 +41,7 @@ from hibernate.fsutil import open_dir
 from hibernate.gcpause import gc_paused
 from hibernate.store import bulk
 from hibernate.store.directio import (
+    CACHED,
     DIRECT,
     DataFile,
     DirectIORefusedError,
@@ -225,8 +226,11 @@ def _to_populate(
 class SnapshotReader:
     """A published snapshot opened for reading (shared lock on its root)."""
 
-    def __init__(self, root: SpillRoot, name: str, *, io_mode: str = "auto") -> None:
+    def __init__(self, root: SpillRoot, name: str, *, io_mode: str = "auto", page_cache: bool = True) -> None:
+        """``page_cache``: read a file mostly in memory already through the page cache (CACHED), as
+        any read of the bytes may; not a check of what the disk holds (verify_snapshot)."""
         self.root = root
+        self._page_cache = page_cache
         if not root.lock(exclusive=False):
             raise BusyError(f"{root.path} is being written or collected by another hibernate")
         self._files: dict[str, DataFile] = {}
@@ -250,6 +254,13 @@ class SnapshotReader:
             file.close()
         self._files.clear()
         self.root.unlock()
+
+    @property
+    def io_mode(self) -> str:
+        """How the data files are read: direct, buffered or cached; their modes joined by "+" where
+        they differ (``cached+direct``: a snapshot partly in the page cache)."""
+        modes = sorted({file.mode for file in self._files.values()})
+        return "+".join(modes) if modes else DIRECT
 
     def __enter__(self) -> SnapshotReader:
         return self
@@ -298,7 +309,7 @@ class SnapshotReader:
     def _open_file(self, dir_fd: int, name: str, end: int, io_mode: str) -> None:
         path = self.root.path / self.manifest.snapshot / name
         try:
-            data = open_data_file(dir_fd, name, io_mode)
+            data = open_data_file(dir_fd, name, io_mode, page_cache=self._page_cache)
         except DirectIORefusedError as exc:
             raise StorageError(
                 f"the filesystem of {path} refuses direct I/O (O_DIRECT), which --io-mode direct requires",
@@ -394,7 +405,8 @@ class SnapshotReader:
         since) are not compared again. ``kept``: the process's staging
         kept between transfers, taken from and given back to (KeptStaging).
         """
-        tuning = choose(self.root.fd, io_depth=io_depth, workers=threads)
+        in_memory = bool(self._files) and all(file.mode == CACHED for file in self._files.values())
+        tuning = choose(self.root.fd, io_depth=io_depth, workers=threads, in_memory=in_memory)
         with gc_paused():  # one object per chunk below: see gc_paused
             return self._read_into(regions, buffer_bytes, tuning, progress, cancelled, pin, kept)
 
@@ -432,12 +444,11 @@ class SnapshotReader:
         finally:
             staging = pool.total_bytes
             pool.close()
-        modes = {f.mode for f in self._files.values()}
         return ReadResult(
             snapshot=self.manifest.snapshot,
             total_bytes=total,
             seconds=time.perf_counter() - started,
-            io_mode=DIRECT if modes <= {DIRECT} else "buffered",
+            io_mode=self.io_mode,
             staging_bytes=staging,
             tuning=tuning,
         )
@@ -666,7 +677,7 @@ def verify_snapshot(
     reuses its bytes, and the error says the memory was kept.
     """
     try:
-        with SnapshotReader(root, name, io_mode=io_mode) as reader:
+        with SnapshotReader(root, name, io_mode=io_mode, page_cache=False) as reader:
             records = [Discard(record) for record in reader.manifest.records]
             reader._matched = tuple(records)  # the manifest's own records: nothing to compare them with
             return reader.read_into(records, buffer_bytes=buffer_bytes)

@@ -324,7 +324,8 @@ class ReuseCheck:
         file = self._files.get(request.file)
         if file is None:
             try:
-                file = open_data_file(self._dir_fd, request.file, self._io_mode)
+                # The disk's bytes, not a cached copy of them: the new snapshot will refer to them.
+                file = open_data_file(self._dir_fd, request.file, self._io_mode, page_cache=False)
             except OSError as exc:
                 file = exc  # each of its requests fails the same way, without trying again
             self._files[request.file] = file

@@ -10,7 +10,8 @@ staging memory. What keeps each busy depends on where the snapshot lies:
 * a network or FUSE filesystem (NFS, Lustre, GPFS, CephFS, SMB, ...): each
   request waits a round trip however fast the servers are, so one at a time
   reads at request size / latency; eight in flight reach what the link gives;
-* memory (tmpfs): a read is a memcpy, bounded by the cores, so as many
+* memory (tmpfs, or a snapshot whose files are in the page cache: see
+  pagecache.py): a read is a memcpy, bounded by the cores, so as many
   requests as there are copying threads.
 
 The copying and hashing threads follow the cores the process may run on
@@ -58,7 +59,7 @@ class Tuning:
     io_depth: int  # requests in flight at once
     workers: int  # threads that copy and checksum (verify and copy, at a wake)
     filesystem: str  # its name as the kernel gives it ("ext4", "fuse", ...), or "unknown"
-    kind: str  # LOCAL, NETWORK or MEMORY: what the depth was chosen for
+    kind: str  # LOCAL, NETWORK or MEMORY (also files in the page cache): what the depth was chosen for
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,9 +133,15 @@ def choose(
     io_depth: int | None = None,
     workers: int | None = None,
     cores: int | None = None,
+    in_memory: bool = False,
 ) -> Tuning:
-    """The tuning of a transfer to or from the filesystem of ``fd``: what is given, else the default."""
+    """The tuning of a transfer to or from the filesystem of ``fd``: what is given, else the default.
+
+    ``in_memory``: every file is read from the page cache, whatever the filesystem.
+    """
     name, kind = filesystem_of(fd)
+    if in_memory:
+        kind = MEMORY
     if workers is None:
         workers = default_workers(usable_cores() if cores is None else cores)
     if io_depth is None:
