@@ -388,7 +388,8 @@ def test_the_dry_run_walks_every_section_of_the_device_run(
     # The ceiling: the page cache's wake read what was cached, the disk's what was not.
     ceiling = sections["ceiling"]
     cached, disk, tmpfs = ceiling["cycles"]
-    assert cached["io_mode"] == "buffered" and cached["before_wake"]["page_cache"]["share"] >= 0.9
+    assert cached["before_wake"]["page_cache"]["share"] >= 0.9 and "io_mode" not in cached  # the default auto
+    assert cached["checks"]["read_through_page_cache"], cached["wake"]["report"]
     assert disk["before_wake"]["page_cache"]["share"] <= 0.1 and "io_mode" not in disk
     assert Path(tmpfs["snapshot_dir"]).parent == shm
     assert ceiling["speeds"]["page_cache_restore_gb_per_s"] and ceiling["speeds"]["disk_restore_gb_per_s"]
