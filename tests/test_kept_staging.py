@@ -176,6 +176,29 @@ def test_a_kept_buffer_whose_pinning_fails_is_unmapped_not_lost() -> None:
     assert kept.end() == {"reused_bytes": UNIT, "kept_bytes": 0, "given_back_bytes": 0}
 
 
+def test_a_buffer_the_runtime_would_not_page_lock_is_asked_again_by_the_next_transfer() -> None:
+    """A refused page-lock leaves the buffer pageable (it works, only slower); kept so, it is not
+    taken for page-locked: the next transfer asks again, and keeps it locked once that works."""
+    kept, pin = KeptStaging(), CountingPin()
+    refusals = []
+
+    def refusing(view: memoryview) -> Callable[[], None] | None:
+        refusals.append(len(view))
+        return None  # as the CUDA runtime's pin answers a range it refused
+
+    kept.begin(4 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, refusing, lazy=True, kept=kept), 1)
+    assert kept.end()["kept_bytes"] == UNIT and refusals == [UNIT]
+
+    kept.begin(4 * UNIT)
+    use(StagingPool(4 * UNIT, UNIT, pin, lazy=True, kept=kept), 1)
+    assert kept.end()["reused_bytes"] == UNIT
+    assert pin.pins == 1 and sum(pin.pinned.values()) == UNIT, "page-locked now, and kept so"
+    kept.begin(0)
+    kept.end()
+    assert pin.pinned == {}
+
+
 @pytest.fixture
 def cudart(cudart_path: Path) -> FakeCudaRT:
     lib = FakeCudaRT(cudart_path)

@@ -95,7 +95,7 @@ class Pool(Protocol):
         """Return freed memory to the system (malloc_trim, empty_cache...)."""
         ...
 
-    def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
+    def pinner(self) -> Callable[[memoryview], Callable[[], None] | None] | None:
         """A way to page-lock staging buffers for fast device copies, if this pool needs one.
 
         A pool whose device copies run on streams returns a

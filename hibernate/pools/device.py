@@ -720,10 +720,10 @@ class CudaCopies:
         """Page-locking for the staging buffers, with the store's copies deferred (pipeline.DeviceStaging)."""
         runtime = self._rt
 
-        def pin(view: memoryview) -> Callable[[], None]:
+        def pin(view: memoryview) -> Callable[[], None] | None:
             address = buffer_address(view)
             if not runtime.host_register(address, len(view)):
-                return lambda: None  # pageable staging still works, only slower
+                return None  # pageable staging still works, only slower
             return lambda: runtime.host_unregister(address)
 
         return DeviceStaging(pin, deferred_copies)

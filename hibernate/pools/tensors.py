@@ -951,7 +951,7 @@ class TensorPool:
         if torch_cuda_in_use():
             torch.cuda.empty_cache()
 
-    def pinner(self) -> Callable[[memoryview], Callable[[], None]] | None:
+    def pinner(self) -> Callable[[memoryview], Callable[[], None] | None] | None:
         """The seam's page-locking, where the newest regions() found device storages."""
         return self.copies().pinner() if self._devices else None
 

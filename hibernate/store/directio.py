@@ -80,7 +80,8 @@ class StagingBuffer:
     ``size`` is what the transfer holding it uses; a buffer that may be kept
     between transfers (KeptStaging) maps a little more (``mapped_bytes``):
     rounded up to a huge page, or made for a transfer that needed more.
-    ``unpin`` undoes its page-locking, None while it is not page-locked.
+    ``unpin`` undoes its page-locking, None while it is not page-locked (never
+    asked to be, or refused: a transfer that takes it again asks again).
     """
 
     def __init__(self, size: int, *, huge: bool = False, mapped_bytes: int | None = None) -> None:
@@ -255,7 +256,7 @@ class StagingPool:
         self,
         total_bytes: int,
         buffer_bytes: int,
-        pin: Callable[[memoryview], Callable[[], None]] | None = None,
+        pin: Callable[[memoryview], Unpin | None] | None = None,
         *,
         lazy: bool = False,
         huge: bool = False,

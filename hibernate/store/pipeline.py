@@ -19,7 +19,9 @@ from hibernate.store.directio import Fence, PipelineAbortedError
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 CancelledFn = Callable[[], bool]  # whether the transfer was called off
-PinFn = Callable[[memoryview], Callable[[], None]]  # pins a staging buffer; returns its unpin
+# Page-locks a staging buffer; returns its unpin, or None where it could not (the buffer then works
+# pageable, only slower, and a later transfer that takes it again tries again).
+PinFn = Callable[[memoryview], Callable[[], None] | None]
 
 
 class Queued:
@@ -70,7 +72,7 @@ class DeviceStaging:
     pin: PinFn
     defer: Defer
 
-    def __call__(self, view: memoryview) -> Callable[[], None]:
+    def __call__(self, view: memoryview) -> Callable[[], None] | None:
         return self.pin(view)
 
 
