@@ -9,6 +9,7 @@ must prove the disk's own bytes (``--verify``, the reuse check) never does.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -19,11 +20,11 @@ import pytest
 
 from hibernate.errors import SnapshotInvalidError
 from hibernate.store import reusecheck
-from hibernate.store.directio import CACHED, DIRECT, DataFile
+from hibernate.store.directio import CACHED, DIRECT, DataFile, follow_page_cache, open_data_file
 from hibernate.store.layout import SpillRoot
 from hibernate.store.pagecache import CACHED_SHARE, mostly_cached, resident_share
 from hibernate.store.reader import SnapshotReader, verify_snapshot
-from hibernate.store.tuning import LOCAL, MEMORY, filesystem_of
+from hibernate.store.tuning import LOCAL, MEMORY
 from tests.conftest import flip_byte_at
 from tests.test_store_roundtrip import BytesRegion, small_options, write
 
@@ -32,13 +33,21 @@ KiB, MiB = 1024, 1 << 20
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Path:
-    """A directory whose pages can leave the page cache (not a tmpfs: its pages are the files)."""
-    fd = os.open(tmp_path, os.O_RDONLY)
+    """A directory on a disk that takes direct I/O and whose files the page cache holds and lets go
+    as asked (not a tmpfs, whose pages are the files, nor a filesystem with a cache of its own)."""
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(MiB))
+    dropped(probe)
+    gone = share(probe)
+    warmed(probe)
+    back = share(probe)
     try:
-        if filesystem_of(fd)[1] == MEMORY:
-            pytest.skip(f"{tmp_path} is in memory: its files cannot be dropped from the page cache")
-    finally:
-        os.close(fd)
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} refuses direct I/O")
+    probe.unlink()
+    if (gone, back) != (0.0, 1.0):
+        pytest.skip(f"{tmp_path}'s files do not enter and leave the page cache as asked ({gone}, {back})")
     return tmp_path
 
 
@@ -154,8 +163,47 @@ def test_a_damaged_byte_in_the_page_cache_is_refused_as_on_the_disk(disk: Path) 
     (path,) = data_files(root, snapshot)
     flip_byte_at(path, 20 * KiB)  # written through the cache, so the damaged page is cached
     warmed(path)
+    assert share(path) == 1.0, "the read below is one through the page cache"
     with pytest.raises(SnapshotInvalidError, match="checksum mismatch"):
         read(root, snapshot, regions)
+
+
+def test_a_cached_file_is_read_without_o_direct_and_with_it_again_once_it_left_the_cache(
+    disk: Path,
+) -> None:
+    root, snapshot, _ = spilled(disk)
+    (path,) = data_files(root, snapshot)
+    warmed(path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        file = open_data_file(directory, path.name, "auto")
+    finally:
+        os.close(directory)
+    try:
+        assert (file.mode, file.opened_as) == (CACHED, DIRECT)
+        assert not fcntl.fcntl(file.fd, fcntl.F_GETFL) & os.O_DIRECT
+        dropped(path)
+        follow_page_cache(file)
+        assert file.mode == DIRECT and fcntl.fcntl(file.fd, fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        file.close()
+
+
+def test_a_snapshot_pushed_out_of_the_page_cache_after_it_was_opened_is_read_from_the_disk(
+    disk: Path,
+) -> None:
+    """Between the open and the read a wake maps its destination in, which may evict the snapshot."""
+    root, snapshot, regions = spilled(disk)
+    (path,) = data_files(root, snapshot)
+    warmed(path)
+    blanks = [region.blank() for region in regions]
+    with SpillRoot(root) as spill_root, SnapshotReader(spill_root, snapshot) as opened:
+        assert opened.io_mode == CACHED
+        dropped(path)
+        result = opened.read_into(blanks, buffer_bytes=32 * KiB)
+    assert result.io_mode == DIRECT and result.tuning is not None and result.tuning.kind == LOCAL
+    assert [r.data for r in blanks] == [r.data for r in regions]
+    assert share(path) == 0.0, "nothing of it was left in the page cache"
 
 
 def test_a_snapshot_partly_in_the_page_cache_says_so_and_keeps_the_disks_tuning(disk: Path) -> None:

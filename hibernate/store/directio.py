@@ -506,11 +506,15 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
 
 @dataclass
 class DataFile:
-    """A data file being written or read, in direct or buffered mode."""
+    """A data file being written or read, in direct or buffered mode (or CACHED: see follow_page_cache)."""
 
     fd: int
     mode: str
     _since_evict: int = 0
+    opened_as: str = ""  # the mode it was opened in: what it goes back to when it leaves the page cache
+
+    def __post_init__(self) -> None:
+        self.opened_as = self.opened_as or self.mode
 
     def close(self) -> None:
         os.close(self.fd)
@@ -553,14 +557,33 @@ def open_data_file(dir_fd: int, name: str, io_mode: str, *, page_cache: bool = T
     if not page_cache or io_mode == DIRECT:
         return file
     try:
-        if stat.S_ISREG(os.fstat(file.fd).st_mode) and mostly_cached(file.fd):
-            if file.mode == DIRECT:
-                fcntl.fcntl(file.fd, fcntl.F_SETFL, fcntl.fcntl(file.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            file.mode = CACHED
+        follow_page_cache(file)
     except BaseException:
         file.close()
         raise
     return file
+
+
+def follow_page_cache(file: DataFile) -> None:
+    """Read ``file`` through the page cache (CACHED) if it is mostly there now, else as it was opened.
+
+    Asked when the file is opened and again just before it is read: in
+    between, a wake maps its destination memory in, which on a host short of
+    memory may evict the snapshot's pages, and a file read through the cache
+    from the disk would stay there. The switch sets or clears O_DIRECT on
+    the open file; where the kernel refuses it, the file stays as it is
+    (either way reads the same bytes).
+    """
+    cached = stat.S_ISREG(os.fstat(file.fd).st_mode) and mostly_cached(file.fd)
+    wanted = CACHED if cached else file.opened_as
+    if wanted == file.mode:
+        return
+    try:
+        flags = fcntl.fcntl(file.fd, fcntl.F_GETFL)
+        fcntl.fcntl(file.fd, fcntl.F_SETFL, flags | os.O_DIRECT if wanted == DIRECT else flags & ~os.O_DIRECT)
+    except OSError:
+        return
+    file.mode = wanted
 
 
 def _advance(views: Sequence[memoryview], done: int) -> list[memoryview]:

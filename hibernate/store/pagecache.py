@@ -24,7 +24,6 @@ CACHED_SHARE = 0.9
 
 _PROT_READ, _MAP_SHARED = 0x1, 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_SPAN = 1 << 30  # bytes of the file mapped at a time (a multiple of _WINDOW)
 _WINDOW = 64 << 10  # bytes asked about in one call
 _SAMPLES = 64  # windows asked about per file, at most
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -61,32 +60,30 @@ def resident_share(fd: int, size: int) -> float:
     A whole file's pages took mincore 30 ms per GiB (tmpfs, 2-core machine):
     as long as a wake of a GiB from memory takes on a GPU node. So up to
     _SAMPLES windows of _WINDOW bytes, evenly spread, are asked about (a file
-    of no more than that is asked about whole). Raises OSError where the
-    file cannot be mapped (a filesystem without mmap).
+    of no more than that is asked about whole), through one mapping of the
+    file that only takes address space. Raises OSError where the file cannot
+    be mapped (a filesystem without mmap).
     """
     libc = _functions()
     pages = -(-size // _PAGE)
     step = max(_WINDOW, -(-pages // _SAMPLES) * _PAGE)
     asked = resident = 0
     vector = ctypes.create_string_buffer(_WINDOW // _PAGE)
-    for span_start in range(0, size, _SPAN):
-        length = min(_SPAN, size - span_start)
-        address = libc.mmap(None, length, _PROT_READ, _MAP_SHARED, fd, span_start)
-        if address is None or address == _MAP_FAILED:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code))
-        try:
-            first = -span_start % step  # the file's windows lie every ``step`` bytes from its start
-            for at in range(first, length, step):
-                window = min(_WINDOW, length - at)
-                if libc.mincore(address + at, window, vector) != 0:
-                    code = ctypes.get_errno()
-                    raise OSError(code, os.strerror(code))
-                count = -(-window // _PAGE)
-                asked += count
-                resident += vector.raw[:count].translate(_RESIDENT_BIT).count(1)
-        finally:
-            libc.munmap(address, length)
+    address = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)  # address space only: nothing is read
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    try:
+        for at in range(0, size, step):
+            window = min(_WINDOW, size - at)
+            if libc.mincore(address + at, window, vector) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+            count = -(-window // _PAGE)
+            asked += count
+            resident += vector.raw[:count].translate(_RESIDENT_BIT).count(1)
+    finally:
+        libc.munmap(address, size)
     return resident / asked if asked else 0.0
 
 

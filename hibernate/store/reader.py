@@ -49,6 +49,7 @@ from hibernate.store.directio import (
     ParallelReads,
     StagingBuffer,
     StagingPool,
+    follow_page_cache,
     open_data_file,
     populate,
     read_views,
@@ -230,7 +231,7 @@ class SnapshotReader:
         """``page_cache``: read a file mostly in memory already through the page cache (CACHED), as
         any read of the bytes may; not a check of what the disk holds (verify_snapshot)."""
         self.root = root
-        self._page_cache = page_cache
+        self._page_cache = page_cache and io_mode != DIRECT
         if not root.lock(exclusive=False):
             raise BusyError(f"{root.path} is being written or collected by another hibernate")
         self._files: dict[str, DataFile] = {}
@@ -405,6 +406,9 @@ class SnapshotReader:
         since) are not compared again. ``kept``: the process's staging
         kept between transfers, taken from and given back to (KeptStaging).
         """
+        if self._page_cache:  # asked again: the destination's memory may have pushed the files out since
+            for file in self._files.values():
+                follow_page_cache(file)
         in_memory = bool(self._files) and all(file.mode == CACHED for file in self._files.values())
         tuning = choose(self.root.fd, io_depth=io_depth, workers=threads, in_memory=in_memory)
         with gc_paused():  # one object per chunk below: see gc_paused
