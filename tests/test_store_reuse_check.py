@@ -173,7 +173,7 @@ def test_with_the_check_skipped_the_damage_is_reused_unread_and_the_window_is_na
         assert (again.written_bytes, again.reused_unread_bytes, again.reuse_read_bytes) == (0, 192 * KiB, 0)
         assert again.warnings == [
             f"192.0 KiB reused from {first.path} without reading them back (the reuse check was skipped): "
-            "a change on the disk since the last wake read them goes unnoticed until the next wake"
+            "a change on the disk goes unnoticed until a wake reads them from the disk"
         ]
         with pytest.raises(SnapshotInvalidError, match="checksum mismatch"):
             read_back(root, again.snapshot, regions)

@@ -177,7 +177,8 @@ def test_bytes_changed_below_the_filesystem_are_written_again_not_reused(
     assert (trusting["written_bytes"], trusting["reuse_read_bytes"]) == (0, 0)
     assert trusting["reused_unread_bytes"] == trusting["reused_bytes"] == trusting["total_bytes"]
     assert any(
-        f"reused from {snapshot} without reading them back" in w and "goes unnoticed until the next wake" in w
+        f"reused from {snapshot} without reading them back" in w
+        and "goes unnoticed until a wake reads them from the disk" in w
         for w in trusting["warnings"]
     ), trusting["warnings"]
     refused = cli("wake", str(demo.pid), "--json")

@@ -133,7 +133,7 @@ SkipReuseCheckOption = Annotated[
         "--skip-reuse-check",
         help="Reuse the previous snapshot's unchanged chunks without reading them back first "
         "(a re-sleep then costs one hash of the memory, not a read of the disk beside it); "
-        "a change on the disk since the last wake goes unnoticed until the next wake. "
+        "a change on the disk goes unnoticed until a wake reads the file from the disk. "
         "Default: $HIBERNATE_SKIP_REUSE_CHECK.",
     ),
 ]

@@ -214,6 +214,5 @@ def rewritten_warnings(outcome: CheckFindings, origins: Mapping[str, str], previ
 def unread_warning(unread: int, previous: Path) -> str:
     return (
         f"{human_bytes(unread)} reused from {previous} without reading them back (the reuse check "
-        "was skipped): a change on the disk since the last wake read them goes unnoticed until the "
-        "next wake"
+        "was skipped): a change on the disk goes unnoticed until a wake reads them from the disk"
     )
