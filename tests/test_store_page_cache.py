@@ -106,6 +106,26 @@ def test_the_share_is_sampled_over_the_whole_file(disk: Path) -> None:
         assert share(path) >= CACHED_SHARE and mostly_cached(stream.fileno())
 
 
+def test_holes_do_not_count_against_the_data_around_them(disk: Path) -> None:
+    """A re-sleep punches holes where a shared file's chunks are no longer used."""
+    path = disk / "sparse.bin"
+    with open(path, "wb") as stream:
+        stream.write(os.urandom(4 * MiB))
+        stream.seek(60 * MiB)
+        stream.write(os.urandom(4 * MiB))
+    with open(path, "rb") as stream:
+        if os.lseek(stream.fileno(), 4 * MiB, os.SEEK_DATA) != 60 * MiB:
+            pytest.skip(f"{disk}'s filesystem does not say where a file's holes are")
+    dropped(path)
+    assert share(path) == 0.0
+    warmed(path, 4 * MiB)
+    with open(path, "rb", buffering=0) as stream:
+        os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        stream.seek(60 * MiB)
+        stream.read()
+    assert share(path) == 1.0, "the 56 MiB hole between is not counted"
+
+
 def test_what_cannot_be_told_is_not_cached(tmp_path: Path) -> None:
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")

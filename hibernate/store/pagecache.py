@@ -15,6 +15,7 @@ of the file's pages (see resident_share).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from typing import Any
 
@@ -61,8 +62,9 @@ def resident_share(fd: int, size: int) -> float:
     as long as a wake of a GiB from memory takes on a GPU node. So up to
     _SAMPLES windows of _WINDOW bytes, evenly spread, are asked about (a file
     of no more than that is asked about whole), through one mapping of the
-    file that only takes address space. Raises OSError where the file cannot
-    be mapped (a filesystem without mmap).
+    file that only takes address space; windows in a hole are left out (0.0
+    where all are). Raises OSError where the file cannot be mapped (a
+    filesystem without mmap).
     """
     libc = _functions()
     pages = -(-size // _PAGE)
@@ -76,6 +78,8 @@ def resident_share(fd: int, size: int) -> float:
     try:
         for at in range(0, size, step):
             window = min(_WINDOW, size - at)
+            if _in_a_hole(fd, at, window):
+                continue
             if libc.mincore(address + at, window, vector) != 0:
                 code = ctypes.get_errno()
                 raise OSError(code, os.strerror(code))
@@ -85,6 +89,22 @@ def resident_share(fd: int, size: int) -> float:
     finally:
         libc.munmap(address, size)
     return resident / asked if asked else 0.0
+
+
+def _in_a_hole(fd: int, at: int, window: int) -> bool:
+    """Whether the window holds no data (a hole, which has no pages to cache).
+
+    A re-sleep punches holes where a file it shares with the last snapshot
+    holds chunks no longer used; warming what is used leaves them uncached,
+    and they must not count against it. A filesystem that cannot tell holes
+    says all of it is data (lseek(2)).
+    """
+    try:
+        return os.lseek(fd, at, os.SEEK_DATA) >= at + window
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no data at or after ``at``
+            return True
+        raise
 
 
 def mostly_cached(fd: int) -> bool:
